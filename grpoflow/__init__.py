@@ -1,0 +1,1 @@
+"""grpoflow core library: no Prefect imports here."""

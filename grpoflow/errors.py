@@ -1,0 +1,25 @@
+"""Error types. Each carries a one-line message that names the file or field at fault."""
+
+
+class GrpoflowError(Exception):
+    """Base of every error grpoflow raises on purpose (bad input, unreachable service, ...)."""
+
+
+class ConfigError(GrpoflowError):
+    """A run configuration value is invalid."""
+
+
+class DatasetError(GrpoflowError):
+    """A task directory or prompts file is malformed."""
+
+
+class ModelError(GrpoflowError):
+    """A model source cannot be resolved, read or converted."""
+
+
+class EngineError(GrpoflowError):
+    """The inference engine failed, answered malformed data, or could not be reached."""
+
+
+class RunDirError(GrpoflowError):
+    """A run directory cannot be created or would be overwritten."""

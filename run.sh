@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The README's two commands: `./run.sh main` (the main job on the embedded default) and `./run.sh test`.
+# Each one first makes sure the environment exists: Python >= 3.12 in .venv with the pinned dependencies
+# (re-installed when pyproject.toml changes), and the system tools the local sandbox needs (bubblewrap, tmux).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+find_python() {
+  for py in python3.12 python3.13 python3; do
+    if command -v "$py" >/dev/null 2>&1 &&
+       "$py" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
+      command -v "$py"; return 0
+    fi
+  done
+  echo "run.sh: need Python >= 3.12 (harbor requires it); install python3.12 or select it with pyenv" >&2
+  return 1
+}
+
+ensure_system_tools() {
+  local missing=()
+  command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+  command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  echo "run.sh: installing ${missing[*]} (the local sandbox needs them)" >&2
+  $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+ensure_venv() {
+  local stamp=.venv/.grpoflow-installed want
+  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  if [ ! -x .venv/bin/python ]; then "$(find_python)" -m venv .venv; fi
+  echo "run.sh: installing grpoflow and its pinned dependencies into .venv (first run: a few minutes)" >&2
+  # pip's output goes to a log, shown only when the install fails.
+  if ! { .venv/bin/python -m pip install --upgrade pip &&
+         .venv/bin/python -m pip install -e '.[dev]'; } > .venv/install.log 2>&1; then
+    tail -n 30 .venv/install.log >&2
+    echo "run.sh: installing dependencies failed (full log: .venv/install.log)" >&2
+    return 1
+  fi
+  echo "$want" > "$stamp"
+}
+
+# Offline hygiene: nothing phones home.
+export HARBOR_TELEMETRY=0 LITELLM_LOCAL_MODEL_COST_MAP=True PREFECT_SERVER_ANALYTICS_ENABLED=false
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  main) ensure_system_tools; ensure_venv; exec .venv/bin/grpoflow main "$@" ;;
+  test) ensure_system_tools; ensure_venv; exec .venv/bin/python -m pytest "$@" ;;
+  *) echo "usage: ./run.sh main [grpoflow options] | ./run.sh test [pytest options]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,33 @@
+"""Prefect tasks of the prepare stage: thin wrappers over grpoflow.model / dataset / prompts / prepare.
+
+Caching is our own, on purpose: the model conversion is cached on disk by the GGUF's sha256 (so a rerun with
+the same inputs never converts again, in or out of Prefect), and dataset validation is cheap enough to redo.
+Prefect result caching is off: its result files are not our output format.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from grpoflow.config import RunConfig
+from grpoflow.dataset import Dataset, load_dataset
+from grpoflow.model import PreparedModel, prepare_model
+from grpoflow.prepare import PreparedRun, make_prompts, record_run
+
+
+@task(name="prepare-model", cache_policy=NO_CACHE)
+def prepare_model_task(source: str) -> PreparedModel:
+    return prepare_model(source)
+
+
+@task(name="prepare-dataset", cache_policy=NO_CACHE)
+def prepare_dataset_task(path: str) -> Dataset:
+    return load_dataset(path)
+
+
+@task(name="prepare-prompts", cache_policy=NO_CACHE)
+def prepare_prompts_task(
+    cfg: RunConfig, model: PreparedModel, dataset: Dataset, flow_run_id: str | None = None
+) -> PreparedRun:
+    return record_run(cfg, model, dataset, make_prompts(cfg, dataset), flow_run_id=flow_run_id)

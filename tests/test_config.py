@@ -1,0 +1,87 @@
+import json
+import re
+
+import pytest
+from pydantic import BaseModel
+
+from grpoflow.config import RUN_ID_PATTERN, RunConfig, load_run_config, new_run_id, parse_run_config
+from grpoflow.errors import ConfigError
+
+
+def test_defaults_resolve_with_a_generated_readable_run_id():
+    cfg = parse_run_config({})
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", cfg.run_id)
+    assert re.fullmatch(RUN_ID_PATTERN, cfg.run_id)
+    assert cfg.model.source == "smollm2-135m-instruct" and cfg.engine.backend == "embedded"
+
+
+def test_generated_run_ids_differ():
+    assert len({new_run_id() for _ in range(50)}) == 50
+
+
+def test_user_run_id_is_kept():
+    assert parse_run_config({"run_id": "nightly-7"}).run_id == "nightly-7"
+
+
+def test_every_field_has_a_description():
+    # The Prefect UI renders these descriptions as the form's help text.
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                seen.append(name)
+
+    seen: list[str] = []
+    walk(RunConfig)
+    assert {"model", "dataset", "prompts", "engine", "rollout", "train"} <= set(seen)
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"run_id": "Has Spaces"}, "run_id"),
+        ({"seed": -1}, "seed"),
+        ({"rollout": {"temperature": 9}}, "rollout.temperature"),
+        ({"rollout": {"n_samples_per_prompt": 0}}, "rollout.n_samples_per_prompt"),
+        ({"rollout": {"temprature": 0.5}}, "rollout.temprature"),
+        ({"train": {"loss_aggregation": "mean"}}, "train.loss_aggregation"),
+        ({"engine": {"backend": "vllm"}}, "engine.backend"),
+        ({"engine": {"backend": "sglang"}}, "engine.url"),
+        ({"prompts": {"eval_fraction": 1.5}}, "prompts.eval_fraction"),
+    ],
+)
+def test_bad_value_gives_one_line_naming_the_field(data, field):
+    with pytest.raises(ConfigError) as exc:
+        parse_run_config(data)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert f"`{field}`" in msg
+
+
+def test_several_bad_fields_are_all_named_in_one_line():
+    with pytest.raises(ConfigError) as exc:
+        parse_run_config({"seed": "x", "rollout": {"top_p": 0}})
+    msg = str(exc.value)
+    assert "`seed`" in msg and "`rollout.top_p`" in msg and "\n" not in msg
+
+
+def test_config_file_round_trip_and_overrides(tmp_path):
+    cfg = parse_run_config({"run_id": "abc", "rollout": {"temperature": 0.5}})
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(cfg.model_dump(mode="json")))
+    again = load_run_config(f, {"rollout.max_turns": 7})
+    assert again.rollout.temperature == 0.5 and again.rollout.max_turns == 7 and again.run_id == "abc"
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
+        load_run_config(bad)
+    with pytest.raises(ConfigError, match="missing.json: config file not found"):
+        load_run_config(tmp_path / "missing.json")
+    bad.write_text(json.dumps({"train": {"steps": -3}}))
+    with pytest.raises(ConfigError, match=r"bad.json: field `train.steps`"):
+        load_run_config(bad)

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Prints a greeting; the task is only to make this file executable.
+echo ok

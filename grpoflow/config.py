@@ -81,6 +81,12 @@ class EngineConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    harness: Literal["shell"] = Field(
+        "shell", description="The agent that runs each trial: `shell` (grpoflow's token-native bash agent)."
+    )
+    sandbox: Literal["local"] = Field(
+        "local", description="Where trials run: `local` (bubblewrap on this machine, no network)."
+    )
     prompts_per_step: int = Field(4, ge=1, le=4096, description="Prompts (GRPO groups) sampled per training step.")
     n_samples_per_prompt: int = Field(
         4, ge=1, le=256, description="Trials per prompt; together they form one GRPO group."
@@ -92,9 +98,22 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
+    max_context_tokens: int = Field(
+        2048, ge=64, le=1_048_576, description="Token budget of a whole episode (prompt, turns, tool output)."
+    )
+    early_truncation_exit: bool = Field(
+        True,
+        description="End the episode as soon as a turn is cut off at `max_new_tokens` (the cut command is not run; "
+        "the trial is still verified). Off only to measure what it saves.",
+    )
+    command_timeout_sec: float = Field(30.0, gt=0, le=86400, description="Time limit of one command in the sandbox.")
+    output_cap_chars: int = Field(2000, ge=100, description="Command output fed back to the policy is cut to this.")
     concurrency: int = Field(8, ge=1, le=4096, description="Trials running at once.")
     sandbox_retries: int = Field(
         2, ge=0, le=20, description="Retries of a trial in a fresh sandbox after a sandbox/infrastructure failure."
+    )
+    retry_backoff_s: float = Field(
+        0.5, ge=0.0, le=60.0, description="Base of the jittered exponential backoff between sandbox retries."
     )
     on_retries_exhausted: Literal["drop_group", "keep_group"] = Field(
         "drop_group",
@@ -115,7 +134,18 @@ class TrainConfig(_Section):
     loss_aggregation: Literal["token", "sample"] = Field(
         "token", description="Average the loss over all tokens of the batch, or per sample then over samples."
     )
+    filter_zero_std: bool = Field(
+        True, description="Leave out groups whose rewards are all equal (they carry no GRPO signal); counted in metrics."
+    )
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Samples per optimizer step. Empty: all samples of the rollout step (one update)."
+    )
+    micro_batch_tokens: int = Field(
+        4096, ge=64, description="Token budget of one forward/backward micro-batch (gradients accumulate)."
+    )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     save_interval: int = Field(1, ge=1, description="Keep a checkpoint every N steps (the latest is always kept).")
 
 

@@ -71,3 +71,13 @@ def sha256_tree(root: Path, pattern: str = "**/*") -> str:
         mode = "x" if os.access(p, os.X_OK) else "-"
         h.update(f"{rel}\0{mode}\0{sha256_file(p)}\n".encode())
     return h.hexdigest()
+
+
+def append_jsonl(path: Path, record: Any) -> None:
+    """Append one line and fsync. A crash can at worst leave a torn last line, which readers skip."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

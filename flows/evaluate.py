@@ -1,0 +1,57 @@
+"""The evaluate flow: run the policy on a prompt split, k trials each, no training — the nightly evaluation.
+
+Same artifacts as a training step: per-trial traces under details/, Harbor trial dirs under trials/, one line in
+metrics.jsonl, a table of trials and a markdown summary in Prefect.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from pydantic import Field
+
+from flows.common import flow_run_name, start_run
+from grpoflow.config import RunConfig
+from grpoflow.fileio import append_jsonl
+from grpoflow.prompts import load_prompts
+from grpoflow.serving import open_engine
+from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
+from tasks.rollout import run_trials_task
+
+Split = Literal["eval", "train", "all"]
+
+
+@flow(name="evaluate", flow_run_name=flow_run_name("evaluate"), log_prints=True)
+def evaluate_flow(
+    config: RunConfig = RunConfig(),
+    split: Split = Field("eval", description="Which prompts to evaluate: the `eval` split, `train`, or `all`."),
+) -> dict[str, float]:
+    """Prepare, start the engine, run `rollout.n_samples_per_prompt` trials per prompt of `split`, score them."""
+    cfg = start_run(config, "evaluate")
+    model = prepare_model_task(cfg.model.source)
+    dataset = prepare_dataset_task(cfg.dataset.path)
+    run = prepare_prompts_task(cfg, model, dataset)
+    prompts = [p for p in load_prompts(run.paths.prompts) if split == "all" or p.split == split]
+    if not prompts:
+        raise ValueError(f"split `{split}` has no prompts in {run.paths.prompts}")
+    with open_engine(cfg.engine, model.path, cfg.seed, run.paths.root / "engine.log") as engine:
+        result = run_trials_task(cfg, 0, prompts, engine.url, model.path, run.paths)
+    metrics = {"step": 0, **result.metrics}
+    append_jsonl(run.paths.metrics, metrics)
+    create_markdown_artifact(
+        key=f"{cfg.run_id}-evaluation", markdown=evaluation_summary(cfg, split, len(prompts), metrics),
+        description=f"Evaluation {cfg.run_id}",
+    )  # fmt: skip
+    print(f"evaluated {len(prompts)} prompts x {cfg.rollout.n_samples_per_prompt}: reward {metrics['reward_mean']:.3f}")
+    return metrics
+
+
+def evaluation_summary(cfg: RunConfig, split: str, n_prompts: int, m: dict[str, float]) -> str:
+    rows = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in m.items())
+    return (
+        f"# Evaluation `{cfg.run_id}`\n\nModel `{cfg.model.source}`, split `{split}`: {n_prompts} prompts x "
+        f"{cfg.rollout.n_samples_per_prompt} trials, harness `{cfg.rollout.harness}`.\n\n"
+        f"| metric | value |\n|---|---|\n{rows}\n"
+    )

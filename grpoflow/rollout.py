@@ -1,0 +1,159 @@
+"""Run a batch of Harbor trials concurrently (bounded), retrying sandbox failures in a fresh sandbox.
+
+One trial = one agent episode on one task instance, in its own sandbox, verified by the task's tests.
+`n_samples_per_prompt` trials of one prompt form a GRPO group. A trial whose sandbox fails to start, dies, or hits
+an infrastructure error is run again from scratch (new trial dir, new sandbox) after a jittered backoff, up to
+`retries` times; model and agent errors are final on the first attempt. Every attempt is kept in the outcome,
+so retries are counted and a trial whose retries ran out keeps its exit status — it is never scored 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
+from harbor.models.trial.result import TrialResult
+from harbor.trial.trial import Trial
+
+from grpoflow.prompts import PromptRecord
+from grpoflow.sandbox.errors import is_sandbox_failure_type
+
+log = logging.getLogger(__name__)
+
+LOCAL_SANDBOX = "grpoflow.sandbox.local:LocalSandbox"
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    instance_id: str
+    task_path: str
+    group_id: str
+    sample_index: int
+    rollout_id: str
+    seed: int
+
+
+@dataclass
+class Attempt:
+    trial_dir: str
+    exception_type: str | None
+    exception_message: str | None
+    wall_time_s: float
+
+
+@dataclass
+class TrialOutcome:
+    spec: TrialSpec
+    result: TrialResult
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @property
+    def retries(self) -> int:
+        return len(self.attempts) - 1
+
+
+def plan_group_trials(
+    prompts: Sequence[PromptRecord], step: int, n_samples: int, base_seed: int
+) -> list[TrialSpec]:
+    """`n_samples` trials per prompt; seeds are a function of (base seed, step, prompt, sample) only."""
+    specs = []
+    for p_idx, p in enumerate(prompts):
+        group = f"step{step}-{p.instance_id}"
+        for k in range(n_samples):
+            seed = (base_seed * 1_000_003 + step * 10_007 + p_idx * 101 + k) % (2**31)
+            specs.append(TrialSpec(p.instance_id, p.task_path, group, k, f"{group}-{k}", seed))
+    return specs
+
+
+AgentFactory = Callable[[TrialSpec], AgentConfig]
+
+
+def build_trial_config(
+    spec: TrialSpec, attempt: int, agent: AgentConfig, environment: EnvironmentConfig, trials_dir: Path
+) -> TrialConfig:
+    name = f"{spec.instance_id[:40]}__{spec.sample_index}__a{attempt}"
+    return TrialConfig(
+        task=TaskConfig(path=Path(spec.task_path)),
+        trial_name=name,
+        trials_dir=trials_dir,
+        agent=agent,
+        environment=environment,
+    )
+
+
+def backoff_delay(attempt: int, base_s: float, rng: random.Random, cap_s: float = 30.0) -> float:
+    """Exponential backoff with full jitter in [0.5, 1.5) x base x 2^attempt, capped."""
+    return min(cap_s, base_s * (2**attempt)) * (0.5 + rng.random())
+
+
+async def run_trial(
+    spec: TrialSpec,
+    make_agent: AgentFactory,
+    environment: EnvironmentConfig,
+    trials_dir: Path,
+    retries: int,
+    backoff_s: float,
+    on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
+) -> TrialOutcome:
+    rng = random.Random(spec.seed)  # jitter: deterministic per trial, different across trials
+    attempts: list[Attempt] = []
+    for attempt in range(retries + 1):
+        cfg = build_trial_config(spec, attempt, make_agent(spec), environment, trials_dir)
+        t0 = time.perf_counter()
+        trial = await Trial.create(cfg)
+        result = await trial.run()
+        exc = result.exception_info
+        attempts.append(Attempt(
+            trial_dir=str(trials_dir / cfg.trial_name),
+            exception_type=exc.exception_type if exc else None,
+            exception_message=exc.exception_message if exc else None,
+            wall_time_s=time.perf_counter() - t0,
+        ))  # fmt: skip
+        if exc is None or not is_sandbox_failure_type(exc.exception_type) or attempt == retries:
+            return TrialOutcome(spec, result, attempts)
+        log.warning(
+            "trial %s attempt %d: sandbox failure %s: %s; retrying in a fresh sandbox",
+            spec.rollout_id, attempt, exc.exception_type, _one_line(exc.exception_message),
+        )
+        if on_retry:
+            on_retry(spec, attempts[-1])
+        await asyncio.sleep(backoff_delay(attempt, backoff_s, rng))
+    raise AssertionError("unreachable: the last attempt always returns")
+
+
+async def run_trials(
+    specs: Sequence[TrialSpec],
+    make_agent: AgentFactory,
+    environment: EnvironmentConfig,
+    trials_dir: Path,
+    *,
+    concurrency: int,
+    retries: int,
+    backoff_s: float = 0.5,
+    on_done: Callable[[TrialOutcome], Any] | None = None,
+    on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
+) -> list[TrialOutcome]:
+    """Run every spec, at most `concurrency` at once; outcomes come back in the order of `specs`."""
+    trials_dir.mkdir(parents=True, exist_ok=True)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(spec: TrialSpec) -> TrialOutcome:
+        async with gate:
+            out = await run_trial(spec, make_agent, environment, trials_dir, retries, backoff_s, on_retry)
+        if on_done and inspect.isawaitable(ack := on_done(out)):  # async callbacks (e.g. progress updates)
+            await ack
+        return out
+
+    return list(await asyncio.gather(*(one(s) for s in specs)))
+
+
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "").split())[:300]

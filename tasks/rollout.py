@@ -1,0 +1,61 @@
+"""Prefect task of the rollout + evaluate stage: one task per step's batch of trials (trials run inside it with
+asyncio, bounded), not one task per trial — Prefect costs tens of ms per task run and struggles with thousands.
+Retries of sandbox failures happen per trial inside; they show up here as warnings in the task's log, a count in
+the metrics, and rows in the step's trial table."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from grpoflow.collect import StepRollout, collect_step, sandbox_config, shell_agent_factory
+from grpoflow.config import RunConfig
+from grpoflow.prompts import PromptRecord
+from grpoflow.rollout import Attempt, TrialOutcome, TrialSpec
+from grpoflow.rundir import RunPaths
+
+
+@task(name="run-trials", cache_policy=NO_CACHE, task_run_name="run-trials-step-{step}")
+async def run_trials_task(
+    cfg: RunConfig, step: int, prompts: list[PromptRecord], engine_url: str, tokenizer_path: str, paths: RunPaths
+) -> StepRollout:
+    logger = get_run_logger()
+    total = len(prompts) * cfg.rollout.n_samples_per_prompt
+    progress = await acreate_progress_artifact(
+        progress=0.0, key=f"{cfg.run_id}-rollout", description=f"Trials finished in step {step} (of {total})"
+    )
+    done = 0
+
+    async def on_done(outcome: TrialOutcome) -> None:
+        nonlocal done
+        done += 1
+        await aupdate_progress_artifact(progress, 100.0 * done / total)
+
+    def on_retry(spec: TrialSpec, attempt: Attempt) -> None:
+        logger.warning(
+            "sandbox failure in %s (%s: %s): retrying in a fresh sandbox",
+            spec.rollout_id, attempt.exception_type, " ".join((attempt.exception_message or "").split())[:200],
+        )
+
+    result = await collect_step(
+        cfg.run_id, step, prompts, cfg.rollout, cfg.seed,
+        shell_agent_factory(cfg.rollout, cfg.engine, engine_url, tokenizer_path), sandbox_config(cfg.rollout),
+        paths.trials(step), paths.details(step), on_done=on_done, on_retry=on_retry,
+    )  # fmt: skip
+    await acreate_table_artifact(
+        key=f"{cfg.run_id}-step-{step}-trials",
+        table=[
+            {"instance": s.instance_id, "sample": s.sample_index, "reward": s.reward, "exit_status": s.exit_status,
+             "status": s.status, "turns": s.metrics.get("turns"), "retries": s.metrics.get("retries"),
+             "reason": s.exit_reason or ""}
+            for s in result.samples
+        ],  # fmt: skip
+        description=f"Trials of step {step}: reward, exit status, retries",
+    )
+    m = result.metrics
+    logger.info(
+        "step %d: %d trials, reward %.3f, pass@k %.2f, truncated %.2f, retries %d, %.1fs",
+        step, total, m["reward_mean"], m["pass_at_k"], m["truncated_ratio"], m["retries"], m["wall_time_s"],
+    )  # fmt: skip
+    return result

@@ -51,24 +51,40 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in [("main", "the main job on the embedded default (currently: prepare)"),
+    for name, help_ in [("main", "the main job: the train flow on the embedded default"),
+                        ("train", "the train flow: prepare, then rollout -> evaluate -> GRPO step per step"),
+                        ("evaluate", "the evaluate flow: k trials per prompt of the eval split, no training"),
                         ("prepare", "prepare a run: model, dataset, prompts")]:  # fmt: skip
         _add_run_args(sub.add_parser(name, help=help_))
     args = parser.parse_args(argv)
     try:
         cfg = _config_from_args(args)
-        from flows.prepare import prepare_flow  # Prefect import is slow: only after the arguments are valid
-
-        print(f"grpoflow: preparing run {cfg.run_id} (model {cfg.model.source}, dataset {cfg.dataset.path})",
-              flush=True)  # fmt: skip
-        run = prepare_flow(cfg)
+        print(f"grpoflow: {args.command} run {cfg.run_id} (model {cfg.model.source}, dataset {cfg.dataset.path}, "
+              f"engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})", flush=True)  # fmt: skip
+        _run_flow(args.command, cfg)  # Prefect is imported only after the arguments are valid: it is slow
     except GrpoflowError as err:
         print(f"grpoflow: error: {err}", file=sys.stderr)
         return 2
-    root = run.paths.root.resolve()
-    print(f"grpoflow: run {cfg.run_id} prepared: {run.n_tasks} tasks, prompts {run.n_prompts}")
-    print(f"grpoflow: artifacts in {root}  (config.json, run.json, prompts.jsonl)")
+    root = (Path(cfg.output_dir) / cfg.run_id).resolve()
+    print(f"grpoflow: run {cfg.run_id} finished; artifacts in {root}")
+    for name in sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir()):
+        print(f"  {name}")
     return 0
+
+
+def _run_flow(command: str, cfg) -> None:
+    if command == "prepare":
+        from flows.prepare import prepare_flow
+
+        prepare_flow(cfg)
+    elif command == "evaluate":
+        from flows.evaluate import evaluate_flow
+
+        evaluate_flow(cfg)
+    else:
+        from flows.train import train_flow
+
+        train_flow(cfg)
 
 
 if __name__ == "__main__":

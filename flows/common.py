@@ -3,16 +3,20 @@ the flow run after it."""
 
 from __future__ import annotations
 
-import os
+import logging
 
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
 from grpoflow.config import RunConfig, parse_run_config
 
-# Offline hygiene for everything the flows start (Harbor, LiteLLM); set before they are imported by tasks.
-os.environ.setdefault("HARBOR_TELEMETRY", "0")
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+# Harbor sets its logger to DEBUG and logs every trial's internals; a run's console shows our per-step lines and
+# Harbor's warnings (the full detail stays in each trial's trial.log).
+import harbor.utils.logger  # noqa: E402
+import transformers.utils.logging  # noqa: E402
+
+harbor.utils.logger.logger.setLevel(logging.WARNING)
+transformers.utils.logging.disable_progress_bar()  # per-load tqdm bars drown the per-step progress lines
 
 
 def flow_run_name(prefix: str):

@@ -5,6 +5,8 @@ the metrics, and rows in the step's trial table."""
 
 from __future__ import annotations
 
+import asyncio
+
 from prefect import get_run_logger, task
 from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -17,7 +19,14 @@ from grpoflow.rundir import RunPaths
 
 
 @task(name="run-trials", cache_policy=NO_CACHE, task_run_name="run-trials-step-{step}")
-async def run_trials_task(
+def run_trials_task(
+    cfg: RunConfig, step: int, prompts: list[PromptRecord], engine_url: str, tokenizer_path: str, paths: RunPaths
+) -> StepRollout:
+    """Run and score one step's trials. Sync, so sync flows get a result; the trials run in their own loop."""
+    return asyncio.run(_run_trials(cfg, step, prompts, engine_url, tokenizer_path, paths))
+
+
+async def _run_trials(
     cfg: RunConfig, step: int, prompts: list[PromptRecord], engine_url: str, tokenizer_path: str, paths: RunPaths
 ) -> StepRollout:
     logger = get_run_logger()

@@ -106,6 +106,9 @@ class ShellAgent(BaseAgent):
     async def setup(self, environment: BaseEnvironment) -> None:
         return None
 
+    async def set_web_tools_disabled(self, disabled: bool, environment: BaseEnvironment) -> None:
+        return None  # the agent has no web tools; the sandbox has no network anyway
+
     async def run(self, instruction: str, environment: BaseEnvironment, context: AgentContext) -> None:
         tokenizer = load_tokenizer(self.tokenizer_path)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]

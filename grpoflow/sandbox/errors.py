@@ -1,0 +1,83 @@
+"""Sandbox errors and the one predicate that decides whether a failed trial is retried in a fresh sandbox.
+
+A sandbox failure is an infrastructure fault: the trial says nothing about the policy, so the rollout layer runs
+it again. Everything else (the agent or model failed, the verifier crashed, the agent ran out of time) is final
+and is never retried. Harbor records a failed trial as `TrialResult.exception_info` with the exception's class
+name only, so the predicate works on names as well as on live exceptions.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from harbor.models.trial.error_policy import ERROR_POLICIES, FailureCause
+
+from grpoflow.errors import GrpoflowError
+
+
+class SandboxError(GrpoflowError):
+    """The sandbox itself failed (not the command run in it). Transient: retry the trial in a fresh sandbox."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox could not be started (including injected start faults)."""
+
+
+class SandboxDiedError(SandboxError):
+    """The sandbox died or could not run a command (bubblewrap failed to set it up, an injected fault, or used
+    after stop())."""
+
+
+class SandboxUnavailableError(GrpoflowError):
+    """This machine cannot run the sandbox at all (bubblewrap or util-linux missing).
+
+    Not a `SandboxError`: retrying cannot help, so the predicate below says False and the run fails fast.
+    """
+
+
+# Our transient types, by name: Harbor stores only the class name of the exception that ended a trial.
+OUR_SANDBOX_FAILURES: frozenset[str] = frozenset(
+    {SandboxError.__name__, SandboxStartError.__name__, SandboxDiedError.__name__}
+)
+# Harbor's own table of what counts as a sandbox fault (environment start timeout, healthcheck, build failure,
+# agent-setup timeout, tests upload / verifier download failures, provider exec-stream errors...). Read from
+# Harbor so the two never disagree.
+HARBOR_SANDBOX_FAILURES: frozenset[str] = frozenset(
+    name for name, policy in ERROR_POLICIES.items() if policy.cause == FailureCause.SANDBOX_FAILED
+)
+SANDBOX_FAILURE_TYPES: frozenset[str] = OUR_SANDBOX_FAILURES | HARBOR_SANDBOX_FAILURES
+
+
+class _HasExceptionType(Protocol):
+    exception_type: str
+
+
+def is_sandbox_failure_type(exception_type: str | None) -> bool:
+    """True when an exception class name (as in Harbor's `ExceptionInfo.exception_type`) is a sandbox fault."""
+    return exception_type is not None and exception_type in SANDBOX_FAILURE_TYPES
+
+
+def is_sandbox_failure(exc: BaseException | _HasExceptionType | str | None) -> bool:
+    """Should a trial that ended with `exc` be retried in a fresh sandbox?
+
+    `exc` is a live exception, Harbor's `ExceptionInfo` (anything with `.exception_type`), or a class name.
+    True: our `SandboxError` family and Harbor's sandbox faults (`EnvironmentStartTimeoutError`,
+    `HealthcheckError`, `SandboxBuildFailedError`, `AgentSetupTimeoutError`, `AddTestsDirError`, ...). For a
+    live exception its base classes count, and so does an explicit cause (`raise X from sandbox_error`).
+    False: None, agent/model errors, timeouts of the agent or verifier, reward errors, `CancelledError`, and
+    `SandboxUnavailableError` (a missing tool does not heal on retry).
+    """
+    if exc is None:
+        return False
+    if isinstance(exc, str):
+        return is_sandbox_failure_type(exc)
+    if not isinstance(exc, BaseException):
+        return is_sandbox_failure_type(exc.exception_type)
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:  # `seen`: a cause chain can loop
+        seen.add(id(current))
+        if any(cls.__name__ in SANDBOX_FAILURE_TYPES for cls in type(current).__mro__):
+            return True
+        current = current.__cause__
+    return False

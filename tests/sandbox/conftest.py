@@ -1,0 +1,64 @@
+"""Fixtures for the sandbox tests: a LocalSandbox over a built-in task, constructed the way Harbor does."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harbor.models.task.task import Task
+from harbor.models.trial.paths import TrialPaths
+
+from grpoflow.dataset import load_dataset
+from grpoflow.sandbox.local import LocalSandbox
+
+NO_BWRAP = "bubblewrap (bwrap) is not installed: apt-get install -y bubblewrap (./run.sh test installs it)"
+
+
+@pytest.fixture
+def bwrap() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        pytest.skip(NO_BWRAP)
+    return path
+
+
+@pytest.fixture
+def sandbox_dirs(tmp_path: Path) -> Path:
+    """Where the tests' sandboxes keep their per-trial dirs (checked empty after stop(delete=True))."""
+    path = tmp_path / "sandboxes"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def make_sandbox(bwrap: str, tmp_path: Path, sandbox_dirs: Path) -> Iterator[Callable[..., LocalSandbox]]:
+    """make_sandbox(task_name="copy-file", **kwargs) -> a LocalSandbox constructed as Harbor would (not started).
+
+    Every sandbox made here is stopped (deleted) at teardown, even when the test failed half-way.
+    """
+    made: list[LocalSandbox] = []
+    tasks = load_dataset("builtin")
+
+    def make(task_name: str = "copy-file", **kwargs: Any) -> LocalSandbox:
+        task = Task(tasks.by_name(task_name).path)
+        trial_paths = TrialPaths(tmp_path / f"trial-{len(made)}")
+        trial_paths.mkdir()
+        kwargs.setdefault("work_dir", str(sandbox_dirs))
+        env = LocalSandbox(
+            environment_dir=task.paths.environment_dir,
+            environment_name=task_name,
+            session_id=f"{task_name}__test{len(made)}__env",
+            trial_paths=trial_paths,
+            task_env_config=task.config.environment,
+            **kwargs,
+        )
+        made.append(env)
+        return env
+
+    yield make
+    for env in made:
+        asyncio.run(env.stop(delete=True))

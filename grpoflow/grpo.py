@@ -1,0 +1,116 @@
+"""GRPO on tensors: group-relative advantages, the zero-std group filter, and the PPO-clipped token loss.
+
+Textbook GRPO (DeepSeekMath) with these choices:
+- the group std is the population std (divide by G, not G - 1), so the advantages of a group have unit
+  variance exactly and a group of one is defined (advantage 0). TRL and verl use the sample std, which makes
+  their advantages smaller by sqrt((G - 1) / G) (0.87 for G = 4): only the scale differs.
+- the clip range is asymmetric (DAPO's clip-higher: `eps_high` > `eps_low`).
+- the "old" logprobs are the inference engine's, so the ratio also carries the rollout-vs-train mismatch.
+- the optional KL penalty to a reference is the k3 estimator (Schulman), added to the per-token loss.
+- `denominator` lets a caller that splits a batch into micro-batches normalise every micro-batch by the
+  global count, so the accumulated gradients equal those of the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+
+# |log ratio| beyond this is clipped anyway (exp(20) >> 1 + eps); the clamp keeps exp() finite, so a token
+# with a wild rollout logprob cannot turn the loss into inf * 0 = nan.
+_MAX_LOG_RATIO = 20.0
+
+
+def _group_rows(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    rows: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        rows.setdefault(g, []).append(i)
+    return rows
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_ids: Sequence[Hashable], scale_by_std: bool, eps: float = 1e-6
+) -> torch.Tensor:
+    """(r - group mean) / (group population std + eps), or r - group mean when `scale_by_std` is False (Dr.GRPO).
+
+    rewards (N,) -> advantages (N,). A group whose rewards are all equal gets exactly 0 (not a rounding residue
+    of r - mean), so "no signal" stays recognisable downstream.
+    """
+    if len(group_ids) != rewards.shape[0]:
+        raise ValueError(f"{rewards.shape[0]} rewards but {len(group_ids)} group ids")
+    adv = torch.zeros_like(rewards, dtype=torch.float32)
+    for rows in _group_rows(group_ids).values():
+        r = rewards[rows].float()  # (G,)
+        if bool((r == r[0]).all()):
+            continue
+        centered = r - r.mean()
+        adv[rows] = centered / (r.std(correction=0) + eps) if scale_by_std else centered
+    return adv
+
+
+def zero_std_groups(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> list[Hashable]:
+    """The groups whose rewards are all equal (no GRPO signal), in order of first appearance."""
+    return [g for g, rows in _group_rows(group_ids).items() if bool((rewards[rows] == rewards[rows[0]]).all())]
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    aggregation: Literal["token", "sample"],
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    denominator: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clipped GRPO loss; returns (scalar loss, detached metrics).
+
+    logprobs, old_logprobs, loss_mask, ref_logprobs, entropy: (B, T); advantages: (B,).
+    aggregation `token`: sum over masked tokens / masked tokens in the batch; `sample`: per-sample masked mean,
+    summed / samples. `denominator` overrides that count (masked tokens or samples of the *global* batch).
+    Masked-out positions never reach the loss or its gradient, whatever their values.
+    """
+    mask = loss_mask.bool()  # (B, T)
+    adv = advantages.float()[:, None]  # (B, 1)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_ratio.exp()  # (B, T)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    if ref_logprobs is not None and kl_coef > 0:
+        d = torch.where(mask, ref_logprobs - logprobs, 0.0)
+        kl = d.exp() - d - 1  # k3: unbiased, always >= 0, low variance
+        per_token = per_token + kl_coef * kl
+    per_token = torch.where(mask, per_token, 0.0)
+
+    n_tok = mask.sum(-1)  # (B,)
+    if aggregation == "token":
+        total = per_token.sum()
+        count = n_tok.sum().clamp(min=1)
+    elif aggregation == "sample":
+        total = (per_token.sum(-1) / n_tok.clamp(min=1)).sum()
+        count = (n_tok > 0).sum().clamp(min=1)
+    else:
+        raise ValueError(f"aggregation must be `token` or `sample`, got {aggregation!r}")
+    loss = total / (count if denominator is None else denominator)
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        gap = (logprobs - old_logprobs).abs()[mask]  # (M,)
+        metrics = {
+            "n_tokens": mask.sum(),
+            # tokens whose gradient the clip removed: ratio past the bound on the side the advantage pushes to
+            "clip_frac_low": ((ratio < 1 - eps_low) & (adv < 0) & mask).sum() / n,
+            "clip_frac_high": ((ratio > 1 + eps_high) & (adv > 0) & mask).sum() / n,
+            "logprob_gap_mean": gap.sum() / n,
+            "logprob_gap_max": gap.max() if gap.numel() else gap.new_zeros(()),
+        }
+        if ref_logprobs is not None and kl_coef > 0:
+            metrics["kl"] = torch.where(mask, kl, 0.0).sum() / n
+        if entropy is not None:
+            metrics["entropy"] = torch.where(mask, entropy, 0.0).sum() / n
+    return loss, metrics

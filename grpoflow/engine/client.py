@@ -1,0 +1,233 @@
+"""HTTP client for SGLang's API, used unchanged against real SGLang and against the embedded engine.
+
+Every answer is validated with `grpoflow.engine.protocol`; anything malformed (not JSON, a missing
+`finish_reason`, ...) raises `EngineError` with one line naming the endpoint. Infrastructure faults — 5xx,
+timeouts, refused or dropped connections — are retried with jittered exponential backoff, `retries` times after
+the first try, then raise `EngineError` naming the URL. A 4xx is the caller's fault and is never retried.
+An aborted generation (`finish_reason.type == "abort"`, which SGLang sends when a request is cancelled) raises
+too: its output is incomplete and must not be scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from grpoflow.engine.protocol import (
+    ChatCompletionResponse,
+    GenerateRequest,
+    GenerateResponse,
+    ModelInfo,
+    SamplingParams,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResponse,
+)
+from grpoflow.errors import EngineError
+
+M = TypeVar("M", bound=BaseModel)
+
+_BACKOFF_CAP_S = 10.0
+
+
+class _Retryable(Exception):
+    """A failure worth another try (5xx or a transport error)."""
+
+
+class EngineClient:
+    """Sync and async access to one SGLang-compatible server at `base_url`."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0, retries: int = 3, backoff_s: float = 0.5):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._client: httpx.Client | None = None
+        self._aclient: httpx.AsyncClient | None = None
+        self._aclient_loop: asyncio.AbstractEventLoop | None = None
+
+    # --- endpoints ----------------------------------------------------------------------------------------
+
+    def generate(
+        self, input_ids: list[int], sampling_params: SamplingParams | None = None, *, return_logprob: bool = True
+    ) -> GenerateResponse:
+        body = _generate_body(input_ids, sampling_params, return_logprob)
+        return _checked_generate(self._call("POST", "/generate", body, GenerateResponse))
+
+    async def agenerate(
+        self, input_ids: list[int], sampling_params: SamplingParams | None = None, *, return_logprob: bool = True
+    ) -> GenerateResponse:
+        body = _generate_body(input_ids, sampling_params, return_logprob)
+        return _checked_generate(await self._acall("POST", "/generate", body, GenerateResponse))
+
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> UpdateWeightsFromDiskResponse:
+        body = _update_body(model_path, weight_version, flush_cache)
+        return _checked_update(self._call("POST", "/update_weights_from_disk", body, UpdateWeightsFromDiskResponse))
+
+    async def aupdate_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> UpdateWeightsFromDiskResponse:
+        body = _update_body(model_path, weight_version, flush_cache)
+        resp = await self._acall("POST", "/update_weights_from_disk", body, UpdateWeightsFromDiskResponse)
+        return _checked_update(resp)
+
+    def model_info(self) -> ModelInfo:
+        return self._call("GET", "/model_info", None, ModelInfo)
+
+    async def amodel_info(self) -> ModelInfo:
+        return await self._acall("GET", "/model_info", None, ModelInfo)
+
+    def chat_completions(self, messages: list[dict], **params: Any) -> ChatCompletionResponse:
+        """OpenAI chat completion; `params` go into the body as given (max_tokens, temperature, seed, ...)."""
+        return self._call("POST", "/v1/chat/completions", {"messages": messages, **params}, ChatCompletionResponse)
+
+    async def achat_completions(self, messages: list[dict], **params: Any) -> ChatCompletionResponse:
+        body = {"messages": messages, **params}
+        return await self._acall("POST", "/v1/chat/completions", body, ChatCompletionResponse)
+
+    def health(self, timeout: float = 5.0) -> bool:
+        """One probe of `/health`, no retries: True on 200, False if unreachable or unhealthy."""
+        try:
+            return self._sync_client().get(self.base_url + "/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def ahealth(self, timeout: float = 5.0) -> bool:
+        try:
+            return (await self._async_client().get(self.base_url + "/health", timeout=timeout)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    async def aclose(self) -> None:
+        if self._aclient is not None:
+            await self._aclient.aclose()
+            self._aclient = None
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- transport ----------------------------------------------------------------------------------------
+
+    def _sync_client(self) -> httpx.Client:
+        if self._client is None:
+            self._client = httpx.Client(timeout=self.timeout)
+        return self._client
+
+    def _async_client(self) -> httpx.AsyncClient:
+        # An AsyncClient is bound to the loop that first used it; callers (Prefect tasks, asyncio.run) may
+        # bring a new loop each time, so keep one client per loop.
+        loop = asyncio.get_running_loop()
+        if self._aclient is None or self._aclient_loop is not loop:
+            self._aclient = httpx.AsyncClient(timeout=self.timeout)
+            self._aclient_loop = loop
+        return self._aclient
+
+    def _call(self, method: str, path: str, body: dict | None, model: type[M]) -> M:
+        url = self.base_url + path
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                resp = self._sync_client().request(method, url, json=body)
+                return _parse(resp, path, model)
+            except (_Retryable, httpx.TransportError) as e:
+                last = e
+            if attempt < self.retries:
+                time.sleep(self._delay(attempt))
+        raise EngineError(f"{method} {url} failed after {self.retries + 1} attempts: {_describe(last)}")
+
+    async def _acall(self, method: str, path: str, body: dict | None, model: type[M]) -> M:
+        url = self.base_url + path
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                resp = await self._async_client().request(method, url, json=body)
+                return _parse(resp, path, model)
+            except (_Retryable, httpx.TransportError) as e:
+                last = e
+            if attempt < self.retries:
+                await asyncio.sleep(self._delay(attempt))
+        raise EngineError(f"{method} {url} failed after {self.retries + 1} attempts: {_describe(last)}")
+
+    def _delay(self, attempt: int) -> float:
+        return min(_BACKOFF_CAP_S, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.5)
+
+
+def _generate_body(input_ids: list[int], params: SamplingParams | None, return_logprob: bool) -> dict:
+    req = GenerateRequest(
+        input_ids=input_ids, sampling_params=params or SamplingParams(), return_logprob=return_logprob
+    )
+    # Unset optionals stay off the wire: SGLang reads a missing field as its default.
+    return req.model_dump(exclude_none=True)
+
+
+def _update_body(model_path: str, weight_version: str | None, flush_cache: bool) -> dict:
+    req = UpdateWeightsFromDiskRequest(model_path=model_path, weight_version=weight_version, flush_cache=flush_cache)
+    return req.model_dump(exclude_none=True)
+
+
+def _parse(resp: httpx.Response, path: str, model: type[M]) -> M:
+    if resp.status_code >= 500:
+        raise _Retryable(f"HTTP {resp.status_code}: {_error_text(resp)}")
+    # SGLang answers a failed weight update with 400 and a normal {"success": false, ...} body: parse it and
+    # let _checked_update raise with the server's message.
+    failed_update = path == "/update_weights_from_disk" and resp.status_code == 400 and '"success"' in resp.text
+    if resp.status_code >= 400 and not failed_update:
+        raise EngineError(f"{path}: HTTP {resp.status_code} from {resp.request.url}: {_error_text(resp)}")
+    try:
+        data = resp.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EngineError(f"{path}: malformed response (not JSON: {e}): {resp.text[:200]!r}") from e
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise EngineError(f"{path}: malformed response: {where}: {first['msg']} ({e.error_count()} errors)") from e
+
+
+def _checked_generate(resp: GenerateResponse) -> GenerateResponse:
+    fr = resp.meta_info.finish_reason
+    if fr.type == "abort":
+        raise EngineError(f"/generate: request {resp.meta_info.id} was aborted: {fr.message or 'no message'}")
+    return resp
+
+
+def _checked_update(resp: UpdateWeightsFromDiskResponse) -> UpdateWeightsFromDiskResponse:
+    if not resp.success:
+        raise EngineError(f"/update_weights_from_disk: failed: {resp.message}")
+    return resp
+
+
+def _error_text(resp: httpx.Response) -> str:
+    """The server's error message on one line (SGLang: {"message"} or {"error": {"message"}}; else raw text)."""
+    try:
+        data = resp.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return resp.text[:300].replace("\n", " ")
+    if isinstance(data, dict):
+        err = data.get("error")
+        msg = data.get("message") or (err.get("message") if isinstance(err, dict) else err) or data.get("detail")
+        if msg:
+            return str(msg).replace("\n", " ")[:300]
+    return json.dumps(data)[:300]
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

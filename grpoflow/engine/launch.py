@@ -1,0 +1,145 @@
+"""Start the embedded engine as a subprocess and wait until it serves.
+
+The server runs in its own process group (so `stop()` also ends anything it spawned) with stdout/stderr in a
+log file; if it dies during startup the raised `EngineError` carries the log's tail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from grpoflow.engine.client import EngineClient
+from grpoflow.errors import EngineError
+
+_LOG_TAIL_LINES = 30
+
+
+class EmbeddedEngine:
+    """A running `grpoflow.engine.server` process: `.url`, `.client`, `.stop()`; a context manager."""
+
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, client: EngineClient):
+        self.process = process
+        self.url = url
+        self.log_path = log_path
+        self.client = client
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group, wait up to `timeout`, then SIGKILL it. Idempotent."""
+        self.client.close()
+        _stop_group(self.process, timeout)
+
+    def __enter__(self) -> EmbeddedEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_embedded_engine(
+    model_path: str | Path,
+    *,
+    seed: int = 0,
+    threads: int | None = None,
+    max_batch_size: int = 16,
+    log_path: str | Path | None = None,
+    startup_timeout: float = 120.0,
+    client_timeout: float = 600.0,
+    client_retries: int = 3,
+    served_model_name: str | None = None,
+    prefix_cache_tokens: int | None = None,
+) -> EmbeddedEngine:
+    """Spawn `python -m grpoflow.engine.server` on 127.0.0.1 (free port) and return once /health answers."""
+    model_path = Path(model_path)
+    if not (model_path / "config.json").is_file():
+        raise EngineError(f"cannot start the embedded engine: model path {model_path} has no config.json")
+    if log_path is None:
+        log_path = Path(tempfile.mkdtemp(prefix="grpoflow-engine-")) / "engine.log"
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    port_file = log_path.with_name(log_path.name + ".port")
+    port_file.unlink(missing_ok=True)
+
+    cmd = [
+        sys.executable, "-m", "grpoflow.engine.server",
+        "--model-path", str(model_path), "--host", "127.0.0.1", "--port", "0",
+        "--seed", str(seed), "--max-batch-size", str(max_batch_size), "--port-file", str(port_file),
+    ]  # fmt: skip
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if served_model_name:
+        cmd += ["--served-model-name", served_model_name]
+    if prefix_cache_tokens is not None:
+        cmd += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    try:
+        url = _wait_until_serving(proc, port_file, log_path, startup_timeout)
+    except BaseException:
+        _stop_group(proc, timeout=5.0)
+        raise
+    client = EngineClient(url, timeout=client_timeout, retries=client_retries)
+    return EmbeddedEngine(proc, url, log_path, client)
+
+
+def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    url: str | None = None
+    probe: EngineClient | None = None
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise EngineError(
+                    f"embedded engine exited with code {proc.returncode} during startup; log {log_path}:\n"
+                    + _tail(log_path)
+                )
+            if url is None and port_file.is_file():
+                port = port_file.read_text().strip()
+                if port:
+                    url = f"http://127.0.0.1:{port}"
+                    probe = EngineClient(url, timeout=2.0, retries=0)
+            if probe is not None and probe.health(timeout=2.0):
+                return url
+            time.sleep(0.1)
+    finally:
+        if probe is not None:
+            probe.close()
+    raise EngineError(
+        f"embedded engine not healthy after {timeout:.0f}s (url={url or 'no port yet'}); log {log_path}:\n"
+        + _tail(log_path)
+    )
+
+
+def _stop_group(proc: subprocess.Popen, timeout: float) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        proc.wait(5.0)
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"<log unreadable: {e}>"

@@ -1,0 +1,214 @@
+"""Pydantic models of the SGLang HTTP API subset grpoflow uses, with SGLang's own field names.
+
+The same client code talks to real SGLang (GPU) and to the embedded engine (CPU), so these models are the
+contract. Requests forbid unknown fields (the embedded engine rejects what it would otherwise ignore);
+responses allow extra fields (real SGLang sends more) but require the ones grpoflow reads.
+
+Where each name comes from (sgl-project/sglang, read at commits 001067ff / 00c17caf / 9c0549b7):
+- `python/sglang/srt/managers/io_struct.py`
+  - `GenerateReqInput`: `input_ids`, `sampling_params` (a dict), `return_logprob`, `rid`, `stream`.
+  - `UpdateWeightFromDiskReqInput`: `model_path`, `weight_version: Optional[str]`, `flush_cache: bool = True`
+    (also load_format, abort_all_requests, is_async, ..., which we do not send).
+  - `UpdateWeightFromDiskReqOutput`: `success`, `message`, `num_paused_requests: int = 0`.
+- `python/sglang/srt/sampling/sampling_params.py` `SamplingParams`: `max_new_tokens` (default 128),
+  `temperature` (default 1.0; below 1e-6 means greedy), `top_p` (1.0), `top_k` (default all; -1 = disabled),
+  `stop` (str | list[str]), `stop_token_ids`, `ignore_eos`, `sampling_seed` (per-request seed).
+- `python/sglang/srt/managers/tokenizer_manager.py` `_handle_batch_output`: `meta_info` holds `id`,
+  `finish_reason` (a dict from `FINISH_*.to_json()` in `managers/schedule_batch.py`: `{"type": "stop",
+  "matched": int|str}`, `{"type": "length", "length": int}`, `{"type": "abort", "message": str}`),
+  `prompt_tokens`, `completion_tokens`, `weight_version` (server_args.weight_version, default "default"),
+  and with `return_logprob` `output_token_logprobs` as `[logprob, token_id, text_or_null]` triples (text only
+  when `return_text_in_logprobs`). The `/generate` body is `{"text", "output_ids", "meta_info"}`.
+- `python/sglang/srt/entrypoints/http_server.py`: `POST /generate`; `POST /update_weights_from_disk` answers
+  `{"success", "message", "num_paused_requests"}` with 200, or 400 when `success` is false; `GET /model_info`
+  answers `model_path`, `tokenizer_path`, `is_generation`, `weight_version` (and more); `GET /health` is 200.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SamplingParams(_Request):
+    """The `sampling_params` of a `/generate` request (SGLang `SamplingParams` names and defaults)."""
+
+    max_new_tokens: int = Field(128, ge=0, description="Most tokens to generate; the prompt is not counted.")
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 (below 1e-6) means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Keep the k most likely tokens; -1 keeps the whole vocabulary.")
+    stop: str | list[str] | None = Field(None, description="Stop strings; the text is cut before the match.")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation (kept in output_ids).")
+    ignore_eos: bool = Field(False, description="Do not stop at the tokenizer's EOS (stop_token_ids still apply).")
+    sampling_seed: int | None = Field(None, ge=0, description="Per-request seed; same seed, same tokens.")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_legal(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {v}")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+    @property
+    def is_greedy(self) -> bool:
+        # SGLang: 0 <= temperature < 1e-6 becomes top_k = 1.
+        return self.temperature < 1e-6
+
+
+class GenerateRequest(_Request):
+    """Body of `POST /generate` (token ids in; SGLang also accepts `text`, which grpoflow never sends)."""
+
+    input_ids: list[int] = Field(..., min_length=1, description="Prompt token ids.")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    return_logprob: bool = Field(False, description="Return `output_token_logprobs` in meta_info.")
+    rid: str | None = Field(None, description="Request id, echoed as meta_info.id.")
+    stream: Literal[False] = Field(False, description="Streaming is not used by grpoflow.")
+
+
+class FinishReason(_Response):
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+class MetaInfo(_Response):
+    id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+
+
+class GenerateResponse(_Response):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Per-output-token logprobs; empty when the request did not ask for them."""
+        return [lp for lp, _, _ in self.meta_info.output_token_logprobs or []]
+
+
+class UpdateWeightsFromDiskRequest(_Request):
+    model_path: str = Field(..., min_length=1, description="Folder of *.safetensors with the new weights.")
+    weight_version: str | None = Field(None, description="Version label to report from now on.")
+    flush_cache: bool = Field(True, description="Drop the prefix cache (the embedded engine keeps none).")
+
+
+class UpdateWeightsFromDiskResponse(_Response):
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+class ModelInfo(_Response):
+    model_path: str
+    tokenizer_path: str | None
+    is_generation: bool
+    weight_version: str
+
+
+# --- OpenAI-compatible chat (what litellm / Harbor's terminus-2 send and read) ---------------------------
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """Content as plain text; list content keeps its `text` parts (images are refused upstream)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(BaseModel):
+    """Body of `POST /v1/chat/completions`. Unknown OpenAI fields are ignored, as SGLang and vLLM do."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=64)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    return_token_ids: bool = False
+    stream: bool | None = False
+
+
+class TokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[dict] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(_Response):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: str
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = (
+        None  # with return_token_ids (SGLang / vLLM); litellm files it under provider_specific_fields
+    )
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice] = Field(..., min_length=1)
+    usage: Usage
+    prompt_token_ids: list[int] | None = None  # with return_token_ids; litellm sets it as a response attribute

@@ -1,0 +1,51 @@
+"""Load a folder of safetensors into a live model, all-or-nothing.
+
+Every tensor is read and checked (names, shapes) before any parameter is written, so a bad checkpoint leaves
+the serving model untouched. A tensor tied to one that is present (e.g. `lm_head.weight` sharing
+`model.embed_tokens.weight`, which `save_pretrained` leaves out) may be absent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from grpoflow.errors import ModelError
+
+
+def load_safetensors_dir(model: torch.nn.Module, model_path: str | Path) -> int:
+    """Copy every tensor of `model_path/*.safetensors` into `model`; return how many were copied."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        raise ModelError(f"weights folder {folder} does not exist or is not a directory")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"no *.safetensors file in {folder}")
+    loaded: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            loaded.update(load_file(f))
+        except (SafetensorError, OSError) as e:
+            raise ModelError(f"cannot read {f}: {e}") from e
+
+    target = model.state_dict()
+    unexpected = sorted(loaded.keys() - target.keys())
+    if unexpected:
+        raise ModelError(f"{folder}: {len(unexpected)} tensors the model does not have, e.g. {unexpected[:3]}")
+    loaded_ptrs = {target[name].data_ptr() for name in loaded}
+    missing = sorted(n for n in target.keys() - loaded.keys() if target[n].data_ptr() not in loaded_ptrs)
+    if missing:
+        raise ModelError(f"{folder}: {len(missing)} model tensors missing, e.g. {missing[:3]}")
+    for name, tensor in loaded.items():
+        if tuple(tensor.shape) != tuple(target[name].shape):
+            raise ModelError(
+                f"{folder}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target[name].shape)}"
+            )
+
+    with torch.no_grad():
+        for name, tensor in loaded.items():
+            target[name].copy_(tensor.to(target[name].dtype))
+    return len(loaded)

@@ -1,0 +1,38 @@
+"""The launcher: a real server subprocess, and clear errors when it cannot start."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from grpoflow.engine.launch import start_embedded_engine
+from grpoflow.engine.protocol import SamplingParams
+from grpoflow.errors import EngineError
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(EngineError, match=f"model path {tmp_path / 'nope'} has no config.json"):
+        start_embedded_engine(tmp_path / "nope")
+
+
+def test_server_dying_at_startup_reports_its_log_tail(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(EngineError, match=r"(?s)exited with code 1 during startup.*no-such-architecture"):
+        start_embedded_engine(broken, log_path=tmp_path / "engine.log", startup_timeout=60)
+
+
+def test_start_generate_stop(tiny_model_dir, tmp_path):
+    log_path = tmp_path / "logs" / "engine.log"
+    with start_embedded_engine(tiny_model_dir, seed=1, threads=1, max_batch_size=4, log_path=log_path) as engine:
+        assert engine.url.startswith("http://127.0.0.1:")
+        resp = engine.client.generate([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0))
+        assert len(resp.output_ids) == 4
+        assert engine.client.model_info().model_path == str(tiny_model_dir)
+        assert os.getpgid(engine.pid) == engine.pid  # its own process group
+    assert engine.process.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(engine.pid, 0)  # signal 0: does the group still exist?
+    assert f"grpoflow-engine listening on {engine.url}" in log_path.read_text()

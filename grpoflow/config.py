@@ -93,9 +93,13 @@ class RolloutConfig(_Section):
     )
     max_turns: int = Field(4, ge=1, le=1000, description="Most policy turns in one episode.")
     max_new_tokens: int = Field(
-        96, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."
+        64, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."
     )
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature (0 = greedy).")
+    temperature: float = Field(
+        0.5, ge=0.0, le=2.0,
+        description="Sampling temperature (0 = greedy). The trainer scores tokens at the same temperature. "
+        "0.5 suits the 135M default model (at 1.0 it rarely writes a usable command).",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
     max_context_tokens: int = Field(
@@ -123,7 +127,7 @@ class RolloutConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(3, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
+    steps: int = Field(6, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip range above 1 (ratio <= 1 + eps_high).")

@@ -132,11 +132,17 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, mask: torch.Tensor, autocast_dtype: torch.dtype | None = None
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    autocast_dtype: torch.dtype | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob and entropy of each next token where `mask` is set, zero elsewhere.
+    """Logprob and entropy of each next token where `mask` is set, zero elsewhere, under softmax(logits / T).
 
     input_ids (B, L) right-padded; mask (B, L - 1) bool: position t scores input_ids[:, t + 1].
+    `temperature` is the rollout's sampling temperature: the policy that produced the tokens is softmax(logits / T)
+    (and the engine reports logprobs of that distribution), so the PPO ratio is taken under the same T.
     Returns (logprobs (B, L - 1), entropy (B, L - 1)).
     """
     cfg = model.config.get_text_config()
@@ -149,7 +155,9 @@ def token_logprobs(
     amp = torch.autocast(input_ids.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     with amp:
         hidden = model.base_model(input_ids=input_ids[:, :-1], use_cache=False).last_hidden_state  # (B, L-1, H)
-    logp, ent = _TokenLogprobs.apply(hidden[mask], head.weight, input_ids[:, 1:][mask])  # (M,), (M,)
+    scale = 1.0 / temperature if temperature > 0 else 1.0  # T = 0 (greedy) has no distribution: score at T = 1
+    # logits / T == (hidden / T) @ W.T: scaling the (M, H) rows is cheaper than the (M, V) logits
+    logp, ent = _TokenLogprobs.apply(hidden[mask] * scale, head.weight, input_ids[:, 1:][mask])  # (M,), (M,)
     # masked_scatter keeps the graph connected even when M == 0
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)
     return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, ent.detach())
@@ -189,7 +197,7 @@ def _n_trained(s: Sample) -> int:
 
 
 def backward_minibatch(
-    state: TrainerState, samples: list[Sample], advantages: torch.Tensor, cfg: TrainConfig
+    state: TrainerState, samples: list[Sample], advantages: torch.Tensor, cfg: TrainConfig, temperature: float = 1.0
 ) -> dict[str, float]:
     """Forward/backward one optimizer minibatch in micro-batches, accumulating into `.grad` (no optimizer step).
 
@@ -200,11 +208,11 @@ def backward_minibatch(
     sums: dict[str, float] = {"loss": 0.0, "n_tokens": 0, "logprob_gap_max": 0.0}
     for idx in pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens):
         ids, mask, old = _collate([samples[i] for i in idx], state.device)
-        logp, ent = token_logprobs(state.model, ids, mask, state.autocast_dtype)  # (B, L-1)
+        logp, ent = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)  # (B, L-1)
         ref = None
         if state.ref_model is not None:
             with torch.no_grad():
-                ref, _ = token_logprobs(state.ref_model, ids, mask, state.autocast_dtype)
+                ref, _ = token_logprobs(state.ref_model, ids, mask, state.autocast_dtype, temperature)
         loss, m = policy_loss(
             logp, old, advantages[idx].to(state.device), mask, cfg.eps_low, cfg.eps_high, cfg.loss_aggregation,
             ref_logprobs=ref, kl_coef=cfg.kl_coef, entropy=ent, denominator=denom,
@@ -243,8 +251,12 @@ def prepare_samples(samples: list[Sample], cfg: TrainConfig) -> tuple[list[Sampl
     return [samples[i] for i in keep], adv[keep], counts
 
 
-def train_step(state: TrainerState, samples: list[Sample], cfg: TrainConfig, seed: int) -> dict[str, float]:
+def train_step(
+    state: TrainerState, samples: list[Sample], cfg: TrainConfig, seed: int, temperature: float = 1.0
+) -> dict[str, float]:
     """One GRPO update on a rollout step's samples: one optimizer step per `global_batch_size` samples.
+
+    `temperature` is the rollout's sampling temperature (logprobs are taken under softmax(logits / T)).
 
     Minibatches are drawn in a seeded random order when there are several. Returns the step's metrics.
     """
@@ -270,7 +282,7 @@ def train_step(state: TrainerState, samples: list[Sample], cfg: TrainConfig, see
             out["skipped_zero_advantage"] += 1
             continue
         state.optimizer.zero_grad(set_to_none=True)
-        m = backward_minibatch(state, [kept[i] for i in idx], adv[idx], cfg)
+        m = backward_minibatch(state, [kept[i] for i in idx], adv[idx], cfg, temperature)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
         if not math.isfinite(grad_norm):
             out["skipped_nonfinite"] += 1

@@ -21,7 +21,7 @@ def grpo_step_task(trainer: TrainerState, samples: list[Sample], cfg: RunConfig,
     if not samples:
         get_run_logger().warning("step %d: no trainable samples (all groups dropped): weights unchanged", step)
         return {"n_samples": 0.0, "optimizer_steps": 0.0}
-    return train_step(trainer, samples, cfg.train, seed=cfg.seed * 1_000_003 + step)
+    return train_step(trainer, samples, cfg.train, seed=cfg.seed * 1_000_003 + step, temperature=cfg.rollout.temperature)
 
 
 @task(name="sync-weights", cache_policy=NO_CACHE, task_run_name="sync-weights-{step}")

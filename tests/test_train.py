@@ -257,3 +257,19 @@ def test_grpo_learns_to_emit_a_target_token(tiny_model_dir):
         assert m["logprob_gap_max"] < 1e-3  # the sampler and the trainer score tokens alike
     after = reward_rate(target)
     assert after > 0.5 and after > before + 0.4, (before, after)  # ~0.02 -> ~1.0 seen
+
+
+def test_token_logprobs_are_taken_at_the_rollout_temperature(tmp_path):
+    from grpoflow.tiny_model import build_tiny_model
+    from grpoflow.train import token_logprobs
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1]  # (5, V)
+        for t in (0.5, 1.0, 1.7):
+            got, _ = token_logprobs(model, ids, mask, temperature=t)
+            want = torch.log_softmax(logits / t, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            assert torch.allclose(got[0], want, atol=1e-5)

@@ -34,9 +34,10 @@ echo hello > /app/hello.txt
 ```
 You will see the command's output. When the task is done, reply with the single word DONE."""
 
-# Stop right after a command's closing fence: what a small model writes after it is never executed, and cutting it
-# off at the engine saves the generation (the text is cut before the match; the fence regex accepts that).
-STOP_STRINGS = ["\n```"]
+# Stop at a fence followed by a newline: that is a command's closing fence (the opening one carries a language,
+# "```bash\n", as the system prompt shows). What a small model writes after the command is never executed, and
+# cutting it off at the engine saves the generation; the text is cut before the match, which the regex accepts.
+STOP_STRINGS = ["```\n"]
 _FENCE = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _DONE = re.compile(r"\bDONE\b")
 
@@ -143,7 +144,9 @@ class ShellAgent(BaseAgent):
             if rec["truncated"]:  # only reachable with the early exit switched off (benchmarks)
                 rec["tokens_after_truncation"] += len(resp.output_ids)
             reply = traj.add_generated(resp.output_ids, resp.logprobs)
-            cut = resp.meta_info.finish_reason.type == "length"
+            # Real SGLang reports `length` even when the last allowed token was EOS: that turn was not cut off.
+            ended = bool(resp.output_ids) and resp.output_ids[-1] == traj.tokenizer.eos_token_id
+            cut = resp.meta_info.finish_reason.type == "length" and not ended
             if cut:
                 rec["truncated"] = True
                 if self.early_truncation_exit:

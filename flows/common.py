@@ -9,6 +9,7 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
 from grpoflow.config import RunConfig, parse_run_config
+from grpoflow.errors import GrpoflowError
 
 # Harbor sets its logger to DEBUG and logs every trial's internals; a run's console shows our per-step lines and
 # Harbor's warnings (the full detail stays in each trial's trial.log).
@@ -17,6 +18,20 @@ import transformers.utils.logging  # noqa: E402
 
 harbor.utils.logger.logger.setLevel(logging.WARNING)
 transformers.utils.logging.disable_progress_bar()  # per-load tqdm bars drown the per-step progress lines
+
+
+class _OneLineForOurErrors(logging.Filter):
+    """A GrpoflowError is bad input or an unreachable service, with a one-line message that names the culprit:
+    Prefect still logs it (and marks the run Failed), but without a traceback through Prefect's engine."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], GrpoflowError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+for _name in ("prefect.task_runs", "prefect.flow_runs"):
+    logging.getLogger(_name).addFilter(_OneLineForOurErrors())
 
 
 def flow_run_name(prefix: str):

@@ -127,7 +127,7 @@ class RolloutConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(6, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
+    steps: int = Field(10, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip range above 1 (ratio <= 1 + eps_high).")
@@ -150,7 +150,9 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
-    save_interval: int = Field(1, ge=1, description="Keep a checkpoint every N steps (the latest is always kept).")
+    save_interval: int = Field(
+        10, ge=1, description="Keep the checkpoint of every N-th step (the latest is always kept); each is a full copy."
+    )
 
 
 class RunConfig(_Section):

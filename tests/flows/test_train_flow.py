@@ -19,7 +19,7 @@ def _cfg(tmp_path, model, run_id, **over):
         "run_id": run_id, "output_dir": str(tmp_path), "model": {"source": str(model)},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 16, "max_turns": 2,
                     "temperature": 1.0},
-        "train": {"steps": 2, "learning_rate": 1e-3}, **over,
+        "train": {"steps": 3, "learning_rate": 1e-3, "save_interval": 2}, **over,
     })  # fmt: skip
 
 
@@ -34,9 +34,10 @@ def test_train_flow_records_every_step(tmp_path, tiny_model_dir):
     assert {"config.json", "run.json", "prompts.jsonl", "trials", "details", "metrics.jsonl", "checkpoints", "tb",
             "summary.png"} <= {p.name for p in root.iterdir()}  # fmt: skip
     records = read_metrics(root / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1] and records[-1] == {"step": 1, **last}
+    assert [r["step"] for r in records] == [0, 1, 2] and records[-1] == {"step": 2, **last}
     assert records[0]["rollout/trials"] == 4 and records[0]["rollout/tokens_after_truncation"] == 0
-    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["step_0", "step_1"]
+    # every save_interval-th checkpoint and the latest are kept
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["step_0", "step_2"]
     assert list((root / "tb").iterdir())
     step1 = [json.loads(line) for line in (root / "details" / "step_1" / "samples.jsonl").read_text().splitlines()]
     assert len(step1) == 4 and {s["weight_version"] for s in step1} == {"1"}  # trained after step 0's update

@@ -1,6 +1,6 @@
 """Throughput of the embedded engine's scheduler: batched vs sequential, 1 and 8 concurrent sessions.
 
-    python bench/engine.py [--model-path DIR] [--sessions 1 8] [--new-tokens 64] [--threads N]
+    python bench/engine.py [--model-path DIR] [--sessions 1 8] [--new-tokens 64] [--threads N] [--no-pack]
     python bench/engine.py --random-smollm2 /tmp/smollm2-random   # SmolLM2-135M's shape, random weights
 
 A session is a client thread sending `--requests` generations one after another (random prompt of
@@ -9,7 +9,8 @@ Every request has its own random prompt (no prefix-cache reuse). "batched" lets 
 share decode steps; "sequential" serves one request at a time
 (max_batch_size=1), which is what an engine without batching does. The scheduler is driven in-process (no
 HTTP), so the figures are the engine's, not the web layer's. Without --model-path the tiny test model is built
-in a temporary folder.
+in a temporary folder. Under each row: how many prefill forwards the batched runs' requests took (batched
+prefill) and the share of wall time the scheduler was busy (`busy_time_s`, as /get_server_info reports it).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def build_random_smollm2(out_dir: Path) -> Path:
 
 
 def run(sched: Scheduler, sessions: int, batched: bool, args: argparse.Namespace, seed: int) -> tuple[float, float]:
-    """(tokens per wall second, tokens per CPU second of this process) for `sessions` concurrent clients."""
+    """(tokens per wall second, tokens per CPU second of this process) for `sessions` concurrent clients.
+
+    Adds the run's prefill forwards, requests and busy/wall seconds to `args.totals[batched]`."""
     sched.max_batch_size = sessions if batched else 1
     vocab = min(sched.vocab_size, len(sched.tokenizer))
     rng = torch.Generator().manual_seed(seed)
@@ -70,12 +73,20 @@ def run(sched: Scheduler, sessions: int, batched: bool, args: argparse.Namespace
             counts[i] += len(sched.generate(prompts[i][r], p).output_ids)
 
     threads = [threading.Thread(target=session, args=(i,)) for i in range(sessions)]
+    before = dict(sched.internal_state())
     t0, c0 = time.perf_counter(), time.process_time()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return sum(counts) / (time.perf_counter() - t0), sum(counts) / (time.process_time() - c0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    after = sched.internal_state()
+    totals = getattr(args, "totals", None)
+    if totals is not None:
+        for key in ("prefill_forwards", "prefills", "busy_time_s"):
+            totals[batched][key] += after[key] - before[key]
+        totals[batched]["wall_s"] += wall
+    return sum(counts) / wall, sum(counts) / cpu
 
 
 def main() -> None:
@@ -86,7 +97,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2, help="Requests per session.")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default: 1, the server's default).")
+    ap.add_argument("--no-pack", action="store_true", help="Plain F.linear (MKL) instead of oneDNN-packed linears.")
     ap.add_argument("--repeats", type=int, default=2, help="Runs per figure; the best is shown (shared machines).")
     args = ap.parse_args()
 
@@ -99,10 +111,13 @@ def main() -> None:
         tmp = tempfile.TemporaryDirectory()
         model_path = build_tiny_model(Path(tmp.name) / "tiny")
 
-    sched = Scheduler(model_path, threads=args.threads, max_batch_size=max(args.sessions))
+    sched = Scheduler(
+        model_path, threads=args.threads, max_batch_size=max(args.sessions), pack_weights=not args.no_pack
+    )
     params = sum(p.numel() for p in sched.model.parameters())
     print(
         f"model {model_path} ({params / 1e6:.1f}M params), torch threads {torch.get_num_threads()}, "
+        f"{sched.packed_linears} packed linears, "
         f"{args.requests} requests/session x {args.new_tokens} new tokens, prompt {args.prompt_tokens} tokens"
     )
     run(sched, 1, True, argparse.Namespace(**{**vars(args), "requests": 1, "new_tokens": 8}), seed=-1)  # warm-up
@@ -114,6 +129,8 @@ def main() -> None:
           f"{'batched tok/cpu-s':>18} {'sequential tok/cpu-s':>21} {'ratio':>6}")  # fmt: skip
     seed = 0
     for s in args.sessions:
+        keys = ("prefill_forwards", "prefills", "busy_time_s", "wall_s")
+        args.totals = {b: dict.fromkeys(keys, 0.0) for b in (True, False)}
         best = {(b, k): 0.0 for b in (True, False) for k in (0, 1)}
         for _ in range(args.repeats):  # alternate the modes so both see the same machine load
             for batched in (True, False):
@@ -123,6 +140,9 @@ def main() -> None:
         wall_b, wall_s, cpu_b, cpu_s = best[True, 0], best[False, 0], best[True, 1], best[False, 1]
         print(f"{s:>8} {wall_b:>14.1f} {wall_s:>17.1f} {wall_b / wall_s:>5.2f}x | "
               f"{cpu_b:>18.1f} {cpu_s:>21.1f} {cpu_b / cpu_s:>5.2f}x")  # fmt: skip
+        tb = args.totals[True]
+        print(f"{'':>8} batched: {tb['prefills']:.0f} requests in {tb['prefill_forwards']:.0f} prefill forwards, "
+              f"engine busy {tb['busy_time_s'] / tb['wall_s']:.0%} of wall time")  # fmt: skip
     sched.close()
     if tmp is not None:
         tmp.cleanup()

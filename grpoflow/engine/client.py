@@ -1,11 +1,11 @@
 """HTTP client for SGLang's API, used unchanged against real SGLang and against the embedded engine.
 
-Every answer is validated with `grpoflow.engine.protocol`; anything malformed (not JSON, a missing
-`finish_reason`, ...) raises `EngineError` with one line naming the endpoint. Infrastructure faults — 5xx,
-timeouts, refused or dropped connections — are retried with jittered exponential backoff, `retries` times after
-the first try, then raise `EngineError` naming the URL. A 4xx is the caller's fault and is never retried.
-An aborted generation (`finish_reason.type == "abort"`, which SGLang sends when a request is cancelled) raises
-too: its output is incomplete and must not be scored.
+Every answer is validated with `grpoflow.engine.protocol` (`/get_server_info`, free-form, only as a JSON
+object); anything malformed (not JSON, a missing `finish_reason`, ...) raises `EngineError` with one line naming
+the endpoint. Infrastructure faults — 5xx, timeouts, refused or dropped connections — are retried with jittered
+exponential backoff, `retries` times after the first try, then raise `EngineError` naming the URL. A 4xx is the
+caller's fault and is never retried. An aborted generation (`finish_reason.type == "abort"`, which SGLang sends
+when a request is cancelled) raises too: its output is incomplete and must not be scored.
 """
 
 from __future__ import annotations
@@ -84,6 +84,13 @@ class EngineClient:
     async def amodel_info(self) -> ModelInfo:
         return await self._acall("GET", "/model_info", None, ModelInfo)
 
+    def server_info(self) -> dict[str, Any]:
+        """GET /get_server_info as a plain dict (SGLang's and the embedded engine's keys differ; see the server)."""
+        return self._call("GET", "/get_server_info", None, dict)
+
+    async def aserver_info(self) -> dict[str, Any]:
+        return await self._acall("GET", "/get_server_info", None, dict)
+
     def chat_completions(self, messages: list[dict], **params: Any) -> ChatCompletionResponse:
         """OpenAI chat completion; `params` go into the body as given (max_tokens, temperature, seed, ...)."""
         return self._call("POST", "/v1/chat/completions", {"messages": messages, **params}, ChatCompletionResponse)
@@ -139,7 +146,7 @@ class EngineClient:
             self._aclient_loop = loop
         return self._aclient
 
-    def _call(self, method: str, path: str, body: dict | None, model: type[M]) -> M:
+    def _call(self, method: str, path: str, body: dict | None, model: type[M] | type[dict]) -> M:
         url = self.base_url + path
         last: BaseException | None = None
         for attempt in range(self.retries + 1):
@@ -152,7 +159,7 @@ class EngineClient:
                 time.sleep(self._delay(attempt))
         raise EngineError(f"{method} {url} failed after {self.retries + 1} attempts: {_describe(last)}")
 
-    async def _acall(self, method: str, path: str, body: dict | None, model: type[M]) -> M:
+    async def _acall(self, method: str, path: str, body: dict | None, model: type[M] | type[dict]) -> M:
         url = self.base_url + path
         last: BaseException | None = None
         for attempt in range(self.retries + 1):
@@ -182,7 +189,7 @@ def _update_body(model_path: str, weight_version: str | None, flush_cache: bool)
     return req.model_dump(exclude_none=True)
 
 
-def _parse(resp: httpx.Response, path: str, model: type[M]) -> M:
+def _parse(resp: httpx.Response, path: str, model: type[M] | type[dict]) -> M:
     if resp.status_code >= 500:
         raise _Retryable(f"HTTP {resp.status_code}: {_error_text(resp)}")
     # SGLang answers a failed weight update with 400 and a normal {"success": false, ...} body: parse it and
@@ -194,6 +201,10 @@ def _parse(resp: httpx.Response, path: str, model: type[M]) -> M:
         data = resp.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EngineError(f"{path}: malformed response (not JSON: {e}): {resp.text[:200]!r}") from e
+    if model is dict:  # free-form answer: only its top level is checked
+        if not isinstance(data, dict):
+            raise EngineError(f"{path}: malformed response: expected a JSON object, got {type(data).__name__}")
+        return data
     try:
         return model.model_validate(data)
     except ValidationError as e:

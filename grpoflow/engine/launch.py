@@ -1,12 +1,14 @@
 """Start the embedded engine as a subprocess and wait until it serves.
 
 The server runs in its own process group (so `stop()` also ends anything it spawned) with stdout/stderr in a
-log file; if it dies during startup the raised `EngineError` carries the log's tail.
+log file; if it dies during startup the raised `EngineError` carries the log's tail. It reports its port through
+a file in a private temporary folder, removed once startup is over (the log's folder is often a user's run dir).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +38,7 @@ class EmbeddedEngine:
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the process group, wait up to `timeout`, then SIGKILL it. Idempotent."""
         self.client.close()
-        _stop_group(self.process, timeout)
+        stop_process_group(self.process, timeout)
 
     def __enter__(self) -> EmbeddedEngine:
         return self
@@ -58,7 +60,9 @@ def start_embedded_engine(
     served_model_name: str | None = None,
     prefix_cache_tokens: int | None = None,
 ) -> EmbeddedEngine:
-    """Spawn `python -m grpoflow.engine.server` on 127.0.0.1 (free port) and return once /health answers."""
+    """Spawn `python -m grpoflow.engine.server` on 127.0.0.1 (free port) and return once /health answers.
+
+    `threads=None` leaves the torch thread count to the server's default (1)."""
     model_path = Path(model_path)
     if not (model_path / "config.json").is_file():
         raise EngineError(f"cannot start the embedded engine: model path {model_path} has no config.json")
@@ -66,8 +70,8 @@ def start_embedded_engine(
         log_path = Path(tempfile.mkdtemp(prefix="grpoflow-engine-")) / "engine.log"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    port_file = log_path.with_name(log_path.name + ".port")
-    port_file.unlink(missing_ok=True)
+    port_dir = Path(tempfile.mkdtemp(prefix="grpoflow-engine-port-"))  # mode 0700: only we read the port
+    port_file = port_dir / "port"
 
     cmd = [
         sys.executable, "-m", "grpoflow.engine.server",
@@ -80,15 +84,18 @@ def start_embedded_engine(
         cmd += ["--served-model-name", served_model_name]
     if prefix_cache_tokens is not None:
         cmd += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
     try:
-        url = _wait_until_serving(proc, port_file, log_path, startup_timeout)
-    except BaseException:
-        _stop_group(proc, timeout=5.0)
-        raise
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        try:
+            url = _wait_until_serving(proc, port_file, log_path, startup_timeout)
+        except BaseException:
+            stop_process_group(proc, timeout=5.0)
+            raise
+    finally:
+        shutil.rmtree(port_dir, ignore_errors=True)
     client = EngineClient(url, timeout=client_timeout, retries=client_retries)
     return EmbeddedEngine(proc, url, log_path, client)
 
@@ -102,7 +109,7 @@ def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path,
             if proc.poll() is not None:
                 raise EngineError(
                     f"embedded engine exited with code {proc.returncode} during startup; log {log_path}:\n"
-                    + _tail(log_path)
+                    + log_tail(log_path)
                 )
             if url is None and port_file.is_file():
                 port = port_file.read_text().strip()
@@ -117,11 +124,11 @@ def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path,
             probe.close()
     raise EngineError(
         f"embedded engine not healthy after {timeout:.0f}s (url={url or 'no port yet'}); log {log_path}:\n"
-        + _tail(log_path)
+        + log_tail(log_path)
     )
 
 
-def _stop_group(proc: subprocess.Popen, timeout: float) -> None:
+def stop_process_group(proc: subprocess.Popen, timeout: float) -> None:
     if proc.poll() is not None:
         return
     try:
@@ -138,7 +145,7 @@ def _stop_group(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait(5.0)
 
 
-def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as e:

@@ -42,9 +42,29 @@ class PrefixCache:
     def cached_tokens(self) -> int:
         return self._tokens
 
-    def lookup(self, tokens: list[int]) -> tuple[int, KV | None]:
-        """Longest cached prefix of `tokens`, leaving at least one token to run: (length, KV views) or (0, None)."""
+    def lookup(self, tokens: list[int], limit: int | None = None) -> tuple[int, KV | None]:
+        """Longest cached prefix of `tokens`, leaving at least one token to run: (length, KV views) or (0, None).
+
+        `limit` caps the length used (a batched prefill may use less than the match); the match itself must
+        still reach `min_match`."""
         self.stats.lookups += 1
+        best_len, best_key = self._longest(tokens)
+        if limit is not None:
+            best_len = min(best_len, limit)
+        if best_key is None or best_len <= 0:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        self.stats.hits += 1
+        self.stats.reused_tokens += best_len
+        kv = self._entries[best_key][1]
+        return best_len, [(k[:, :, :best_len], v[:, :, :best_len]) for k, v in kv]
+
+    def match_length(self, tokens: list[int]) -> int:
+        """What `lookup` would reuse for `tokens`, without counting a lookup or touching the LRU order."""
+        return self._longest(tokens)[0]
+
+    def _longest(self, tokens: list[int]) -> tuple[int, bytes | None]:
+        """(length, key) of the longest usable cached prefix of `tokens`, or (0, None) below `min_match`."""
         query = np.asarray(tokens, dtype=np.int64)
         best_len, best_key = 0, None
         for key, (cached, _) in self._entries.items():
@@ -57,11 +77,7 @@ class PrefixCache:
                 best_len, best_key = common, key
         if best_key is None or best_len < self.min_match:
             return 0, None
-        self._entries.move_to_end(best_key)
-        self.stats.hits += 1
-        self.stats.reused_tokens += best_len
-        kv = self._entries[best_key][1]
-        return best_len, [(k[:, :, :best_len], v[:, :, :best_len]) for k, v in kv]
+        return best_len, best_key
 
     def insert(self, tokens: list[int], kv: KV) -> None:
         """Store `kv` (covering exactly `tokens`); entries that are prefixes of `tokens` are dropped as covered."""

@@ -2,8 +2,9 @@
 
 Each row samples with its own `torch.Generator` and draws exactly one uniform number per sampled token (none
 when greedy), so a request's tokens depend on its seed and its logits only — not on which other requests share
-the batch. The returned logprob is always `log_softmax` of the raw logits (temperature 1, before top-k/top-p) at
-the chosen token: the quantity the trainer recomputes, not the sampling distribution.
+the batch. The returned logprob is `log_softmax(logits / T)` at the chosen token, T the request's temperature
+(T = 1 for greedy), before top-k/top-p: SGLang's default, and what the trainer recomputes (it scales its logits
+by the rollout temperature), so the PPO ratio compares like with like.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from grpoflow.engine.protocol import SamplingParams
 def sample_next_tokens(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
 ) -> tuple[list[int], list[float]]:
-    """Pick one token per row of `logits` (B, V); return (token ids, raw logprobs of those tokens)."""
+    """Pick one token per row of `logits` (B, V); return (token ids, logprobs of those tokens under softmax(logits/T))."""
     logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params]).unsqueeze(1)  # (B, 1)
+    logprobs = torch.log_softmax(logits / temps, dim=-1)  # (B, V)
     tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done
     vocab = logits.shape[-1]
     plain, filtered = [], []  # rows sampled from the full softmax / with top-k or top-p
@@ -39,7 +41,7 @@ def sample_next_tokens(
             tokens[b] = tok
     for b in filtered:
         tokens[b] = _sample_filtered(logits[b], params[b], generators[b])
-    chosen = raw_logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]  # (B,)
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]  # (B,)
     return tokens, chosen.tolist()
 
 

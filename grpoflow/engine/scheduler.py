@@ -1,10 +1,12 @@
 """Continuous-batching generation over a Hugging Face causal LM on CPU. No HTTP in here.
 
-One background thread owns the model (fp32). Work arrives in a FIFO inbox; requests join the running batch
-between decode steps and leave it when they finish, so N concurrent requests share each forward pass:
+One background thread owns the model (fp32; linears on oneDNN-packed weights, see `packed_linear`). Work
+arrives in a FIFO inbox; requests join the running batch between decode steps and leave it when they finish,
+so N concurrent requests share each forward pass:
 
-- join: the new prompt is prefilled alone (B=1), its first token sampled, then its KV cache is left-padded to
-  the batch's length (or the batch's to its) and concatenated along the batch dim;
+- join: the prompts waiting at admission are prefilled together (one forward per group of similar length),
+  their first tokens sampled, then their KV and the batch's are left-padded to a common length and
+  concatenated along the batch dim;
 - step: one token for every active row: input (B, 1), attention mask (B, T+1), per-row position ids (B, 1);
 - leave: finished rows are dropped from the cache, and cache columns that are padding for every remaining row
   are cut off.
@@ -16,11 +18,21 @@ only what its longest cached prefix does not cover (`prefix_cache.PrefixCache`: 
 prompt + reply after finishing; cleared on every weight update). Prefill is not chunked: a long new prompt
 stalls the batch for its prefill (SGLang chunks it).
 
+Batched prefill: a group of B prompts runs as one (B, n) forward, n = the longest part of any of them that the
+prefix cache does not cover, on top of their cached KV. Every row runs its last n tokens, so the group is plainly
+left-padded like the decode batch: a row shorter than n is padded, a row with a longer cached prefix recomputes
+a few cached tokens (as costly as padding, and it keeps each row's tokens contiguous). Prompts are grouped so
+that padding stays small, and a prompt that shares a long prefix with an earlier waiting prompt (the samples of
+a GRPO group, tasks under one agent system prompt) waits for the next round, when that prefix is cached, rather
+than computing it again in the same forward.
+
 Determinism: each request samples with its own torch.Generator, seeded from `sampling_seed` or else from the
 engine seed and the request's arrival number, and draws one number per sampled token, so its tokens do not
 depend on which requests share its batch. They depend on the logits, which are not bit-identical between a
 batch and a lone run (different matmul shapes, padding): a seeded sample can flip where two tokens' cumulative
-probabilities straddle the drawn number within ~1e-6 — rare, not impossible. Logprobs agree to ~1e-6.
+probabilities straddle the drawn number within ~1e-5 — rare, not impossible. Logprobs agree with a plain
+full-sequence forward (MKL's F.linear) to ~4e-5 on SmolLM2-135M, as the packed oneDNN linears sum in another
+order (~1.5e-5 with `pack_weights=False`).
 
 A weight update is an inbox item like a request, so ordering is FIFO: it waits until every request that
 arrived before it has finished (the running batch drains), is applied between steps, and requests that
@@ -33,21 +45,27 @@ Departure from SGLang: a request whose last allowed token is a stop token finish
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import logging
 import queue
 import re
 import threading
+import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from grpoflow.engine.kv_cache import BatchKVCache, kv_tensors
+from grpoflow.engine.packed_linear import pack_linears, repack_linears
 from grpoflow.engine.prefix_cache import PrefixCache
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.engine.sampling import sample_next_tokens
@@ -57,6 +75,10 @@ from grpoflow.errors import EngineError, GrpoflowError, ModelError
 log = logging.getLogger(__name__)
 
 _STOP_STRING_SLACK = 8  # extra tail tokens decoded when looking for a stop string (partial UTF-8, specials)
+# Padded (or recomputed) tokens a prefill group may carry beyond a quarter of its real tokens, and the least
+# saving worth deferring a prompt to the next round for: about what one more forward pass costs on a CPU
+# (SmolLM2-135M, one core: a forward costs ~20 ms plus ~1.3 ms per token).
+_PREFILL_SLACK_TOKENS = 32
 
 
 class InvalidRequest(ValueError):
@@ -84,9 +106,17 @@ class WeightUpdateResult:
 
 @dataclass
 class SchedulerStats:
-    prefills: int = 0
+    """Cumulative counters; `Scheduler.internal_state()` serves them (GET /get_server_info)."""
+
+    busy_time_s: float = 0.0  # wall time in prefill and decode (forwards, sampling, batch bookkeeping); not idle
+    prefills: int = 0  # requests prefilled
+    prefill_forwards: int = 0  # batched prefill forward passes
+    prefill_tokens: int = 0  # prompt tokens run through the model (not reused from the prefix cache, no padding)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefill_padding_tokens: int = 0  # padding columns computed in prefill forwards
     decode_steps: int = 0
     generated_tokens: int = 0
+    requests_finished: int = 0  # requests answered with a result
     max_rows: int = 0  # most rows seen in one decode step
     weight_updates: int = 0
 
@@ -130,6 +160,7 @@ class Scheduler:
         max_batch_size: int = 16,
         weight_version: str = "0",
         prefix_cache_tokens: int = 16384,
+        pack_weights: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -148,6 +179,8 @@ class Scheduler:
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 2048)
         self.eos_ids = _eos_ids(self.tokenizer, self.model)
+        # Linears on oneDNN with pre-packed weights (2x faster than MKL here); 0 when off or unsupported.
+        self.packed_linears = pack_linears(self.model) if pack_weights else 0
         self.seed = seed
         self.max_batch_size = max_batch_size  # read at every admission; the bench changes it between runs
         self.weight_version = weight_version
@@ -235,7 +268,32 @@ class Scheduler:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def internal_state(self) -> dict:
+        """The counters of `SchedulerStats` plus queue sizes: one entry of /get_server_info's `internal_states`.
+
+        Safe from any thread; a snapshot of plain numbers, not atomic across fields."""
+        state = dataclasses.asdict(self.stats)
+        state.update(
+            running_requests=len(self._rows),
+            waiting_requests=len(self._waiting) + self._inbox.qsize(),
+            weight_version=self.weight_version,
+            prefix_cache_tokens=self.prefix_cache.cached_tokens,
+            prefix_cache_hits=self.prefix_cache.stats.hits,
+            packed_linears=self.packed_linears,
+            torch_threads=torch.get_num_threads(),
+        )
+        return state
+
     # --- scheduler thread ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Add the block's wall time to `stats.busy_time_s`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.busy_time_s += time.perf_counter() - start
 
     def _validate(self, input_ids: list[int]) -> None:
         if not input_ids:
@@ -257,7 +315,8 @@ class Scheduler:
                 try:
                     self._admit()
                     if self._rows:
-                        self._decode_step()
+                        with self._busy():
+                            self._decode_step()
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                     log.exception("decode step failed; failing %d running requests", len(self._rows))
                     self._fail_rows(EngineError(f"generation failed in a decode step: {type(e).__name__}: {e}"))
@@ -278,75 +337,170 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Start waiting work in FIFO order while there is room; apply a weight update once the batch drained."""
-        joining: list[tuple[_Job, list]] = []
+        starting: list[_Job] = []
         while self._waiting:
             head = self._waiting[0]
             if isinstance(head, _Update):
-                if self._rows or joining:
+                if self._rows or starting:
                     break  # later requests wait behind the update
                 self._waiting.popleft()
                 self._apply_update(head)
                 continue
-            if len(self._rows) + len(joining) >= self.max_batch_size:
+            if len(self._rows) + len(starting) >= self.max_batch_size:
                 break
             self._waiting.popleft()
             if not head.future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
-            try:
-                kv = self._prefill(head)
-            except Exception as e:  # noqa: BLE001 - fail this request only
-                log.exception("prefill failed for request %s", head.rid)
-                head.future.set_exception(EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+            head.weight_version = self.weight_version
+            if head.max_new_tokens <= 0:
+                self._complete(head, {"type": "length", "length": 0})
                 continue
-            if kv is not None:
-                joining.append((head, kv))
-        if joining:
+            starting.append(head)
+        if starting:
+            with self._busy():
+                self._start(starting)
+
+    def _start(self, jobs: list[_Job]) -> None:
+        """Prefill `jobs` in as few forwards as padding and shared prefixes allow, then join them to the batch."""
+        parts: list[tuple[list[_Job], list, torch.Tensor]] = []
+        pending = jobs
+        while pending:  # each round's prefill fills the prefix cache for the prompts it defers
+            now, pending = self._defer_shared_prefixes(pending)
+            for group in self._prefill_groups(now):
+                try:
+                    part = self._prefill(group)
+                except Exception as e:  # noqa: BLE001 - fail this group only
+                    log.exception("prefill failed for %d requests", len(group))
+                    error = EngineError(f"prefill failed: {type(e).__name__}: {e}")
+                    for job in group:
+                        if not job.future.done():  # some may have finished on their first token
+                            job.future.set_exception(error)
+                    continue
+                if part is not None:
+                    parts.append(part)
+        if parts:
             try:
-                self._join(joining)
+                self._join(parts)
             except Exception as e:  # noqa: BLE001 - the batch may be half-built: fail it and the joiners
-                log.exception("joining %d requests to the batch failed", len(joining))
+                n = sum(len(rows) for rows, _, _ in parts)
+                log.exception("joining %d requests to the batch failed", n)
                 error = EngineError(f"joining the batch failed: {type(e).__name__}: {e}")
-                for job, _ in joining:
-                    job.future.set_exception(error)
+                for rows, _, _ in parts:
+                    for job in rows:
+                        job.future.set_exception(error)
                 self._fail_rows(error)
 
-    def _prefill(self, job: _Job) -> list | None:
-        """Run the prompt and sample the first token; return its per-layer KV, or None if already finished."""
-        job.weight_version = self.weight_version
-        if job.max_new_tokens <= 0:
-            self._complete(job, {"type": "length", "length": 0})
-            return None
-        reused, past = self.prefix_cache.lookup(job.input_ids)
-        ids = torch.tensor([job.input_ids[reused:]])  # (1, T - reused): only what the cache does not cover
-        cache = BatchKVCache(past) if past is not None else None  # a copy: the cached entry stays intact
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        self.stats.prefills += 1
-        job.length = len(job.input_ids)
-        kv = kv_tensors(out.past_key_values)  # per layer: (1, H, T, D)
-        self.prefix_cache.insert(job.input_ids, kv)
-        tokens, lps = sample_next_tokens(out.logits[:, -1], [job.params], [job.generator])  # logits (1, V)
-        reason = self._append(job, tokens[0], lps[0])
-        if reason is not None:
-            self._complete(job, reason)
-            return None
-        return kv
+    def _defer_shared_prefixes(self, jobs: list[_Job]) -> tuple[list[tuple[int, _Job]], list[_Job]]:
+        """Split `jobs` into (prefill now, with its uncached length; prefill next round): a job waits when an
+        earlier job's prompt, once prefilled and cached, would give it a longer cached prefix than it has now by
+        more than a forward pass costs. Otherwise a batched prefill would compute a shared prefix once per row."""
+        cache = self.prefix_cache
+        now: list[tuple[int, _Job]] = []
+        later: list[_Job] = []
+        leaders: list[np.ndarray] = []  # prompts of `now` that will be cached
+        for job in jobs:
+            ids = np.asarray(job.input_ids, dtype=np.int64)
+            cached = cache.match_length(job.input_ids)
+            shared = max((_common_prefix(ids, other) for other in leaders), default=0)
+            shared = min(shared, len(ids) - 1)  # the last prompt token always runs
+            if shared >= cache.min_match and shared - cached > _PREFILL_SLACK_TOKENS:
+                later.append(job)
+                continue
+            now.append((len(ids) - cached, job))
+            if cache.min_match <= len(ids) <= cache.max_tokens:
+                leaders.append(ids)
+        return now, later
 
-    def _join(self, joining: list[tuple[_Job, list]]) -> None:
+    @staticmethod
+    def _prefill_groups(jobs: list[tuple[int, _Job]]) -> list[list[_Job]]:
+        """Split (uncached length, job) pairs into prefill groups whose padding stays small.
+
+        Every row of a group runs as many tokens as the group's longest uncached part: rows are sorted by that
+        length and a group is closed when the next row would make padding exceed a quarter of the real tokens
+        plus `_PREFILL_SLACK_TOKENS`."""
+        sized = sorted(jobs, key=lambda item: item[0])
+        groups: list[list[_Job]] = []
+        group: list[_Job] = []
+        real = 0
+        for n, job in sized:
+            padding = (len(group) + 1) * n - (real + n)  # n is the widest so far
+            if group and padding > (real + n) // 4 + _PREFILL_SLACK_TOKENS:
+                groups.append(group)
+                group, real = [], 0
+            group.append(job)
+            real += n
+        if group:
+            groups.append(group)
+        return groups
+
+    def _prefill(self, jobs: list[_Job]) -> tuple[list[_Job], list, torch.Tensor] | None:
+        """One forward over `jobs`' prompts, then their first tokens; return (rows, KV, mask) of those going on.
+
+        Layout: cached KV (B, H, P, D) + input (B, n), n = the longest uncached part. Row b runs its last n tokens
+        (left-padded if shorter) over its first L_b - n cached ones, so its real tokens are the last L_b of the
+        P + n columns: plain left padding, as in the decode batch."""
+        cache = self.prefix_cache
+        lengths = [len(j.input_ids) for j in jobs]
+        n = max(length - cache.match_length(j.input_ids) for j, length in zip(jobs, lengths, strict=True))
+        hits = [cache.lookup(j.input_ids, limit=max(length - n, 0)) for j, length in zip(jobs, lengths, strict=True)]
+        past = [reused for reused, _ in hits]  # cached columns each row uses: L_b - n, or 0
+        width = max(past)
+        rows = len(jobs)
+        ids = torch.zeros(rows, n, dtype=torch.long)  # pad id 0: any valid id, the mask hides it
+        for b, job in enumerate(jobs):
+            tail = job.input_ids[past[b] :]  # (<= n,)
+            ids[b, n - len(tail) :] = torch.tensor(tail)
+        length = torch.tensor(lengths).unsqueeze(1)  # (B, 1)
+        positions = (torch.arange(n) + length - n).clamp_(min=0)  # (B, n): padding gets 0, masked anyway
+        mask = (torch.arange(width + n) >= width + n - length).long()  # (B, P + n): the last L_b columns
+        padded = bool((mask == 0).any())
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask if padded else None,  # None: no padding, sdpa runs causal without a mask
+            position_ids=positions,
+            past_key_values=BatchKVCache(_stack_past(hits, width)) if width else None,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        # Padding columns hold KV computed from pad tokens: finite (SDPA gives 0 for fully masked query rows) and
+        # never attended to, like the zeros of F.pad elsewhere.
+        kv = kv_tensors(out.past_key_values)  # per layer: (B, H, P + n, D)
+        self.stats.prefills += rows
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_tokens += sum(lengths) - sum(past)
+        self.stats.cached_tokens += sum(past)
+        self.stats.prefill_padding_tokens += rows * n - (sum(lengths) - sum(past))
+        for b, job in enumerate(jobs):
+            job.length = lengths[b]
+            row_kv = [(k[b : b + 1, :, -job.length :], v[b : b + 1, :, -job.length :]) for k, v in kv]  # (1, H, L_b, D)
+            cache.insert(job.input_ids, row_kv)
+        tokens, lps = sample_next_tokens(out.logits[:, -1], [j.params for j in jobs], [j.generator for j in jobs])
+        going_on = []
+        for b, (job, tok, lp) in enumerate(zip(jobs, tokens, lps, strict=True)):
+            reason = self._append(job, tok, lp)
+            if reason is None:
+                going_on.append(b)
+            else:
+                self._complete(job, reason)
+        if not going_on:
+            return None
+        return _select(jobs, kv, mask, going_on)
+
+    def _join(self, parts: list[tuple[list[_Job], list, torch.Tensor]]) -> None:
         """Add prefilled rows to the batch in one rebuild: left-pad every part's KV to a common T, concat along B."""
-        parts = [(kv, torch.ones(1, job.length, dtype=torch.long)) for job, kv in joining]
         if self._rows:
-            parts.insert(0, (kv_tensors(self._cache), self._mask))
-        width = max(mask.shape[1] for _, mask in parts)
+            parts = [(self._rows, kv_tensors(self._cache), self._mask), *parts]
+        width = max(mask.shape[1] for _, _, mask in parts)
         merged = [
             (
-                torch.cat([_left_pad(kv[layer][0], width) for kv, _ in parts]),
-                torch.cat([_left_pad(kv[layer][1], width) for kv, _ in parts]),
+                torch.cat([_left_pad(kv[layer][0], width) for _, kv, _ in parts]),
+                torch.cat([_left_pad(kv[layer][1], width) for _, kv, _ in parts]),
             )
-            for layer in range(len(parts[0][0]))
+            for layer in range(len(parts[0][1]))
         ]  # per layer: (B', H, width, D)
-        self._mask = torch.cat([F.pad(mask, (width - mask.shape[1], 0)) for _, mask in parts])  # (B', width)
+        self._mask = torch.cat([F.pad(mask, (width - mask.shape[1], 0)) for _, _, mask in parts])  # (B', width)
         self._cache = BatchKVCache(merged)
-        self._rows = self._rows + [job for job, _ in joining]
+        self._rows = [job for rows, _, _ in parts for job in rows]
 
     def _decode_step(self) -> None:
         rows = self._rows
@@ -413,11 +567,8 @@ class Scheduler:
         if not keep:
             self._rows, self._cache, self._mask = [], None, None
             return
-        self._rows = [self._rows[b] for b in keep]
-        lead = self._mask.shape[1] - max(r.length for r in self._rows)  # all-padding columns on the left
-        index = torch.tensor(keep)
-        self._mask = self._mask[index, lead:]
-        self._cache = BatchKVCache([(k[index, :, lead:], v[index, :, lead:]) for k, v in kv_tensors(self._cache)])
+        self._rows, kv, self._mask = _select(self._rows, kv_tensors(self._cache), self._mask, keep)
+        self._cache = BatchKVCache(kv)
 
     def _complete(self, job: _Job, reason: dict) -> None:
         ids = job.output_ids
@@ -431,6 +582,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
             job.future.set_exception(EngineError(f"decoding the output of {job.rid} failed: {type(e).__name__}: {e}"))
             return
+        self.stats.requests_finished += 1
         job.future.set_result(
             GenerationResult(
                 rid=job.rid,
@@ -446,11 +598,14 @@ class Scheduler:
     def _apply_update(self, upd: _Update) -> None:
         try:
             n = load_safetensors_dir(self.model, upd.model_path)
-        except GrpoflowError as e:
+            repack_linears(self.model)  # the packed copies are snapshots of the weights
+        except GrpoflowError as e:  # raised before anything was written
             upd.future.set_result(WeightUpdateResult(False, f"weights not updated: {e}", self.weight_version))
             return
         except Exception as e:  # noqa: BLE001 - report any load failure to the caller, keep serving
             log.exception("weight update from %s failed", upd.model_path)
+            with contextlib.suppress(Exception):
+                repack_linears(self.model)  # serve what the parameters now hold, as F.linear would
             msg = f"weights not updated: {type(e).__name__}: {e} (model may be partially updated)"
             upd.future.set_result(WeightUpdateResult(False, msg, self.weight_version))
             return
@@ -486,6 +641,36 @@ class Scheduler:
 def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
     """Zero-pad (B, H, T, D) on the left of T up to `width`."""
     return F.pad(x, (0, 0, width - x.shape[-2], 0))
+
+
+def _select(rows: list[_Job], kv: list, mask: torch.Tensor, keep: list[int]) -> tuple[list[_Job], list, torch.Tensor]:
+    """Rows `keep` of a left-padded (rows, per-layer KV (B, H, T, D), mask (B, T)), minus all-padding columns."""
+    rows = [rows[b] for b in keep]
+    lead = mask.shape[1] - max(r.length for r in rows)
+    if len(keep) == mask.shape[0] and lead == 0:
+        return rows, kv, mask
+    index = torch.tensor(keep)
+    return rows, [(k[index, :, lead:], v[index, :, lead:]) for k, v in kv], mask[index, lead:]
+
+
+def _stack_past(hits: list[tuple[int, list | None]], width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (B, H, width, D): each row's cached KV (1, H, reused, D) left-padded with zeros; rows without
+    a hit are all padding."""
+    ref = next(kv for _, kv in hits if kv is not None)  # any row's KV, for the empty parts' shapes
+    return [
+        tuple(
+            torch.cat([_left_pad((kv or ref)[layer][i][:, :, :reused], width) for reused, kv in hits])
+            for i in (0, 1)
+        )
+        for layer in range(len(ref))
+    ]
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
 
 
 def _eos_ids(tokenizer, model) -> frozenset[int]:

@@ -2,14 +2,15 @@
 
     python -m grpoflow.engine.server --model-path DIR [--host 127.0.0.1] [--port 0] [--seed N] [--threads N]
         [--max-batch-size N] [--prefix-cache-tokens N] [--port-file PATH] [--served-model-name NAME]
+        [--no-pack-weights]
 
 With `--port 0` the server binds a free port itself and hands the bound socket to uvicorn (no race between
 picking and binding), writes the port to `--port-file` atomically and prints
 `grpoflow-engine listening on http://HOST:PORT`.
 
-Endpoints: POST /generate, POST /update_weights_from_disk, GET /health, GET /model_info, POST /flush_cache,
-POST /v1/chat/completions, GET /v1/models. A bad request gets 400 with a one-line message; an engine failure 500
-with a message, never a traceback. Error bodies use SGLang's OpenAI-style shape
+Endpoints: POST /generate, POST /update_weights_from_disk, GET /health, GET /model_info,
+GET /get_server_info, POST /flush_cache, POST /v1/chat/completions, GET /v1/models. A bad request gets 400 with a
+one-line message; an engine failure 500 with a message, never a traceback. Error bodies use SGLang's OpenAI-style shape
 `{"object": "error", "message", "type", "param", "code"}`.
 """
 
@@ -69,6 +70,22 @@ def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> Fa
             model_type=getattr(hf_config, "model_type", None),
             architectures=getattr(hf_config, "architectures", None),
         ).model_dump()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        # SGLang's shape: its server args at the top level, then one `internal_states` entry per scheduler (we
+        # have one). The counters are ours (SGLang's entries hold other keys); a benchmark reads busy_time_s
+        # twice and divides the difference by its wall time to get the engine's busy fraction.
+        return {
+            "model_path": scheduler.model_path,
+            "tokenizer_path": scheduler.model_path,
+            "served_model_name": model_name,
+            "random_seed": scheduler.seed,
+            "max_running_requests": scheduler.max_batch_size,
+            "context_length": scheduler.context_length,
+            "weight_version": scheduler.weight_version,
+            "internal_states": [scheduler.internal_state()],
+        }
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -180,11 +197,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = a free port, reported via --port-file and stdout.")
     p.add_argument("--seed", type=int, default=0, help="Engine seed for requests without sampling_seed.")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice).")
+    # One thread by default: the engine shares a small, noisy CPU with the trainer and sandboxes, and with two
+    # threads every matmul waits for the slower core, so throughput collapses under contention.
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1).")
     p.add_argument("--max-batch-size", type=int, default=16, help="Most requests decoded together.")
     p.add_argument("--prefix-cache-tokens", type=int, default=16384, help="KV kept for prompt reuse; 0 = off.")
     p.add_argument("--port-file", type=Path, default=None, help="Write the bound port here (atomically).")
     p.add_argument("--served-model-name", default=None, help="Model id for /v1 endpoints (default: model path).")
+    p.add_argument(
+        "--no-pack-weights", action="store_true", help="Plain F.linear (MKL) instead of oneDNN-packed linears."
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -204,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         max_batch_size=args.max_batch_size,
         prefix_cache_tokens=args.prefix_cache_tokens,
+        pack_weights=not args.no_pack_weights,
     )
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]

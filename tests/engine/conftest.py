@@ -50,12 +50,13 @@ def reference_model(tiny_model_dir: Path):
 
 @pytest.fixture(scope="session")
 def reference_logprobs(reference_model) -> Callable[[list[int], list[int]], list[float]]:
-    """log_softmax of one full forward over prompt + output, read at each output token: what the trainer computes."""
+    """log_softmax(logits / T) of one full forward over prompt + output, read at each output token: what the
+    trainer computes for a rollout sampled at temperature T (T = 0, greedy, is scored at T = 1)."""
 
-    def compute(prompt: list[int], output: list[int]) -> list[float]:
+    def compute(prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
         with torch.no_grad():
             logits = reference_model(torch.tensor([prompt + output])).logits[0].float()  # (T, V)
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
         return [lp[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(output)]
 
     return compute

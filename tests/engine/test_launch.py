@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -24,14 +25,26 @@ def test_server_dying_at_startup_reports_its_log_tail(tmp_path):
         start_embedded_engine(broken, log_path=tmp_path / "engine.log", startup_timeout=60)
 
 
-def test_start_generate_stop(tiny_model_dir, tmp_path):
+def test_start_generate_stop(tiny_model_dir, tmp_path, monkeypatch):
+    made: list[str] = []
+    mkdtemp = tempfile.mkdtemp
+
+    def recording_mkdtemp(*args, **kwargs) -> str:
+        made.append(mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
     log_path = tmp_path / "logs" / "engine.log"
-    with start_embedded_engine(tiny_model_dir, seed=1, threads=1, max_batch_size=4, log_path=log_path) as engine:
+    with start_embedded_engine(tiny_model_dir, seed=1, max_batch_size=4, log_path=log_path) as engine:
         assert engine.url.startswith("http://127.0.0.1:")
         resp = engine.client.generate([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0))
         assert len(resp.output_ids) == 4
         assert engine.client.model_info().model_path == str(tiny_model_dir)
         assert os.getpgid(engine.pid) == engine.pid  # its own process group
+        assert engine.client.server_info()["internal_states"][0]["torch_threads"] == 1  # the server's default
+        # The port went through a private temp folder, gone once the server answered; the log folder holds the log.
+        assert made and not any(os.path.exists(d) for d in made)
+        assert sorted(p.name for p in log_path.parent.iterdir()) == ["engine.log"]
     assert engine.process.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(engine.pid, 0)  # signal 0: does the group still exist?

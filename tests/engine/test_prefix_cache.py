@@ -60,7 +60,7 @@ def test_next_turn_reuses_previous_prompt_and_reply(fresh_scheduler, reference_l
     reused_before = fresh_scheduler.prefix_cache.stats.reused_tokens
     r2 = fresh_scheduler.generate(turn2, SamplingParams(max_new_tokens=8, temperature=0.8), return_logprob=True)
     assert fresh_scheduler.prefix_cache.stats.reused_tokens - reused_before == len(turn1) + len(r1.output_ids) - 1
-    ref = reference_logprobs(turn2, r2.output_ids)
+    ref = reference_logprobs(turn2, r2.output_ids, 0.8)
     assert max(abs(a - b) for a, b in zip(r2.output_logprobs, ref)) < 1e-4
 
 

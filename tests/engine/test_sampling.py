@@ -25,10 +25,10 @@ def test_greedy_is_argmax_and_logprob_is_raw_log_softmax():
     assert torch.allclose(torch.tensor(lps), expected)
 
 
-def test_logprob_ignores_temperature_and_top_k():
+def test_logprob_is_taken_at_the_temperature_before_top_k():
     logits = _logits(rows=1)
     tokens, lps = sample_next_tokens(logits, [SamplingParams(temperature=0.3, top_k=4)], [_gen(1)])
-    assert abs(lps[0] - torch.log_softmax(logits[0], -1)[tokens[0]].item()) < 1e-6
+    assert abs(lps[0] - torch.log_softmax(logits[0] / 0.3, -1)[tokens[0]].item()) < 1e-5
 
 
 def test_top_k_only_picks_among_the_k_best():

@@ -99,8 +99,8 @@ def test_logprobs_match_full_forward_when_batched(scheduler, reference_logprobs)
     results = [f.result(timeout=60) for f in futures]
     total = sum(len(r.output_ids) for r in results)
     assert scheduler.stats.decode_steps - steps_before < total - 40  # rows did share decode steps
-    for prompt, r in zip(PROMPTS, results):
-        ref = reference_logprobs(prompt, r.output_ids)
+    for prompt, r, sp in zip(PROMPTS, results, params):
+        ref = reference_logprobs(prompt, r.output_ids, sp.temperature)
         assert max(abs(a - b) for a, b in zip(r.output_logprobs, ref)) < 1e-4
 
 

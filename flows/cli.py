@@ -1,4 +1,5 @@
-"""`grpoflow` command line: runs the flows with a config built from a file, flags and dotted overrides."""
+"""`grpoflow` command line: runs the flows with a config built from a preset, a file, flags and dotted overrides
+(each layer overrides the one before, in that order)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from grpoflow.config import apply_overrides, load_run_config, new_run_id, parse_run_config
 from grpoflow.errors import GrpoflowError
+from grpoflow.presets import PRESETS, layered_run_config
 
 
 def _parse_value(text: str) -> Any:
@@ -30,7 +32,9 @@ def _config_from_args(args: argparse.Namespace):
     flags = {"run_id": args.run_id, "seed": args.seed, "output_dir": args.output_dir,
              "model.source": args.model, "dataset.path": args.dataset}  # fmt: skip
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    if args.config:
+    if args.preset:
+        cfg = layered_run_config(args.preset, Path(args.config) if args.config else None, overrides)
+    elif args.config:
         cfg = load_run_config(Path(args.config), overrides)
     else:
         cfg = parse_run_config(apply_overrides({}, overrides), source="command line")
@@ -39,6 +43,8 @@ def _config_from_args(args: argparse.Namespace):
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", metavar="NAME",
+                   help=f"named recipe to start from ({', '.join(PRESETS)}); --config, flags and --set override it")
     p.add_argument("--config", help="JSON file with a RunConfig (flags and --set override it)")
     p.add_argument("--run-id", help="run id (lowercase letters, digits, dashes); default: timestamp + hash")
     p.add_argument("--seed", type=int)
@@ -48,7 +54,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, repeatable")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [("main", "the main job: the train flow on the embedded default"),
@@ -56,11 +62,17 @@ def main(argv: list[str] | None = None) -> int:
                         ("evaluate", "the evaluate flow: k trials per prompt of the eval split, no training"),
                         ("prepare", "prepare a run: model, dataset, prompts")]:  # fmt: skip
         _add_run_args(sub.add_parser(name, help=help_))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         cfg = _config_from_args(args)
-        print(f"grpoflow: {args.command} run {cfg.run_id} (model {cfg.model.source}, dataset {cfg.dataset.path}, "
-              f"engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})", flush=True)  # fmt: skip
+        preset = f"preset {args.preset}, " if args.preset else ""
+        print(f"grpoflow: {args.command} run {cfg.run_id} ({preset}model {cfg.model.source}, dataset "
+              f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})",
+              flush=True)  # fmt: skip
         _run_flow(args.command, cfg)  # Prefect is imported only after the arguments are valid: it is slow
     except GrpoflowError as err:
         print(f"grpoflow: error: {err}", file=sys.stderr)

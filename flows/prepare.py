@@ -9,6 +9,7 @@ from prefect.runtime import flow_run
 from flows.common import flow_run_name, start_run
 from grpoflow.config import RunConfig
 from grpoflow.prepare import PreparedRun
+from tasks.preflight import preflight_task
 from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
 
 
@@ -16,6 +17,7 @@ from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prom
 def prepare_flow(config: RunConfig = RunConfig()) -> PreparedRun:
     """Resolve the model (converting the built-in GGUF once), validate the task set, write prompts.jsonl."""
     cfg = start_run(config, "prepare")
+    preflight_task(cfg, "prepare")
     model = prepare_model_task(cfg.model.source)
     dataset = prepare_dataset_task(cfg.dataset.path)
     run = prepare_prompts_task(cfg, model, dataset, flow_run_id=str(flow_run.id) if flow_run.id else None)

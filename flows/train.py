@@ -19,6 +19,7 @@ from grpoflow.prompts import load_prompts
 from grpoflow.reporting import MetricsLog, plot_curves, read_metrics, summary_markdown
 from grpoflow.serving import open_engine
 from grpoflow.train import load_trainer
+from tasks.preflight import engine_preflight_task, preflight_task
 from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
 from tasks.rollout import run_trials_task
 from tasks.train import grpo_step_task, sync_weights_task
@@ -28,6 +29,7 @@ from tasks.train import grpo_step_task, sync_weights_task
 def train_flow(config: RunConfig = RunConfig()) -> dict:
     """GRPO training of the policy on agent trials; returns the last step's metrics."""
     cfg = start_run(config, "train")
+    preflight_task(cfg, "train")
     model = prepare_model_task(cfg.model.source)
     dataset = prepare_dataset_task(cfg.dataset.path)
     run = prepare_prompts_task(cfg, model, dataset)
@@ -39,6 +41,8 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
     record: dict = {}
     try:
         with open_engine(cfg.engine, model.path, cfg.seed, paths.root / "engine.log") as engine:
+            if cfg.engine.backend != "sglang":  # an engine started for the run; an attached one: preflight_task
+                engine_preflight_task(engine.url, model.path)
             for step in range(cfg.train.steps):
                 t0 = time.perf_counter()
                 step_prompts = select_step_prompts(prompts, step, cfg.rollout.prompts_per_step)

@@ -11,13 +11,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harbor.models.environment_type import EnvironmentType
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
 from grpoflow.evaluate import step_metrics, to_sample
 from grpoflow.fileio import write_jsonl_atomic
 from grpoflow.prompts import PromptRecord
-from grpoflow.rollout import LOCAL_SANDBOX, Attempt, TrialOutcome, TrialSpec, plan_group_trials, run_trials
+from grpoflow.rollout import (
+    LOCAL_SANDBOX,
+    Attempt,
+    SandboxGate,
+    TrialOutcome,
+    TrialSpec,
+    plan_group_trials,
+    run_trials,
+)
 from grpoflow.samples import Sample
 
 SHELL_AGENT = "grpoflow.agents.shell:ShellAgent"
@@ -50,6 +59,7 @@ def shell_agent_factory(
                 "output_cap_chars": rollout.output_cap_chars,
                 "early_truncation_exit": rollout.early_truncation_exit,
                 "request_timeout_s": engine.request_timeout_s,
+                "engine_retries": engine.retries,
             },
         )
 
@@ -57,9 +67,16 @@ def shell_agent_factory(
 
 
 def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
+    """Harbor's environment for `rollout.sandbox`: our bubblewrap `LocalSandbox`, or a Harbor environment type
+    passed straight through. `rollout.sandbox_kwargs` then `kwargs` (which win) go to its constructor.
+
+    No credentials here: Harbor writes this config into every trial dir. A provider's key reaches its SDK through
+    the process environment (`grpoflow.credentials.export_sandbox_key`).
+    """
+    merged = {**rollout.sandbox_kwargs, **kwargs}
     if rollout.sandbox == "local":
-        return EnvironmentConfig(import_path=LOCAL_SANDBOX, kwargs=kwargs)
-    raise ValueError(f"rollout.sandbox `{rollout.sandbox}` is not supported")
+        return EnvironmentConfig(import_path=LOCAL_SANDBOX, kwargs=merged)
+    return EnvironmentConfig(type=EnvironmentType(rollout.sandbox), kwargs=merged)
 
 
 async def collect_step(
@@ -74,12 +91,14 @@ async def collect_step(
     details_dir: Path,
     on_done: Callable[[TrialOutcome], Any] | None = None,
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
+    sandbox_gate: SandboxGate | None = None,
 ) -> StepRollout:
     specs = plan_group_trials(prompts, step, rollout.n_samples_per_prompt, seed)
     t0 = time.perf_counter()
     outcomes = await run_trials(
         specs, make_agent, environment, trials_dir, concurrency=rollout.concurrency,
         retries=rollout.sandbox_retries, backoff_s=rollout.retry_backoff_s, on_done=on_done, on_retry=on_retry,
+        sandbox_gate=sandbox_gate,
     )  # fmt: skip
     wall = time.perf_counter() - t0
     samples = [to_sample(o, run_id, step) for o in outcomes]

@@ -10,12 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from harbor.models.environment_type import EnvironmentType
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from grpoflow.credentials import sandbox_key_var
 from grpoflow.errors import ConfigError
 
 RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -69,23 +72,103 @@ class PromptsConfig(_Section):
 
 
 class EngineConfig(_Section):
-    backend: Literal["embedded", "sglang"] = Field(
+    backend: Literal["embedded", "sglang", "sglang-launch"] = Field(
         "embedded",
         description="`embedded`: grpoflow's CPU engine speaking SGLang's HTTP API, started for the run. "
-        "`sglang`: an SGLang server already running at `url`.",
+        "`sglang`: an SGLang server already running at `url`. `sglang-launch`: start `python -m "
+        "sglang.launch_server` with `sglang_python` for the run (free port on 127.0.0.1) and stop it at the end.",
     )
     url: str | None = Field(None, description="Base URL of the SGLang server (backend `sglang` only).")
+    sglang_python: str | None = Field(
+        None,
+        description="Python of the separate SGLang environment, e.g. `/opt/sglang-venv/bin/python` "
+        "(backend `sglang-launch` only; SGLang pins its own torch and cannot share grpoflow's environment).",
+    )
+    tp_size: int = Field(1, ge=1, le=64, description="SGLang `--tp-size`: GPUs one server shards the model over.")
+    mem_fraction_static: float = Field(
+        0.8, gt=0.0, lt=1.0,
+        description="SGLang `--mem-fraction-static`: share of GPU memory for weights and KV cache. "
+        "Lower it when the trainer shares the GPU.",
+    )  # fmt: skip
+    sglang_args: list[str] = Field(
+        default_factory=list,
+        description="Extra `sglang.launch_server` arguments, e.g. [\"--context-length\", \"32768\"]. The flags "
+        "grpoflow sets itself (model path, host, port, tp size, mem fraction) are refused here.",
+    )
+    startup_timeout_s: float = Field(
+        900.0, gt=0, description="How long a launched SGLang server may take to answer /health (load, CUDA graphs)."
+    )
     threads: int = Field(1, ge=1, le=256, description="Torch threads the embedded engine may use.")
     max_batch_size: int = Field(16, ge=1, le=1024, description="Most sequences the embedded engine decodes at once.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one engine request, in seconds.")
+    retries: int = Field(
+        3, ge=0, le=20,
+        description="Retries of one engine request after an infrastructure fault (HTTP 5xx, timeout, refused or "
+        "dropped connection), with jittered exponential backoff; then the step fails with the last error.",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _launch_settings(self) -> EngineConfig:
+        # Checked here, not at launch time, so a bad recipe fails before a run dir or a GPU is touched.
+        if self.backend == "sglang-launch":
+            if not self.sglang_python:
+                raise ValueError("`engine.sglang_python`: required when engine.backend is `sglang-launch`")
+            if self.url:
+                raise ValueError("`engine.url`: must be empty when engine.backend is `sglang-launch` "
+                                 "(the launched server's URL is chosen when it starts)")  # fmt: skip
+        reserved = [a for a in self.sglang_args if a.split("=", 1)[0] in SGLANG_RESERVED_FLAGS]
+        if reserved:
+            raise ValueError(f"`engine.sglang_args`: {', '.join(reserved)} is set by grpoflow itself; use the "
+                             "engine.* fields (tp_size, mem_fraction_static) instead")  # fmt: skip
+        return self
+
+
+# `sglang.launch_server` flags grpoflow passes itself, with their aliases in SGLang's server_args.py add_cli_args
+# (`--tp` is the documented short form, reaching `--tp-size` by argparse's prefix matching).
+SGLANG_RESERVED_FLAGS = frozenset({
+    "--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size", "--tp",
+    "--mem-fraction-static",
+})  # fmt: skip
+
+
+# `local` or any environment type of the installed Harbor, read from its own enum so the two never disagree.
+SandboxName = Literal[("local", *(t.value for t in EnvironmentType))]  # type: ignore[valid-type]
+
+# Name parts that mark a kwarg or field as a credential: kwargs are written to every trial's config.json.
+_CREDENTIAL_WORDS = frozenset({"key", "apikey", "token", "secret", "secrets", "password", "passwd", "credential",
+                               "credentials"})  # fmt: skip
+
+
+def _looks_like_credential(name: str) -> bool:
+    return bool(_CREDENTIAL_WORDS & set(re.split(r"[^a-z0-9]+", str(name).lower())))
 
 
 class RolloutConfig(_Section):
     harness: Literal["shell"] = Field(
         "shell", description="The agent that runs each trial: `shell` (grpoflow's token-native bash agent)."
     )
-    sandbox: Literal["local"] = Field(
-        "local", description="Where trials run: `local` (bubblewrap on this machine, no network)."
+    sandbox: SandboxName = Field(
+        "local",
+        description="Where trials run: `local` (bubblewrap on this machine, no network), or a Harbor environment "
+        "type (`e2b`, `daytona`, `modal`, `docker`, ...) passed to Harbor as `EnvironmentConfig(type=...)`.",
+    )
+    sandbox_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the sandbox environment (Harbor's `EnvironmentConfig.kwargs`), e.g. "
+        "`sandbox_timeout_secs` for e2b or `memory_mb` for local. Harbor writes them to every trial's "
+        "config.json: credentials never go here.",
+    )
+    sandbox_api_key_file: str | None = Field(
+        None,
+        description="File holding the sandbox provider's API key (for e2b: the `E2B_API_KEY` value). Read when "
+        "trials start and handed to the provider through the process environment; never stored. Empty: the key "
+        "comes from the environment variable.",
+    )
+    sandbox_create_limit: str | None = Field(
+        "sandbox-create",
+        description="Name of a Prefect global concurrency limit held while a sandbox starts, bounding sandbox "
+        "creation across all runs (`prefect gcl create sandbox-create --limit 8`). No such limit on the "
+        "server: creation is bounded by `concurrency` alone. Empty: never ask.",
     )
     prompts_per_step: int = Field(4, ge=1, le=4096, description="Prompts (GRPO groups) sampled per training step.")
     n_samples_per_prompt: int = Field(
@@ -124,6 +207,37 @@ class RolloutConfig(_Section):
         description="What happens to a GRPO group when one of its trials still fails after all retries: "
         "`drop_group` leaves the whole group out of training; `keep_group` trains on its other trials.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        # Refused before pydantic's "extra fields" error, which would echo the value (a key) into logs.
+        if isinstance(data, dict):
+            secret = [k for k in data if k not in cls.model_fields and _looks_like_credential(k)]
+            if secret:
+                raise ValueError(
+                    f"`rollout.{secret[0]}`: credentials are never part of the config (it is saved with the run); "
+                    "put the key in the provider's environment variable (e.g. E2B_API_KEY) or name a key file "
+                    "in rollout.sandbox_api_key_file"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _sandbox_settings(self) -> RolloutConfig:
+        secret = [k for k in self.sandbox_kwargs if _looks_like_credential(k)]
+        if secret:
+            raise ValueError(
+                f"`rollout.sandbox_kwargs.{secret[0]}`: looks like a credential, and Harbor writes sandbox kwargs "
+                "to every trial's config.json; put the key in the provider's environment variable or name a key "
+                "file in rollout.sandbox_api_key_file"
+            )
+        if self.sandbox_api_key_file is not None and sandbox_key_var(self.sandbox) is None:
+            why = "the local sandbox needs no key" if self.sandbox == "local" else (
+                f"grpoflow does not know which variable sandbox `{self.sandbox}` reads its key from; give its "
+                "credentials in the environment as Harbor documents"
+            )  # fmt: skip
+            raise ValueError(f"`rollout.sandbox_api_key_file`: {why}")
+        return self
 
 
 class TrainConfig(_Section):

@@ -5,6 +5,11 @@ One trial = one agent episode on one task instance, in its own sandbox, verified
 an infrastructure error is run again from scratch (new trial dir, new sandbox) after a jittered backoff, up to
 `retries` times; model and agent errors are final on the first attempt. Every attempt is kept in the outcome,
 so retries are counted and a trial whose retries ran out keeps its exit status — it is never scored 0.
+
+Sandbox creation can be bounded beyond `concurrency` by a `SandboxGate`: a factory of async context managers (the
+Prefect task passes a global concurrency limit; this module knows nothing of Prefect). One gate slot is held from
+the moment Harbor starts a trial's sandbox until the agent starts (or the trial ends), i.e. while the sandbox is
+being created, booted and set up — the phase providers rate-limit.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
 from harbor.models.trial.result import TrialResult
+from harbor.trial.hooks import TrialEvent, TrialHookEvent
 from harbor.trial.trial import Trial
 
 from grpoflow.prompts import PromptRecord
@@ -74,6 +81,60 @@ def plan_group_trials(
 
 
 AgentFactory = Callable[[TrialSpec], AgentConfig]
+# A fresh async context manager per sandbox start; entering it waits for a slot, leaving it frees the slot.
+SandboxGate = Callable[[], AbstractAsyncContextManager[Any]]
+
+
+class _StartSlot:
+    """Holds one `SandboxGate` slot over a trial's sandbox start, through Harbor's trial hooks.
+
+    Harbor runs environment start, healthcheck and agent setup inside `trial.run()`, so the slot is taken in the
+    ENVIRONMENT_START hook and given back in the first of AGENT_START, END or CANCEL. The gate's context manager is
+    entered and left inside one helper task (context managers such as Prefect's hold cancel scopes, which must
+    be left in the task that entered them); the hooks only signal it.
+    """
+
+    def __init__(self, gate: SandboxGate):
+        self._gate = gate
+        self._holder: asyncio.Task[None] | None = None
+        self._entered = False  # the gate's slot is held (its context manager was entered)
+        self._release = asyncio.Event()
+
+    def attach(self, trial: Trial) -> None:
+        trial.add_hook(TrialEvent.ENVIRONMENT_START, self._take)
+        for event in (TrialEvent.AGENT_START, TrialEvent.END, TrialEvent.CANCEL):
+            trial.add_hook(event, self.release)
+
+    async def _take(self, _event: TrialHookEvent) -> None:
+        if self._holder is not None:  # already holding a slot for this trial
+            return
+        acquired = asyncio.get_running_loop().create_future()
+        self._holder = asyncio.create_task(self._hold(acquired))
+        # Raises if the gate itself fails (e.g. the limit's server is down): Harbor records it on the trial.
+        await acquired
+
+    async def _hold(self, acquired: asyncio.Future[None]) -> None:
+        try:
+            async with self._gate():
+                self._entered = True
+                if not acquired.done():  # done: the waiting trial was cancelled meanwhile
+                    acquired.set_result(None)
+                await self._release.wait()
+        except Exception as err:  # handed to the trial waiting in _take; after acquisition only logged
+            if not acquired.done():
+                acquired.set_exception(err)
+            else:
+                log.warning("sandbox gate: giving back a slot failed: %s: %s", type(err).__name__, _one_line(str(err)))
+
+    async def release(self, _event: TrialHookEvent | None = None) -> None:
+        """Give the slot back (or stop waiting for one); idempotent, so every end-of-start hook may call it."""
+        if self._holder is None:
+            return
+        holder, self._holder = self._holder, None
+        self._release.set()
+        if not self._entered:
+            holder.cancel()  # still queued for a slot and the trial is over: stop asking
+        await asyncio.wait([holder])  # not `await holder`: that would re-raise the holder's cancellation here
 
 
 def build_trial_config(
@@ -102,6 +163,7 @@ async def run_trial(
     retries: int,
     backoff_s: float,
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
+    sandbox_gate: SandboxGate | None = None,
 ) -> TrialOutcome:
     rng = random.Random(spec.seed)  # jitter: deterministic per trial, different across trials
     attempts: list[Attempt] = []
@@ -109,7 +171,14 @@ async def run_trial(
         cfg = build_trial_config(spec, attempt, make_agent(spec), environment, trials_dir)
         t0 = time.perf_counter()
         trial = await Trial.create(cfg)
-        result = await trial.run()
+        slot = _StartSlot(sandbox_gate) if sandbox_gate else None
+        if slot:
+            slot.attach(trial)
+        try:
+            result = await trial.run()
+        finally:
+            if slot:  # normally given back by a hook already; this covers a run that ended in between
+                await slot.release()
         exc = result.exception_info
         attempts.append(Attempt(
             trial_dir=str(trials_dir / cfg.trial_name),
@@ -140,14 +209,20 @@ async def run_trials(
     backoff_s: float = 0.5,
     on_done: Callable[[TrialOutcome], Any] | None = None,
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
+    sandbox_gate: SandboxGate | None = None,
 ) -> list[TrialOutcome]:
-    """Run every spec, at most `concurrency` at once; outcomes come back in the order of `specs`."""
+    """Run every spec, at most `concurrency` at once; outcomes come back in the order of `specs`.
+
+    `sandbox_gate`, if given, also bounds how many sandboxes are starting at once (see the module doc).
+    """
     trials_dir.mkdir(parents=True, exist_ok=True)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(spec: TrialSpec) -> TrialOutcome:
         async with gate:
-            out = await run_trial(spec, make_agent, environment, trials_dir, retries, backoff_s, on_retry)
+            out = await run_trial(
+                spec, make_agent, environment, trials_dir, retries, backoff_s, on_retry, sandbox_gate
+            )
         if on_done and inspect.isawaitable(ack := on_done(out)):  # async callbacks (e.g. progress updates)
             await ack
         return out

@@ -1,5 +1,7 @@
-"""The engine a run talks to, whichever backend: the embedded one started for the run, or an SGLang server
-already running. Either way the rest of the pipeline sees one URL speaking SGLang's HTTP API."""
+"""The engine a run talks to, whichever backend: the embedded one started for the run, an SGLang server started
+for the run from SGLang's own environment, or an SGLang server already running. Either way the rest of the
+pipeline sees one URL speaking SGLang's HTTP API, and one client that retries infrastructure faults
+(`engine.retries`) before the step fails with `EngineError`."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 from grpoflow.config import EngineConfig
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import start_embedded_engine
+from grpoflow.engine.sglang_launch import start_sglang_server
 from grpoflow.errors import EngineError
 
 
@@ -22,16 +25,27 @@ class EngineHandle:
 
 @contextmanager
 def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -> Iterator[EngineHandle]:
+    """Start (or reach) the engine for the block; a started one is stopped when the block ends, however it ends."""
     if cfg.backend == "embedded":
         with start_embedded_engine(
             model_path, seed=seed, threads=cfg.threads, max_batch_size=cfg.max_batch_size, log_path=log_path,
-            client_timeout=cfg.request_timeout_s,
+            client_timeout=cfg.request_timeout_s, client_retries=cfg.retries,
         ) as engine:  # fmt: skip
             yield EngineHandle(engine.url, engine.client)
         return
+    if cfg.backend == "sglang-launch":
+        assert cfg.sglang_python, "validated by EngineConfig"
+        with start_sglang_server(
+            cfg.sglang_python, model_path, tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
+            extra_args=cfg.sglang_args, log_path=log_path, startup_timeout=cfg.startup_timeout_s,
+            client_timeout=cfg.request_timeout_s, client_retries=cfg.retries,
+        ) as server:  # fmt: skip
+            yield EngineHandle(server.url, server.client)
+        return
     assert cfg.url, "validated by parse_run_config"
-    client = EngineClient(cfg.url, timeout=cfg.request_timeout_s)
+    client = EngineClient(cfg.url, timeout=cfg.request_timeout_s, retries=cfg.retries)
     if not client.health():
+        client.close()
         raise EngineError(f"engine.url {cfg.url}: no healthy SGLang server answers there (GET /health)")
     try:
         yield EngineHandle(cfg.url, client)

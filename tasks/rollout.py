@@ -1,20 +1,29 @@
 """Prefect task of the rollout + evaluate stage: one task per step's batch of trials (trials run inside it with
 asyncio, bounded), not one task per trial — Prefect costs tens of ms per task run and struggles with thousands.
 Retries of sandbox failures happen per trial inside; they show up here as warnings in the task's log, a count in
-the metrics, and rows in the step's trial table."""
+the metrics, and rows in the step's trial table.
+
+Two things happen here because they belong to the process, not the core library: the sandbox key file (if any) is
+exported into this process's environment for the provider's SDK, and sandbox starts take a slot of the Prefect
+global concurrency limit `rollout.sandbox_create_limit` when the server has one."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from prefect import get_run_logger, task
 from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.concurrency.asyncio import concurrency
+from prefect.exceptions import ObjectNotFound
 
 from grpoflow.collect import StepRollout, collect_step, sandbox_config, shell_agent_factory
 from grpoflow.config import RunConfig
+from grpoflow.credentials import export_sandbox_key
 from grpoflow.prompts import PromptRecord
-from grpoflow.rollout import Attempt, TrialOutcome, TrialSpec
+from grpoflow.rollout import Attempt, SandboxGate, TrialOutcome, TrialSpec
 from grpoflow.rundir import RunPaths
 
 
@@ -47,10 +56,12 @@ async def _run_trials(
             spec.rollout_id, attempt.exception_type, " ".join((attempt.exception_message or "").split())[:200],
         )
 
+    export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
     result = await collect_step(
         cfg.run_id, step, prompts, cfg.rollout, cfg.seed,
         shell_agent_factory(cfg.rollout, cfg.engine, engine_url, tokenizer_path), sandbox_config(cfg.rollout),
         paths.trials(step), paths.details(step), on_done=on_done, on_retry=on_retry,
+        sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
     )  # fmt: skip
     await acreate_table_artifact(
         key=f"{cfg.run_id}-step-{step}-trials",
@@ -68,3 +79,23 @@ async def _run_trials(
         step, total, m["reward_mean"], m["pass_at_k"], m["truncated_ratio"], m["retries"], m["wall_time_s"],
     )  # fmt: skip
     return result
+
+
+async def sandbox_create_gate(
+    limit_name: str | None, logger: logging.Logger | logging.LoggerAdapter
+) -> SandboxGate | None:
+    """A gate taking one slot of the global concurrency limit `limit_name` per sandbox start, or None when the
+    name is empty or the server has no such limit (then `rollout.concurrency` alone bounds sandbox starts)."""
+    if not limit_name:
+        return None
+    async with get_client() as client:
+        try:
+            await client.read_global_concurrency_limit_by_name(limit_name)
+        except ObjectNotFound:
+            logger.info(
+                "no global concurrency limit `%s` on the Prefect server: sandbox starts are bounded by "
+                "rollout.concurrency only (create one: prefect gcl create %s --limit 8)", limit_name, limit_name,
+            )  # fmt: skip
+            return None
+    # strict=False: if the limit is deleted mid-run, starts go on ungated instead of failing every trial.
+    return lambda: concurrency(limit_name, occupy=1, strict=False)

@@ -30,6 +30,6 @@ def sync_weights_task(trainer: TrainerState, paths: RunPaths, step: int, engine_
     ckpt = save_checkpoint(trainer.model, trainer.tokenizer, paths.checkpoint(step))
     prune_checkpoints(ckpt.parent, cfg.train.save_interval, latest=step)
     version = str(step + 1)  # number of GRPO updates in the weights; rollout samples carry it
-    with EngineClient(engine_url, timeout=cfg.engine.request_timeout_s) as client:
+    with EngineClient(engine_url, timeout=cfg.engine.request_timeout_s, retries=cfg.engine.retries) as client:
         client.update_weights_from_disk(str(ckpt), weight_version=version)
     return version

@@ -82,6 +82,7 @@ class ShellAgent(BaseAgent):
         output_cap_chars: int = 2000,
         early_truncation_exit: bool = True,
         request_timeout_s: float = 300.0,
+        engine_retries: int = 3,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -96,6 +97,7 @@ class ShellAgent(BaseAgent):
         self.output_cap_chars = output_cap_chars
         self.early_truncation_exit = early_truncation_exit
         self.request_timeout_s = request_timeout_s
+        self.engine_retries = engine_retries
 
     @staticmethod
     def name() -> str:
@@ -118,7 +120,7 @@ class ShellAgent(BaseAgent):
             "end_reason": None, "turns": 0, "generation_time_s": 0.0, "tool_time_s": 0.0, "truncated": False,
             "tokens_after_truncation": 0, "policy_calls": 0, "commands_run": 0, "weight_version": None,
         }  # fmt: skip
-        client = EngineClient(self.engine_url, timeout=self.request_timeout_s)
+        client = EngineClient(self.engine_url, timeout=self.request_timeout_s, retries=self.engine_retries)
         try:
             rec["end_reason"] = await self._loop(traj, environment, client, rec, context)
         finally:

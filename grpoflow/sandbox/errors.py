@@ -45,7 +45,18 @@ OUR_SANDBOX_FAILURES: frozenset[str] = frozenset(
 HARBOR_SANDBOX_FAILURES: frozenset[str] = frozenset(
     name for name, policy in ERROR_POLICIES.items() if policy.cause == FailureCause.SANDBOX_FAILED
 )
-SANDBOX_FAILURE_TYPES: frozenset[str] = OUR_SANDBOX_FAILURES | HARBOR_SANDBOX_FAILURES
+# Cloud sandbox providers' own errors, which Harbor's environments raise unwrapped (so `exception_type` carries
+# these names). From `e2b.exceptions` (e2b 2.x; a test checks each name still exists there):
+PROVIDER_SANDBOX_FAILURES: frozenset[str] = frozenset({
+    # Capacity and rate limits: HTTP 429 and 503 ("no capacity to place a sandbox right now"). Nothing was
+    # created and the same request succeeds later, so the trial is retried after our jittered backoff.
+    "RateLimitException",
+    "ServiceBusyException",
+    # The sandbox died under the trial (killed, timed out, network down): the next sandbox may well be fine.
+    "SandboxNotRunningException",
+    "SandboxUnreachableException",
+})  # fmt: skip
+SANDBOX_FAILURE_TYPES: frozenset[str] = OUR_SANDBOX_FAILURES | HARBOR_SANDBOX_FAILURES | PROVIDER_SANDBOX_FAILURES
 
 
 class _HasExceptionType(Protocol):
@@ -62,7 +73,8 @@ def is_sandbox_failure(exc: BaseException | _HasExceptionType | str | None) -> b
 
     `exc` is a live exception, Harbor's `ExceptionInfo` (anything with `.exception_type`), or a class name.
     True: our `SandboxError` family and Harbor's sandbox faults (`EnvironmentStartTimeoutError`,
-    `HealthcheckError`, `SandboxBuildFailedError`, `AgentSetupTimeoutError`, `AddTestsDirError`, ...). For a
+    `HealthcheckError`, `SandboxBuildFailedError`, `AgentSetupTimeoutError`, `AddTestsDirError`, ...), and cloud
+    providers' capacity, rate-limit and dead-sandbox errors (e2b's `RateLimitException`, ...). For a
     live exception its base classes count, and so does an explicit cause (`raise X from sandbox_error`).
     False: None, agent/model errors, timeouts of the agent or verifier, reward errors, `CancelledError`, and
     `SandboxUnavailableError` (a missing tool does not heal on retry).

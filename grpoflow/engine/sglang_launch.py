@@ -1,0 +1,146 @@
+"""Start an SGLang server for a run from SGLang's own Python environment, wait until it serves, stop it after.
+
+SGLang pins its own torch, transformers and CUDA kernels (and conflicts with Harbor's openai pin), so it runs from
+a separate interpreter (`engine.sglang_python`) and grpoflow only talks to it over HTTP. The command is
+
+    <sglang_python> -m sglang.launch_server --model-path M --host 127.0.0.1 --port P --tp-size N
+        --mem-fraction-static F [extra args]
+
+with flag names from sgl-project/sglang `python/sglang/srt/server_args.py` (`ServerArgs.add_cli_args`).
+SGLang has no "bind port 0 and report it" option, so a free port is picked here just before the start; if another
+process takes it in between, SGLang dies at startup and the error below says so with its log.
+
+The server runs in its own process group: SGLang's scheduler and detokenizer are child processes, and stopping
+the group ends them all. The child's environment drops PYTHONPATH / PYTHONHOME / VIRTUAL_ENV so grpoflow's
+packages cannot leak into SGLang's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from grpoflow.engine.client import EngineClient
+from grpoflow.engine.launch import log_tail, stop_process_group
+from grpoflow.errors import EngineError
+
+# SGLang's /health runs a one-token generation and polls for it once per second (http_server.py health_generate),
+# so one probe may take over a second even on a healthy server.
+_HEALTH_PROBE_TIMEOUT_S = 10.0
+_POLL_S = 0.5
+_ENV_DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+
+
+class SGLangServer:
+    """A launched `sglang.launch_server` process: `.url`, `.client`, `.log_path`, `.stop()`; a context manager."""
+
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, client: EngineClient, command: list[str]):
+        self.process = process
+        self.url = url
+        self.log_path = log_path
+        self.client = client
+        self.command = command
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the process group, wait up to `timeout` (SGLang frees GPU memory on the way out), then SIGKILL."""
+        self.client.close()
+        stop_process_group(self.process, timeout)
+
+    def __enter__(self) -> SGLangServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def sglang_command(
+    python: str,
+    model_path: str | Path,
+    port: int,
+    *,
+    tp_size: int = 1,
+    mem_fraction_static: float = 0.8,
+    extra_args: list[str] | None = None,
+    host: str = "127.0.0.1",
+) -> list[str]:
+    return [
+        python, "-m", "sglang.launch_server",
+        "--model-path", str(model_path), "--host", host, "--port", str(port),
+        "--tp-size", str(tp_size), "--mem-fraction-static", str(mem_fraction_static),
+        *(extra_args or []),
+    ]  # fmt: skip
+
+
+def start_sglang_server(
+    python: str,
+    model_path: str | Path,
+    *,
+    tp_size: int = 1,
+    mem_fraction_static: float = 0.8,
+    extra_args: list[str] | None = None,
+    log_path: str | Path | None = None,
+    startup_timeout: float = 900.0,
+    client_timeout: float = 300.0,
+    client_retries: int = 3,
+) -> SGLangServer:
+    """Spawn SGLang on 127.0.0.1 (a free port) and return once `/health` answers 200.
+
+    Raises `EngineError` when the interpreter is missing, when the server exits during startup (with the exit
+    code and the log's tail), or when it is not healthy within `startup_timeout` (it is stopped first).
+    """
+    exe = shutil.which(python)
+    if exe is None:
+        raise EngineError(f"engine.sglang_python {python}: no such executable (the SGLang environment's python, "
+                          "e.g. /opt/sglang-venv/bin/python)")  # fmt: skip
+    if log_path is None:
+        log_path = Path(tempfile.mkdtemp(prefix="grpoflow-sglang-")) / "engine.log"
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    cmd = sglang_command(exe, model_path, port, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
+                         extra_args=extra_args)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED}
+    with open(log_path, "ab") as log_file:
+        log_file.write(f"grpoflow: starting {' '.join(cmd)}\n".encode())
+        log_file.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_healthy(proc, url, log_path, startup_timeout)
+    except BaseException:
+        stop_process_group(proc, timeout=10.0)
+        raise
+    client = EngineClient(url, timeout=client_timeout, retries=client_retries)
+    return SGLangServer(proc, url, log_path, client, cmd)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with EngineClient(url, timeout=_HEALTH_PROBE_TIMEOUT_S, retries=0) as probe:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise EngineError(
+                    f"SGLang server exited with code {proc.returncode} during startup; log {log_path}:\n"
+                    + log_tail(log_path)
+                )
+            if probe.health(timeout=min(_HEALTH_PROBE_TIMEOUT_S, max(deadline - time.monotonic(), 0.1))):
+                return
+            time.sleep(_POLL_S)
+    raise EngineError(f"SGLang server at {url} not healthy after {timeout:.0f}s; log {log_path}:\n" + log_tail(log_path))

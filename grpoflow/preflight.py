@@ -1,0 +1,229 @@
+"""Checks that fail a run in seconds, with one line naming what to set, instead of failing every trial later.
+
+Each check is a function returning a list of problems (one line each; empty: fine). They only look: no run dir
+is made, no key exported, no sandbox created. `check_run` picks what a flow needs; `tasks/preflight.py` runs it
+as each flow's first task and raises `PreflightError` listing the problems.
+
+What is checked, by stage (prepare needs neither engine nor sandbox):
+
+- every stage: the run dir does not exist yet; harbor is importable.
+- train, evaluate: the sandbox. `local`: `bwrap`, `prlimit` and `setpriv` are installed. A Harbor type: Harbor can
+  load its environment (its extra is installed); its key is set and non-empty (a key file, if named, exists and
+  holds one) for providers in `grpoflow.credentials.PROVIDERS`, else Harbor's own preflight for the type passes;
+  and, for providers with a known API (e2b), its API answers an HTTP GET within a few seconds (any answer below
+  500, 401/403 included, counts as reachable: the key itself is not tested).
+- train, evaluate with `engine.backend=sglang`: `engine.url` answers `GET /health` with 200, and `GET
+  /model_info` names `model.source` as its `model_path` (same string, or the same local path).
+  Engines the run starts itself (any other backend) are checked once up: `check_engine` against the prepared model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+from grpoflow.config import RunConfig, RolloutConfig
+from grpoflow.credentials import PROVIDERS, sandbox_key_problems
+from grpoflow.errors import GrpoflowError
+
+Stage = Literal["prepare", "train", "evaluate"]
+
+# What LocalSandbox runs on the host: bwrap from PATH; prlimit and setpriv at the absolute paths it execs.
+LOCAL_SANDBOX_TOOLS: dict[str, tuple[str, str]] = {
+    "bwrap": ("bwrap", "bubblewrap"),
+    "prlimit": ("/usr/bin/prlimit", "util-linux"),
+    "setpriv": ("/usr/bin/setpriv", "util-linux"),
+}
+
+DEFAULT_TIMEOUT_S = 5.0
+
+
+class PreflightError(GrpoflowError):
+    """A run cannot start: its message lists every problem preflight found, one per line."""
+
+
+def check_run(
+    cfg: RunConfig, stage: Stage, environ: Mapping[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[str]:
+    """Everything `stage` needs before its first real step (see the module doc)."""
+    env = os.environ if environ is None else environ
+    harbor = check_harbor()
+    problems = check_run_dir(cfg) + harbor
+    if stage == "prepare" or harbor:  # prepare needs no sandbox or engine; without harbor the sandbox checks can't run
+        return problems
+    problems += check_sandbox(cfg.rollout, env, timeout_s)
+    if cfg.engine.backend == "sglang" and cfg.engine.url:
+        problems += check_engine(cfg.engine.url, cfg.model.source, "model.source", timeout_s)
+    return problems
+
+
+def check_run_dir(cfg: RunConfig) -> list[str]:
+    if cfg.run_id and cfg.run_dir.exists():
+        return [f"run dir {cfg.run_dir} already exists: choose another run_id (runs are never overwritten)"]
+    return []
+
+
+def check_harbor(import_module: Callable[[str], object] = importlib.import_module) -> list[str]:
+    try:
+        import_module("harbor.trial.trial")
+    except ImportError as err:
+        return [f"harbor is not importable ({err}): pip install 'harbor==0.25.0' into this environment"]
+    return []
+
+
+def check_sandbox(
+    rollout: RolloutConfig, environ: Mapping[str, str], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[str]:
+    if rollout.sandbox == "local":
+        return check_local_sandbox()
+    loaded = check_harbor_environment(rollout.sandbox)
+    if loaded:  # nothing more can be asked of an environment Harbor cannot load
+        return loaded
+    if rollout.sandbox in PROVIDERS:
+        problems = sandbox_key_problems(rollout.sandbox, rollout.sandbox_api_key_file, environ)
+    else:
+        problems = check_harbor_preflight(rollout.sandbox)
+    return problems + check_sandbox_api(rollout.sandbox, environ, timeout_s)
+
+
+def check_local_sandbox(find: Callable[[str], str | None] = shutil.which) -> list[str]:
+    problems = []
+    for tool, (path, package) in LOCAL_SANDBOX_TOOLS.items():
+        if find(path) is None:
+            problems.append(
+                f"rollout.sandbox=local needs `{tool}` ({path}): apt-get install -y {package}, or set rollout.sandbox "
+                "to a Harbor environment type (e.g. e2b)"
+            )
+    return problems
+
+
+def check_harbor_environment(sandbox: str) -> list[str]:
+    """Harbor can import the environment class of `sandbox`, and every package of its pip extra is installed
+    (some are imported only when a trial starts: e2b's environment needs `dockerfile-parse` in its constructor)."""
+    from harbor.environments.factory import _ENVIRONMENT_REGISTRY, EnvironmentFactory
+    from harbor.models.environment_type import EnvironmentType
+
+    env_type = EnvironmentType(sandbox)
+    try:
+        # Public and side-effect free; it imports the environment's module, which is what can fail.
+        EnvironmentFactory.resource_capabilities(env_type)
+    except ImportError as err:
+        return [f"rollout.sandbox={sandbox}: Harbor cannot load this environment: {_one_line(str(err))}"]
+    entry = _ENVIRONMENT_REGISTRY.get(env_type)
+    missing = missing_extra_packages(entry.pip_extra) if entry and entry.pip_extra else []
+    if missing:
+        return [f"rollout.sandbox={sandbox}: Harbor's `{entry.pip_extra}` extra is not fully installed (missing "
+                f"{', '.join(missing)}): pip install 'harbor[{entry.pip_extra}]=={_harbor_version()}'"]  # fmt: skip
+    return []
+
+
+def missing_extra_packages(extra: str, dist: str = "harbor") -> list[str]:
+    """Packages `dist[extra]` requires that are not installed (nested extras of `dist` itself not followed)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    missing = []
+    for spec in metadata.requires(dist) or []:
+        req = Requirement(spec)
+        if req.name == dist or req.marker is None or not req.marker.evaluate({"extra": extra}):
+            continue
+        try:
+            metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            missing.append(req.name)
+    return missing
+
+
+def _harbor_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("harbor")
+
+
+def check_harbor_preflight(sandbox: str) -> list[str]:
+    """Harbor's own credential/tool check of an environment type (e.g. `docker info`, Modal's token)."""
+    from harbor.environments.factory import EnvironmentFactory
+    from harbor.models.environment_type import EnvironmentType
+
+    try:
+        EnvironmentFactory.run_preflight(EnvironmentType(sandbox))
+    except SystemExit as err:  # Harbor's preflights exit with the message meant for the user
+        return [f"rollout.sandbox={sandbox}: {_one_line(str(err.code))}"]
+    except Exception as err:  # a provider's check may fail in its own way; report it, don't crash the check
+        return [f"rollout.sandbox={sandbox}: Harbor's preflight failed: {type(err).__name__}: {_one_line(str(err))}"]
+    return []
+
+
+def check_sandbox_api(sandbox: str, environ: Mapping[str, str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """One GET to the provider's control plane, without credentials: any answer below 500 (401/403 included)
+    proves there is a route to a working API; 5xx, a refused connection or a timeout fail."""
+    provider = PROVIDERS.get(sandbox)
+    if provider is None or provider.api_base is None:
+        return []
+    base, source = provider.api_base(environ)
+    url = base + provider.probe_path
+    where = f"the {sandbox} API at {base} (from {source})"
+    try:
+        status = httpx.get(url, timeout=timeout_s).status_code
+    except httpx.TimeoutException:
+        return [f"{where} did not answer within {timeout_s:g}s: check this machine's route to it, or the URL setting"]
+    except httpx.HTTPError as err:
+        return [f"{where} is unreachable ({type(err).__name__}: {_one_line(str(err))}): check this machine's route "
+                "to it, or the URL setting"]  # fmt: skip
+    if status >= 500:
+        return [f"{where} answered HTTP {status} to GET {provider.probe_path}: the service is failing; retry later "
+                "or check the URL setting"]  # fmt: skip
+    return []
+
+
+def check_engine(
+    url: str, expected_model: str, expected_from: str, timeout_s: float = DEFAULT_TIMEOUT_S, remedy: str | None = None
+) -> list[str]:
+    """The engine at `url` is healthy and serves `expected_model` (`/model_info`'s `model_path`, compared as a
+    string and as a local path). `expected_from` names the setting the expectation came from and `remedy` what to
+    do about a mismatch (default: for an SGLang server the user started)."""
+    base = url.rstrip("/")
+    try:
+        health = httpx.get(base + "/health", timeout=timeout_s)
+    except httpx.HTTPError as err:
+        return [f"engine at {base}: no SGLang server answers GET /health ({type(err).__name__}: "
+                f"{_one_line(str(err)) or 'timed out'}): start it (README, Production) or fix engine.url"]  # fmt: skip
+    if health.status_code != 200:
+        return [f"engine at {base}: GET /health answered HTTP {health.status_code}: the server is not ready; wait "
+                "for it to finish loading, restart it, or fix engine.url"]  # fmt: skip
+    try:
+        info = httpx.get(base + "/model_info", timeout=timeout_s)
+        info.raise_for_status()
+        served = info.json()["model_path"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+        return [f"engine at {base}: GET /model_info gave no model_path ({type(err).__name__}: "
+                f"{_one_line(str(err))}): is engine.url an SGLang server?"]  # fmt: skip
+    if not _same_model(str(served), expected_model):
+        remedy = remedy or (f"start SGLang with --model-path {expected_model}, or set {expected_from} to the served "
+                            "model's directory")  # fmt: skip
+        return [f"engine at {base} serves `{served}` (GET /model_info model_path), but {expected_from} is "
+                f"`{expected_model}`: {remedy}"]  # fmt: skip
+    return []
+
+
+def _same_model(served: str, expected: str) -> bool:
+    if served == expected:
+        return True
+    # A relative and an absolute spelling of one directory, or a symlink to it, are the same model.
+    return os.path.realpath(Path(served).expanduser()) == os.path.realpath(Path(expected).expanduser())
+
+
+def format_problems(problems: list[str]) -> str:
+    noun = "problem" if len(problems) == 1 else "problems"
+    return f"preflight found {len(problems)} {noun}:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:400]

@@ -1,0 +1,31 @@
+"""Prefect tasks of preflight: each flow's first task, failing the run in seconds with every problem listed.
+
+The checks are `grpoflow.preflight`'s pure functions; this module only raises. No caching: the world they look at
+(a server, a key file, an API) changes between runs.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from grpoflow.config import RunConfig
+from grpoflow.preflight import PreflightError, Stage, check_engine, check_run, format_problems
+
+
+@task(name="preflight", cache_policy=NO_CACHE, task_run_name="preflight-{stage}")
+def preflight_task(cfg: RunConfig, stage: Stage) -> None:
+    """What `stage` needs before it starts: run dir, harbor, sandbox (tools or key + API), an attached engine."""
+    problems = check_run(cfg, stage)
+    if problems:
+        raise PreflightError(format_problems(problems))
+
+
+@task(name="preflight-engine", cache_policy=NO_CACHE)
+def engine_preflight_task(url: str, model_path: str) -> None:
+    """An engine the run started itself: it answers and serves the prepared model."""
+    problems = check_engine(
+        url, model_path, "the prepared model", remedy="the engine was started on other weights than this run prepared"
+    )
+    if problems:
+        raise PreflightError(format_problems(problems))

@@ -323,6 +323,11 @@ def parse_run_config(data: dict[str, Any] | RunConfig, source: str = "run config
 
 def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Read a JSON config file, apply dotted-key overrides (`rollout.temperature=0.7`), validate."""
+    return parse_run_config(apply_overrides(read_config_file(path), overrides or {}), source=str(path))
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The JSON object in a config file (not validated yet); one-line errors naming the file."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -332,7 +337,7 @@ def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunC
         raise ConfigError(f"{path}: not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
-    return parse_run_config(apply_overrides(data, overrides or {}), source=str(path))
+    return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

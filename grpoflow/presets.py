@@ -10,13 +10,12 @@ A preset that carries any cannot be run: it would silently run the `shell` harne
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpoflow.config import RunConfig, apply_overrides, parse_run_config
+from grpoflow.config import RunConfig, apply_overrides, parse_run_config, read_config_file
 from grpoflow.errors import ConfigError
 
 
@@ -95,7 +94,7 @@ def layered_run_config(preset: str, config_file: Path | None, overrides: dict[st
         raise ConfigError(p.unavailable_reason)
     data, source = preset_config(preset), f"preset {preset}"
     if config_file is not None:
-        data = merge_config(data, _read_config_object(Path(config_file)))
+        data = merge_config(data, read_config_file(Path(config_file)))
         source += f" + {config_file}"
     return parse_run_config(apply_overrides(data, overrides), source=source)
 
@@ -109,16 +108,3 @@ def merge_config(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, A
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def _read_config_object(path: Path) -> dict[str, Any]:
-    # Same messages as config.load_run_config, which reads and validates in one go (no layering).
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a JSON object")
-    return data

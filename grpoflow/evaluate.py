@@ -55,7 +55,8 @@ def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | N
         return "AgentError", "FAILED", None, reason
     if reward is None:
         return "VerifierError", "FAILED", None, why
-    if meta.get("end_reason") == "truncated":
+    # A cut-off turn makes the sample TRUNCATED even when the early exit was off and the episode went on.
+    if meta.get("truncated") or meta.get("end_reason") == "truncated":
         return "SequenceLengthLimitExceeded", "TRUNCATED", reward, "a turn hit the response length limit"
     return "Submitted", "COMPLETED", reward, meta.get("end_reason")
 

@@ -76,6 +76,7 @@ def test_without_early_exit_the_cut_command_runs_and_generation_continues(tmp_pa
     [s] = res.samples
     assert len(engine.calls) == 3 and s.metrics["commands_run"] == 3
     assert s.metrics["tokens_after_truncation"] > 0 and s.reward == 1.0
+    assert s.status == "TRUNCATED"  # a cut-off turn marks the sample even when the episode went on
 
 
 def test_engine_failure_is_an_agent_error_not_a_zero_and_not_retried(tmp_path, tiny_model_dir):

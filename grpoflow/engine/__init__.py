@@ -5,6 +5,6 @@ Importing this package does not import torch; `scheduler`, `server` and `weights
 """
 
 from grpoflow.engine.client import EngineClient
-from grpoflow.engine.launch import EmbeddedEngine, start_embedded_engine
+from grpoflow.engine.launch import EngineProcess, start_embedded_engine
 
-__all__ = ["EmbeddedEngine", "EngineClient", "start_embedded_engine"]
+__all__ = ["EngineProcess", "EngineClient", "start_embedded_engine"]

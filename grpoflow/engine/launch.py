@@ -22,25 +22,37 @@ from grpoflow.errors import EngineError
 _LOG_TAIL_LINES = 30
 
 
-class EmbeddedEngine:
-    """A running `grpoflow.engine.server` process: `.url`, `.client`, `.stop()`; a context manager."""
+class EngineProcess:
+    """A served engine in its own process group (the embedded server, or a launched SGLang): `.url`, `.client`,
+    `.log_path`, `.stop()`; a context manager."""
 
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, client: EngineClient):
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        url: str,
+        log_path: Path,
+        client: EngineClient,
+        *,
+        stop_timeout: float = 10.0,
+        command: list[str] | None = None,
+    ):
         self.process = process
         self.url = url
         self.log_path = log_path
         self.client = client
+        self.stop_timeout = stop_timeout
+        self.command = command
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the process group, wait up to `timeout`, then SIGKILL it. Idempotent."""
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM the process group, wait up to `timeout` (default `stop_timeout`), then SIGKILL it. Idempotent."""
         self.client.close()
-        stop_process_group(self.process, timeout)
+        stop_process_group(self.process, self.stop_timeout if timeout is None else timeout)
 
-    def __enter__(self) -> EmbeddedEngine:
+    def __enter__(self) -> EngineProcess:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -59,7 +71,7 @@ def start_embedded_engine(
     client_retries: int = 3,
     served_model_name: str | None = None,
     prefix_cache_tokens: int | None = None,
-) -> EmbeddedEngine:
+) -> EngineProcess:
     """Spawn `python -m grpoflow.engine.server` on 127.0.0.1 (free port) and return once /health answers.
 
     `threads=None` leaves the torch thread count to the server's default (1)."""
@@ -97,7 +109,7 @@ def start_embedded_engine(
     finally:
         shutil.rmtree(port_dir, ignore_errors=True)
     client = EngineClient(url, timeout=client_timeout, retries=client_retries)
-    return EmbeddedEngine(proc, url, log_path, client)
+    return EngineProcess(proc, url, log_path, client)
 
 
 def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path, timeout: float) -> str:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from grpoflow.engine.client import EngineClient
-from grpoflow.engine.launch import log_tail, stop_process_group
+from grpoflow.engine.launch import EngineProcess, log_tail, stop_process_group
 from grpoflow.errors import EngineError
 
 # SGLang's /health runs a one-token generation and polls for it once per second (http_server.py health_generate),
@@ -34,32 +34,6 @@ from grpoflow.errors import EngineError
 _HEALTH_PROBE_TIMEOUT_S = 10.0
 _POLL_S = 0.5
 _ENV_DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
-
-
-class SGLangServer:
-    """A launched `sglang.launch_server` process: `.url`, `.client`, `.log_path`, `.stop()`; a context manager."""
-
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, client: EngineClient, command: list[str]):
-        self.process = process
-        self.url = url
-        self.log_path = log_path
-        self.client = client
-        self.command = command
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the process group, wait up to `timeout` (SGLang frees GPU memory on the way out), then SIGKILL."""
-        self.client.close()
-        stop_process_group(self.process, timeout)
-
-    def __enter__(self) -> SGLangServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def sglang_command(
@@ -91,7 +65,7 @@ def start_sglang_server(
     startup_timeout: float = 900.0,
     client_timeout: float = 300.0,
     client_retries: int = 3,
-) -> SGLangServer:
+) -> EngineProcess:
     """Spawn SGLang on 127.0.0.1 (a free port) and return once `/health` answers 200.
 
     Raises `EngineError` when the interpreter is missing, when the server exits during startup (with the exit
@@ -122,7 +96,8 @@ def start_sglang_server(
         stop_process_group(proc, timeout=10.0)
         raise
     client = EngineClient(url, timeout=client_timeout, retries=client_retries)
-    return SGLangServer(proc, url, log_path, client, cmd)
+    # SGLang frees GPU memory on the way out: give it 30 s before SIGKILL
+    return EngineProcess(proc, url, log_path, client, stop_timeout=30.0, command=cmd)
 
 
 def _free_port() -> int:

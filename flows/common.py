@@ -4,12 +4,18 @@ the flow run after it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
 from grpoflow.config import RunConfig, parse_run_config
 from grpoflow.errors import GrpoflowError
+from grpoflow.prepare import PreparedRun
+from grpoflow.serving import EngineHandle, open_engine
+from tasks.preflight import engine_preflight_task, preflight_task
+from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
 
 # Harbor sets its logger to DEBUG and logs every trial's internals; a run's console shows our per-step lines and
 # Harbor's warnings (the full detail stays in each trial's trial.log).
@@ -52,3 +58,21 @@ def start_run(config: RunConfig | dict, prefix: str) -> RunConfig:
         with get_client(sync_client=True) as client:
             client.update_flow_run(flow_run.id, name=f"{prefix}-{cfg.run_id}")
     return cfg
+
+
+def prepare_stage(cfg: RunConfig, stage: str) -> PreparedRun:
+    """The first tasks of every flow: preflight, then model, dataset and prompts, recorded in the run dir."""
+    preflight_task(cfg, stage)
+    model = prepare_model_task(cfg.model.source)
+    dataset = prepare_dataset_task(cfg.dataset.path)
+    return prepare_prompts_task(cfg, model, dataset, flow_run_id=str(flow_run.id) if flow_run.id else None)
+
+
+@contextmanager
+def serving_engine(cfg: RunConfig, run: PreparedRun) -> Iterator[EngineHandle]:
+    """The run's engine for the duration of the block. One the run starts itself is checked once it is up
+    (an attached one was checked by preflight already)."""
+    with open_engine(cfg.engine, run.model.path, cfg.seed, run.paths.root / "engine.log") as engine:
+        if cfg.engine.backend != "sglang":
+            engine_preflight_task(engine.url, run.model.path)
+        yield engine

@@ -12,13 +12,10 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
-from flows.common import flow_run_name, start_run
+from flows.common import flow_run_name, prepare_stage, serving_engine, start_run
 from grpoflow.config import RunConfig
 from grpoflow.fileio import append_jsonl
 from grpoflow.prompts import load_prompts
-from grpoflow.serving import open_engine
-from tasks.preflight import engine_preflight_task, preflight_task
-from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
 from tasks.rollout import run_trials_task
 
 Split = Literal["eval", "train", "all"]
@@ -31,17 +28,12 @@ def evaluate_flow(
 ) -> dict[str, float]:
     """Prepare, start the engine, run `rollout.n_samples_per_prompt` trials per prompt of `split`, score them."""
     cfg = start_run(config, "evaluate")
-    preflight_task(cfg, "evaluate")
-    model = prepare_model_task(cfg.model.source)
-    dataset = prepare_dataset_task(cfg.dataset.path)
-    run = prepare_prompts_task(cfg, model, dataset)
+    run = prepare_stage(cfg, "evaluate")
     prompts = [p for p in load_prompts(run.paths.prompts) if split == "all" or p.split == split]
     if not prompts:
         raise ValueError(f"split `{split}` has no prompts in {run.paths.prompts}")
-    with open_engine(cfg.engine, model.path, cfg.seed, run.paths.root / "engine.log") as engine:
-        if cfg.engine.backend != "sglang":  # an engine started for the run; an attached one: preflight_task
-            engine_preflight_task(engine.url, model.path)
-        result = run_trials_task(cfg, 0, prompts, engine.url, model.path, run.paths)
+    with serving_engine(cfg, run) as engine:
+        result = run_trials_task(cfg, 0, prompts, engine.url, run.model.path, run.paths)
     metrics = {"step": 0, **result.metrics}
     append_jsonl(run.paths.metrics, metrics)
     create_markdown_artifact(

@@ -4,23 +4,17 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
-from prefect.runtime import flow_run
 
-from flows.common import flow_run_name, start_run
+from flows.common import flow_run_name, prepare_stage, start_run
 from grpoflow.config import RunConfig
 from grpoflow.prepare import PreparedRun
-from tasks.preflight import preflight_task
-from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
 
 
 @flow(name="prepare", flow_run_name=flow_run_name("prepare"), log_prints=True)
 def prepare_flow(config: RunConfig = RunConfig()) -> PreparedRun:
     """Resolve the model (converting the built-in GGUF once), validate the task set, write prompts.jsonl."""
     cfg = start_run(config, "prepare")
-    preflight_task(cfg, "prepare")
-    model = prepare_model_task(cfg.model.source)
-    dataset = prepare_dataset_task(cfg.dataset.path)
-    run = prepare_prompts_task(cfg, model, dataset, flow_run_id=str(flow_run.id) if flow_run.id else None)
+    run = prepare_stage(cfg, "prepare")
     create_markdown_artifact(
         key=f"prepare-{cfg.run_id}", markdown=prepare_summary(run), description=f"Prepared run {cfg.run_id}"
     )

@@ -11,16 +11,13 @@ import time
 from prefect import flow
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
-from flows.common import flow_run_name, start_run
+from flows.common import flow_run_name, prepare_stage, serving_engine, start_run
 from grpoflow.collect import select_step_prompts
 from grpoflow.config import RunConfig
 from grpoflow.evaluate import select_trainable
 from grpoflow.prompts import load_prompts
 from grpoflow.reporting import MetricsLog, plot_curves, read_metrics, summary_markdown
-from grpoflow.serving import open_engine
 from grpoflow.train import load_trainer
-from tasks.preflight import engine_preflight_task, preflight_task
-from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
 from tasks.rollout import run_trials_task
 from tasks.train import grpo_step_task, sync_weights_task
 
@@ -29,20 +26,15 @@ from tasks.train import grpo_step_task, sync_weights_task
 def train_flow(config: RunConfig = RunConfig()) -> dict:
     """GRPO training of the policy on agent trials; returns the last step's metrics."""
     cfg = start_run(config, "train")
-    preflight_task(cfg, "train")
-    model = prepare_model_task(cfg.model.source)
-    dataset = prepare_dataset_task(cfg.dataset.path)
-    run = prepare_prompts_task(cfg, model, dataset)
-    paths = run.paths
+    run = prepare_stage(cfg, "train")
+    model, paths = run.model, run.paths
     create_link_artifact(key=f"{cfg.run_id}-run-dir", link=paths.root.resolve().as_uri(), description="Run dir")
     prompts = load_prompts(paths.prompts)
     trainer = load_trainer(model.path, cfg.train, seed=cfg.seed)
     log = MetricsLog(paths.metrics, paths.tb)
     record: dict = {}
     try:
-        with open_engine(cfg.engine, model.path, cfg.seed, paths.root / "engine.log") as engine:
-            if cfg.engine.backend != "sglang":  # an engine started for the run; an attached one: preflight_task
-                engine_preflight_task(engine.url, model.path)
+        with serving_engine(cfg, run) as engine:
             for step in range(cfg.train.steps):
                 t0 = time.perf_counter()
                 step_prompts = select_step_prompts(prompts, step, cfg.rollout.prompts_per_step)

@@ -92,7 +92,10 @@ def _parse_line(raw: dict[str, Any], base: Path, where: str) -> PromptRecord:
     if not isinstance(task_path, str) or not task_path:
         raise DatasetError(f"{where}: field `task_path` is required (a Harbor task directory)")
     resolved = (base / task_path).resolve()
-    task = load_task(resolved, require_solution=False)  # raises DatasetError naming the task dir
+    try:
+        task = load_task(resolved, require_solution=False)
+    except DatasetError as err:  # its message names the task dir; say which line pointed there
+        raise DatasetError(f"{where}: field `task_path`: {err}") from None
     raw = {**raw, "task_path": str(resolved)}
     raw.setdefault("instruction", task.instruction)
     raw.setdefault("metadata", {"task_name": task.name, "difficulty": task.difficulty, "category": task.category})

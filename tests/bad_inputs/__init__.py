@@ -1,0 +1,58 @@
+"""Bad inputs: each case gets one clear error (one line, naming the file or field) before anything is written, or a
+recorded per-trial exit status — never a crash mid-step, never a silent 0 reward.
+
+Through `prepare_run` (model -> dataset -> prompts -> run dir), every failure below also leaves no run dir behind.
+
+| input | what the system does |
+|---|---|
+| **task dirs** (`test_task_dirs.py`) | |
+| task.toml with a TOML syntax error | `DatasetError`: `<task>: task.toml is not valid TOML: ...` |
+| task.toml with a wrong type (`verifier.timeout_sec = "soon"`) | `DatasetError` naming `verifier.timeout_sec` |
+| task.toml `[metadata].category` not a string | `DatasetError` naming `[metadata].category` |
+| task.toml with an unknown section | accepted, as Harbor's `TaskConfig` accepts it (forward compatible) |
+| instruction.md missing / empty / not UTF-8 / over 64 KiB | `DatasetError` naming the task dir and instruction.md |
+| tests/test.sh missing | `DatasetError`: `missing tests/test.sh (the verifier)` |
+| solution/ missing (built-in validation requires the oracle) | `DatasetError`: `missing solution/solve.sh` |
+| environment/ missing | `DatasetError`: `missing environment/ directory` |
+| dataset dir with no task dirs (only hidden ones) | `DatasetError`: `holds no task directories` |
+| two task dirs whose names collide case-folded | `DatasetError`: `duplicate task name ...` |
+| dataset path that is a file | `DatasetError`: `does not exist or is not a directory` |
+| **prompts jsonl** (`test_prompts_file.py`) | every error names `file:line` |
+| a line that is not JSON / not an object / a JSON array | `DatasetError` `<file>:<n>: not valid JSON` / `must be a JSON object` |
+| duplicate instance_id | `DatasetError` `<file>:3: duplicate instance_id `x` (first on line 1)` |
+| no task_path / task_path not a string | `DatasetError` naming `task_path` |
+| unknown field / metadata of the wrong type / split `test` | `DatasetError` naming the field |
+| blank-only file / empty file | `DatasetError` `<file>: no prompt records` |
+| non-UTF-8 file | `DatasetError` `<file>: not UTF-8 (...)` |
+| file missing | `DatasetError` `<file>: prompts file not found` |
+| task_path to a dir that is not a task | `DatasetError` naming that dir: `missing task.toml` (not the jsonl line) |
+| **config, through the `grpoflow` CLI** (`test_config_cli.py`) | exit 2, one stderr line, output dir untouched |
+| out of range: engine.threads, engine.mem_fraction_static, rollout.top_p, rollout.max_context_tokens, train.eps_low, train.learning_rate, prompts.max_prompts, seed | ``field `<dotted>` `` named |
+| wrong type (max_turns=four, scale_by_std="maybe", sglang_args a string, `train=5`) | field named |
+| unknown section / unknown key (`trian.steps`, `rollout.temprature`), unknown harness or sandbox | field named |
+| cross-field: sglang-launch without sglang_python, sglang without url | field named |
+| a credential in the config (`rollout.api_key`, `sandbox_kwargs.auth_token`) | refused, field named, value never echoed |
+| bad run_id (upper case, space, `../escape`, leading dash, 64 chars, underscore) | ``field `run_id` `` named, nothing created |
+| `--config` not JSON / not an object / not UTF-8 / empty / missing / bad field | error names the file (and the field) |
+| **model** (`test_model_dirs.py`) | `ModelError` naming the dir or file |
+| HF dir without tokenizer / config.json / *.safetensors | `no tokenizer` / `no config.json` / `no *.safetensors weights` |
+| tokenizer larger than the model's vocab_size | `tokenizer has N tokens but the model's vocab_size is 16` |
+| config.json not JSON; tokenizer without a chat template | `cannot load config/tokenizer` / `no chat_template` |
+| corrupt GGUF; empty GGUF | `GGUF <file>: cannot read it (corrupt or unsupported)`; no cache entry left |
+| a file that is not .gguf; an unknown built-in name | `a file must be a .gguf`; names the built-ins |
+| **engine** (`test_engine_faults.py`, SGLang stand-in) | |
+| malformed JSON / no finish_reason (client) | `EngineError`: `/generate: malformed response ...` |
+| 5xx forever / dropped connection (client) | `EngineError`: `POST <url>/generate failed after 2 attempts: ...` |
+| malformed `/model_info` | `EngineError` naming `/model_info` |
+| each of those under the shell agent in a real trial | sample FAILED, exit AgentError, reason `EngineError: ...`, reward None, not retried, group dropped |
+| **verifier** (`test_verifier_outputs.py`, oracle agent, local sandbox) | |
+| reward.txt not a number / empty / `nan` / `inf` / two lines | FAILED, VerifierError (`VerifierOutputParseError` / `RewardFileEmptyError`), reward None |
+| reward.json with two keys and no `reward` | FAILED, VerifierError: `reward.json has keys [...] but no `reward``, reward None |
+| reward.json with a non-numeric reward / a JSON array | FAILED, VerifierError (`Non-numeric reward ...`), reward None |
+| verifier exits 1 without writing a reward | FAILED, VerifierError (`RewardFileNotFoundError`), reward None, not retried |
+| reward.json `{"reward": true}` | accepted as 1.0 (Harbor reads a bool as a number) |
+| **run dir** (`test_run_dir.py`) | |
+| run dir exists | `RunDirError`: `already exists`; its files byte-for-byte and mtime unchanged |
+| bad dataset with an existing run dir | `DatasetError`; the run dir untouched |
+| output_dir is a file (read-only dir: skipped as root) | `RunDirError`: `cannot create run dir <path>` |
+"""

@@ -1,0 +1,109 @@
+"""Bad configuration through the `grpoflow` command line: exit status 2, one stderr line naming the field or
+file, nothing written to the output dir (and Prefect never started: the error comes before any flow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.cli import main
+
+from .conftest import assert_one_line
+
+
+def _run(tmp_path, capfd, *args):
+    out = tmp_path / "runs"
+    rc = main(["prepare", "--output-dir", str(out), *args])
+    err = capfd.readouterr().err.strip()
+    assert rc == 2, f"exit {rc}, stderr {err!r}"
+    assert "\n" not in err and err.startswith("grpoflow: error: "), f"not one error line: {err!r}"
+    assert not out.exists() or not any(out.iterdir())
+    return err
+
+
+OUT_OF_RANGE = [
+    ("engine.threads=0", "engine.threads"),
+    ("engine.mem_fraction_static=1.0", "engine.mem_fraction_static"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.max_context_tokens=10", "rollout.max_context_tokens"),
+    ("train.eps_low=2", "train.eps_low"),
+    ("train.learning_rate=0", "train.learning_rate"),
+    ("prompts.max_prompts=0", "prompts.max_prompts"),
+    ("seed=-5", "seed"),
+]
+
+
+@pytest.mark.parametrize(("setting", "field"), OUT_OF_RANGE, ids=[s for s, _ in OUT_OF_RANGE])
+def test_out_of_range_value_names_the_field(tmp_path, capfd, setting, field):
+    err = _run(tmp_path, capfd, "--set", setting)
+    assert f"field `{field}`" in err
+
+
+WRONG = [
+    ("rollout.max_turns=four", "rollout.max_turns"),
+    ('train.scale_by_std="maybe"', "train.scale_by_std"),
+    ("engine.sglang_args=--tp", "engine.sglang_args"),
+    ("train=5", "train"),
+    ("trian.steps=3", "trian"),  # unknown section
+    ("rollout.temprature=0.7", "rollout.temprature"),  # unknown key
+    ("rollout.harness=terminus", "rollout.harness"),
+    ("rollout.sandbox=nowhere", "rollout.sandbox"),
+    ("engine.backend=sglang-launch", "engine.sglang_python"),  # cross-field: launch needs its python
+    ("engine.backend=sglang", "engine.url"),  # cross-field: an external server needs its URL
+    ('rollout.sandbox_kwargs={"auth_token": "x"}', "rollout.sandbox_kwargs.auth_token"),
+]
+
+
+@pytest.mark.parametrize(("setting", "field"), WRONG, ids=[s for s, _ in WRONG])
+def test_wrong_type_or_unknown_key_names_the_field(tmp_path, capfd, setting, field):
+    err = _run(tmp_path, capfd, "--set", setting)
+    assert f"`{field}`" in err
+
+
+@pytest.mark.parametrize("run_id", ["Upper", "has space", "../escape", "-leading-dash", "a" * 64, "under_score"])
+def test_bad_run_id_is_refused(tmp_path, capfd, run_id):
+    err = _run(tmp_path, capfd, f"--run-id={run_id}")
+    assert "field `run_id`" in err
+    assert not (tmp_path / "escape").exists()
+
+
+def test_credential_in_config_is_refused_without_echoing_it(tmp_path, capfd):
+    err = _run(tmp_path, capfd, "--set", "rollout.api_key=e2b_supersecret123")
+    assert "`rollout.api_key`" in err and "supersecret" not in err
+
+
+CONFIG_FILES = [
+    ("not-json", b"{ this is not json", "not valid JSON"),
+    ("not-object", b'[{"seed": 1}]', "top level must be a JSON object"),
+    ("not-utf8", b'{"run_id": "caf\xe9"}', "not valid JSON"),
+    ("empty", b"", "not valid JSON"),
+    ("bad-field", json.dumps({"train": {"steps": -1}}).encode(), "field `train.steps`"),
+]
+
+
+@pytest.mark.parametrize(("data", "words"), [c[1:] for c in CONFIG_FILES], ids=[c[0] for c in CONFIG_FILES])
+def test_bad_config_file_names_the_file(tmp_path, capfd, data, words):
+    f = tmp_path / "run.json"
+    f.write_bytes(data)
+    err = _run(tmp_path, capfd, "--config", str(f))
+    assert str(f) in err and words in err
+
+
+def test_missing_config_file_names_the_file(tmp_path, capfd):
+    f = tmp_path / "missing.json"
+    err = _run(tmp_path, capfd, "--config", str(f))
+    assert str(f) in err and "not found" in err
+
+
+def test_saved_config_with_a_bad_override_names_the_field(tmp_path, capfd):
+    # A config.json saved by a run is valid; an override on top of it is still checked field by field.
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps({"run_id": "old-run", "rollout": {"temperature": 0.5}}))
+    err = _run(tmp_path, capfd, "--config", str(f), "--set", "rollout.temperature=-1")
+    assert str(f) in err and "field `rollout.temperature`" in err
+
+
+def test_assert_one_line_helper_rejects_multiline():
+    with pytest.raises(AssertionError):
+        assert_one_line(ValueError("a\nb"))

@@ -241,7 +241,7 @@ class RolloutConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(20, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
+    steps: int = Field(16, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip range above 1 (ratio <= 1 + eps_high).")

@@ -28,6 +28,10 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        # A bare "[Errno 28] No space left on device" does not say which artifact was lost: name it.
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -74,10 +78,23 @@ def sha256_tree(root: Path, pattern: str = "**/*") -> str:
 
 
 def append_jsonl(path: Path, record: Any) -> None:
-    """Append one line and fsync. A crash can at worst leave a torn last line, which readers skip."""
+    """Append one line and fsync.
+
+    A crash or a full disk can at worst leave a torn last line (readers skip it). The next append first cuts
+    such a fragment off, so a record is never glued onto it and the log stays readable.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    f.seek(0)
+                    f.truncate(f.read().rfind(b"\n") + 1)
+            f.write((json.dumps(record) + "\n").encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise OSError(err.errno, f"cannot append to {path}: {err.strerror or err}") from err

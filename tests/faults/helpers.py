@@ -1,0 +1,64 @@
+"""Shared pieces of the fault tests: built-in prompts, a one-step collect through the shell agent, the stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from grpoflow.collect import collect_step, sandbox_config, shell_agent_factory
+from grpoflow.config import parse_run_config
+from grpoflow.dataset import builtin_dataset_path, load_task
+from grpoflow.prompts import PromptRecord
+
+
+def prompt(name_or_path) -> PromptRecord:
+    path = Path(name_or_path) if Path(str(name_or_path)).is_absolute() else builtin_dataset_path() / name_or_path
+    t = load_task(path)
+    return PromptRecord(instance_id=path.name, task_path=str(t.path), instruction=t.instruction)
+
+
+def collect(tmp_path, engine_url, tiny_model_dir, prompts, engine=None, **rollout):
+    """One rollout step of the shell agent against `engine_url` (no Prefect); returns (StepRollout, retried ids)."""
+    cfg = parse_run_config({
+        "rollout": {"n_samples_per_prompt": 1, "max_turns": 3, "retry_backoff_s": 0.0, **rollout},
+        "engine": {"backend": "sglang", "url": engine_url, **(engine or {})},
+    })  # fmt: skip
+    retried: list[str] = []
+    make_agent = shell_agent_factory(cfg.rollout, cfg.engine, engine_url, str(tiny_model_dir))
+    res = asyncio.run(collect_step(
+        "faults", 0, prompts, cfg.rollout, 0, make_agent, sandbox_config(cfg.rollout),
+        tmp_path / "trials", tmp_path / "details", on_retry=lambda spec, att: retried.append(spec.rollout_id),
+    ))  # fmt: skip
+    return res, retried
+
+
+def accounted(res, n_trials: int) -> None:
+    """Every trial is a sample on disk, each with a reward or a FAILED status that names why (never a silent 0)."""
+    lines = [json.loads(x) for x in res.details_path.read_text().splitlines()]
+    assert len(res.samples) == len(lines) == n_trials
+    for s in lines:
+        assert s["exit_status"] in {"Submitted", "TimeLimitExceeded", "SequenceLengthLimitExceeded", "AgentError",
+                                    "SandboxError", "VerifierError"}  # fmt: skip
+        if s["status"] == "FAILED":
+            assert s["reward"] is None and s["exit_reason"]
+        else:
+            assert s["reward"] is not None
+
+
+def load_standin():
+    """tests/engine/sglang_standin.py's StandinServer (the file is a script, not a package module)."""
+    name = "grpoflow_tests_sglang_standin"
+    if name not in sys.modules:
+        engine_tests = str(Path(__file__).resolve().parents[1] / "engine")
+        if engine_tests not in sys.path:  # the stand-in imports its sibling test_sglang_contract by bare name
+            sys.path.append(engine_tests)
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parents[1] / "engine" / "sglang_standin.py"
+        )
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name].StandinServer

@@ -1,0 +1,117 @@
+"""The Prefect server restarting mid-run: a train flow (in its own process) against `prefect server start` on
+loopback; the server is killed as soon as step 0 is recorded (as step 1's rollout starts) and started again on
+the same port and database.
+
+Two server starts and a flow take ~75 s on 2 cores, so it runs only with GRPOFLOW_FAULTS_PREFECT_RESTART=1
+(the fault folder's default run stays under ~90 s):
+
+    GRPOFLOW_FAULTS_PREFECT_RESTART=1 .venv/bin/python -m pytest -q tests/faults/test_prefect_restart.py
+
+The server stays down DOWNTIME_S (10 s: a restart of a real server takes about that long) before it is started
+again, so the outcome does not depend on how fast the machine restarts it."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+import shutil
+
+import httpx
+import pytest
+
+from grpoflow.reporting import read_metrics
+
+pytestmark = [
+    pytest.mark.slow, pytest.mark.flow,
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed"),
+    pytest.mark.skipif(os.environ.get("GRPOFLOW_FAULTS_PREFECT_RESTART") != "1",
+                       reason="~75 s: set GRPOFLOW_FAULTS_PREFECT_RESTART=1 to run the Prefect server restart"),
+]  # fmt: skip
+DOWNTIME_S = 10.0
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFECT = Path(sys.executable).with_name("prefect")
+
+FLOW = """
+import json, sys
+from flows.train import train_flow
+from grpoflow.config import parse_run_config
+cfg = parse_run_config(json.loads(sys.argv[1]))
+print("RESULT", json.dumps(train_flow(cfg)))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(env, port, log):
+    proc = subprocess.Popen([str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, "prefect server exited at start"
+        time.sleep(0.3)
+    raise AssertionError("prefect server did not answer /api/health in 120 s")
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)  # a crash, not a graceful stop
+        proc.wait(30)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a Prefect server outage of ~10 s between steps kills the train run: "
+                   "tasks/rollout.py:43 `acreate_progress_artifact` (a progress bar) raises httpx.ConnectError "
+                   "'All connection attempts failed' after ~3 s of client retries; run-trials-step-1 and the flow end "
+                   "Failed with that message, which names neither the Prefect API nor its URL. Step 0's artifacts "
+                   "are intact")
+def test_prefect_server_restart_during_rollout(tmp_path, tiny_model_dir):
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_UI_ENABLED": "false",
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    cfg = {"run_id": "restart", "output_dir": str(tmp_path / "runs"), "model": {"source": str(tiny_model_dir)},
+           "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, "max_turns": 1},
+           "train": {"steps": 4, "learning_rate": 1e-3, "save_interval": 1}}  # fmt: skip
+    metrics = tmp_path / "runs" / "restart" / "metrics.jsonl"
+    server_log = open(tmp_path / "server.log", "ab")
+    server = _start_server(env, port, server_log)
+    flow = subprocess.Popen([sys.executable, "-c", FLOW, json.dumps(cfg)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # step 0 recorded
+            assert flow.poll() is None, flow.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "step 0 never finished"
+            time.sleep(0.1)
+        _stop(server)
+        down_at = time.monotonic()
+        time.sleep(DOWNTIME_S)
+        server = _start_server(env, port, server_log)
+        downtime = time.monotonic() - down_at
+        out, _ = flow.communicate(timeout=240)
+    finally:
+        if flow.poll() is None:
+            flow.kill()
+        _stop(server)
+        server_log.close()
+    (tmp_path / "flow.log").write_text(out)
+    steps = [r["step"] for r in read_metrics(metrics)]
+    print(f"server down {downtime:.1f}s; flow rc {flow.returncode}; steps recorded {steps}")
+    assert steps[:1] == [0]  # nothing written before the restart is lost
+    assert len((tmp_path / "runs" / "restart" / "details" / "step_0" / "samples.jsonl").read_text().splitlines()) == 4
+    # completes, or fails with a clear error
+    assert flow.returncode == 0, f"flow failed across a {downtime:.0f}s server restart:\n{out[-4000:]}"
+    assert steps == [0, 1, 2, 3] and "RESULT" in out

@@ -10,11 +10,14 @@ global concurrency limit `rollout.sandbox_create_limit` when the server has one.
 from __future__ import annotations
 
 import asyncio
+
+import httpx
 import logging
 
 from prefect import get_run_logger, task
 from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import PrefectHTTPStatusError
 from prefect.client.orchestration import get_client
 from prefect.concurrency.asyncio import concurrency
 from prefect.exceptions import ObjectNotFound
@@ -40,15 +43,17 @@ async def _run_trials(
 ) -> StepRollout:
     logger = get_run_logger()
     total = len(prompts) * cfg.rollout.n_samples_per_prompt
-    progress = await acreate_progress_artifact(
-        progress=0.0, key=f"{cfg.run_id}-rollout", description=f"Trials finished in step {step} (of {total})"
-    )
+    progress = await _best_effort(
+        logger, acreate_progress_artifact,
+        progress=0.0, key=f"{cfg.run_id}-rollout", description=f"Trials finished in step {step} (of {total})",
+    )  # fmt: skip
     done = 0
 
     async def on_done(outcome: TrialOutcome) -> None:
         nonlocal done
         done += 1
-        await aupdate_progress_artifact(progress, 100.0 * done / total)
+        if progress is not None:
+            await _best_effort(logger, aupdate_progress_artifact, progress, 100.0 * done / total)
 
     def on_retry(spec: TrialSpec, attempt: Attempt) -> None:
         logger.warning(
@@ -63,7 +68,8 @@ async def _run_trials(
         paths.trials(step), paths.details(step), on_done=on_done, on_retry=on_retry,
         sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
     )  # fmt: skip
-    await acreate_table_artifact(
+    await _best_effort(
+        logger, acreate_table_artifact,
         key=f"{cfg.run_id}-step-{step}-trials",
         table=[
             {"instance": s.instance_id, "sample": s.sample_index, "reward": s.reward, "exit_status": s.exit_status,
@@ -97,5 +103,23 @@ async def sandbox_create_gate(
                 "rollout.concurrency only (create one: prefect gcl create %s --limit 8)", limit_name, limit_name,
             )  # fmt: skip
             return None
+        except httpx.HTTPError as err:
+            # The Prefect server is down (a restart): it could not enforce the limit either. Go on, bounded by
+            # rollout.concurrency, rather than fail the step over a throttle.
+            logger.warning(
+                "Prefect API unreachable (%s): sandbox starts this step are bounded by rollout.concurrency only", err
+            )
+            return None
     # strict=False: if the limit is deleted mid-run, starts go on ungated instead of failing every trial.
     return lambda: concurrency(limit_name, occupy=1, strict=False)
+
+
+async def _best_effort(logger, create, *args, **kwargs):
+    """Progress bars and tables are for people watching; trials must not die with them. These calls come from a
+    fresh event loop whose Prefect client has never connected, and such a client does not retry a refused
+    connection, so a Prefect server restarting mid-step would otherwise fail the whole step."""
+    try:
+        return await create(*args, **kwargs)
+    except (httpx.HTTPError, PrefectHTTPStatusError) as err:
+        logger.warning("Prefect API unreachable, artifact not recorded (%s: %s)", type(err).__name__, err)
+        return None

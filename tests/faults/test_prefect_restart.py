@@ -72,11 +72,6 @@ def _stop(proc):
         proc.wait(30)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a Prefect server outage of ~10 s between steps kills the train run: "
-                   "tasks/rollout.py:43 `acreate_progress_artifact` (a progress bar) raises httpx.ConnectError "
-                   "'All connection attempts failed' after ~3 s of client retries; run-trials-step-1 and the flow end "
-                   "Failed with that message, which names neither the Prefect API nor its URL. Step 0's artifacts "
-                   "are intact")
 def test_prefect_server_restart_during_rollout(tmp_path, tiny_model_dir):
     port = _free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

@@ -254,3 +254,26 @@ def test_output_is_capped(make_sandbox: Callable[..., LocalSandbox]) -> None:
     assert len(result.stdout) < 1100
     assert "bytes of output dropped" in result.stdout
     assert result.stdout.endswith("END\n")  # the tail is kept: that is where errors usually are
+
+
+def test_cannot_see_or_kill_the_parent(make_sandbox: Callable[..., LocalSandbox]) -> None:
+    """A model command that tries to kill the trainer (its parent chain, every python, every process it can
+    signal) reaches nothing outside its own pid namespace; the host process and the next exec are fine."""
+    host_pid = os.getpid()
+
+    async def main() -> tuple:
+        env = await _started(make_sandbox())
+        attack = await env.exec(
+            f"kill -9 {host_pid}; kill -9 $PPID; pkill -9 -f python; kill -9 -1; "
+            "ls /proc | grep -c '^[0-9]'",
+            timeout_sec=10,
+        )
+        seen = await env.exec("ls /proc | grep '^[0-9]' | tr '\\n' ' '", timeout_sec=10)
+        after = await env.exec("echo alive", timeout_sec=10)
+        return attack, seen, after
+
+    attack, seen, after = asyncio.run(main())
+    assert os.getpid() == host_pid  # this (host) process survived the attack
+    assert str(host_pid) not in seen.stdout.split() or host_pid < 10  # host pids are not visible inside
+    assert len(seen.stdout.split()) < 10  # only the sandbox's own few processes
+    assert after.stdout == "alive\n"

@@ -16,6 +16,27 @@ def _enospc(*_a, **_k):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+class _HalfWrite:
+    """A file whose write() gets half the data onto disk, then fails with ENOSPC (the disk filled up mid-write)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def write(self, data):
+        self.f.write(data[: len(data) // 2])
+        self.f.flush()
+        _enospc()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
 @pytest.mark.parametrize("where", ["write", "fsync"])
 def test_atomic_write_on_full_disk_keeps_the_old_file(tmp_path, monkeypatch, where):
     target = tmp_path / "config.json"
@@ -25,25 +46,7 @@ def test_atomic_write_on_full_disk_keeps_the_old_file(tmp_path, monkeypatch, whe
     else:  # the data itself does not fit: the temp file is cut short
         real_fdopen = os.fdopen
 
-        class Short:
-            def __init__(self, f):
-                self.f = f
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                self.f.close()
-
-            def write(self, data):
-                self.f.write(data[: len(data) // 2])
-                self.f.flush()
-                _enospc()
-
-            def __getattr__(self, name):
-                return getattr(self.f, name)
-
-        monkeypatch.setattr(os, "fdopen", lambda *a, **k: Short(real_fdopen(*a, **k)))
+        monkeypatch.setattr(os, "fdopen", lambda *a, **k: _HalfWrite(real_fdopen(*a, **k)))
     with pytest.raises(OSError) as info:
         write_json_atomic(target, {"v": 2, "pad": "x" * 10000})
     monkeypatch.undo()
@@ -74,26 +77,7 @@ def test_append_on_full_disk_keeps_earlier_lines(tmp_path, monkeypatch):
 def _torn_append(monkeypatch, path, record):
     """append_jsonl whose write stops halfway with ENOSPC (the file gets a partial line)."""
     real_open = open
-
-    class Torn:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, data):
-            self.f.write(data[: len(data) // 2])
-            self.f.flush()
-            _enospc()
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-    monkeypatch.setattr(fileio, "open", lambda *a, **k: Torn(real_open(*a, **k)), raising=False)
+    monkeypatch.setattr(fileio, "open", lambda *a, **k: _HalfWrite(real_open(*a, **k)), raising=False)
     with pytest.raises(OSError):
         append_jsonl(path, record)
     monkeypatch.undo()

@@ -601,11 +601,16 @@ class LocalSandbox(BaseEnvironment):
                 shutil.copy2(Path(dirpath, name), dest, follow_symlinks=True)
                 self._give(dest)
 
-    def _download_file(self, source_path: str, target: Path) -> None:
-        source, base = self._host_path(source_path)
+    def _download_source(self, sandbox_path: str) -> Path:
+        """The host file behind a sandbox path, refusing links that lead out of the sandbox's own files."""
+        source, base = self._host_path(sandbox_path)
         real = Path(os.path.realpath(source))
         if not _inside(real, base):
-            raise PermissionError(f"{source_path} resolves outside the sandbox's files; not copied to the host")
+            raise PermissionError(f"{sandbox_path} resolves outside the sandbox's files; not copied to the host")
+        return real
+
+    def _download_file(self, source_path: str, target: Path) -> None:
+        real = self._download_source(source_path)
         if not real.is_file():
             raise FileNotFoundError(f"{source_path} is not a regular file in the sandbox")
         if target.exists() and os.path.samefile(real, target):
@@ -614,10 +619,7 @@ class LocalSandbox(BaseEnvironment):
         shutil.copyfile(real, target)
 
     def _download_dir(self, source_dir: str, target: Path) -> None:
-        source, base = self._host_path(source_dir)
-        real = Path(os.path.realpath(source))
-        if not _inside(real, base):
-            raise PermissionError(f"{source_dir} resolves outside the sandbox's files; not copied to the host")
+        real = self._download_source(source_dir)
         if not real.is_dir():
             raise FileNotFoundError(f"{source_dir} is not a directory in the sandbox")
         target.mkdir(parents=True, exist_ok=True)

@@ -31,22 +31,41 @@ def _group_rows(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: Sequence[Hashable], scale_by_std: bool, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_ids: Sequence[Hashable],
+    scale_by_std: bool,
+    eps: float = 1e-6,
+    rollout_ids: Sequence[Hashable] | None = None,
 ) -> torch.Tensor:
     """(r - group mean) / (group population std + eps), or r - group mean when `scale_by_std` is False (Dr.GRPO).
 
     rewards (N,) -> advantages (N,). A group whose rewards are all equal gets exactly 0 (not a rounding residue
     of r - mean), so "no signal" stays recognisable downstream.
+
+    `rollout_ids` (N,): rows with the same id are segments of one rollout (a trial whose context was compacted):
+    the group's mean and std are taken over its rollouts, each counted once, and every segment gets its rollout's
+    advantage. The segments of a rollout must carry the same reward and group. Without it each row is a rollout.
     """
     if len(group_ids) != rewards.shape[0]:
         raise ValueError(f"{rewards.shape[0]} rewards but {len(group_ids)} group ids")
+    if rollout_ids is not None and len(rollout_ids) != rewards.shape[0]:
+        raise ValueError(f"{rewards.shape[0]} rewards but {len(rollout_ids)} rollout ids")
     adv = torch.zeros_like(rewards, dtype=torch.float32)
     for rows in _group_rows(group_ids).values():
         r = rewards[rows].float()  # (G,)
         if bool((r == r[0]).all()):
             continue
-        centered = r - r.mean()
-        adv[rows] = centered / (r.std(correction=0) + eps) if scale_by_std else centered
+        index: dict[Hashable, int] = {}
+        which = [index.setdefault(rollout_ids[i] if rollout_ids is not None else i, len(index)) for i in rows]
+        u = torch.full((len(index),), float("nan"))  # (R,) one reward per rollout
+        for k, w in enumerate(which):
+            if u[w].isnan():
+                u[w] = r[k]
+            elif u[w] != r[k]:
+                raise ValueError(f"rollout {rollout_ids[rows[k]]!r}: its segments carry different rewards")
+        centered = u - u.mean()
+        a = centered / (u.std(correction=0) + eps) if scale_by_std else centered  # (R,)
+        adv[rows] = a[torch.tensor(which)]
     return adv
 
 
@@ -67,12 +86,16 @@ def policy_loss(
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     denominator: float | None = None,
+    sample_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clipped GRPO loss; returns (scalar loss, detached metrics).
 
     logprobs, old_logprobs, loss_mask, ref_logprobs, entropy: (B, T); advantages: (B,).
     aggregation `token`: sum over masked tokens / masked tokens in the batch; `sample`: per-sample masked mean,
     summed / samples. `denominator` overrides that count (masked tokens or samples of the *global* batch).
+    `sample_tokens` (B,), for `sample`: what each row's token sum is divided by instead of its own masked count —
+    the masked tokens of the row's whole rollout when a rollout is split into segments, so that a rollout
+    weighs as one sample (pass the number of rollouts as `denominator`).
     Masked-out positions never reach the loss or its gradient, whatever their values.
     """
     mask = loss_mask.bool()  # (B, T)
@@ -92,7 +115,8 @@ def policy_loss(
         total = per_token.sum()
         count = n_tok.sum().clamp(min=1)
     elif aggregation == "sample":
-        total = (per_token.sum(-1) / n_tok.clamp(min=1)).sum()
+        per_row = n_tok if sample_tokens is None else sample_tokens.to(n_tok.device)
+        total = (per_token.sum(-1) / per_row.clamp(min=1)).sum()
         count = (n_tok > 0).sum().clamp(min=1)
     else:
         raise ValueError(f"aggregation must be `token` or `sample`, got {aggregation!r}")

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +18,8 @@ from harbor.models.trial.config import AgentConfig, EnvironmentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
 from grpoflow.evaluate import step_metrics, to_sample
-from grpoflow.fileio import write_jsonl_atomic
+from grpoflow.fileio import append_jsonl, write_jsonl_atomic
+from grpoflow.harnesses import SHELL_AGENT, get_binding, harness_agent_factory
 from grpoflow.prompts import PromptRecord
 from grpoflow.rollout import (
     LOCAL_SANDBOX,
@@ -29,7 +32,10 @@ from grpoflow.rollout import (
 )
 from grpoflow.samples import Sample
 
-SHELL_AGENT = "grpoflow.agents.shell:ShellAgent"
+__all__ = [
+    "SHELL_AGENT", "StepRollout", "agent_factory", "collect_step", "read_journal", "sandbox_config", "select_step_prompts",
+    "shell_agent_factory",
+]
 
 
 @dataclass
@@ -39,44 +45,61 @@ class StepRollout:
     details_path: Path
 
 
-def shell_agent_factory(
-    rollout: RolloutConfig, engine: EngineConfig, engine_url: str, tokenizer_path: str
+def agent_factory(
+    rollout: RolloutConfig,
+    engine: EngineConfig,
+    engine_url: str,
+    tokenizer_path: str,
+    *,
+    model: str | None = None,
+    api_base_for: Callable[[TrialSpec], str] | None = None,
 ) -> Callable[[TrialSpec], AgentConfig]:
-    def make(spec: TrialSpec) -> AgentConfig:
-        return AgentConfig(
-            import_path=SHELL_AGENT,
-            kwargs={
-                "engine_url": engine_url,
-                "tokenizer_path": tokenizer_path,
-                "max_turns": rollout.max_turns,
-                "max_new_tokens": rollout.max_new_tokens,
-                "max_context_tokens": rollout.max_context_tokens,
-                "temperature": rollout.temperature,
-                "top_p": rollout.top_p,
-                "top_k": rollout.top_k,
-                "seed": spec.seed,
-                "command_timeout_sec": rollout.command_timeout_sec,
-                "output_cap_chars": rollout.output_cap_chars,
-                "early_truncation_exit": rollout.early_truncation_exit,
-                "request_timeout_s": engine.request_timeout_s,
-                "engine_retries": engine.retries,
-            },
-        )
+    """The per-trial `AgentConfig` of `rollout.harness`, built by its binding in `grpoflow.harnesses.HARNESSES`
+    (see `harness_agent_factory` for `model` and `api_base_for`). Raises `ConfigError` before any trial starts
+    when the harness cannot run here."""
+    return harness_agent_factory(
+        rollout, engine, engine_url, tokenizer_path, model=model, api_base_for=api_base_for
+    )
 
-    return make
+
+# The old name (the harness now comes from the config; `shell` is the default).
+shell_agent_factory = agent_factory
 
 
 def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
     """Harbor's environment for `rollout.sandbox`: our bubblewrap `LocalSandbox`, or a Harbor environment type
-    passed straight through. `rollout.sandbox_kwargs` then `kwargs` (which win) go to its constructor.
+    passed straight through. What the harness needs of the local sandbox (terminus-2: processes that live across
+    execs), then `rollout.sandbox_kwargs`, then `kwargs` (which win) go to its constructor.
 
     No credentials here: Harbor writes this config into every trial dir. A provider's key reaches its SDK through
     the process environment (`grpoflow.credentials.export_sandbox_key`).
     """
     merged = {**rollout.sandbox_kwargs, **kwargs}
     if rollout.sandbox == "local":
+        merged = {**get_binding(rollout.harness).local_sandbox_kwargs, **merged}
         return EnvironmentConfig(import_path=LOCAL_SANDBOX, kwargs=merged)
     return EnvironmentConfig(type=EnvironmentType(rollout.sandbox), kwargs=merged)
+
+
+JOURNAL = "journal.jsonl"  # details/step_<N>/: one Sample per finished trial, appended as each one finishes
+
+
+def read_journal(details_dir: Path) -> dict[str, Sample]:
+    """Finished trials of a step that was interrupted, by rollout_id (a torn last line is skipped)."""
+    path = Path(details_dir) / JOURNAL
+    if not path.exists():
+        return {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out: dict[str, Sample] = {}
+    for i, line in enumerate(lines):
+        try:
+            s = Sample.model_validate(json.loads(line))  # json, as written: it reads -Infinity back
+        except ValueError:
+            if i == len(lines) - 1:  # a crash mid-append; the next append cuts it off
+                continue
+            raise ValueError(f"{path}:{i + 1}: not a valid sample record") from None
+        out[s.rollout_id] = s
+    return out
 
 
 async def collect_step(
@@ -93,15 +116,28 @@ async def collect_step(
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
     sandbox_gate: SandboxGate | None = None,
 ) -> StepRollout:
+    """Run and score one step's trials. Each finished trial's Sample is journaled as it finishes, so a step
+    interrupted by a crash runs again only the trials that had not finished (resume); finished ones are reused."""
     specs = plan_group_trials(prompts, step, rollout.n_samples_per_prompt, seed)
+    journal = Path(details_dir) / JOURNAL
+    done = read_journal(details_dir)
+    pending = [s for s in specs if s.rollout_id not in done]
+
+    async def finished(outcome: TrialOutcome) -> None:
+        sample = to_sample(outcome, run_id, step)
+        append_jsonl(journal, sample.model_dump(mode="json"))
+        done[sample.rollout_id] = sample
+        if on_done and inspect.isawaitable(ack := on_done(outcome)):
+            await ack
+
     t0 = time.perf_counter()
-    outcomes = await run_trials(
-        specs, make_agent, environment, trials_dir, concurrency=rollout.concurrency,
-        retries=rollout.sandbox_retries, backoff_s=rollout.retry_backoff_s, on_done=on_done, on_retry=on_retry,
+    await run_trials(
+        pending, make_agent, environment, trials_dir, concurrency=rollout.concurrency,
+        retries=rollout.sandbox_retries, backoff_s=rollout.retry_backoff_s, on_done=finished, on_retry=on_retry,
         sandbox_gate=sandbox_gate,
     )  # fmt: skip
     wall = time.perf_counter() - t0
-    samples = [to_sample(o, run_id, step) for o in outcomes]
+    samples = [done[s.rollout_id] for s in specs]
     details = details_dir / "samples.jsonl"
     write_jsonl_atomic(details, (s.model_dump(mode="json") for s in samples))
     return StepRollout(samples, step_metrics(samples, wall), details)

@@ -100,6 +100,15 @@ class EngineConfig(_Section):
     )
     threads: int = Field(1, ge=1, le=256, description="Torch threads the embedded engine may use.")
     max_batch_size: int = Field(16, ge=1, le=1024, description="Most sequences the embedded engine decodes at once.")
+    deterministic: bool = Field(
+        False,
+        description="Batch-invariant generation, so a rerun reproduces every token and logprob bit for bit "
+        "(SGLang's `--enable-deterministic-inference`). Embedded engine: each request decodes alone and the "
+        "prefix cache is off, since batched and cached forwards round differently (logprobs differ by ~1e-5, "
+        "and sampled tokens flip); costs the batching speed-up (~4x the generation time for 10 concurrent "
+        "SmolLM2-135M requests). Launched SGLang: passes the flag. An "
+        "attached SGLang must have been started with it.",
+    )
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one engine request, in seconds.")
     retries: int = Field(
         3, ge=0, le=20,
@@ -133,6 +142,8 @@ SGLANG_RESERVED_FLAGS = frozenset({
 
 # `local` or any environment type of the installed Harbor, read from its own enum so the two never disagree.
 SandboxName = Literal[("local", *(t.value for t in EnvironmentType))]  # type: ignore[valid-type]
+# Harnesses that install their CLI inside the sandbox (grpoflow.harnesses says the same; a test keeps them equal).
+HARNESSES_NEEDING_NETWORK = ("claude-code", "opencode")
 
 # Name parts that mark a kwarg or field as a credential: kwargs are written to every trial's config.json.
 _CREDENTIAL_WORDS = frozenset({"key", "apikey", "token", "secret", "secrets", "password", "passwd", "credential",
@@ -144,8 +155,29 @@ def _looks_like_credential(name: str) -> bool:
 
 
 class RolloutConfig(_Section):
-    harness: Literal["shell"] = Field(
-        "shell", description="The agent that runs each trial: `shell` (grpoflow's token-native bash agent)."
+    harness: Literal["shell", "terminus-2", "claude-code", "opencode"] = Field(
+        "shell",
+        description="The agent that runs each trial: `shell` (grpoflow's token-native bash agent), or a Harbor "
+        "harness talking to the policy's OpenAI-compatible endpoint: `terminus-2` (tmux; runs in the local "
+        "sandbox), `claude-code`, `opencode` (these install their CLI in the sandbox: cloud sandboxes only).",
+    )
+    parser: Literal["json", "xml"] = Field(
+        "json", description="terminus-2: the reply format the policy writes (terminus-2's `parser_name`)."
+    )
+    summarize: bool = Field(
+        False,
+        description="terminus-2: summarise a long episode and continue in a fresh context (compaction; one "
+        "trial then yields several linear segments).",
+    )
+    linear_history: bool = Field(
+        True,
+        description="terminus-2: keep each context (before and after a summary) as its own linear trajectory.",
+    )
+    policy_api_key_file: str | None = Field(
+        None,
+        description="File holding the API key of the policy endpoint the harness talks to (only for endpoints "
+        "that check one; grpoflow's engine and session server do not). Read when trials start, handed to the "
+        "harness by variable name; never stored.",
     )
     sandbox: SandboxName = Field(
         "local",
@@ -174,7 +206,7 @@ class RolloutConfig(_Section):
     n_samples_per_prompt: int = Field(
         4, ge=1, le=256, description="Trials per prompt; together they form one GRPO group."
     )
-    max_turns: int = Field(4, ge=1, le=1000, description="Most policy turns in one episode.")
+    max_turns: int = Field(4, ge=0, le=1000, description="Most policy turns in one episode (0: none).")
     max_new_tokens: int = Field(
         64, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."
     )
@@ -237,6 +269,11 @@ class RolloutConfig(_Section):
                 "credentials in the environment as Harbor documents"
             )  # fmt: skip
             raise ValueError(f"`rollout.sandbox_api_key_file`: {why}")
+        if self.harness in HARNESSES_NEEDING_NETWORK and self.sandbox == "local":
+            raise ValueError(
+                f"`rollout.harness`: {self.harness} installs its CLI with npm inside the sandbox, and the local "
+                "sandbox has no network: use a cloud sandbox (rollout.sandbox=e2b, daytona, modal, ...)"
+            )
         return self
 
 
@@ -270,6 +307,10 @@ class TrainConfig(_Section):
 
 
 class RunConfig(_Section):
+    """The whole run: the model and task set, the engine, the agent trials and the GRPO update. Fields left as
+    they are keep their defaults; the flow checks the config again when it starts."""
+
+    # (The docstring is the description of the `config` parameter in the Prefect UI's run form.)
     run_id: str | None = Field(
         None,
         pattern=RUN_ID_PATTERN,

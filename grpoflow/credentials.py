@@ -64,21 +64,19 @@ def sandbox_key_var(sandbox: str) -> str | None:
     return provider.key_var if provider else None
 
 
-def read_key_file(path: str | Path, key_var: str) -> str:
-    """The key in `path`, stripped. Raises `CredentialError` naming the file when it is missing, unreadable or
-    empty (an empty placeholder file must fail here, not as an authentication error in every trial)."""
+def read_key_file(path: str | Path, key_var: str, field: str = "rollout.sandbox_api_key_file") -> str:
+    """The key in `path`, stripped. Raises `CredentialError` naming the field and file when it is missing,
+    unreadable or empty (an empty placeholder file must fail here, not as an authentication error in every trial)."""
     p = Path(path).expanduser()
     try:
         key = p.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
-        raise CredentialError(
-            f"rollout.sandbox_api_key_file {p}: no such file (it should hold the {key_var} value)"
-        ) from None
+        raise CredentialError(f"{field} {p}: no such file (it should hold the {key_var} value)") from None
     except (OSError, UnicodeDecodeError) as err:
         why = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
-        raise CredentialError(f"rollout.sandbox_api_key_file {p}: cannot be read ({why})") from None
+        raise CredentialError(f"{field} {p}: cannot be read ({why})") from None
     if not key:
-        raise CredentialError(f"rollout.sandbox_api_key_file {p} is empty: put the {key_var} value in it")
+        raise CredentialError(f"{field} {p} is empty: put the {key_var} value in it")
     return key
 
 
@@ -119,3 +117,28 @@ def export_sandbox_key(
     env = os.environ if environ is None else environ
     env[key_var] = read_key_file(key_file, key_var)
     return key_var
+
+
+# The variable the policy endpoint's key is handed to harnesses in (by name: see grpoflow.harnesses).
+POLICY_KEY_VAR = "GRPOFLOW_POLICY_API_KEY"
+
+
+def export_policy_key(key_file: str | None, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Put the policy endpoint's key from `rollout.policy_api_key_file` into the process environment as
+    `POLICY_KEY_VAR`, where Harbor resolves the harness's reference to it. Returns the variable's name when set."""
+    if not key_file:
+        return None
+    env = os.environ if environ is None else environ
+    env[POLICY_KEY_VAR] = read_key_file(key_file, POLICY_KEY_VAR, field="rollout.policy_api_key_file")
+    return POLICY_KEY_VAR
+
+
+def policy_key_problems(key_file: str | None) -> list[str]:
+    """Preflight of `rollout.policy_api_key_file`: when set, the file holds a key."""
+    if not key_file:
+        return []
+    try:
+        read_key_file(key_file, POLICY_KEY_VAR, field="rollout.policy_api_key_file")
+    except CredentialError as err:
+        return [str(err)]
+    return []

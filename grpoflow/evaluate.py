@@ -21,8 +21,23 @@ _VERIFIER = {
     "VerifierTimeoutError", "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierOutputParseError",
     "AddTestsDirError", "DownloadVerifierDirError",
 }  # fmt: skip
-# Harbor runs the verifier after these agent endings, and the reward stands.
-_VERIFIED_ENDINGS = {"AgentTimeoutError"}
+# Length limits, by Harbor's names: a reply cut off at max_tokens (LiteLLM, claude-code's CLI) or a conversation
+# past the context window (LiteLLM, installed CLIs). terminus-2 (ours) ends the episode on these without raising.
+_LENGTH = {
+    "OutputLengthExceededError", "OutputTokenExceededError", "ContextLengthExceededError",
+    "ContextWindowExceededError",
+}  # fmt: skip
+# Harbor runs the verifier after these agent endings (`SingleStepTrial._run_agent`: AgentTimeoutError and
+# NonZeroAgentExitCodeError with its subclasses, i.e. an installed CLI that exited non-zero), so a reward may stand.
+_NON_ZERO_EXIT = {
+    "NonZeroAgentExitCodeError", "ApiError", "ApiRateLimitError", "ApiUsageLimitError", "ApiInternalServerError",
+    "ApiOverloadedError", "ApiConnectionClosedError", "ApiResponseStalledError", "OutputTokenExceededError",
+    "ContextWindowExceededError", "UnknownApiError", "ApiProviderResourceNotFoundError", "AgentSafetyRefusalError",
+    "AgentAuthenticationError", "ModelNotFoundError", "UnsupportedModelParametersError", "NetworkConnectionError",
+}  # fmt: skip
+_VERIFIED_ENDINGS = {"AgentTimeoutError"} | _NON_ZERO_EXIT
+# Every Harbor exception name this module maps (a contract test checks each still exists in harbor).
+HARBOR_EXCEPTION_NAMES = _TIMEOUTS | _VERIFIER | _LENGTH | _VERIFIED_ENDINGS
 
 
 def verifier_reward(rewards: dict[str, float | int] | None) -> tuple[float | None, str | None]:
@@ -37,14 +52,27 @@ def verifier_reward(rewards: dict[str, float | int] | None) -> tuple[float | Non
 
 
 def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | None, str | None]:
+    """(exit status, sample status, reward, reason) of one trial.
+
+    A truncated turn (the agent's metadata says so: `truncated`, or `end_reason` `truncated`; an installed CLI's
+    truncation reaches it through the session server's record) makes a verified sample TRUNCATED, whatever the
+    harness did next: the shell agent and terminus-2 end the episode and return normally; an installed CLI dies
+    on the session server's refusal (a non-zero exit, after which Harbor still verifies).
+    """
     res = outcome.result
     meta = ((res.agent_result.metadata if res.agent_result else None) or {}).get("grpoflow", {})
     exc = res.exception_info
     reward, why = verifier_reward(res.verifier_result.rewards if res.verifier_result else None)
+    truncated = bool(meta.get("truncated") or meta.get("end_reason") == "truncated")
     if exc is not None:
         name, reason = exc.exception_type, f"{exc.exception_type}: {' '.join(exc.exception_message.split())[:300]}"
         if name in _VERIFIED_ENDINGS and reward is not None:
-            return "TimeLimitExceeded", "COMPLETED", reward, reason
+            if truncated or name in _LENGTH:
+                return "SequenceLengthLimitExceeded", "TRUNCATED", reward, reason
+            if name == "AgentTimeoutError":
+                return "TimeLimitExceeded", "COMPLETED", reward, reason
+            # The CLI failed (API error, auth, crash): the episode says little about the policy.
+            return "AgentError", "FAILED", None, f"{reason} (the verifier gave {reward}; not trained)"
         if is_sandbox_failure_type(name):
             status: ExitStatus = "TimeLimitExceeded" if name in _TIMEOUTS else "SandboxError"
             return status, "FAILED", None, f"{reason} (after {outcome.retries} retries)"
@@ -52,11 +80,13 @@ def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | N
             return "TimeLimitExceeded", "FAILED", None, reason
         if name in _VERIFIER:
             return "VerifierError", "FAILED", None, reason
+        if name in _LENGTH or truncated:
+            return "SequenceLengthLimitExceeded", "FAILED", None, reason
         return "AgentError", "FAILED", None, reason
     if reward is None:
         return "VerifierError", "FAILED", None, why
     # A cut-off turn makes the sample TRUNCATED even when the early exit was off and the episode went on.
-    if meta.get("truncated") or meta.get("end_reason") == "truncated":
+    if truncated:
         return "SequenceLengthLimitExceeded", "TRUNCATED", reward, "a turn hit the response length limit"
     return "Submitted", "COMPLETED", reward, meta.get("end_reason")
 
@@ -96,7 +126,16 @@ def select_trainable(
 
 
 def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshold: float = 1.0) -> dict[str, float]:
-    """Rollout/evaluate metrics of one step. Rewards are averaged over samples that have one."""
+    """Rollout/evaluate metrics of one step. Rewards are averaged over trials that have one.
+
+    A trial is one rollout however many segments it trained as (a compacted session gives several samples with
+    one rollout_id, each repeating the trial's reward and metrics): trial-level figures count each rollout once,
+    and `tokens_generated` sums every sample's trained tokens (shared tokens are masked in all but one)."""
+    tokens_generated = float(sum(s.n_generated for s in samples))
+    trials: dict[str, Sample] = {}
+    for s in samples:
+        trials.setdefault(s.rollout_id, s)  # the first segment stands for its rollout
+    samples = list(trials.values())
     n = len(samples)
     scored = [s for s in samples if s.reward is not None]
     groups: dict[str, list[Sample]] = defaultdict(list)
@@ -114,7 +153,7 @@ def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshol
         "zero_std_group_share": statistics.fmean(sd == 0.0 for sd in stds) if stds else float("nan"),
         "truncated_ratio": sum(s.status == "TRUNCATED" for s in samples) / n if n else float("nan"),
         "tokens_after_truncation": sum(s.metrics.get("tokens_after_truncation", 0.0) for s in samples),
-        "tokens_generated": float(sum(s.n_generated for s in samples)),
+        "tokens_generated": tokens_generated,
         "retries": sum(s.metrics.get("retries", 0.0) for s in samples),
         "trials_retried": float(sum(s.metrics.get("retries", 0.0) > 0 for s in samples)),
         "wall_time_s": wall_time_s,

@@ -29,7 +29,8 @@ from typing import Literal
 import httpx
 
 from grpoflow.config import RunConfig, RolloutConfig
-from grpoflow.credentials import PROVIDERS, sandbox_key_problems
+from grpoflow.credentials import PROVIDERS, policy_key_problems, sandbox_key_problems
+from grpoflow.harnesses import harness_problems
 from grpoflow.errors import GrpoflowError
 
 Stage = Literal["prepare", "train", "evaluate"]
@@ -57,6 +58,7 @@ def check_run(
     problems = check_run_dir(cfg) + harbor
     if stage == "prepare" or harbor:  # prepare needs no sandbox or engine; without harbor the sandbox checks can't run
         return problems
+    problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.policy_api_key_file)
     problems += check_sandbox(cfg.rollout, env, timeout_s)
     if cfg.engine.backend == "sglang" and cfg.engine.url:
         problems += check_engine(cfg.engine.url, cfg.model.source, "model.source", timeout_s)

@@ -50,14 +50,14 @@ PRESETS: dict[str, Preset] = {
             {
                 # SGLang started for the run from its own environment; the path is the usual install location.
                 "engine": {"backend": "sglang-launch", "sglang_python": "/opt/sglang-venv/bin/python"},
-                "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 8, "max_new_tokens": 8192,
+                # terminus-2 summarises long episodes (compaction) and keeps each context a linear history, the
+                # unit that trains as one segment; its XML reply format as in the recipe.
+                "rollout": {"harness": "terminus-2", "parser": "xml", "summarize": True, "linear_history": True,
+                            "prompts_per_step": 4, "n_samples_per_prompt": 8, "max_new_tokens": 8192,
                             "max_context_tokens": 32768},
                 # kl_coef weighs the k3 estimator, the "low-variance KL" of the recipe.
                 "train": {"steps": 100, "global_batch_size": 32, "eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.01},
             },  # fmt: skip
-            # Not RunConfig fields yet: the terminus-2 harness and its token-in-token-out session server belong to
-            # the terminus-2 / session-server issue, which turns these into rollout fields and empties this dict.
-            {"name": "terminus-2", "session_server": True, "summarize": True},
         ),
         Preset(
             "sglang-e2b",

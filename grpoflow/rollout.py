@@ -137,13 +137,16 @@ class _StartSlot:
         await asyncio.wait([holder])  # not `await holder`: that would re-raise the holder's cancellation here
 
 
+def trial_name(spec: TrialSpec, attempt: int) -> str:
+    return f"{spec.instance_id[:40]}__{spec.sample_index}__a{attempt}"
+
+
 def build_trial_config(
     spec: TrialSpec, attempt: int, agent: AgentConfig, environment: EnvironmentConfig, trials_dir: Path
 ) -> TrialConfig:
-    name = f"{spec.instance_id[:40]}__{spec.sample_index}__a{attempt}"
     return TrialConfig(
         task=TaskConfig(path=Path(spec.task_path)),
-        trial_name=name,
+        trial_name=trial_name(spec, attempt),
         trials_dir=trials_dir,
         agent=agent,
         environment=environment,
@@ -167,8 +170,12 @@ async def run_trial(
 ) -> TrialOutcome:
     rng = random.Random(spec.seed)  # jitter: deterministic per trial, different across trials
     attempts: list[Attempt] = []
+    # Attempts of a run that was killed mid-trial left their dirs behind (resume): new attempts never reuse one.
+    first = 0
+    while (trials_dir / trial_name(spec, first)).exists():
+        first += 1
     for attempt in range(retries + 1):
-        cfg = build_trial_config(spec, attempt, make_agent(spec), environment, trials_dir)
+        cfg = build_trial_config(spec, first + attempt, make_agent(spec), environment, trials_dir)
         t0 = time.perf_counter()
         trial = await Trial.create(cfg)
         slot = _StartSlot(sandbox_gate) if sandbox_gate else None

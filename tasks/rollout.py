@@ -22,9 +22,9 @@ from prefect.client.orchestration import get_client
 from prefect.concurrency.asyncio import concurrency
 from prefect.exceptions import ObjectNotFound
 
-from grpoflow.collect import StepRollout, collect_step, sandbox_config, shell_agent_factory
+from grpoflow.collect import StepRollout, agent_factory, collect_step, sandbox_config
 from grpoflow.config import RunConfig
-from grpoflow.credentials import export_sandbox_key
+from grpoflow.credentials import export_policy_key, export_sandbox_key
 from grpoflow.prompts import PromptRecord
 from grpoflow.rollout import Attempt, SandboxGate, TrialOutcome, TrialSpec
 from grpoflow.rundir import RunPaths
@@ -62,9 +62,10 @@ async def _run_trials(
         )
 
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
+    export_policy_key(cfg.rollout.policy_api_key_file)
     result = await collect_step(
         cfg.run_id, step, prompts, cfg.rollout, cfg.seed,
-        shell_agent_factory(cfg.rollout, cfg.engine, engine_url, tokenizer_path), sandbox_config(cfg.rollout),
+        agent_factory(cfg.rollout, cfg.engine, engine_url, tokenizer_path), sandbox_config(cfg.rollout),
         paths.trials(step), paths.details(step), on_done=on_done, on_retry=on_retry,
         sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
     )  # fmt: skip

@@ -34,15 +34,22 @@ def test_terminus_2_compaction_resolves_to_the_recipe():
     # Everything the recipe does not name stays at its default.
     rest = parse_run_config(preset_config("terminus-2-compaction"))
     assert _dump(rest) == _dump(cfg)
-    assert cfg.model == parse_run_config({}).model and r.harness == "shell"
+    assert cfg.model == parse_run_config({}).model
+    assert (r.harness, r.parser, r.summarize, r.linear_history) == ("terminus-2", "xml", True, True)
 
 
-def test_terminus_2_compaction_records_its_harness_switches_and_cannot_run_yet():
-    p = PRESETS["terminus-2-compaction"]
-    assert dict(p.harness) == {"name": "terminus-2", "session_server": True, "summarize": True}
-    with pytest.raises(ConfigError, match=r"harness terminus-2 \(session_server=True, summarize=True\) is not "
-                                          "available yet"):  # fmt: skip
-        layered_run_config("terminus-2-compaction", None, {})
+def test_terminus_2_compaction_is_runnable_and_layers_like_any_preset():
+    assert PRESETS["terminus-2-compaction"].unavailable_reason is None
+    cfg = layered_run_config("terminus-2-compaction", None, {"rollout.summarize": False})
+    assert cfg.rollout.harness == "terminus-2" and cfg.rollout.summarize is False
+
+
+def test_a_preset_with_switches_the_config_cannot_hold_is_refused(monkeypatch):
+    from grpoflow.presets import Preset
+
+    monkeypatch.setitem(PRESETS, "future", Preset("future", "d", {}, {"name": "x-harness", "session_server": True}))
+    with pytest.raises(ConfigError, match=r"harness x-harness \(session_server=True\) is not available yet"):
+        layered_run_config("future", None, {})
 
 
 def test_sglang_e2b_attaches_to_sglang_and_runs_trials_in_e2b():
@@ -85,8 +92,6 @@ def test_cli_preset_errors_are_one_line_and_exit_2(tmp_path, capfd):
     assert capfd.readouterr().err.strip() == (
         "grpoflow: error: preset `nope`: unknown; known presets: embedded-default, terminus-2-compaction, sglang-e2b"
     )
-    assert main(["train", "--preset", "terminus-2-compaction", "--output-dir", str(tmp_path)]) == 2
-    assert "harness terminus-2" in capfd.readouterr().err
     assert main(["prepare", "--preset", "sglang-e2b", "--set", "engine.url=null", "--output-dir", str(tmp_path)]) == 2
     assert "preset sglang-e2b: field `engine.url`: required" in capfd.readouterr().err
     assert not any(tmp_path.iterdir())

@@ -29,9 +29,17 @@ straggler by uid (a passwd entry `sandbox` is bound over /etc/passwd for it). Ru
 a user namespace and the sandbox runs as that user; RLIMIT_NPROC is then the user's current process count plus
 `max_processes` (kernels before 5.14 count all of the user's processes against it).
 
-Lifetime: each exec gets its own pid namespace, so whatever a command starts (`&`, `setsid`, `nohup`, a tmux
-server) dies when the command returns — nothing carries over between execs except files. On timeout, on any
-exception and on `asyncio.CancelledError` (Harbor cancels the exec when the agent times out) pid 1 of that
+Lifetime (`process_scope`): with "exec" (the default) each exec gets its own pid namespace, so whatever a command
+starts (`&`, `setsid`, `nohup`, a tmux server) dies when the command returns — nothing carries over between execs
+except files. With "trial" (what harnesses driving a terminal need: terminus-2 keeps a tmux server across execs, as
+in Docker or e2b) one long-lived bwrap per sandbox holds the namespaces (same binds, same unshared net, pid, ipc,
+uts, cgroup), started by `start()`: its pid 1 is a root-owned bash loop that reaps orphans and, being the
+namespace's init, ignores every signal sent from inside (`kill -9 -1` cannot end the sandbox). Each exec enters
+those namespaces with `nsenter` and runs under the same prlimit/setpriv as in "exec" mode; background processes
+then live until the agent phase ends (Harbor's `prepare_logs_for_host()`, before the verifier: they are killed
+there) or `stop()` (which SIGKILLs pid 1, and the kernel the rest). A timeout or cancellation kills the exec's
+process group (the command and whatever it did not move to a session of its own). In "exec" scope, on timeout,
+on any exception and on `asyncio.CancelledError` (Harbor cancels the exec when the agent times out) pid 1 of that
 namespace is SIGKILLed, and the kernel kills everything else in it; `stop()` kills whatever is still running and
 deletes the temp dir. If our process dies, `--die-with-parent` takes the sandboxes down (their dirs stay).
 
@@ -53,6 +61,7 @@ import resource
 import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -65,6 +74,11 @@ from harbor.environments.capabilities import EnvironmentCapabilities, Environmen
 
 from grpoflow.sandbox.errors import SandboxDiedError, SandboxStartError, SandboxUnavailableError
 
+PROCESS_SCOPES = ("exec", "trial")
+# pid 1 of a trial-scope sandbox: never exits on its own, ignores signals, reaps orphans.
+HOLDER_LOOP = "trap '' HUP INT QUIT TERM USR1 USR2; while :; do sleep 86400 & wait $!; done"
+# Trial scope: after a command exits, how long to keep reading output a background process may still write.
+BACKGROUND_OUTPUT_GRACE_SEC = 0.5
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_HOME = "/root"
 TIMEOUT_EXIT_CODE = 124  # what GNU `timeout` returns; Harbor's singularity environment reports the same
@@ -153,6 +167,7 @@ class LocalSandbox(BaseEnvironment):
         fail_start_probability: float = 0.0,
         fail_start_seed: int | None = None,
         die_after_execs: int | None = None,
+        process_scope: str = "exec",
         **kwargs: Any,
     ):
         """Kwargs (all via `EnvironmentConfig.kwargs`):
@@ -169,6 +184,7 @@ class LocalSandbox(BaseEnvironment):
             so a retry (a new trial name) draws again while a rerun of the same trial repeats its fate.
         die_after_execs: fault injection: after this many execs the sandbox "dies": every later exec raises
             `SandboxDiedError` (Harbor's own execs, e.g. the verifier's, count too).
+        process_scope: "exec" (processes die with their exec) or "trial" (they live until stop(); see module doc).
         Any other kwarg goes to Harbor's `BaseEnvironment` (`auto_mounting` defaults to True here).
         """
         for name, value in (
@@ -182,6 +198,8 @@ class LocalSandbox(BaseEnvironment):
                 raise ValueError(f"LocalSandbox: {name} must be a positive integer, got {value!r}")
         if not 0.0 <= fail_start_probability <= 1.0:
             raise ValueError(f"LocalSandbox: fail_start_probability must be in [0, 1], got {fail_start_probability}")
+        if process_scope not in PROCESS_SCOPES:
+            raise ValueError(f"LocalSandbox: process_scope must be one of {PROCESS_SCOPES}, got {process_scope!r}")
         if die_after_execs is not None and die_after_execs < 0:
             raise ValueError(f"LocalSandbox: die_after_execs must be >= 0, got {die_after_execs}")
         self.cpu_time_sec = cpu_time_sec
@@ -193,6 +211,7 @@ class LocalSandbox(BaseEnvironment):
         self.fail_start_probability = fail_start_probability
         self.fail_start_seed = fail_start_seed
         self.die_after_execs = die_after_execs
+        self.process_scope = process_scope
         # Log dirs bound from the trial dir, so Harbor reads them in place (as with Docker's bind mounts).
         kwargs.setdefault("auto_mounting", True)
         super().__init__(
@@ -210,6 +229,8 @@ class LocalSandbox(BaseEnvironment):
         self._root: Path | None = None  # the per-trial temp dir; None until start()
         self._uid: int | None = None  # the sandbox uid when we are root
         self._argv_prefix: list[str] = []
+        self._holder: subprocess.Popen[bytes] | None = None  # process_scope="trial": the namespaces' bwrap
+        self._enter_prefix: list[str] = []  # process_scope="trial": nsenter into the holder's namespaces
         self._procs: set[asyncio.subprocess.Process] = set()
         self._exec_count = 0
         self._dead_reason: str | None = None
@@ -247,6 +268,8 @@ class LocalSandbox(BaseEnvironment):
             await asyncio.to_thread(self._make_root, tools)
         except OSError as exc:
             raise SandboxStartError(f"could not create the sandbox dirs for {self.session_id}: {exc}") from exc
+        if self.process_scope == "trial":
+            await self._start_holder(tools)
         # One real command: proves bwrap can create its namespaces here before Harbor starts the agent. Not
         # counted as an exec (die_after_execs counts the trial's own commands).
         try:
@@ -261,7 +284,10 @@ class LocalSandbox(BaseEnvironment):
     async def stop(self, delete: bool) -> None:
         self._dead_reason = self._dead_reason or "the sandbox was stopped"
         for proc in list(self._procs):
-            await _kill_and_reap(proc)
+            await (_kill_exec_and_reap(proc) if self._holder is not None else _kill_and_reap(proc))
+        if self._holder is not None:
+            holder, self._holder = self._holder, None
+            await asyncio.to_thread(_stop_holder, holder)
         if self._uid is not None:
             # Belt and braces: the pid namespace already took everything down; anything left with our uid goes.
             await asyncio.to_thread(_kill_uid, self._uid)
@@ -274,7 +300,19 @@ class LocalSandbox(BaseEnvironment):
                 self._root = None
 
     async def prepare_logs_for_host(self) -> None:
+        # Harbor calls this once the agent phase is over, before the verifier runs. In trial scope the agent's
+        # processes (its tmux server, whatever the policy left running) end here, so none can touch the files the
+        # verifier reads or writes: the verifier sees files, not processes, as with per-exec scope.
+        if self._holder is not None and self._dead_reason is None and self._holder.poll() is None:
+            await self._end_trial_processes()
         self._scrub_log_symlinks()
+
+    async def _end_trial_processes(self) -> None:
+        """SIGKILL every process of a trial-scope sandbox but its init, from inside (twice: a process forking
+        while the first sweep runs may leave a child), and as root every process of the sandbox uid."""
+        await self._run("kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true", "/", None, 30)
+        if self._uid is not None:
+            await asyncio.to_thread(_kill_uid, self._uid)
 
     async def exec(
         self,
@@ -310,7 +348,8 @@ class LocalSandbox(BaseEnvironment):
     # ---- one exec -----------------------------------------------------------------------------------------
 
     async def _run(self, command: str, cwd: str, env: dict[str, str] | None, timeout_sec: float | None) -> ExecResult:
-        await asyncio.to_thread(self._repair_mount_points)
+        if self._holder is None:  # "trial": the holder's mounts are in place for its whole life
+            await asyncio.to_thread(self._repair_mount_points)
         marker_r, marker_w = os.pipe()
         argv = self._exec_argv(command, cwd, marker_w)
         try:
@@ -321,7 +360,7 @@ class LocalSandbox(BaseEnvironment):
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
                     env=self._exec_env(env),
-                    start_new_session=True,  # bwrap leads its own process group: one killpg ends the sandbox
+                    start_new_session=True,  # bwrap/nsenter leads its own process group: one killpg ends it
                     pass_fds=(marker_w,),
                 )
             finally:
@@ -345,20 +384,31 @@ class LocalSandbox(BaseEnvironment):
             asyncio.ensure_future(_drain(proc.stderr, err)),
         ]
         timed_out = False
+        trial_scope = self._holder is not None
         try:
             try:
                 async with asyncio.timeout(timeout_sec if timeout_sec else None):
-                    await proc.wait()
-                    await asyncio.gather(*readers)
+                    # asyncio's wait() also waits for the pipes to close, which a background process (trial scope)
+                    # may hold open for the rest of the trial: wait for the process itself.
+                    await (_process_exit(proc) if trial_scope else proc.wait())
+                    if trial_scope:
+                        # A background process the command left running may hold the pipes open for the rest of
+                        # the trial: take what it wrote by now and stop reading.
+                        await asyncio.wait(readers, timeout=BACKGROUND_OUTPUT_GRACE_SEC)
+                    else:
+                        await asyncio.gather(*readers)
             except TimeoutError:
                 timed_out = True
-                await _kill_and_reap(proc)
+                await (_kill_exec_and_reap(proc) if trial_scope else _kill_and_reap(proc))
                 # The pipes close as the pid namespace dies; don't wait forever on a descendant that lingers.
                 await asyncio.wait(readers, timeout=5)
         except BaseException:
             # Cancellation (Harbor's agent timeout) or any error: the sandbox must not outlive this call. The
             # kill comes first and is synchronous, so it happens even if the wait below is cut short.
-            _kill_sandbox(proc)
+            if trial_scope:
+                _kill_group(proc)
+            else:
+                _kill_sandbox(proc)
             await _reap_after_kill(proc, readers)
             raise
         for reader in readers:
@@ -374,6 +424,14 @@ class LocalSandbox(BaseEnvironment):
                 f"sandbox {self.session_id} failed before running the command "
                 f"(bwrap exit {proc.returncode}): {err.text().strip()[:2000]}"
             )
+        if self._holder is not None and self._holder.poll() is not None:
+            raise SandboxDiedError(
+                f"sandbox {self.session_id}: its namespaces ended (bwrap exit {self._holder.returncode}) during "
+                f"{command[:80]!r}"
+            )
+        if trial_scope and proc.returncode is not None and proc.returncode < 0:
+            # nsenter re-raises the signal that killed the command on itself: report it as a shell would.
+            return ExecResult(stdout=out.text(), stderr=err.text(), return_code=128 - proc.returncode)
         if proc.returncode is not None and proc.returncode < 0:
             # bwrap itself was killed by a signal (nothing in the sandbox can see it): the host killed it.
             raise SandboxDiedError(
@@ -386,7 +444,44 @@ class LocalSandbox(BaseEnvironment):
         # touch it); a failure before that byte is the sandbox's, after it the command's. `cd` is done here, not
         # with bwrap's --chdir, so a missing cwd is the command's failure, not the sandbox's.
         wrapper = f'printf 1 >&{marker_fd}; exec {marker_fd}>&-; cd -- "$1" || exit 1; exec /bin/bash -c "$2"'
-        return [*self._argv_prefix, *self._limits_argv(), "/bin/bash", "-c", wrapper, "grpoflow-exec", cwd, command]
+        prefix = self._enter_prefix if self._holder is not None else self._argv_prefix
+        return [*prefix, *self._limits_argv(), "/bin/bash", "-c", wrapper, "grpoflow-exec", cwd, command]
+
+    async def _start_holder(self, tools: dict[str, str]) -> None:
+        """process_scope="trial": start the bwrap that holds the trial's namespaces and learn its pid 1."""
+        info_r, info_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        # --as-pid-1: the bash loop is the namespace's init, so signals from inside never reach it, and it reaps
+        # the orphans a command leaves (bash reaps any child on SIGCHLD). bwrap reports the child's pid on the
+        # info fd before the child has built its mounts; the loop's byte on ready_w says it has.
+        loop = f"printf 1 >&{ready_w}; exec {ready_w}>&-; {HOLDER_LOOP}"
+        argv = [*self._argv_prefix[:-1], "--as-pid-1", "--info-fd", str(info_w), "--", "/bin/bash", "-c", loop]
+        try:
+            try:
+                # A plain Popen, not an asyncio process: stop() may run in another event loop than start().
+                holder = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    env=self._exec_env(None), start_new_session=True, pass_fds=(info_w, ready_w),
+                )  # fmt: skip
+            finally:
+                os.close(info_w)
+                os.close(ready_w)
+            info = await asyncio.to_thread(_read_info, info_r)
+            ready = await asyncio.to_thread(os.read, ready_r, 1)  # b"" (EOF): the holder died setting up
+        finally:
+            os.close(info_r)
+            os.close(ready_r)
+        match = re.search(rb'"child-pid"\s*:\s*(\d+)', info)
+        if match is None or not ready:
+            await asyncio.to_thread(_stop_holder, holder)
+            err = holder.stderr.read().decode(errors="replace").strip() if holder.stderr else ""
+            raise SandboxStartError(f"sandbox for {self.session_id}: bwrap did not start its namespaces: {err[:2000]}")
+        self._holder = holder
+        argv = [tools["nsenter"], f"--target={match.group(1).decode()}", "--mount", "--pid", "--net", "--ipc", "--uts",
+                "--cgroup"]
+        if os.geteuid() != 0:
+            argv += ["--user", "--preserve-credentials"]  # bwrap made a user namespace for a normal user
+        self._enter_prefix = [*argv, "--root", "--wd", "--"]
 
     def _limits_argv(self) -> list[str]:
         nproc = self.max_processes
@@ -650,6 +745,7 @@ class LocalSandbox(BaseEnvironment):
 
 _PRLIMIT = "/usr/bin/prlimit"
 _SETPRIV = "/usr/bin/setpriv"
+_NSENTER = "/usr/bin/nsenter"
 
 
 def _require_tools() -> dict[str, str]:
@@ -660,12 +756,12 @@ def _require_tools() -> dict[str, str]:
             "bubblewrap (`bwrap`) is not installed or not on PATH; LocalSandbox needs it: "
             "apt-get install -y bubblewrap (or your distribution's bubblewrap package)"
         )
-    for tool in (_PRLIMIT, _SETPRIV, "/bin/bash"):
+    for tool in (_PRLIMIT, _SETPRIV, _NSENTER, "/bin/bash"):
         if not os.access(tool, os.X_OK):
             raise SandboxUnavailableError(
                 f"{tool} is missing; LocalSandbox runs it inside the sandbox: apt-get install -y util-linux bash"
             )
-    return {"bwrap": bwrap}
+    return {"bwrap": bwrap, "nsenter": _NSENTER}
 
 
 async def _drain(stream: asyncio.StreamReader, sink: _CappedOutput) -> None:
@@ -697,6 +793,56 @@ def _kill_sandbox(proc: asyncio.subprocess.Process) -> None:
             os.kill(pid, signal.SIGKILL)
     if not children:
         _kill_group(proc)
+
+
+async def _kill_exec_and_reap(proc: asyncio.subprocess.Process) -> None:
+    """Trial scope: SIGKILL one exec's process group (nsenter and the command it forked), not the namespace."""
+    _kill_group(proc)
+    await _process_exit(proc)  # not proc.wait(): a process that left the group may hold the pipes open
+
+
+async def _process_exit(proc: asyncio.subprocess.Process) -> None:
+    """Until `proc` has exited and been reaped (its returncode set), whatever still holds its pipes."""
+    if proc.returncode is None:
+        loop = asyncio.get_running_loop()
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:
+            pidfd = None  # already reaped: the returncode is about to be set
+        if pidfd is not None:
+            exited = loop.create_future()
+            loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+            try:
+                await exited
+            finally:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+    while proc.returncode is None:  # the child watcher reaps it right after the pidfd fires
+        await asyncio.sleep(0.005)
+
+
+def _stop_holder(holder: subprocess.Popen[bytes]) -> None:
+    """SIGKILL pid 1 of a trial's namespaces (the kernel then kills every process in them) and reap bwrap."""
+    if holder.poll() is None:
+        for pid in _children(holder.pid):
+            with contextlib.suppress(ProcessLookupError):  # already gone
+                os.kill(pid, signal.SIGKILL)
+        try:
+            holder.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
+    if holder.stderr is not None:
+        holder.stderr.close()
+
+
+def _read_info(fd: int) -> bytes:
+    """bwrap's --info-fd JSON: read up to its closing brace (the fd may stay open in the sandbox) or EOF."""
+    data = b""
+    while b"}" not in data and (chunk := os.read(fd, 4096)):
+        data += chunk
+    return data
 
 
 async def _kill_and_reap(proc: asyncio.subprocess.Process) -> None:

@@ -102,3 +102,21 @@ def test_step_metrics():
     assert m["truncated_ratio"] == 0.2 and m["retries"] == 2 and m["trials_retried"] == 1
     assert m["exit/Submitted"] == 3 and m["exit/SequenceLengthLimitExceeded"] == 1 and m["exit/SandboxError"] == 1
     assert m["tokens_generated"] == 15  # a failed trial's tokens were still generated
+
+
+def test_step_metrics_count_a_segmented_rollout_once():
+    """A compacted session trains as several samples of one rollout: trial figures must not count it twice."""
+    whole = [to_sample(_outcome(reward=1.0, group="a", k=0), "r", 0),
+             to_sample(_outcome(reward=0.0, group="a", k=1), "r", 0)]  # fmt: skip
+    first = whole[0]
+    # the same rollout split into two segments that each train half of its tokens
+    half = len(first.tokens) // 2
+    seg0 = first.model_copy(update={"loss_mask": [1 if i < half else 0 for i in range(len(first.tokens))]})
+    seg1 = first.model_copy(update={"segment_index": 1,
+                                    "loss_mask": [0 if i < half else 1 for i in range(len(first.tokens))]})  # fmt: skip
+    m_whole = step_metrics(whole, wall_time_s=1.0)
+    m_split = step_metrics([seg0, seg1, whole[1]], wall_time_s=1.0)
+    for key in ("trials", "scored", "reward_mean", "pass_at_1", "pass_at_k", "group_reward_std_mean", "retries"):
+        assert m_split[key] == m_whole[key], key
+    assert m_split["trials"] == 2
+    assert m_split["tokens_generated"] == sum(s.n_generated for s in [seg0, seg1, whole[1]])

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's two commands: `./run.sh main` (the main job on the embedded default) and `./run.sh test`.
 # Each one first makes sure the environment exists: Python >= 3.12 in .venv with the pinned dependencies
-# (re-installed when pyproject.toml changes), and the system tools the local sandbox needs (bubblewrap, tmux).
+# (re-installed when pyproject.toml changes), and the system tools the local sandbox needs (bubblewrap, tmux);
+# `test` also installs chromium for the browser test of the Prefect UI.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -16,15 +17,27 @@ find_python() {
   return 1
 }
 
+apt_install() {
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -qq >/dev/null &&
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
 ensure_system_tools() {
   local missing=()
   command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
   command -v tmux >/dev/null 2>&1 || missing+=(tmux)
   [ ${#missing[@]} -eq 0 ] && return 0
-  local sudo=""
-  [ "$(id -u)" -ne 0 ] && sudo="sudo"
   echo "run.sh: installing ${missing[*]} (the local sandbox needs them)" >&2
-  $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  apt_install "${missing[@]}"
+}
+
+# The browser test of the Prefect UI drives Debian's headless chromium; without it that test is skipped.
+ensure_test_tools() {
+  command -v chromium >/dev/null 2>&1 && return 0
+  echo "run.sh: installing chromium (the Prefect UI browser test needs it)" >&2
+  apt_install chromium || echo "run.sh: could not install chromium; the UI browser test will be skipped" >&2
 }
 
 ensure_venv() {
@@ -51,6 +64,6 @@ cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   main) ensure_system_tools; ensure_venv; exec .venv/bin/grpoflow main "$@" ;;
-  test) ensure_system_tools; ensure_venv; exec .venv/bin/python -m pytest "$@" ;;
+  test) ensure_system_tools; ensure_test_tools; ensure_venv; exec .venv/bin/python -m pytest "$@" ;;
   *) echo "usage: ./run.sh main [grpoflow options] | ./run.sh test [pytest options]" >&2; exit 2 ;;
 esac

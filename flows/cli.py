@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from grpoflow.config import apply_overrides, load_run_config, new_run_id, parse_run_config
-from grpoflow.errors import GrpoflowError
+from grpoflow.config import RUN_ID_PATTERN, apply_overrides, load_run_config, new_run_id, parse_run_config
+from grpoflow.errors import ConfigError, GrpoflowError, RunDirError
 from grpoflow.presets import PRESETS, layered_run_config
 
 
@@ -62,11 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
                         ("evaluate", "the evaluate flow: k trials per prompt of the eval split, no training"),
                         ("prepare", "prepare a run: model, dataset, prompts")]:  # fmt: skip
         _add_run_args(sub.add_parser(name, help=help_))
+    p = sub.add_parser("resume", help="resume a killed train run under its run_id, from its last complete step")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--output-dir", default="runs", help="where run dirs are (default: runs)")
+    p = sub.add_parser("rerun", help="run an earlier run's config again under a new run_id and compare")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--output-dir", default="runs", help="where run dirs are (default: runs)")
+    p.add_argument("--run-id", dest="new_run_id", metavar="NEW", help="the rerun's run_id (default: RUN_ID-rr<hash>)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("resume", "rerun"):
+        return _resume_or_rerun(args)
     try:
         cfg = _config_from_args(args)
         preset = f"preset {args.preset}, " if args.preset else ""
@@ -81,6 +91,37 @@ def main(argv: list[str] | None = None) -> int:
     print(f"grpoflow: run {cfg.run_id} finished; artifacts in {root}")
     for name in sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir()):
         print(f"  {name}")
+    return 0
+
+
+def _resume_or_rerun(args: argparse.Namespace) -> int:
+    try:
+        for flag, value in (("RUN_ID", args.run_id), ("--run-id", getattr(args, "new_run_id", None))):
+            if value is not None and not re.fullmatch(RUN_ID_PATTERN, value):
+                raise ConfigError(f"{flag} {value!r}: a run id is lowercase letters, digits and dashes (at most 63)")
+        if not (Path(args.output_dir) / args.run_id).is_dir():  # said before Prefect's slow start
+            raise RunDirError(f"run dir {Path(args.output_dir) / args.run_id} does not exist")
+        if args.command == "resume":
+            from flows.resume import resume_flow
+
+            print(f"grpoflow: resume run {args.run_id} (in {args.output_dir})", flush=True)
+            resume_flow(args.run_id, args.output_dir)
+            run_id = args.run_id
+        else:
+            from flows.rerun import rerun_flow
+
+            print(f"grpoflow: rerun of run {args.run_id} (in {args.output_dir})", flush=True)
+            report = rerun_flow(args.run_id, args.output_dir, args.new_run_id)
+            run_id = report["run_id"]
+            for diff in report["provenance_differences"]:
+                print(f"grpoflow: changed since {args.run_id}: {diff}")
+            for note in report["notes"]:
+                print(f"grpoflow: note: {note}")
+            print(f"grpoflow: {report['verdict']}")
+    except GrpoflowError as err:
+        print(f"grpoflow: error: {err}", file=sys.stderr)
+        return 2
+    print(f"grpoflow: run {run_id} finished; artifacts in {(Path(args.output_dir) / run_id).resolve()}")
     return 0
 
 

@@ -3,16 +3,22 @@ the flow run after it."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 from prefect.client.orchestration import get_client
+from prefect.events import emit_event
 from prefect.runtime import flow_run
 
 from grpoflow.config import RunConfig, parse_run_config
 from grpoflow.errors import GrpoflowError
 from grpoflow.prepare import PreparedRun
+from grpoflow.reporting import read_metrics
 from grpoflow.serving import EngineHandle, open_engine
 from tasks.preflight import engine_preflight_task, preflight_task
 from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
@@ -76,3 +82,49 @@ def serving_engine(cfg: RunConfig, run: PreparedRun) -> Iterator[EngineHandle]:
         if cfg.engine.backend != "sglang":
             engine_preflight_task(engine.url, run.model.path)
         yield engine
+
+
+RUN_COMPLETED, RUN_FAILED = "grpoflow.run.completed", "grpoflow.run.failed"
+
+
+def run_summary(flow: str, run_id: str, run_dir: Path, **extra: Any) -> dict[str, Any]:
+    """What a flow's end event carries: run_id, flow, steps recorded, the last step's metrics, the run dir."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    try:
+        records = read_metrics(metrics)
+    except ValueError:  # a corrupt log must not hide the event that reports the run's end
+        records = []
+    final = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in (records or [{}])[-1].items()}
+    return {"run_id": run_id, "flow": flow, "steps": len(records), "final_metrics": final,
+            "run_dir": str(Path(run_dir).resolve()), **extra}  # fmt: skip
+
+
+def emit_run_event(ok: bool, summary: dict[str, Any], error: BaseException | None = None) -> None:
+    """`grpoflow.run.completed` / `grpoflow.run.failed` about resource `grpoflow.run.<run_id>`, related to the
+    flow run; automations match on the event name and the resource id or the `grpoflow.flow` label."""
+    payload = dict(summary)
+    if error is not None:
+        payload["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
+    related = []
+    if flow_run.id:
+        related.append({"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run",
+                        "prefect.resource.name": flow_run.name or ""})  # fmt: skip
+    emit_event(
+        event=RUN_COMPLETED if ok else RUN_FAILED,
+        resource={"prefect.resource.id": f"grpoflow.run.{summary['run_id']}",
+                  "prefect.resource.name": summary["run_id"], "grpoflow.flow": summary["flow"]},
+        related=related, payload=json.loads(json.dumps(payload, default=str)),
+    )  # fmt: skip
+
+
+@contextmanager
+def run_events(flow: str, run_id: str, run_dir: Path) -> Iterator[dict[str, Any]]:
+    """Emit the flow's end event when the block ends, however it ends. Items the block puts in the yielded dict
+    join the payload."""
+    extra: dict[str, Any] = {}
+    try:
+        yield extra
+    except BaseException as err:
+        emit_run_event(False, run_summary(flow, run_id, run_dir, **extra), err)
+        raise
+    emit_run_event(True, run_summary(flow, run_id, run_dir, **extra))

@@ -12,10 +12,11 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
-from flows.common import flow_run_name, prepare_stage, serving_engine, start_run
+from flows.common import flow_run_name, prepare_stage, run_events, serving_engine, start_run
 from grpoflow.config import RunConfig
-from grpoflow.fileio import append_jsonl
+from grpoflow.prepare import update_run_info
 from grpoflow.prompts import load_prompts
+from grpoflow.reporting import append_step
 from tasks.rollout import run_trials_task
 
 Split = Literal["eval", "train", "all"]
@@ -28,14 +29,20 @@ def evaluate_flow(
 ) -> dict[str, float]:
     """Prepare, start the engine, run `rollout.n_samples_per_prompt` trials per prompt of `split`, score them."""
     cfg = start_run(config, "evaluate")
+    with run_events("evaluate", cfg.run_id, cfg.run_dir):  # grpoflow.run.completed / failed when it ends
+        return _evaluate(cfg, split)
+
+
+def _evaluate(cfg: RunConfig, split: str) -> dict[str, float]:
     run = prepare_stage(cfg, "evaluate")
+    update_run_info(run.paths, flow="evaluate")  # not a train run: resume and rerun refuse it
     prompts = [p for p in load_prompts(run.paths.prompts) if split == "all" or p.split == split]
     if not prompts:
         raise ValueError(f"split `{split}` has no prompts in {run.paths.prompts}")
     with serving_engine(cfg, run) as engine:
         result = run_trials_task(cfg, 0, prompts, engine.url, run.model.path, run.paths)
     metrics = {"step": 0, **result.metrics}
-    append_jsonl(run.paths.metrics, metrics)
+    append_step(run.paths.metrics, 0, result.metrics)  # wall-clock keys go to timings.jsonl
     create_markdown_artifact(
         key=f"{cfg.run_id}-evaluation", markdown=evaluation_summary(cfg, split, len(prompts), metrics),
         description=f"Evaluation {cfg.run_id}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import flow_run_name, prepare_stage, start_run
+from flows.common import flow_run_name, prepare_stage, run_events, start_run
 from grpoflow.config import RunConfig
 from grpoflow.prepare import PreparedRun
 
@@ -14,11 +14,12 @@ from grpoflow.prepare import PreparedRun
 def prepare_flow(config: RunConfig = RunConfig()) -> PreparedRun:
     """Resolve the model (converting the built-in GGUF once), validate the task set, write prompts.jsonl."""
     cfg = start_run(config, "prepare")
-    run = prepare_stage(cfg, "prepare")
+    with run_events("prepare", cfg.run_id, cfg.run_dir):  # grpoflow.run.completed / failed when it ends
+        run = prepare_stage(cfg, "prepare")
+    print(f"prepared run {cfg.run_id}: {run.paths.root}")
     create_markdown_artifact(
         key=f"prepare-{cfg.run_id}", markdown=prepare_summary(run), description=f"Prepared run {cfg.run_id}"
     )
-    print(f"prepared run {cfg.run_id}: {run.paths.root}")
     return run
 
 

@@ -6,11 +6,14 @@ created, so a failed prepare leaves no half-written run behind and never touches
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from grpoflow.config import RunConfig
 from grpoflow.dataset import Dataset, load_dataset
+from grpoflow.errors import RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.model import PreparedModel, prepare_model
 from grpoflow.prompts import PromptRecord, build_prompts, load_prompts, write_prompts
@@ -57,3 +60,44 @@ def prepare_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
     model = prepare_model(cfg.model.source, cache_dir)
     dataset = load_dataset(cfg.dataset.path)
     return record_run(cfg, model, dataset, make_prompts(cfg, dataset))
+
+
+def read_run_info(paths: RunPaths) -> dict[str, Any]:
+    """run.json (provenance); one line naming the file when it is missing or not JSON."""
+    try:
+        info = json.loads(paths.run_info.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunDirError(f"{paths.run_info}: not found (the run never finished preparing)") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RunDirError(f"{paths.run_info}: unreadable: {err}") from None
+    if not isinstance(info, dict):
+        raise RunDirError(f"{paths.run_info}: top level must be a JSON object")
+    return info
+
+
+def update_run_info(paths: RunPaths, **fields: Any) -> dict[str, Any]:
+    """Add or replace top-level fields of run.json (atomically); returns the new record."""
+    info = {**read_run_info(paths), **fields}
+    write_json_atomic(paths.run_info, info)
+    return info
+
+
+def reopen_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
+    """An existing run dir, for resuming it: the model and dataset are resolved again and must be the very ones
+    the run started with (run.json's sha256s), or the resumed steps would train something else."""
+    paths = RunPaths(cfg.run_dir)
+    info = read_run_info(paths)
+    model = prepare_model(cfg.model.source, cache_dir)
+    dataset = load_dataset(cfg.dataset.path)
+    then_model = (info.get("model") or {}).get("weights_sha256")
+    then_data = (info.get("dataset") or {}).get("sha256")
+    if then_model != model.weights_sha256:
+        raise RunDirError(f"{paths.run_info}: model {cfg.model.source} has weights sha256 {model.weights_sha256}, "
+                          f"the run started with {then_model}: resume needs the same model")  # fmt: skip
+    if then_data != dataset.sha256:
+        raise RunDirError(f"{paths.run_info}: dataset {cfg.dataset.path} has sha256 {dataset.sha256}, the run "
+                          f"started with {then_data}: resume needs the same tasks")  # fmt: skip
+    splits: dict[str, int] = {}
+    for p in load_prompts(paths.prompts):
+        splits[p.split] = splits.get(p.split, 0) + 1
+    return PreparedRun(paths, model, dataset.sha256, len(dataset.tasks), splits)

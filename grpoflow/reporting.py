@@ -1,4 +1,11 @@
-"""What a person reads about a run: metrics.jsonl (one line per step), TensorBoard scalars, curves, a summary."""
+"""What a person reads about a run: metrics.jsonl (one line per step), timings.jsonl, TensorBoard scalars,
+curves, a summary.
+
+One rule splits a step's record: a key ending in `_s` (seconds, or a rate per second) is a wall-clock figure and
+goes to `timings.jsonl`; everything else goes to `metrics.jsonl`. So metrics.jsonl holds only what the run
+computed, and a rerun on the deterministic path reproduces it byte for byte; both files carry the same `step`
+key, and TensorBoard gets both.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +18,35 @@ from typing import Any
 from grpoflow.fileio import append_jsonl
 
 
+TIMINGS_FILE = "timings.jsonl"
+
+
+def is_timing(key: str) -> bool:
+    """Wall-clock keys (`time/step_s`, `train/tokens_per_s`, ...): they differ between identical runs."""
+    return key.endswith("_s")
+
+
+def split_record(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, timings) of one step's record, each without the `step` key."""
+    metrics = {k: v for k, v in record.items() if k != "step" and not is_timing(k)}
+    timings = {k: v for k, v in record.items() if k != "step" and is_timing(k)}
+    return metrics, timings
+
+
+def timings_path(metrics_path: Path) -> Path:
+    return Path(metrics_path).with_name(TIMINGS_FILE)
+
+
+def append_step(metrics_path: Path, step: int, record: dict[str, Any]) -> None:
+    """Append the step's row to metrics.jsonl and to timings.jsonl (split by `is_timing`)."""
+    metrics, timings = split_record(record)
+    append_jsonl(Path(metrics_path), {"step": step, **metrics})
+    append_jsonl(timings_path(metrics_path), {"step": step, **timings})
+
+
 class MetricsLog:
-    """Appends one record per step to `metrics.jsonl` and mirrors its numbers as TensorBoard scalars."""
+    """Appends one record per step to `metrics.jsonl` / `timings.jsonl` and mirrors its numbers as TensorBoard
+    scalars."""
 
     def __init__(self, metrics_path: Path, tb_dir: Path):
         from tensorboardX import SummaryWriter
@@ -21,7 +55,10 @@ class MetricsLog:
         self.writer = SummaryWriter(logdir=str(tb_dir), flush_secs=10)
 
     def log(self, step: int, record: dict[str, Any]) -> None:
-        append_jsonl(self.path, {"step": step, **record})
+        append_step(self.path, step, record)
+        self.scalars(step, record)
+
+    def scalars(self, step: int, record: dict[str, Any]) -> None:
         for key, value in record.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.writer.add_scalar(key, value, step)
@@ -42,6 +79,12 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             if i != len(lines) - 1:
                 raise ValueError(f"{path}:{i + 1}: not valid JSON") from None
     return out
+
+
+def read_step_records(metrics_path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl rows with their timings.jsonl row merged in (same step), for tables and summaries."""
+    timings = {r["step"]: r for r in read_metrics(timings_path(metrics_path))}
+    return [{**r, **timings.get(r["step"], {})} for r in read_metrics(metrics_path)]
 
 
 CURVES = [("rollout/reward_mean", "mean reward"), ("rollout/pass_at_k", "pass@k"),

@@ -35,6 +35,10 @@ class RunPaths:
         return self.root / "metrics.jsonl"
 
     @property
+    def timings(self) -> Path:  # wall-clock figures per step (keys ending in `_s`), apart from metrics.jsonl
+        return self.root / "timings.jsonl"
+
+    @property
     def tb(self) -> Path:
         return self.root / "tb"
 

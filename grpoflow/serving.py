@@ -28,8 +28,11 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
     """Start (or reach) the engine for the block; a started one is stopped when the block ends, however it ends."""
     if cfg.backend == "embedded":
         with start_embedded_engine(
-            model_path, seed=seed, threads=cfg.threads, max_batch_size=cfg.max_batch_size, log_path=log_path,
+            model_path, seed=seed, threads=cfg.threads, log_path=log_path,
             client_timeout=cfg.request_timeout_s, client_retries=cfg.retries,
+            # Deterministic: a request's forwards never depend on what else is running or was cached.
+            max_batch_size=1 if cfg.deterministic else cfg.max_batch_size,
+            prefix_cache_tokens=0 if cfg.deterministic else None,
         ) as engine:  # fmt: skip
             yield EngineHandle(engine.url, engine.client)
         return
@@ -37,7 +40,8 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
         assert cfg.sglang_python, "validated by EngineConfig"
         with start_sglang_server(
             cfg.sglang_python, model_path, tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
-            extra_args=cfg.sglang_args, log_path=log_path, startup_timeout=cfg.startup_timeout_s,
+            extra_args=cfg.sglang_args + (["--enable-deterministic-inference"] if cfg.deterministic else []),
+            log_path=log_path, startup_timeout=cfg.startup_timeout_s,
             client_timeout=cfg.request_timeout_s, client_retries=cfg.retries,
         ) as server:  # fmt: skip
             yield EngineHandle(server.url, server.client)

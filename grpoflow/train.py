@@ -18,6 +18,7 @@ Choices beyond the textbook step:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -202,9 +203,16 @@ def backward_minibatch(
     """Forward/backward one optimizer minibatch in micro-batches, accumulating into `.grad` (no optimizer step).
 
     advantages (N,). Each micro-batch loss is divided by the minibatch's count (tokens or samples), so the
-    accumulated gradient is that of the aggregation over the whole minibatch.
+    accumulated gradient is that of the aggregation over the whole minibatch. The segments of one rollout
+    (same `rollout_id`) count as one sample under `sample` aggregation: each is divided by the rollout's trained
+    tokens and the count is of rollouts. (Under `token` aggregation nothing changes: tokens shared between
+    segments are loss-masked in all but one, so every trained token counts once.)
     """
-    denom = sum(map(_n_trained, samples)) if cfg.loss_aggregation == "token" else len(samples)
+    rollout_tokens: dict[str, int] = {}
+    for s in samples:
+        rollout_tokens[s.rollout_id] = rollout_tokens.get(s.rollout_id, 0) + _n_trained(s)
+    row_tokens = torch.tensor([rollout_tokens[s.rollout_id] for s in samples])  # (N,)
+    denom = sum(map(_n_trained, samples)) if cfg.loss_aggregation == "token" else len(rollout_tokens)
     sums: dict[str, float] = {"loss": 0.0, "n_tokens": 0, "logprob_gap_max": 0.0}
     for idx in pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens):
         ids, mask, old = _collate([samples[i] for i in idx], state.device)
@@ -215,7 +223,7 @@ def backward_minibatch(
                 ref, _ = token_logprobs(state.ref_model, ids, mask, state.autocast_dtype, temperature)
         loss, m = policy_loss(
             logp, old, advantages[idx].to(state.device), mask, cfg.eps_low, cfg.eps_high, cfg.loss_aggregation,
-            ref_logprobs=ref, kl_coef=cfg.kl_coef, entropy=ent, denominator=denom,
+            ref_logprobs=ref, kl_coef=cfg.kl_coef, entropy=ent, denominator=denom, sample_tokens=row_tokens[idx],
         )  # fmt: skip
         loss.backward()
         sums["loss"] += loss.item()
@@ -240,7 +248,8 @@ def prepare_samples(samples: list[Sample], cfg: TrainConfig) -> tuple[list[Sampl
                              "FAILED / unrewarded samples must be dropped before training")  # fmt: skip
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # (N,)
     group_ids = [s.group_id for s in samples]
-    adv = group_advantages(rewards, group_ids, cfg.scale_by_std)
+    # a trial split into segments (context compaction) is one rollout: one slot in its group's statistics
+    adv = group_advantages(rewards, group_ids, cfg.scale_by_std, rollout_ids=[s.rollout_id for s in samples])
     flat = set(zero_std_groups(rewards, group_ids))
     keep = [
         i for i, s in enumerate(samples)
@@ -251,20 +260,32 @@ def prepare_samples(samples: list[Sample], cfg: TrainConfig) -> tuple[list[Sampl
     return [samples[i] for i in keep], adv[keep], counts
 
 
+def _rollout_minibatches(kept: list[Sample], size: int | None, seed: int) -> list[list[int]]:
+    """Sample indices per optimizer minibatch: rollouts in a seeded random order, `size` rollouts each (all when
+    None). With one sample per rollout this is a seeded permutation of the samples cut every `size`."""
+    rows: dict[str, list[int]] = {}
+    for i, s in enumerate(kept):
+        rows.setdefault(s.rollout_id, []).append(i)
+    rollouts = list(rows.values())
+    order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(seed)).tolist()
+    size = size or max(len(rollouts), 1)
+    return [[i for r in order[start : start + size] for i in rollouts[r]] for start in range(0, len(rollouts), size)]
+
+
 def train_step(
     state: TrainerState, samples: list[Sample], cfg: TrainConfig, seed: int, temperature: float = 1.0
 ) -> dict[str, float]:
-    """One GRPO update on a rollout step's samples: one optimizer step per `global_batch_size` samples.
+    """One GRPO update on a rollout step's samples: one optimizer step per `global_batch_size` rollouts.
 
     `temperature` is the rollout's sampling temperature (logprobs are taken under softmax(logits / T)).
 
-    Minibatches are drawn in a seeded random order when there are several. Returns the step's metrics.
+    Minibatches are drawn in a seeded random order when there are several; `global_batch_size` counts rollouts,
+    and the segments of one rollout stay in one minibatch. Returns the step's metrics.
     """
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     kept, adv, counts = prepare_samples(samples, cfg)
-    order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed)).tolist()
-    size = cfg.global_batch_size or max(len(kept), 1)
+    minibatches = _rollout_minibatches(kept, cfg.global_batch_size, seed)
     params = [p for p in state.model.parameters() if p.requires_grad]
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)
@@ -276,8 +297,7 @@ def train_step(
     for k in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "logprob_gap_mean", "entropy"):
         out[k] = 0.0
     means: dict[str, list[float]] = {}
-    for start in range(0, len(kept), size):
-        idx = order[start : start + size]
+    for idx in minibatches:
         if not bool(adv[idx].any()):
             out["skipped_zero_advantage"] += 1
             continue
@@ -308,11 +328,26 @@ def train_step(
     return out
 
 
-def save_checkpoint(model: PreTrainedModel, tokenizer: Any | None, out_dir: str | Path) -> Path:
+OPTIMIZER_FILE = "optimizer.pt"  # AdamW state: a resumed run continues the same moments
+TRAINER_FILE = "trainer.json"  # trainer counters
+STEP_FILE = "step.json"  # the step's metrics + timings record; its presence marks a complete step
+
+
+def save_checkpoint(
+    model: PreTrainedModel,
+    tokenizer: Any | None,
+    out_dir: str | Path,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    counters: dict[str, Any] | None = None,
+    step_record: dict[str, Any] | None = None,
+) -> Path:
     """Write an HF dir (safetensors, config, tokenizer) atomically: a temp sibling renamed into place.
 
-    A crash leaves either the old dir or the new one, never a half-written one (readers, such as the engine's
-    weight update, glob `*.safetensors`). An existing `out_dir` (a retried step) is replaced.
+    With `optimizer`, `counters` and `step_record` the dir is the commit point of a training step: the optimizer
+    state, the trainer counters and the step's record (`step.json`) land in the same rename as the weights, so a
+    crash leaves either no checkpoint of the step or a complete one. Readers (the engine's weight update globs
+    `*.safetensors`) never see a half-written dir. An existing `out_dir` (a retried step) is replaced.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -321,6 +356,12 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: Any | None, out_dir: str 
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    if counters is not None:
+        (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
+    if step_record is not None:  # written last: the rename below publishes it with everything else
+        (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
     for f in tmp.iterdir():  # the rename is only as durable as the bytes it points at
         _fsync(f)
     if out_dir.exists():
@@ -332,6 +373,29 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: Any | None, out_dir: str 
         tmp.rename(out_dir)
     _fsync(out_dir.parent)
     return out_dir
+
+
+def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, Any]:
+    """Load a step checkpoint's weights, AdamW state and counters into `state` (a trainer from `load_trainer` on
+    the same model); returns the counters. The model keeps its device and dtype (fp32)."""
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt)
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        weights.update(load_file(f, device=str(state.device)))
+    # Tied weights (lm_head = embed_tokens) are saved once; strict=False lets the tie fill the other name.
+    missing, unexpected = state.model.load_state_dict(weights, strict=False)
+    params = state.model.state_dict(keep_vars=True)
+    loaded = {params[n].data_ptr() for n in weights if n in params}
+    untied = [n for n in missing if params[n].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ValueError(f"{ckpt}: weights do not match the model (missing {sorted(untied)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]})")  # fmt: skip
+    state.optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, map_location=state.device, weights_only=True))
+    counters = json.loads((ckpt / TRAINER_FILE).read_text(encoding="utf-8"))
+    state.optimizer_steps = int(counters.get("optimizer_steps", 0))
+    return counters
 
 
 def _fsync(path: Path) -> None:

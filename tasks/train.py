@@ -1,4 +1,4 @@
-"""Prefect tasks of the train stage: the GRPO update and the weight sync (checkpoint + engine reload).
+"""Prefect tasks of the train stage: the GRPO update, the step's commit (checkpoint + logs) and the weight sync.
 
 The trainer state (model, optimizer) lives in the flow's process and is handed to these tasks in memory; results
 are not cached or persisted by Prefect — the checkpoint on disk is the durable record.
@@ -6,14 +6,19 @@ are not cached or persisted by Prefect — the checkpoint on disk is the durable
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from grpoflow.config import RunConfig
 from grpoflow.engine.client import EngineClient
+from grpoflow.reporting import MetricsLog
+from grpoflow.resume import commit_step
 from grpoflow.rundir import RunPaths
 from grpoflow.samples import Sample
-from grpoflow.train import TrainerState, prune_checkpoints, save_checkpoint, train_step
+from grpoflow.train import TrainerState, train_step
 
 
 @task(name="grpo-step", cache_policy=NO_CACHE, task_run_name="grpo-step-{step}")
@@ -24,12 +29,18 @@ def grpo_step_task(trainer: TrainerState, samples: list[Sample], cfg: RunConfig,
     return train_step(trainer, samples, cfg.train, seed=cfg.seed * 1_000_003 + step, temperature=cfg.rollout.temperature)
 
 
-@task(name="sync-weights", cache_policy=NO_CACHE, task_run_name="sync-weights-{step}")
-def sync_weights_task(trainer: TrainerState, paths: RunPaths, step: int, engine_url: str, cfg: RunConfig) -> str:
-    """Save `checkpoints/step_<step>`, prune older ones, load it into the engine; returns the new weight version."""
-    ckpt = save_checkpoint(trainer.model, trainer.tokenizer, paths.checkpoint(step))
-    prune_checkpoints(ckpt.parent, cfg.train.save_interval, latest=step)
-    version = str(step + 1)  # number of GRPO updates in the weights; rollout samples carry it
+@task(name="commit-step", cache_policy=NO_CACHE, task_run_name="commit-step-{step}")
+def commit_step_task(
+    trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog, cfg: RunConfig
+) -> Path:
+    """`checkpoints/step_<step>` (weights, optimizer, counters, step.json; atomic), then the step's metrics and
+    timings rows, then pruning of older checkpoints: a crash anywhere leaves a resumable run dir."""
+    return commit_step(trainer, paths, step, record, log, cfg.train.save_interval)
+
+
+@task(name="sync-weights", cache_policy=NO_CACHE, task_run_name="sync-weights-{version}")
+def sync_weights_task(ckpt: Path, engine_url: str, cfg: RunConfig, version: str) -> str:
+    """Load a checkpoint into the engine as weight version `version` (the number of GRPO updates in it)."""
     with EngineClient(engine_url, timeout=cfg.engine.request_timeout_s, retries=cfg.engine.retries) as client:
         client.update_weights_from_disk(str(ckpt), weight_version=version)
     return version

@@ -10,7 +10,7 @@ import pytest
 
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
-from grpoflow.reporting import read_metrics
+from grpoflow.reporting import read_metrics, read_step_records
 
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
 
@@ -95,7 +95,9 @@ def test_disk_full_while_writing_step_artifacts_keeps_what_was_written(tmp_path,
     # The target of the failed write is absent (never torn), and no temp file is left behind.
     step1 = root / "details" / "step_1"
     assert not (step1 / "samples.jsonl").exists()
-    assert not [p.name for p in step1.iterdir()] if step1.exists() else True
+    # The first write there is the resume journal's append (the one that hit the full disk): at most it holds
+    # whole sample lines, which resume reuses; no temp file is left behind.
+    assert {p.name for p in step1.iterdir()} <= {"journal.jsonl"} if step1.exists() else True
 
 
 def test_engine_down_for_generation_the_steps_and_run_go_on(tmp_path, tiny_model_dir):
@@ -112,7 +114,8 @@ def test_engine_down_for_generation_the_steps_and_run_go_on(tmp_path, tiny_model
     root = tmp_path / "engine-down"
     records = read_metrics(root / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
-    assert json.dumps(records[-1]) == json.dumps({"step": 1, **last})  # (NaN != NaN: compared as JSON)
+    merged = read_step_records(root / "metrics.jsonl")[-1]  # with timings.jsonl
+    assert json.dumps(merged, sort_keys=True) == json.dumps({"step": 1, **last}, sort_keys=True)  # NaN != NaN
     for r in records:
         assert r["rollout/trials"] == 4 and r["rollout/scored"] == 0 and r["rollout/exit/AgentError"] == 4
         assert r["rollout/reward_mean"] != r["rollout/reward_mean"]  # NaN: no reward, not 0

@@ -46,9 +46,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(env, port, log):
-    proc = subprocess.Popen([str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+def _start_server(env, port, log, ui=False):
+    cmd = [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port), *([] if ui else ["--no-ui"])]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:

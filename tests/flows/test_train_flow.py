@@ -9,7 +9,7 @@ from prefect.client.orchestration import get_client
 from flows.evaluate import evaluate_flow
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
-from grpoflow.reporting import read_metrics
+from grpoflow.reporting import read_metrics, read_step_records
 
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
 
@@ -33,8 +33,11 @@ def test_train_flow_records_every_step(tmp_path, tiny_model_dir):
     root = tmp_path / "train-1"
     assert {"config.json", "run.json", "prompts.jsonl", "trials", "details", "metrics.jsonl", "checkpoints", "tb",
             "summary.png"} <= {p.name for p in root.iterdir()}  # fmt: skip
-    records = read_metrics(root / "metrics.jsonl")
+    records = read_step_records(root / "metrics.jsonl")  # metrics.jsonl with timings.jsonl merged in
     assert [r["step"] for r in records] == [0, 1, 2] and records[-1] == {"step": 2, **last}
+    # wall-clock figures live in timings.jsonl only, so metrics.jsonl is reproducible byte for byte
+    assert not [k for r in read_metrics(root / "metrics.jsonl") for k in r if k.endswith("_s")]
+    assert {"time/step_s", "train/tokens_per_s", "rollout/wall_time_s"} <= set(records[-1])
     assert records[0]["rollout/trials"] == 4 and records[0]["rollout/tokens_after_truncation"] == 0
     # every save_interval-th checkpoint and the latest are kept
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["step_0", "step_2"]

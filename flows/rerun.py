@@ -1,0 +1,86 @@
+"""The rerun flow: run an earlier train run's exact config again under a new run_id and say whether it
+reproduced (metrics.jsonl bytes, final checkpoint weights), after listing what changed in code, packages, data
+and model since. On the embedded engine with `engine.deterministic` on, a rerun on the same machine is bit-exact.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.common import run_events
+from flows.resume import RunId
+from flows.train import train_flow
+from grpoflow.config import RUN_ID_PATTERN, RunConfig
+from grpoflow.dataset import load_dataset
+from grpoflow.errors import ConfigError, RunDirError
+from grpoflow.fileio import write_json_atomic
+from grpoflow.model import prepare_model
+from grpoflow.prepare import read_run_info, update_run_info
+from grpoflow.rerun import compare_runs, provenance_differences, report_markdown, verdict_line
+from grpoflow.resume import load_saved_config
+from grpoflow.rundir import RunPaths, environment_info
+
+
+@task(name="provenance-now", cache_policy=NO_CACHE)
+def provenance_now_task(cfg: RunConfig) -> dict[str, Any]:
+    """run.json's provenance fields as they are now (model and dataset resolved again)."""
+    model = prepare_model(cfg.model.source)
+    dataset = load_dataset(cfg.dataset.path)
+    return {**environment_info(), "model": model.to_dict(), "dataset": {"sha256": dataset.sha256}}
+
+
+def _rerun_id(run_id: str) -> str:
+    return f"{run_id[:52]}-rr{secrets.token_hex(3)}"  # within RUN_ID_PATTERN's 63 characters
+
+
+@flow(name="rerun", flow_run_name="rerun-{run_id}", log_prints=True)
+def rerun_flow(run_id: RunId, output_dir: str = "runs", new_run_id: RunId | None = None) -> dict:
+    """Run `run_id` again with its recorded config under a new run_id; report whether it reproduced.
+
+    Args:
+        run_id: The original run: the name of its dir under `output_dir`.
+        output_dir: Directory holding the run dirs; the rerun's dir goes there too.
+        new_run_id: The rerun's run_id. Empty: the original's plus `-rr` and a short hash.
+    """
+    new_id = new_run_id or _rerun_id(run_id)
+    if not re.fullmatch(RUN_ID_PATTERN, new_id):
+        raise ConfigError(f"new_run_id {new_id!r}: lowercase letters, digits and dashes, at most 63")
+    original = RunPaths(Path(output_dir) / run_id)
+    new = RunPaths(Path(output_dir) / new_id)
+    with run_events("rerun", new_id, new.root) as extra:
+        old_cfg = load_saved_config(original.root)
+        then = read_run_info(original)
+        if then.get("flow", "train") != "train":
+            raise RunDirError(f"{original.run_info}: run {run_id} was made by the `{then['flow']}` flow; "
+                              "only train runs are rerun")  # fmt: skip
+        cfg = old_cfg.model_copy(update={"run_id": new_id, "output_dir": output_dir})
+        diffs = provenance_differences(then, provenance_now_task(cfg))
+        for d in diffs:
+            print(f"provenance changed since {run_id}: {d}")
+        notes = []
+        if not (cfg.engine.backend == "embedded" and cfg.engine.deterministic):
+            notes.append("engine.deterministic was off (or the engine is not the embedded one): batched generation "
+                         "rounds differently from run to run, so a bit-exact rerun is not expected")  # fmt: skip
+        try:
+            train_flow(cfg)
+        finally:
+            if new.run_info.exists():
+                update_run_info(new, rerun_of=run_id)
+        report = {
+            "run_id": new_id, "rerun_of": run_id, "deterministic": cfg.engine.deterministic,
+            "provenance_differences": diffs, "notes": notes, **compare_runs(original, new),
+        }  # fmt: skip
+        report["verdict"] = verdict_line(report)
+        write_json_atomic(new.root / "rerun.json", report)
+        create_markdown_artifact(key=f"{new_id}-rerun", markdown=report_markdown(report),
+                                 description=f"Rerun of {run_id}")  # fmt: skip
+        extra.update(rerun_of=run_id, reproduced=report["metrics_identical"] and report["weights_identical"])
+        print(report["verdict"])
+        return report

@@ -1,0 +1,94 @@
+"""The resume flow: pick a killed train run up under its own run_id, from its last complete step.
+
+Finished steps are never redone, and trials of the interrupted step that had finished are reused from its
+journal; see `grpoflow.resume` for what a complete step is and what is repaired on disk.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from pydantic import Field
+
+from flows.common import run_events
+from flows.train import train_steps
+from grpoflow.collect import read_journal
+from grpoflow.config import RUN_ID_PATTERN, RunConfig
+from grpoflow.preflight import PreflightError, check_harbor, check_sandbox, format_problems
+from grpoflow.prepare import PreparedRun, read_run_info, reopen_run, update_run_info
+from grpoflow.resume import ResumePoint, find_resume_point, load_saved_config, repair_run_dir, run_lock
+from grpoflow.rundir import RunPaths
+from grpoflow.train import load_trainer, restore_training_state
+
+
+# A run dir's name: checked before the flow starts (the UI form refuses others), never a path.
+RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN)]
+
+
+@task(name="resume-preflight", cache_policy=NO_CACHE)
+def resume_preflight_task(cfg: RunConfig) -> None:
+    """What the train preflight checks, except that the run dir must exist here."""
+    problems = check_harbor()
+    if not problems:
+        problems = check_sandbox(cfg.rollout, os.environ, 5.0)
+    if problems:
+        raise PreflightError(format_problems(problems))
+
+
+@task(name="resume-point", cache_policy=NO_CACHE)
+def resume_point_task(paths: RunPaths) -> ResumePoint:
+    """The last complete step, with the run dir repaired to agree with it."""
+    point = find_resume_point(paths)
+    repair_run_dir(paths, point)
+    for note in point.repairs:
+        print(f"repaired: {note}")
+    return point
+
+
+@task(name="reopen-run", cache_policy=NO_CACHE)
+def reopen_run_task(cfg: RunConfig) -> PreparedRun:
+    return reopen_run(cfg)
+
+
+@flow(name="resume", flow_run_name="resume-{run_id}", log_prints=True)
+def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
+    """Continue a killed train run from its last complete step; returns the last step's metrics and timings.
+
+    Args:
+        run_id: The run to resume: the name of its dir under `output_dir`.
+        output_dir: Directory holding the run dirs.
+    """
+    root = Path(output_dir) / run_id
+    with run_events("resume", run_id, root) as extra:
+        cfg = load_saved_config(root)
+        if cfg.output_dir != output_dir or cfg.run_id != run_id:  # the dir was moved: it is where it is now
+            cfg = cfg.model_copy(update={"output_dir": output_dir, "run_id": run_id})
+        paths = RunPaths(root)
+        with run_lock(root):
+            point = resume_point_task(paths)
+            extra.update(resumed_from_step=point.next_step, repairs=point.repairs)
+            if point.next_step >= cfg.train.steps:
+                n = cfg.train.steps
+                print(f"run {run_id} is already complete ({n} of {n} steps): nothing to resume")
+                return {**point.record["metrics"], **point.record["timings"]} if point.record else {}
+            resume_preflight_task(cfg)
+            run = reopen_run_task(cfg)
+            trainer = load_trainer(run.model.path, cfg.train, seed=cfg.seed)
+            if point.checkpoint is not None:
+                restore_training_state(trainer, point.checkpoint)
+            resumes = read_run_info(paths).get("resumes", [])
+            update_run_info(paths, resumes=[*resumes, {
+                "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "from_step": point.next_step,
+                "flow_run_id": str(flow_run.id) if flow_run.id else None,
+            }])  # fmt: skip
+            reused = len(read_journal(paths.details(point.next_step)))
+            print(f"resuming run {run_id} at step {point.next_step + 1}/{cfg.train.steps} ("
+                  + (f"checkpoint {point.checkpoint.name}" if point.checkpoint else "no step had completed")
+                  + (f"; {reused} finished trials of that step are kept" if reused else "") + ")")
+            return train_steps(cfg, run, trainer, point.next_step, weights=point.checkpoint)

@@ -1,0 +1,113 @@
+"""Test-only launcher: run the `grpoflow` command line and SIGKILL it (with everything it started) at a chosen
+point, as a crash or an OOM kill would. The point is monkeypatched in here; production code has no fault hooks.
+
+    python tests/faults/kill_at.py POINT STEP [N] -- <grpoflow arguments>
+
+POINT (in step STEP):
+  rollout     after the N-th finished trial of the step is journaled (other trials are mid-flight)
+  train       after the GRPO update of the step ran (weights and optimizer changed in memory only)
+  checkpoint  while the step's checkpoint is written (files in the temp dir, not yet renamed into place)
+  metrics     after the step's checkpoint is in place, half-way through appending its metrics.jsonl row
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def die() -> None:
+    """SIGKILL every process this one started (engine, sandboxes), then itself: nothing gets to clean up."""
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(point: str, step: int, n: int) -> None:
+    if point == "rollout":
+        import grpoflow.collect as collect
+
+        real, count = collect.append_jsonl, [0]
+
+        def append(path, record):
+            real(path, record)
+            if Path(path).name == "journal.jsonl" and Path(path).parent.name == f"step_{step}":
+                count[0] += 1
+                if count[0] == n:
+                    die()
+
+        collect.append_jsonl = append
+    elif point == "train":
+        import tasks.train
+
+        real_step = tasks.train.train_step
+
+        def train_step(state, samples, cfg, seed, temperature=1.0):
+            out = real_step(state, samples, cfg, seed, temperature)
+            if seed % 1_000_003 >= step:  # seed = run seed * 1_000_003 + step
+                die()
+            return out
+
+        tasks.train.train_step = train_step
+    elif point == "checkpoint":
+        import grpoflow.train as train
+
+        real_fsync = train._fsync
+
+        def fsync(path):
+            if Path(path).parent.name.startswith(f".step_{step}.tmp-"):
+                die()
+            real_fsync(path)
+
+        train._fsync = fsync
+    elif point == "metrics":
+        import grpoflow.reporting as reporting
+
+        real_append = reporting.append_jsonl
+
+        def append(path, record):
+            if Path(path).name == "metrics.jsonl" and record.get("step") == step:
+                line = (json.dumps(record) + "\n").encode()
+                with open(path, "ab") as f:
+                    f.write(line[: len(line) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+                die()
+            real_append(path, record)
+
+        reporting.append_jsonl = append
+    else:
+        raise SystemExit(f"unknown point {point}")
+
+
+if __name__ == "__main__":
+    sep = sys.argv.index("--")
+    head, argv = sys.argv[1:sep], sys.argv[sep + 1 :]
+    arm(head[0], int(head[1]), int(head[2]) if len(head) > 2 else 1)
+    from flows.cli import main
+
+    sys.exit(main(argv))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import inspect
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,12 @@ from grpoflow.rollout import (
     run_trials,
 )
 from grpoflow.samples import Sample
+from grpoflow.sessions.segments import segment_samples
+from grpoflow.sessions.server import SessionServer
 
 __all__ = [
-    "SHELL_AGENT", "StepRollout", "agent_factory", "collect_step", "read_journal", "sandbox_config", "select_step_prompts",
-    "shell_agent_factory",
+    "SHELL_AGENT", "PolicyAccess", "StepRollout", "agent_factory", "collect_step", "policy_access", "read_journal",
+    "sandbox_config", "select_step_prompts", "shell_agent_factory",
 ]
 
 
@@ -66,6 +69,49 @@ def agent_factory(
 shell_agent_factory = agent_factory
 
 
+ToSamples = Callable[[TrialOutcome, str, int], list[Sample]]  # (outcome, run_id, step) -> the trial's samples
+
+
+def trial_sample(outcome: TrialOutcome, run_id: str, step: int) -> list[Sample]:
+    """The shell agent's trial: one sample, its exact tokens from the agent's own record."""
+    return [to_sample(outcome, run_id, step)]
+
+
+@dataclass
+class PolicyAccess:
+    """How one step's agents reach the policy, and how a finished trial becomes training samples."""
+
+    make_agent: Callable[[TrialSpec], AgentConfig]
+    to_samples: ToSamples
+    forget: Callable[[TrialSpec], None]  # drop a failed attempt's record before its retry
+
+
+@asynccontextmanager
+async def policy_access(
+    rollout: RolloutConfig, engine: EngineConfig, engine_url: str, tokenizer_path: str
+) -> AsyncIterator[PolicyAccess]:
+    """Our shell agent talks to the engine itself and keeps the exact tokens. Every OpenAI-speaking harness
+    (terminus-2, claude-code, opencode) goes through a session server for the block: it keeps the exact tokens
+    of each trial's session, and the session's segments become the trial's samples (`segment_samples`)."""
+    if not get_binding(rollout.harness).via_session_server:
+        yield PolicyAccess(agent_factory(rollout, engine, engine_url, tokenizer_path), trial_sample, lambda spec: None)
+        return
+    server = SessionServer(
+        engine_url, tokenizer_path, max_new_tokens=rollout.max_new_tokens, context_length=rollout.max_context_tokens,
+        request_timeout_s=engine.request_timeout_s, engine_retries=engine.retries,
+    )  # fmt: skip
+    async with server:
+
+        def to_samples(outcome: TrialOutcome, run_id: str, step: int) -> list[Sample]:
+            return segment_samples(to_sample(outcome, run_id, step), server.pop_session(outcome.spec.rollout_id))
+
+        yield PolicyAccess(
+            agent_factory(rollout, engine, engine_url, tokenizer_path,
+                          api_base_for=lambda spec: server.session_url(spec.rollout_id, seed=spec.seed)),
+            to_samples, lambda spec: server.pop_session(spec.rollout_id),
+        )  # fmt: skip
+
+
 def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
     """Harbor's environment for `rollout.sandbox`: our bubblewrap `LocalSandbox`, or a Harbor environment type
     passed straight through. What the harness needs of the local sandbox (terminus-2: processes that live across
@@ -84,21 +130,23 @@ def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
 JOURNAL = "journal.jsonl"  # details/step_<N>/: one Sample per finished trial, appended as each one finishes
 
 
-def read_journal(details_dir: Path) -> dict[str, Sample]:
-    """Finished trials of a step that was interrupted, by rollout_id (a torn last line is skipped)."""
+def read_journal(details_dir: Path) -> dict[str, list[Sample]]:
+    """Finished trials of a step that was interrupted: rollout_id -> the trial's samples (one line per trial, so
+    a trial's segments are journaled together or not at all; a torn last line is skipped)."""
     path = Path(details_dir) / JOURNAL
     if not path.exists():
         return {}
     lines = path.read_text(encoding="utf-8").splitlines()
-    out: dict[str, Sample] = {}
+    out: dict[str, list[Sample]] = {}
     for i, line in enumerate(lines):
         try:
-            s = Sample.model_validate(json.loads(line))  # json, as written: it reads -Infinity back
-        except ValueError:
+            record = json.loads(line)  # json, as written: it reads -Infinity back
+            samples = [Sample.model_validate(s) for s in record["samples"]]
+        except (ValueError, KeyError, TypeError):
             if i == len(lines) - 1:  # a crash mid-append; the next append cuts it off
                 continue
-            raise ValueError(f"{path}:{i + 1}: not a valid sample record") from None
-        out[s.rollout_id] = s
+            raise ValueError(f"{path}:{i + 1}: not a valid trial record") from None
+        out[record["rollout_id"]] = samples
     return out
 
 
@@ -115,18 +163,21 @@ async def collect_step(
     on_done: Callable[[TrialOutcome], Any] | None = None,
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
     sandbox_gate: SandboxGate | None = None,
+    to_samples: ToSamples = trial_sample,
 ) -> StepRollout:
-    """Run and score one step's trials. Each finished trial's Sample is journaled as it finishes, so a step
-    interrupted by a crash runs again only the trials that had not finished (resume); finished ones are reused."""
+    """Run and score one step's trials. Each finished trial's samples (`to_samples`; several when a session was
+    compacted into segments) are journaled as it finishes, so a step interrupted by a crash runs again only the
+    trials that had not finished (resume); finished ones are reused."""
     specs = plan_group_trials(prompts, step, rollout.n_samples_per_prompt, seed)
     journal = Path(details_dir) / JOURNAL
     done = read_journal(details_dir)
     pending = [s for s in specs if s.rollout_id not in done]
 
     async def finished(outcome: TrialOutcome) -> None:
-        sample = to_sample(outcome, run_id, step)
-        append_jsonl(journal, sample.model_dump(mode="json"))
-        done[sample.rollout_id] = sample
+        samples = to_samples(outcome, run_id, step)
+        rollout_id = outcome.spec.rollout_id
+        append_jsonl(journal, {"rollout_id": rollout_id, "samples": [x.model_dump(mode="json") for x in samples]})
+        done[rollout_id] = samples
         if on_done and inspect.isawaitable(ack := on_done(outcome)):
             await ack
 
@@ -137,7 +188,7 @@ async def collect_step(
         sandbox_gate=sandbox_gate,
     )  # fmt: skip
     wall = time.perf_counter() - t0
-    samples = [done[s.rollout_id] for s in specs]
+    samples = [x for s in specs for x in done[s.rollout_id]]
     details = details_dir / "samples.jsonl"
     write_jsonl_atomic(details, (s.model_dump(mode="json") for s in samples))
     return StepRollout(samples, step_metrics(samples, wall), details)

@@ -163,6 +163,15 @@ def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshol
     trial_wall = sum(s.metrics.get("trial_wall_time_s", 0.0) for s in samples)
     # Summed over trials (they overlap in time): what each trial spent generating, in tools, and in between.
     m.update({"generation_time_s": gen, "tool_time_s": tool, "overhead_time_s": max(0.0, trial_wall - gen - tool)})
+    if any("requests" in s.metrics for s in samples):  # trials through the session server (grpoflow.sessions)
+        requests = sum(s.metrics.get("requests", 0.0) for s in samples)
+        m["session/requests"] = requests
+        m["session/segments"] = sum(s.metrics.get("segments", 1.0) for s in samples)
+        m["session/refused_requests"] = sum(s.metrics.get("refused_requests", 0.0) for s in samples)
+        # how often tokenising the re-sent history would NOT have given the tokens the policy produced
+        m["session/retokenize_mismatch_rate"] = (
+            sum(s.metrics.get("retokenize_mismatches", 0.0) for s in samples) / requests if requests else 0.0
+        )
     for status, count in Counter(s.exit_status for s in samples).items():
         m[f"exit/{status}"] = float(count)
     return m

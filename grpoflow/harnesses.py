@@ -66,6 +66,9 @@ class HarnessBinding:
     # Extra kwargs of the local sandbox this harness needs (terminus-2: a tmux server that lives across execs).
     local_sandbox_kwargs: Mapping[str, Any] = field(default_factory=dict)
     needs_network_in_sandbox: bool = False  # installs its CLI with npm inside the sandbox
+    # Speaks OpenAI chat and re-sends the conversation as text: reaches the policy through the session server,
+    # which keeps the exact tokens. Our shell agent keeps them itself and talks to the engine directly.
+    via_session_server: bool = True
 
 
 def sampling_params(rollout: RolloutConfig, seed: int) -> dict[str, Any]:
@@ -124,6 +127,9 @@ def _terminus(b: BindingInput) -> AgentConfig:
         "suppress_max_turns_warning": True,
         "record_terminal_session": False,  # asciinema is not in the sandbox and cannot be installed offline
         "early_truncation_exit": r.early_truncation_exit,
+        # terminus-2 has no web tools to turn off; saying so keeps Harbor from logging an ERROR per trial when
+        # the sandbox has no network.
+        "disable_web_search": False,
     }
     return AgentConfig(
         name=None,
@@ -179,7 +185,7 @@ def _opencode(b: BindingInput) -> AgentConfig:
 
 
 HARNESSES: dict[str, HarnessBinding] = {
-    "shell": HarnessBinding("grpoflow-shell", _shell),
+    "shell": HarnessBinding("grpoflow-shell", _shell, via_session_server=False),
     "terminus-2": HarnessBinding("terminus-2", _terminus, local_sandbox_kwargs={"process_scope": "trial"}),
     "claude-code": HarnessBinding("claude-code", _claude_code, needs_network_in_sandbox=True),
     "opencode": HarnessBinding("opencode", _opencode, needs_network_in_sandbox=True),

@@ -22,7 +22,7 @@ from prefect.client.orchestration import get_client
 from prefect.concurrency.asyncio import concurrency
 from prefect.exceptions import ObjectNotFound
 
-from grpoflow.collect import StepRollout, agent_factory, collect_step, sandbox_config
+from grpoflow.collect import StepRollout, collect_step, policy_access, read_journal, sandbox_config
 from grpoflow.config import RunConfig
 from grpoflow.credentials import export_policy_key, export_sandbox_key
 from grpoflow.prompts import PromptRecord
@@ -47,7 +47,7 @@ async def _run_trials(
         logger, acreate_progress_artifact,
         progress=0.0, key=f"{cfg.run_id}-rollout", description=f"Trials finished in step {step} (of {total})",
     )  # fmt: skip
-    done = 0
+    done = len(read_journal(paths.details(step)))  # a resumed step's trials that finished before the crash
 
     async def on_done(outcome: TrialOutcome) -> None:
         nonlocal done
@@ -56,6 +56,7 @@ async def _run_trials(
             await _best_effort(logger, aupdate_progress_artifact, progress, 100.0 * done / total)
 
     def on_retry(spec: TrialSpec, attempt: Attempt) -> None:
+        policy.forget(spec)  # the retry starts a fresh session: the failed attempt's turns never train
         logger.warning(
             "sandbox failure in %s (%s: %s): retrying in a fresh sandbox",
             spec.rollout_id, attempt.exception_type, " ".join((attempt.exception_message or "").split())[:200],
@@ -63,20 +64,21 @@ async def _run_trials(
 
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
     export_policy_key(cfg.rollout.policy_api_key_file)
-    result = await collect_step(
-        cfg.run_id, step, prompts, cfg.rollout, cfg.seed,
-        agent_factory(cfg.rollout, cfg.engine, engine_url, tokenizer_path), sandbox_config(cfg.rollout),
-        paths.trials(step), paths.details(step), on_done=on_done, on_retry=on_retry,
-        sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
-    )  # fmt: skip
+    async with policy_access(cfg.rollout, cfg.engine, engine_url, tokenizer_path) as policy:
+        result = await collect_step(
+            cfg.run_id, step, prompts, cfg.rollout, cfg.seed, policy.make_agent, sandbox_config(cfg.rollout),
+            paths.trials(step), paths.details(step), on_done=on_done, on_retry=on_retry,
+            sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
+            to_samples=policy.to_samples,
+        )  # fmt: skip
     await _best_effort(
         logger, acreate_table_artifact,
         key=f"{cfg.run_id}-step-{step}-trials",
         table=[
             {"instance": s.instance_id, "sample": s.sample_index, "reward": s.reward, "exit_status": s.exit_status,
              "status": s.status, "turns": s.metrics.get("turns"), "retries": s.metrics.get("retries"),
-             "reason": s.exit_reason or ""}
-            for s in result.samples
+             "segments": s.metrics.get("segments", 1.0), "reason": s.exit_reason or ""}
+            for s in result.samples if s.segment_index == 0  # one row per trial
         ],  # fmt: skip
         description=f"Trials of step {step}: reward, exit status, retries",
     )

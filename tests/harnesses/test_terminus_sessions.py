@@ -1,5 +1,5 @@
-"""terminus-2 through the session server (grpoflow.sessions) over a scripted /generate: the wiring the rollout
-uses, `agent_factory(..., api_base_for=lambda spec: server.session_url(spec.rollout_id, seed=spec.seed))`."""
+"""terminus-2 through the session server (grpoflow.sessions) over a scripted /generate, wired as the rollout task
+wires it (`grpoflow.collect.policy_access`): each trial's session becomes its samples."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from grpoflow.collect import agent_factory, collect_step, sandbox_config
+from grpoflow.collect import collect_step, policy_access, sandbox_config
 from grpoflow.config import parse_run_config
 from grpoflow.dataset import builtin_dataset_path, load_task
 from grpoflow.prompts import PromptRecord
@@ -22,32 +22,31 @@ sessions = pytest.importorskip("grpoflow.sessions.server")
 
 
 def _run(tmp_path, tiny_model_dir, script):
-    from grpoflow.sessions import segment_samples
-
     t = load_task(builtin_dataset_path() / "hello-file")
     prompts = [PromptRecord(instance_id="hello-file", task_path=str(t.path), instruction=t.instruction)]
     cfg = parse_run_config({"rollout": {"harness": "terminus-2", "n_samples_per_prompt": 1, "max_turns": 4,
                                         "max_new_tokens": 400, "max_context_tokens": 8192}})  # fmt: skip
     engine = ScriptedEngine(str(tiny_model_dir), script)
+
+    async def step():
+        async with policy_access(cfg.rollout, cfg.engine, engine.url, str(tiny_model_dir)) as policy:
+            return await collect_step(
+                "t", 0, prompts, cfg.rollout, 0, policy.make_agent, sandbox_config(cfg.rollout), tmp_path / "trials",
+                tmp_path / "details", to_samples=policy.to_samples,
+            )  # fmt: skip
+
     try:
-        with sessions.SessionServer(engine.url, str(tiny_model_dir), max_new_tokens=400, context_length=8192) as srv:
-            make = agent_factory(cfg.rollout, cfg.engine, engine.url, str(tiny_model_dir),
-                                 api_base_for=lambda spec: srv.session_url(spec.rollout_id, seed=spec.seed))
-            res = asyncio.run(collect_step(
-                "t", 0, prompts, cfg.rollout, 0, make, sandbox_config(cfg.rollout), tmp_path / "trials",
-                tmp_path / "details",
-            ))  # fmt: skip
-            [s] = res.samples
-            tree = srv.pop_session(s.rollout_id)
+        res = asyncio.run(step())
     finally:
         engine.stop()
-    return s, tree.stats(), segment_samples(s, tree), engine
+    return res.samples[0], res.samples[0].metrics, res.samples, engine
 
 
 def test_a_solved_episode_is_one_token_exact_segment(tmp_path, tiny_model_dir):
     replies = [terminus_json(["echo hello > /app/hello.txt"]), terminus_json([], done=True),
                terminus_json([], done=True)]  # fmt: skip
     s, stats, segs, engine = _run(tmp_path, tiny_model_dir, lambda ids, i: Reply(replies[min(i, 2)]))
+    assert stats["segments"] == 1 and stats["retokenize_mismatches"] <= stats["requests"]
     assert (s.reward, s.exit_status, s.metrics["commands_run"]) == (1.0, "Submitted", 1.0)
     assert stats["requests"] == 3 == len(engine.calls) and stats["requests_extended"] == 2
     [seg] = segs

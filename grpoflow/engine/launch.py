@@ -89,6 +89,7 @@ def start_embedded_engine(
         sys.executable, "-m", "grpoflow.engine.server",
         "--model-path", str(model_path), "--host", "127.0.0.1", "--port", "0",
         "--seed", str(seed), "--max-batch-size", str(max_batch_size), "--port-file", str(port_file),
+        "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     if threads:
         cmd += ["--threads", str(threads)]

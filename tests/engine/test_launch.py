@@ -49,3 +49,38 @@ def test_start_generate_stop(tiny_model_dir, tmp_path, monkeypatch):
     with pytest.raises(ProcessLookupError):
         os.killpg(engine.pid, 0)  # signal 0: does the group still exist?
     assert f"grpoflow-engine listening on {engine.url}" in log_path.read_text()
+
+
+def test_engine_exits_when_the_run_that_started_it_is_killed(tiny_model_dir, tmp_path):
+    """A run killed with SIGKILL cannot stop its engine; the engine notices its parent is gone and exits."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from grpoflow.engine.launch import start_embedded_engine\n"
+        f"e = start_embedded_engine({str(tiny_model_dir)!r}, seed=0, log_path={str(tmp_path / 'engine.log')!r})\n"
+        "print(e.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(run.stdout.readline())
+        os.kill(engine_pid, 0)  # serving
+        run.send_signal(signal.SIGKILL)
+        run.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(engine_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.killpg(engine_pid, signal.SIGKILL)
+            pytest.fail("the engine outlived the run that started it")
+    finally:
+        run.kill()
+    assert "is gone: shutting down" in (tmp_path / "engine.log").read_text()

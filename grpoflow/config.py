@@ -293,7 +293,7 @@ class TrainConfig(_Section):
         True, description="Leave out groups whose rewards are all equal (they carry no GRPO signal); counted in metrics."
     )
     global_batch_size: int | None = Field(
-        None, ge=1, description="Samples per optimizer step. Empty: all samples of the rollout step (one update)."
+        None, ge=1, description="Rollouts (trials) per optimizer step; a compacted trial's segments stay together. Empty: all of the rollout step (one update)."
     )
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Token budget of one forward/backward micro-batch (gradients accumulate)."

@@ -118,7 +118,9 @@ def _terminus(b: BindingInput) -> AgentConfig:
         # LiteLLM knows nothing of our model: tell terminus-2 its window (proactive summarisation reads it).
         "model_info": {
             "max_input_tokens": r.max_context_tokens, "max_output_tokens": r.max_new_tokens,
+            # all four costs, or LiteLLM warns per trial that the cache costs default to 0
             "input_cost_per_token": 0.0, "output_cost_per_token": 0.0,
+            "cache_creation_input_token_cost": 0.0, "cache_read_input_token_cost": 0.0,
         },  # fmt: skip
         "enable_summarize": r.summarize,
         "trajectory_config": {"linear_history": r.linear_history},

@@ -22,7 +22,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import harbor.utils.logger  # noqa: E402
 
-from grpoflow.collect import collect_step, sandbox_config, shell_agent_factory  # noqa: E402
+from grpoflow.collect import collect_step, sandbox_config, agent_factory  # noqa: E402
 from grpoflow.config import parse_run_config  # noqa: E402
 from grpoflow.dataset import load_dataset  # noqa: E402
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
@@ -40,7 +40,7 @@ def run(engine, model_path, prompts, work: Path, tag: str, **rollout) -> dict:
     cfg = parse_run_config({"rollout": rollout})
     busy0, t0 = busy_time(engine.client), time.perf_counter()
     res = asyncio.run(collect_step(
-        "bench", 0, prompts, cfg.rollout, 0, shell_agent_factory(cfg.rollout, cfg.engine, engine.url, model_path),
+        "bench", 0, prompts, cfg.rollout, 0, agent_factory(cfg.rollout, cfg.engine, engine.url, model_path),
         sandbox_config(cfg.rollout, work_dir=str(work)), work / f"trials-{tag}", work / f"details-{tag}",
     ))  # fmt: skip
     wall = time.perf_counter() - t0

@@ -6,7 +6,6 @@ journal; see `grpoflow.resume` for what a complete step is and what is repaired 
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
@@ -20,25 +19,15 @@ from flows.common import run_events
 from flows.train import train_steps
 from grpoflow.collect import read_journal
 from grpoflow.config import RUN_ID_PATTERN, RunConfig
-from grpoflow.preflight import PreflightError, check_harbor, check_sandbox, format_problems
 from grpoflow.prepare import PreparedRun, read_run_info, reopen_run, update_run_info
 from grpoflow.resume import ResumePoint, find_resume_point, load_saved_config, repair_run_dir, run_lock
 from grpoflow.rundir import RunPaths
+from tasks.preflight import preflight_task
 from grpoflow.train import load_trainer, restore_training_state
 
 
 # A run dir's name: checked before the flow starts (the UI form refuses others), never a path.
 RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN)]
-
-
-@task(name="resume-preflight", cache_policy=NO_CACHE)
-def resume_preflight_task(cfg: RunConfig) -> None:
-    """What the train preflight checks, except that the run dir must exist here."""
-    problems = check_harbor()
-    if not problems:
-        problems = check_sandbox(cfg.rollout, os.environ, 5.0)
-    if problems:
-        raise PreflightError(format_problems(problems))
 
 
 @task(name="resume-point", cache_policy=NO_CACHE)
@@ -77,7 +66,7 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
                 n = cfg.train.steps
                 print(f"run {run_id} is already complete ({n} of {n} steps): nothing to resume")
                 return {**point.record["metrics"], **point.record["timings"]} if point.record else {}
-            resume_preflight_task(cfg)
+            preflight_task(cfg, "resume")
             run = reopen_run_task(cfg)
             trainer = load_trainer(run.model.path, cfg.train, seed=cfg.seed)
             if point.checkpoint is not None:

@@ -20,7 +20,7 @@ from harbor.models.trial.config import AgentConfig, EnvironmentConfig
 from grpoflow.config import EngineConfig, RolloutConfig
 from grpoflow.evaluate import step_metrics, to_sample
 from grpoflow.fileio import append_jsonl, write_jsonl_atomic
-from grpoflow.harnesses import SHELL_AGENT, get_binding, harness_agent_factory
+from grpoflow.harnesses import SHELL_AGENT, agent_factory, get_binding
 from grpoflow.prompts import PromptRecord
 from grpoflow.rollout import (
     LOCAL_SANDBOX,
@@ -37,7 +37,7 @@ from grpoflow.sessions.server import SessionServer
 
 __all__ = [
     "SHELL_AGENT", "PolicyAccess", "StepRollout", "agent_factory", "collect_step", "policy_access", "read_journal",
-    "sandbox_config", "select_step_prompts", "shell_agent_factory",
+    "sandbox_config", "select_step_prompts",
 ]
 
 
@@ -46,27 +46,6 @@ class StepRollout:
     samples: list[Sample]
     metrics: dict[str, float]
     details_path: Path
-
-
-def agent_factory(
-    rollout: RolloutConfig,
-    engine: EngineConfig,
-    engine_url: str,
-    tokenizer_path: str,
-    *,
-    model: str | None = None,
-    api_base_for: Callable[[TrialSpec], str] | None = None,
-) -> Callable[[TrialSpec], AgentConfig]:
-    """The per-trial `AgentConfig` of `rollout.harness`, built by its binding in `grpoflow.harnesses.HARNESSES`
-    (see `harness_agent_factory` for `model` and `api_base_for`). Raises `ConfigError` before any trial starts
-    when the harness cannot run here."""
-    return harness_agent_factory(
-        rollout, engine, engine_url, tokenizer_path, model=model, api_base_for=api_base_for
-    )
-
-
-# The old name (the harness now comes from the config; `shell` is the default).
-shell_agent_factory = agent_factory
 
 
 ToSamples = Callable[[TrialOutcome, str, int], list[Sample]]  # (outcome, run_id, step) -> the trial's samples

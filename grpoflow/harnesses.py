@@ -216,7 +216,7 @@ def harness_problems(rollout: RolloutConfig) -> list[str]:
     return []
 
 
-def harness_agent_factory(
+def agent_factory(
     rollout: RolloutConfig,
     engine: EngineConfig,
     engine_url: str,

@@ -6,8 +6,9 @@ as each flow's first task and raises `PreflightError` listing the problems.
 
 What is checked, by stage (prepare needs neither engine nor sandbox):
 
-- every stage: the run dir does not exist yet; harbor is importable.
-- train, evaluate: the sandbox. `local`: `bwrap`, `prlimit` and `setpriv` are installed. A Harbor type: Harbor can
+- every stage: the run dir does not exist yet (resume: it is the run being resumed); harbor is importable.
+- train, evaluate, resume: the harness can run in the sandbox (terminus-2 on the local sandbox needs tmux; a
+  policy key file holds a key); the sandbox. `local`: `bwrap`, `prlimit` and `setpriv` are installed. A Harbor type: Harbor can
   load its environment (its extra is installed); its key is set and non-empty (a key file, if named, exists and
   holds one) for providers in `grpoflow.credentials.PROVIDERS`, else Harbor's own preflight for the type passes;
   and, for providers with a known API (e2b), its API answers an HTTP GET within a few seconds (any answer below
@@ -33,7 +34,7 @@ from grpoflow.credentials import PROVIDERS, policy_key_problems, sandbox_key_pro
 from grpoflow.harnesses import harness_problems
 from grpoflow.errors import GrpoflowError
 
-Stage = Literal["prepare", "train", "evaluate"]
+Stage = Literal["prepare", "train", "evaluate", "resume"]  # resume: a train run whose dir exists
 
 # What LocalSandbox runs on the host: bwrap from PATH; prlimit and setpriv at the absolute paths it execs.
 LOCAL_SANDBOX_TOOLS: dict[str, tuple[str, str]] = {
@@ -55,7 +56,7 @@ def check_run(
     """Everything `stage` needs before its first real step (see the module doc)."""
     env = os.environ if environ is None else environ
     harbor = check_harbor()
-    problems = check_run_dir(cfg) + harbor
+    problems = (check_run_dir(cfg) if stage != "resume" else []) + harbor
     if stage == "prepare" or harbor:  # prepare needs no sandbox or engine; without harbor the sandbox checks can't run
         return problems
     problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.policy_api_key_file)

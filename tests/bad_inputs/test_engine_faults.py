@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.collect import collect_step, sandbox_config, shell_agent_factory
+from grpoflow.collect import collect_step, sandbox_config, agent_factory
 from grpoflow.config import parse_run_config
 from grpoflow.dataset import builtin_dataset_path, load_task
 from grpoflow.engine.client import EngineClient
@@ -72,7 +72,7 @@ def agent_trials(tmp_path_factory, tiny_model_dir):
                             "rollout": {"n_samples_per_prompt": 1, "max_turns": 2, "concurrency": 8,
                                         "sandbox_retries": 2, "retry_backoff_s": 0.0}})  # fmt: skip
     factories = {
-        k: shell_agent_factory(cfg.rollout, cfg.engine, s.url, str(tiny_model_dir)) for k, s in servers.items()
+        k: agent_factory(cfg.rollout, cfg.engine, s.url, str(tiny_model_dir)) for k, s in servers.items()
     }
     try:
         res = asyncio.run(collect_step(

@@ -434,6 +434,7 @@ class StandinServer:
 
 def _make_handler(server: StandinServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        disable_nagle_algorithm = True  # as a real server answers: no ~40 ms delayed-ACK wait per request
         protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn: the client reuses pooled connections
 
         def _serve(self) -> None:

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from grpoflow.collect import collect_step, sandbox_config, shell_agent_factory
+from grpoflow.collect import collect_step, sandbox_config, agent_factory
 from grpoflow.config import parse_run_config
 from grpoflow.dataset import builtin_dataset_path, load_task
 from grpoflow.prompts import PromptRecord
@@ -27,7 +27,7 @@ def collect(tmp_path, engine_url, tiny_model_dir, prompts, engine=None, **rollou
         "engine": {"backend": "sglang", "url": engine_url, **(engine or {})},
     })  # fmt: skip
     retried: list[str] = []
-    make_agent = shell_agent_factory(cfg.rollout, cfg.engine, engine_url, str(tiny_model_dir))
+    make_agent = agent_factory(cfg.rollout, cfg.engine, engine_url, str(tiny_model_dir))
     res = asyncio.run(collect_step(
         "faults", 0, prompts, cfg.rollout, 0, make_agent, sandbox_config(cfg.rollout),
         tmp_path / "trials", tmp_path / "details", on_retry=lambda spec, att: retried.append(spec.rollout_id),

@@ -9,16 +9,14 @@ be seen doing so.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from tests.app_thread import AppThread
 
 
 @dataclass
@@ -70,15 +68,8 @@ class ScriptedOpenAI:
         async def models():
             return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
 
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.01)
+        self._app = AppThread(app)
+        self.url = self._app.url
 
     def stop(self):
-        self._server.should_exit = True
-        self._thread.join(timeout=5)
+        self._app.stop()

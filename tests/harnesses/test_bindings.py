@@ -15,7 +15,7 @@ from grpoflow.credentials import POLICY_KEY_VAR, CredentialError, export_policy_
 from grpoflow.errors import ConfigError
 from grpoflow.evaluate import classify
 from grpoflow.harnesses import (
-    LOCAL_API_KEY, claude_code_base_url, get_binding, harness_agent_factory, model_alias, sampling_params,
+    LOCAL_API_KEY, claude_code_base_url, get_binding, agent_factory, model_alias, sampling_params,
 )  # fmt: skip
 from grpoflow.rollout import TrialOutcome, TrialSpec
 
@@ -26,7 +26,7 @@ SESSION = "http://10.0.0.5:8100/sessions/step0-hello-file-3/v1"
 def _make(harness: str, sandbox: str | None = None, **rollout):
     sandbox = sandbox or ("e2b" if harness in ("claude-code", "opencode") else "local")
     cfg = parse_run_config({"rollout": {"harness": harness, "sandbox": sandbox, **rollout}})
-    return harness_agent_factory(cfg.rollout, cfg.engine, "http://127.0.0.1:30000", "/m/SmolLM2-135M-Instruct",
+    return agent_factory(cfg.rollout, cfg.engine, "http://127.0.0.1:30000", "/m/SmolLM2-135M-Instruct",
                                  api_base_for=lambda spec: f"http://10.0.0.5:8100/sessions/{spec.rollout_id}/v1")
 
 
@@ -75,7 +75,7 @@ def test_an_empty_policy_key_file_is_a_one_line_error(tmp_path):
 def test_claude_code_gets_the_server_root_so_the_sdk_does_not_double_v1(api_base, tmp_path):
     assert claude_code_base_url(api_base) == "http://10.0.0.5:8100/sessions/step0-hello-file-3"
     cfg = parse_run_config({"rollout": {"harness": "claude-code", "sandbox": "e2b"}})
-    ac = harness_agent_factory(cfg.rollout, cfg.engine, "http://x", "m", api_base_for=lambda s: api_base)(SPEC)
+    ac = agent_factory(cfg.rollout, cfg.engine, "http://x", "m", api_base_for=lambda s: api_base)(SPEC)
     agent = AgentFactory.create_agent_from_config(ac, logs_dir=tmp_path)
     assert agent.model_connection.env["ANTHROPIC_BASE_URL"] == "http://10.0.0.5:8100/sessions/step0-hello-file-3"
 

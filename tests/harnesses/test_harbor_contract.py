@@ -21,7 +21,7 @@ from grpoflow.collect import sandbox_config
 from grpoflow.config import RolloutConfig, SandboxName, parse_run_config
 from grpoflow.dataset import builtin_dataset_path
 from grpoflow.evaluate import HARBOR_EXCEPTION_NAMES
-from grpoflow.harnesses import HARNESSES, harness_agent_factory
+from grpoflow.harnesses import HARNESSES, agent_factory
 from grpoflow.rollout import TrialSpec, build_trial_config
 
 SPEC = TrialSpec("hello-file", str(builtin_dataset_path() / "hello-file"), "g", 0, "g-0", 11)
@@ -35,7 +35,7 @@ def _cfg(harness: str):
 
 def _agent_config(harness: str, api_base: str = "http://127.0.0.1:30000/v1"):
     cfg = _cfg(harness)
-    make = harness_agent_factory(cfg.rollout, cfg.engine, "http://127.0.0.1:30000", "/models/SmolLM2-135M",
+    make = agent_factory(cfg.rollout, cfg.engine, "http://127.0.0.1:30000", "/models/SmolLM2-135M",
                                  api_base_for=lambda spec: api_base)  # fmt: skip
     return cfg, make(SPEC)
 

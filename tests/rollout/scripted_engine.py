@@ -6,18 +6,15 @@ field names), so agents are tested on exact scripted behaviour: truncated turns,
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from grpoflow.agents.chat_tokens import load_tokenizer
 from grpoflow.engine.protocol import GenerateRequest
+from tests.app_thread import AppThread
 
 
 @dataclass
@@ -62,15 +59,8 @@ class ScriptedEngine:
         async def health():
             return {}
 
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.01)
+        self._app = AppThread(app)
+        self.url = self._app.url
 
     def stop(self):
-        self._server.should_exit = True
-        self._thread.join(timeout=5)
+        self._app.stop()

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from grpoflow.collect import collect_step, sandbox_config, shell_agent_factory
+from grpoflow.collect import collect_step, sandbox_config, agent_factory
 from grpoflow.config import parse_run_config
 from grpoflow.dataset import builtin_dataset_path, load_task
 from grpoflow.prompts import PromptRecord
@@ -21,7 +21,7 @@ def _prompt(name):
 
 def _run(tmp_path, engine, tiny_model_dir, prompts, **rollout):
     cfg = parse_run_config({"rollout": {"n_samples_per_prompt": 1, "max_turns": 4, "retry_backoff_s": 0.0, **rollout}})
-    make_agent = shell_agent_factory(cfg.rollout, cfg.engine, engine.url, str(tiny_model_dir))
+    make_agent = agent_factory(cfg.rollout, cfg.engine, engine.url, str(tiny_model_dir))
     return asyncio.run(collect_step(
         "t", 0, prompts, cfg.rollout, 0, make_agent, sandbox_config(cfg.rollout), tmp_path / "trials", tmp_path / "details",
     ))  # fmt: skip

@@ -3,19 +3,16 @@ session server over either."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 
 from grpoflow.agents.chat_tokens import load_tokenizer
 from grpoflow.engine.protocol import GenerateRequest
-from grpoflow.engine.server import bind_socket
 from grpoflow.sessions.server import SessionServer
+from tests.app_thread import AppThread
 
 
 @dataclass
@@ -56,17 +53,11 @@ class ScriptedEngine:
                 },
             }  # fmt: skip
 
-        sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.01)
+        self._app = AppThread(app)
+        self.url = self._app.url
 
     def stop(self):
-        self._server.should_exit = True
-        self._thread.join(timeout=5)
+        self._app.stop()
 
 
 @pytest.fixture
@@ -99,13 +90,7 @@ def embedded_engine_url(tiny_model_dir) -> Iterator[str]:
     from grpoflow.engine.server import create_app
 
     scheduler = Scheduler(tiny_model_dir, seed=0, max_batch_size=8)
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, "tiny"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
+    served = AppThread(create_app(scheduler, "tiny"))
+    yield served.url
+    served.stop()
     scheduler.close()

@@ -47,103 +47,87 @@ Failures: bwrap missing -> `SandboxUnavailableError` (permanent). The sandbox fa
 the command starts -> `SandboxDiedError`; `start()` failing -> `SandboxStartError` (both transient, retried by
 the rollout layer). A command that runs and fails is a normal `ExecResult`; a command past its timeout returns
 exit code 124 (the GNU `timeout` convention Harbor's singularity environment also reports).
+
+Code: this module holds the Harbor environment itself; `grpoflow.sandbox.rootfs` the per-trial tree (building it,
+bwrap's mounts, sandbox-to-host paths, files in and out); `grpoflow.sandbox.processes` the host processes (tools,
+sandbox uids, rlimits, output capture, kills and reaping, /proc scans, the trial-scope namespace holder).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import posixpath
 import random
-import re
-import resource
-import shutil
-import signal
-import stat
 import subprocess
-import tempfile
-import threading
-import time
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
 
-from grpoflow.sandbox.errors import SandboxDiedError, SandboxStartError, SandboxUnavailableError
+from grpoflow.sandbox.errors import SandboxDiedError, SandboxStartError
+from grpoflow.sandbox.processes import (
+    HOLDER_LOOP,
+    CappedOutput,
+    allocate_uid,
+    drain,
+    enter_argv,
+    kill_and_reap,
+    kill_exec_and_reap,
+    kill_group,
+    kill_sandbox,
+    kill_uid,
+    limits_argv,
+    process_exit,
+    read_marker,
+    reap_after_kill,
+    release_uid,
+    require_tools,
+    start_holder,
+    stop_holder,
+)
+from grpoflow.sandbox.rootfs import (
+    HOST_LIB_NAMES,
+    HOST_RO_DIRS,
+    NOT_TRIAL_PATHS,
+    OWNED_DIRS,
+    SANDBOX_HOME,
+    bwrap_argv,
+    build_rootfs,
+    copy_dir_in,
+    copy_dir_out,
+    copy_file_in,
+    copy_file_out,
+    harbor_binds,
+    host_path,
+    make_trial_dir,
+    repair_mount_points,
+    resolve_inside,
+    rmtree,
+    scrub_log_symlinks,
+)
 
 PROCESS_SCOPES = ("exec", "trial")
-# pid 1 of a trial-scope sandbox: never exits on its own, ignores signals, reaps orphans.
-HOLDER_LOOP = "trap '' HUP INT QUIT TERM USR1 USR2; while :; do sleep 86400 & wait $!; done"
 # Trial scope: after a command exits, how long to keep reading output a background process may still write.
 BACKGROUND_OUTPUT_GRACE_SEC = 0.5
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-SANDBOX_HOME = "/root"
 TIMEOUT_EXIT_CODE = 124  # what GNU `timeout` returns; Harbor's singularity environment reports the same
 DEFAULT_WORKDIR = "/app"
-# Host dirs shown read-only. Everything else of the host stays invisible.
-HOST_RO_DIRS = ("/usr", "/etc")
-# Top-level names that are symlinks into /usr on a merged-/usr host (or real dirs to bind read-only otherwise).
-HOST_LIB_NAMES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-# Sandbox paths that are host or kernel filesystems, never per-trial files: uploads/downloads there are refused.
-NOT_TRIAL_PATHS = (*HOST_RO_DIRS, "/proc", "/dev", *(f"/{n}" for n in HOST_LIB_NAMES))
-# Per-trial dirs the sandbox user owns (relative to rootfs).
-OWNED_DIRS = ("app", "tmp", "root", "tests", "solution")
-
-# Sandbox uids when running as root: unique per (our pid, slot) so two live sandboxes never share one, even
-# across processes. pid < 2**22 (Linux PID_MAX_LIMIT) and 256 slots keep every uid below 2**31.
-_UID_BASE = 1 << 24
-_UID_SLOTS = 256
-_uid_lock = threading.Lock()
-_uids_in_use: set[int] = set()
-
-
-def _allocate_uid() -> int:
-    with _uid_lock:
-        base = _UID_BASE + (os.getpid() % (1 << 22)) * _UID_SLOTS
-        for slot in range(_UID_SLOTS):
-            if base + slot not in _uids_in_use:
-                _uids_in_use.add(base + slot)
-                return base + slot
-    raise SandboxStartError(f"more than {_UID_SLOTS} live sandboxes in one process: no sandbox uid left")
-
-
-def _release_uid(uid: int) -> None:
-    with _uid_lock:
-        _uids_in_use.discard(uid)
-
-
-@dataclass(frozen=True)
-class _Bind:
-    target: PurePosixPath  # path in the sandbox
-    source: Path  # host dir
-    read_only: bool
-
-
-class _CappedOutput:
-    """Keeps the first and last `cap // 2` bytes of a stream and counts what falls in between."""
-
-    def __init__(self, cap: int):
-        self.half = max(cap // 2, 1)
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
-
-    def add(self, chunk: bytes) -> None:
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        self.tail += chunk
-        if len(self.tail) > self.half:
-            self.dropped += len(self.tail) - self.half
-            del self.tail[: len(self.tail) - self.half]
-
-    def text(self) -> str:
-        middle = f"\n[... {self.dropped} bytes of output dropped ...]\n".encode() if self.dropped else b""
-        return bytes(self.head + middle + self.tail).decode("utf-8", errors="replace")
+# Imported from here by tests and callers; the tree's layout lives in rootfs.py, the holder in processes.py.
+__all__ = [
+    "BACKGROUND_OUTPUT_GRACE_SEC",
+    "DEFAULT_WORKDIR",
+    "HOLDER_LOOP",
+    "HOST_LIB_NAMES",
+    "HOST_RO_DIRS",
+    "NOT_TRIAL_PATHS",
+    "OWNED_DIRS",
+    "PROCESS_SCOPES",
+    "SANDBOX_HOME",
+    "SANDBOX_PATH",
+    "TIMEOUT_EXIT_CODE",
+    "LocalSandbox",
+]
 
 
 class LocalSandbox(BaseEnvironment):
@@ -225,7 +209,7 @@ class LocalSandbox(BaseEnvironment):
         )
         self._maybe_resolve_task_env()  # the task's [environment.env] joins every exec's environment
         self._workdir = task_env_config.workdir or DEFAULT_WORKDIR
-        self._binds = self._harbor_binds()
+        self._binds = harbor_binds(self._host_mounts)
         self._root: Path | None = None  # the per-trial temp dir; None until start()
         self._uid: int | None = None  # the sandbox uid when we are root
         self._argv_prefix: list[str] = []
@@ -254,7 +238,7 @@ class LocalSandbox(BaseEnvironment):
 
     @classmethod
     def preflight(cls) -> None:
-        _require_tools()
+        require_tools()
 
     def _validate_definition(self) -> None:
         # The Dockerfile is not used: the image is the host's /usr. Only environment/app/ matters, and it is
@@ -263,13 +247,15 @@ class LocalSandbox(BaseEnvironment):
 
     async def start(self, force_build: bool) -> None:
         self._maybe_inject_start_fault()
-        tools = _require_tools()
+        tools = require_tools()
         try:
             await asyncio.to_thread(self._make_root, tools)
         except OSError as exc:
             raise SandboxStartError(f"could not create the sandbox dirs for {self.session_id}: {exc}") from exc
         if self.process_scope == "trial":
-            await self._start_holder(tools)
+            # The bwrap that holds the trial's namespaces; every exec then enters them with nsenter.
+            self._holder, holder_pid = await start_holder(self._argv_prefix, self._exec_env(None), self.session_id)
+            self._enter_prefix = enter_argv(tools["nsenter"], holder_pid)
         # One real command: proves bwrap can create its namespaces here before Harbor starts the agent. Not
         # counted as an exec (die_after_execs counts the trial's own commands).
         try:
@@ -284,19 +270,19 @@ class LocalSandbox(BaseEnvironment):
     async def stop(self, delete: bool) -> None:
         self._dead_reason = self._dead_reason or "the sandbox was stopped"
         for proc in list(self._procs):
-            await (_kill_exec_and_reap(proc) if self._holder is not None else _kill_and_reap(proc))
+            await (kill_exec_and_reap(proc) if self._holder is not None else kill_and_reap(proc))
         if self._holder is not None:
             holder, self._holder = self._holder, None
-            await asyncio.to_thread(_stop_holder, holder)
+            await asyncio.to_thread(stop_holder, holder)
         if self._uid is not None:
             # Belt and braces: the pid namespace already took everything down; anything left with our uid goes.
-            await asyncio.to_thread(_kill_uid, self._uid)
-            _release_uid(self._uid)
+            await asyncio.to_thread(kill_uid, self._uid)
+            release_uid(self._uid)
             self._uid = None
         if self._root is not None:
-            self._scrub_log_symlinks()
+            scrub_log_symlinks(self._binds)
             if delete:
-                await asyncio.to_thread(_rmtree, self._root)
+                await asyncio.to_thread(rmtree, self._root)
                 self._root = None
 
     async def prepare_logs_for_host(self) -> None:
@@ -305,14 +291,14 @@ class LocalSandbox(BaseEnvironment):
         # verifier reads or writes: the verifier sees files, not processes, as with per-exec scope.
         if self._holder is not None and self._dead_reason is None and self._holder.poll() is None:
             await self._end_trial_processes()
-        self._scrub_log_symlinks()
+        scrub_log_symlinks(self._binds)
 
     async def _end_trial_processes(self) -> None:
         """SIGKILL every process of a trial-scope sandbox but its init, from inside (twice: a process forking
         while the first sweep runs may leave a child), and as root every process of the sandbox uid."""
         await self._run("kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true", "/", None, 30)
         if self._uid is not None:
-            await asyncio.to_thread(_kill_uid, self._uid)
+            await asyncio.to_thread(kill_uid, self._uid)
 
     async def exec(
         self,
@@ -370,18 +356,18 @@ class LocalSandbox(BaseEnvironment):
                 return await self._collect(proc, marker_r, command, timeout_sec)
             finally:
                 self._procs.discard(proc)
-                self._scrub_log_symlinks()
+                scrub_log_symlinks(self._binds)
         finally:
             os.close(marker_r)
 
     async def _collect(
         self, proc: asyncio.subprocess.Process, marker_r: int, command: str, timeout_sec: float | None
     ) -> ExecResult:
-        out, err = _CappedOutput(self.max_output_bytes), _CappedOutput(self.max_output_bytes)
+        out, err = CappedOutput(self.max_output_bytes), CappedOutput(self.max_output_bytes)
         assert proc.stdout is not None and proc.stderr is not None
         readers = [
-            asyncio.ensure_future(_drain(proc.stdout, out)),
-            asyncio.ensure_future(_drain(proc.stderr, err)),
+            asyncio.ensure_future(drain(proc.stdout, out)),
+            asyncio.ensure_future(drain(proc.stderr, err)),
         ]
         timed_out = False
         trial_scope = self._holder is not None
@@ -390,7 +376,7 @@ class LocalSandbox(BaseEnvironment):
                 async with asyncio.timeout(timeout_sec if timeout_sec else None):
                     # asyncio's wait() also waits for the pipes to close, which a background process (trial scope)
                     # may hold open for the rest of the trial: wait for the process itself.
-                    await (_process_exit(proc) if trial_scope else proc.wait())
+                    await (process_exit(proc) if trial_scope else proc.wait())
                     if trial_scope:
                         # A background process the command left running may hold the pipes open for the rest of
                         # the trial: take what it wrote by now and stop reading.
@@ -399,21 +385,21 @@ class LocalSandbox(BaseEnvironment):
                         await asyncio.gather(*readers)
             except TimeoutError:
                 timed_out = True
-                await (_kill_exec_and_reap(proc) if trial_scope else _kill_and_reap(proc))
+                await (kill_exec_and_reap(proc) if trial_scope else kill_and_reap(proc))
                 # The pipes close as the pid namespace dies; don't wait forever on a descendant that lingers.
                 await asyncio.wait(readers, timeout=5)
         except BaseException:
             # Cancellation (Harbor's agent timeout) or any error: the sandbox must not outlive this call. The
             # kill comes first and is synchronous, so it happens even if the wait below is cut short.
             if trial_scope:
-                _kill_group(proc)
+                kill_group(proc)
             else:
-                _kill_sandbox(proc)
-            await _reap_after_kill(proc, readers)
+                kill_sandbox(proc)
+            await reap_after_kill(proc, readers)
             raise
         for reader in readers:
             reader.cancel()  # no-op when they finished
-        started = _read_marker(marker_r)
+        started = read_marker(marker_r)
         if self._dead_reason is not None:  # stop() ran meanwhile and killed the command
             raise SandboxDiedError(f"sandbox {self.session_id}: {self._dead_reason} during {command[:80]!r}")
         if timed_out:
@@ -447,72 +433,14 @@ class LocalSandbox(BaseEnvironment):
         prefix = self._enter_prefix if self._holder is not None else self._argv_prefix
         return [*prefix, *self._limits_argv(), "/bin/bash", "-c", wrapper, "grpoflow-exec", cwd, command]
 
-    async def _start_holder(self, tools: dict[str, str]) -> None:
-        """process_scope="trial": start the bwrap that holds the trial's namespaces and learn its pid 1."""
-        info_r, info_w = os.pipe()
-        ready_r, ready_w = os.pipe()
-        # --as-pid-1: the bash loop is the namespace's init, so signals from inside never reach it, and it reaps
-        # the orphans a command leaves (bash reaps any child on SIGCHLD). bwrap reports the child's pid on the
-        # info fd before the child has built its mounts; the loop's byte on ready_w says it has.
-        loop = f"printf 1 >&{ready_w}; exec {ready_w}>&-; {HOLDER_LOOP}"
-        argv = [*self._argv_prefix[:-1], "--as-pid-1", "--info-fd", str(info_w), "--", "/bin/bash", "-c", loop]
-        try:
-            try:
-                # A plain Popen, not an asyncio process: stop() may run in another event loop than start().
-                holder = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                    env=self._exec_env(None), start_new_session=True, pass_fds=(info_w, ready_w),
-                )  # fmt: skip
-            finally:
-                os.close(info_w)
-                os.close(ready_w)
-            info = await asyncio.to_thread(_read_info, info_r)
-            ready = await asyncio.to_thread(os.read, ready_r, 1)  # b"" (EOF): the holder died setting up
-        finally:
-            os.close(info_r)
-            os.close(ready_r)
-        match = re.search(rb'"child-pid"\s*:\s*(\d+)', info)
-        if match is None or not ready:
-            await asyncio.to_thread(_stop_holder, holder)
-            err = holder.stderr.read().decode(errors="replace").strip() if holder.stderr else ""
-            raise SandboxStartError(f"sandbox for {self.session_id}: bwrap did not start its namespaces: {err[:2000]}")
-        self._holder = holder
-        argv = [tools["nsenter"], f"--target={match.group(1).decode()}", "--mount", "--pid", "--net", "--ipc", "--uts",
-                "--cgroup"]
-        if os.geteuid() != 0:
-            argv += ["--user", "--preserve-credentials"]  # bwrap made a user namespace for a normal user
-        self._enter_prefix = [*argv, "--root", "--wd", "--"]
-
     def _limits_argv(self) -> list[str]:
-        nproc = self.max_processes
-        if self._uid is None:
-            # Without a uid of our own, RLIMIT_NPROC counts every process of this user on the host.
-            nproc += _count_uid_processes(os.getuid())
-        limits = {
-            "as": (resource.RLIMIT_AS, self.memory_mb * 2**20),
-            "cpu": (resource.RLIMIT_CPU, self.cpu_time_sec),
-            "nproc": (resource.RLIMIT_NPROC, nproc),
-            "fsize": (resource.RLIMIT_FSIZE, self.max_file_size_mb * 2**20),
-            "core": (resource.RLIMIT_CORE, 0),
-        }
-        argv = [_PRLIMIT]
-        for name, (res, want) in limits.items():
-            hard = resource.getrlimit(res)[1]
-            # Never above our own hard limit: a non-root prlimit could not raise it and would fail.
-            value = want if hard == resource.RLIM_INFINITY else min(want, hard)
-            argv.append(f"--{name}={value}")
-        argv.append("--")
-        if self._uid is not None:
-            argv += [
-                _SETPRIV,
-                f"--reuid={self._uid}",
-                f"--regid={self._uid}",
-                "--clear-groups",
-                "--inh-caps=-all",
-                "--bounding-set=-all",
-                "--",
-            ]
-        return argv
+        return limits_argv(
+            memory_mb=self.memory_mb,
+            cpu_time_sec=self.cpu_time_sec,
+            max_processes=self.max_processes,
+            max_file_size_mb=self.max_file_size_mb,
+            uid=self._uid,
+        )
 
     def _exec_env(self, env: dict[str, str] | None) -> dict[str, str]:
         base = {"PATH": SANDBOX_PATH, "HOME": SANDBOX_HOME, "LANG": "C.UTF-8"}
@@ -533,117 +461,17 @@ class LocalSandbox(BaseEnvironment):
             )
 
     def _make_root(self, tools: dict[str, str]) -> None:
-        base = Path(self.work_dir) if self.work_dir else Path(tempfile.gettempdir())
-        base.mkdir(parents=True, exist_ok=True)
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", self.session_id)[:60]
-        root = Path(tempfile.mkdtemp(prefix=f"grpoflow-sandbox-{name}-", dir=base))
+        root = make_trial_dir(self.work_dir, self.session_id)
         self._root = root  # mkdtemp's 0700 stays: bwrap binds it as root, the sandbox only sees the mount
         if os.geteuid() == 0:
-            self._uid = _allocate_uid()
-        rootfs = root / "rootfs"
-        rootfs.mkdir(mode=0o755)
-        extra_ro: list[str] = []
-        for lib in HOST_LIB_NAMES:
-            host = Path("/", lib)
-            if host.is_symlink():
-                (rootfs / lib).symlink_to(os.readlink(host))
-            elif host.is_dir():
-                extra_ro.append(f"/{lib}")  # a host without merged /usr: show the real dir read-only
-        for owned in OWNED_DIRS:
-            (rootfs / owned).mkdir()
-        (rootfs / "tmp").chmod(0o1777)
+            self._uid = allocate_uid()
         app = self.environment_dir / "app"
-        if app.is_dir():
-            shutil.copytree(app, rootfs / "app", symlinks=True, dirs_exist_ok=True)
-        for owned in OWNED_DIRS:
-            self._give(rootfs / owned)
-        for bind in self._binds:
-            bind.source.mkdir(parents=True, exist_ok=True)
-            if self._uid is not None and bind in self._log_binds():
-                bind.source.chmod(0o777)  # as Harbor does for Docker: the sandbox user writes its logs there
-        self._repair_mount_points()
-        if not self.auto_mounting:
-            # Harbor's log dirs are then plain sandbox dirs that Harbor downloads; the sandbox writes them.
-            for rel in ("logs/agent", "logs/verifier", "logs/artifacts"):
-                (rootfs / rel).mkdir(parents=True, exist_ok=True)
-                self._give(rootfs / rel)
-        argv = [tools["bwrap"], "--bind", str(rootfs), "/"]
-        for ro in (*HOST_RO_DIRS, *extra_ro):
-            argv += ["--ro-bind", ro, ro]
-        if self._uid is not None:
-            # The host's passwd/group plus a `sandbox` entry for our uid: tools that look the user up (git,
-            # whoami, ssh) fail when the uid has no name.
-            for name, line in (
-                ("passwd", f"sandbox:x:{self._uid}:{self._uid}:sandbox:{SANDBOX_HOME}:/bin/bash\n"),
-                ("group", f"sandbox:x:{self._uid}:\n"),
-            ):
-                host = Path("/etc", name)
-                text = host.read_text() if host.is_file() else ""
-                (root / name).write_text(text + ("" if text.endswith("\n") or not text else "\n") + line)
-                argv += ["--ro-bind", str(root / name), str(host)]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
-        for bind in self._binds:
-            argv += ["--ro-bind" if bind.read_only else "--bind", str(bind.source), str(bind.target)]
-        argv += [
-            "--unshare-net",
-            "--unshare-pid",
-            "--unshare-ipc",
-            "--unshare-uts",
-            "--unshare-cgroup-try",
-            "--hostname",
-            "sandbox",
-            "--die-with-parent",
-            "--new-session",
-            "--chdir",
-            "/",
-            "--",
-        ]
-        self._argv_prefix = argv
-
-    def _harbor_binds(self) -> list[_Bind]:
-        """Harbor's host mounts (log dirs, user mounts) as bwrap binds, parents before children."""
-        binds = []
-        for mount in self._host_mounts:
-            if mount["type"] != "bind":
-                raise ValueError(f"LocalSandbox supports bind mounts only, got {mount['type']!r} for {mount['target']}")
-            target = PurePosixPath(posixpath.normpath(mount["target"]))
-            if not target.is_absolute() or target == PurePosixPath("/") or _under(target, NOT_TRIAL_PATHS):
-                raise ValueError(f"LocalSandbox cannot mount over {target}")
-            binds.append(_Bind(target, Path(mount["source"]).resolve(), bool(mount.get("read_only"))))
-        return sorted(binds, key=lambda b: len(b.target.parts))
-
-    def _log_binds(self) -> list[_Bind]:
-        """Harbor's log dirs (/logs/agent, /logs/verifier, /logs/artifacts), bound from the trial dir."""
-        return [b for b in self._binds if not b.read_only and _under(b.target, ("/logs",))]
+        extra_ro = build_rootfs(root / "rootfs", app, self._binds, self._uid, self.auto_mounting)
+        self._argv_prefix = bwrap_argv(tools["bwrap"], root, self._binds, self._uid, extra_ro)
 
     def _repair_mount_points(self) -> None:
-        """Make every bind target under rootfs a real dir again before bwrap mounts over it.
-
-        bwrap runs with privilege and follows symlinks in mount targets; a sandbox that replaced e.g. /logs with
-        a link to a host path must not make the next bwrap create dirs there. (Root-owned rootfs prevents that
-        when we run as root; this also covers running as a normal user.)
-        """
         assert self._root is not None
-        rootfs = self._root / "rootfs"
-        targets = [PurePosixPath(p) for p in (*HOST_RO_DIRS, "/proc", "/dev")] + [b.target for b in self._binds]
-        for target in targets:
-            path = rootfs
-            for part in target.parts[1:]:
-                path = path / part
-                if path.is_symlink() or (path.exists() and not path.is_dir()):
-                    _remove(path)
-                if not path.exists():
-                    path.mkdir(mode=0o755)
-
-    def _give(self, path: Path) -> None:
-        """Hand a per-trial path (recursively) to the sandbox uid, so the sandbox can change what we put there."""
-        if self._uid is None:
-            return
-        os.lchown(path, self._uid, self._uid)
-        if path.is_dir() and not path.is_symlink():
-            for dirpath, dirnames, filenames in os.walk(path):
-                for name in dirnames + filenames:
-                    os.lchown(os.path.join(dirpath, name), self._uid, self._uid)
+        repair_mount_points(self._root / "rootfs", self._binds)
 
     # ---- files in and out ---------------------------------------------------------------------------------
 
@@ -651,307 +479,25 @@ class LocalSandbox(BaseEnvironment):
         """(host path, host dir it must stay inside) for a path in the sandbox."""
         if self._root is None:
             raise SandboxDiedError(f"sandbox {self.session_id} is not started (or was deleted): no {sandbox_path}")
-        path = PurePosixPath(posixpath.normpath(posixpath.join(self._workdir, sandbox_path)))
-        for bind in reversed(self._binds):  # deepest first
-            if path == bind.target or path.is_relative_to(bind.target):
-                return bind.source.joinpath(*path.relative_to(bind.target).parts), bind.source
-        if _under(path, NOT_TRIAL_PATHS):
-            raise ValueError(f"{sandbox_path} is a host or kernel path in the sandbox, not a per-trial file")
-        rootfs = self._root / "rootfs"
-        return rootfs.joinpath(*path.parts[1:]), rootfs
-
-    def _real_dir_chain(self, base: Path, host_dir: Path) -> None:
-        """Create host_dir under base as real dirs, replacing any symlink the sandbox planted on the way."""
-        path = base
-        for part in host_dir.relative_to(base).parts:
-            path = path / part
-            if path.is_symlink() or (path.exists() and not path.is_dir()):
-                _remove(path)
-            if not path.exists():
-                path.mkdir()
-                self._give(path)
+        return host_path(self._root / "rootfs", self._binds, self._workdir, sandbox_path)
 
     def _upload_file(self, source: Path, target_path: str) -> None:
         target, base = self._host_path(target_path)
-        self._real_dir_chain(base, target.parent)
-        if target.is_symlink() or target.is_dir():
-            _remove(target)  # never write through a link the sandbox planted
-        shutil.copy2(source, target)
-        self._give(target)
+        copy_file_in(source, target, base, self._uid)
 
     def _upload_dir(self, source: Path, target_dir: str) -> None:
         if not source.is_dir():
             raise FileNotFoundError(f"upload_dir: {source} is not a directory")
         target, base = self._host_path(target_dir)
-        self._real_dir_chain(base, target)
-        for dirpath, dirnames, filenames in os.walk(source):
-            rel = Path(dirpath).relative_to(source)
-            here = target / rel
-            for name in dirnames:
-                self._real_dir_chain(base, here / name)
-            for name in filenames:
-                dest = here / name
-                if dest.is_symlink() or dest.is_dir():
-                    _remove(dest)
-                shutil.copy2(Path(dirpath, name), dest, follow_symlinks=True)
-                self._give(dest)
+        copy_dir_in(source, target, base, self._uid)
 
     def _download_source(self, sandbox_path: str) -> Path:
         """The host file behind a sandbox path, refusing links that lead out of the sandbox's own files."""
         source, base = self._host_path(sandbox_path)
-        real = Path(os.path.realpath(source))
-        if not _inside(real, base):
-            raise PermissionError(f"{sandbox_path} resolves outside the sandbox's files; not copied to the host")
-        return real
+        return resolve_inside(sandbox_path, source, base)
 
     def _download_file(self, source_path: str, target: Path) -> None:
-        real = self._download_source(source_path)
-        if not real.is_file():
-            raise FileNotFoundError(f"{source_path} is not a regular file in the sandbox")
-        if target.exists() and os.path.samefile(real, target):
-            return  # a mounted path: already on the host
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(real, target)
+        copy_file_out(source_path, self._download_source(source_path), target)
 
     def _download_dir(self, source_dir: str, target: Path) -> None:
-        real = self._download_source(source_dir)
-        if not real.is_dir():
-            raise FileNotFoundError(f"{source_dir} is not a directory in the sandbox")
-        target.mkdir(parents=True, exist_ok=True)
-        if os.path.samefile(real, target):
-            return  # a mounted path: already on the host
-        # symlinks=True copies links as links (never reads a host file through one); FIFOs and devices are
-        # skipped (reading a FIFO would block forever).
-        shutil.copytree(real, target, symlinks=True, dirs_exist_ok=True, ignore=_special_files)
-
-    def _scrub_log_symlinks(self) -> None:
-        """Delete symlinks in the mounted Harbor log dirs that point outside them.
-
-        Harbor reads those dirs on the host (as root, maybe): a link to a host file must not turn into a copy
-        of it in the trial's results.
-        """
-        for bind in self._log_binds():
-            if not bind.source.is_dir():
-                continue
-            for dirpath, dirnames, filenames in os.walk(bind.source):
-                for name in dirnames + filenames:
-                    path = os.path.join(dirpath, name)
-                    if os.path.islink(path) and not _inside(Path(os.path.realpath(path)), bind.source):
-                        with contextlib.suppress(FileNotFoundError):  # removed meanwhile: what we wanted
-                            os.unlink(path)
-
-
-# ---- helpers ------------------------------------------------------------------------------------------------
-
-_PRLIMIT = "/usr/bin/prlimit"
-_SETPRIV = "/usr/bin/setpriv"
-_NSENTER = "/usr/bin/nsenter"
-
-
-def _require_tools() -> dict[str, str]:
-    """Host tools the sandbox needs; a clear error naming the package when one is missing."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        raise SandboxUnavailableError(
-            "bubblewrap (`bwrap`) is not installed or not on PATH; LocalSandbox needs it: "
-            "apt-get install -y bubblewrap (or your distribution's bubblewrap package)"
-        )
-    for tool in (_PRLIMIT, _SETPRIV, _NSENTER, "/bin/bash"):
-        if not os.access(tool, os.X_OK):
-            raise SandboxUnavailableError(
-                f"{tool} is missing; LocalSandbox runs it inside the sandbox: apt-get install -y util-linux bash"
-            )
-    return {"bwrap": bwrap, "nsenter": _NSENTER}
-
-
-async def _drain(stream: asyncio.StreamReader, sink: _CappedOutput) -> None:
-    while chunk := await stream.read(65536):
-        sink.add(chunk)
-
-
-def _read_marker(fd: int) -> bool:
-    os.set_blocking(fd, False)
-    try:
-        return bool(os.read(fd, 16))
-    except BlockingIOError:
-        return False  # nothing written and a write end still open somewhere: the wrapper never ran
-
-
-def _kill_sandbox(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL the pid namespace of one exec, synchronously.
-
-    The target is bwrap's child, pid 1 of the namespace: when it dies the kernel kills (and reaps) every process
-    in the namespace, whatever session or process group they moved to, and bwrap, still alive, reaps pid 1 and
-    exits. Killing bwrap instead would also work (--die-with-parent) but would leave pid 1's zombie to the
-    host's init, which in a container may never reap it. Before bwrap has a child, its process group goes.
-    """
-    if proc.returncode is not None:
-        return
-    children = _children(proc.pid)
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.kill(pid, signal.SIGKILL)
-    if not children:
-        _kill_group(proc)
-
-
-async def _kill_exec_and_reap(proc: asyncio.subprocess.Process) -> None:
-    """Trial scope: SIGKILL one exec's process group (nsenter and the command it forked), not the namespace."""
-    _kill_group(proc)
-    await _process_exit(proc)  # not proc.wait(): a process that left the group may hold the pipes open
-
-
-async def _process_exit(proc: asyncio.subprocess.Process) -> None:
-    """Until `proc` has exited and been reaped (its returncode set), whatever still holds its pipes."""
-    if proc.returncode is None:
-        loop = asyncio.get_running_loop()
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except ProcessLookupError:
-            pidfd = None  # already reaped: the returncode is about to be set
-        if pidfd is not None:
-            exited = loop.create_future()
-            loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
-            try:
-                await exited
-            finally:
-                loop.remove_reader(pidfd)
-                os.close(pidfd)
-    while proc.returncode is None:  # the child watcher reaps it right after the pidfd fires
-        await asyncio.sleep(0.005)
-
-
-def _stop_holder(holder: subprocess.Popen[bytes]) -> None:
-    """SIGKILL pid 1 of a trial's namespaces (the kernel then kills every process in them) and reap bwrap."""
-    if holder.poll() is None:
-        for pid in _children(holder.pid):
-            with contextlib.suppress(ProcessLookupError):  # already gone
-                os.kill(pid, signal.SIGKILL)
-        try:
-            holder.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(holder.pid, signal.SIGKILL)
-            holder.wait()
-    if holder.stderr is not None:
-        holder.stderr.close()
-
-
-def _read_info(fd: int) -> bytes:
-    """bwrap's --info-fd JSON: read up to its closing brace (the fd may stay open in the sandbox) or EOF."""
-    data = b""
-    while b"}" not in data and (chunk := os.read(fd, 4096)):
-        data += chunk
-    return data
-
-
-async def _kill_and_reap(proc: asyncio.subprocess.Process) -> None:
-    _kill_sandbox(proc)
-    try:
-        await asyncio.wait_for(proc.wait(), timeout=2)
-    except TimeoutError:
-        _kill_group(proc)  # bwrap did not exit after its child died: take it down too
-        await proc.wait()
-
-
-async def _reap_after_kill(proc: asyncio.subprocess.Process, readers: list[asyncio.Future[None]]) -> None:
-    """Let bwrap exit and its pipes close after `_kill_sandbox`, so no half-closed transport is left behind.
-
-    Best effort: runs while a CancelledError is being handled; a second cancellation just ends the wait (the
-    processes are already dead or dying), and the caller re-raises the original exception either way.
-    """
-    try:
-        await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=2)
-        await asyncio.wait_for(asyncio.gather(*readers, return_exceptions=True), timeout=2)
-    except (TimeoutError, asyncio.CancelledError):
-        for reader in readers:
-            reader.cancel()
-
-
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.killpg(proc.pid, signal.SIGKILL)  # bwrap leads its own group (start_new_session)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []  # bwrap already exited, or a kernel without CONFIG_PROC_CHILDREN: fall back to the group
-
-
-def _uid_pids(uid: int) -> list[int]:
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as status:
-                fields = dict(line.split(":", 1) for line in status if ":" in line)
-            # Zombies hold no resources and cannot be killed; only their parent can make them go.
-            if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith(("Z", "X")):
-                pids.append(int(entry.name))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue  # the process ended while we looked, or is not ours to read
-    return pids
-
-
-def _count_uid_processes(uid: int) -> int:
-    return len(_uid_pids(uid))
-
-
-def _kill_uid(uid: int, wait_sec: float = 5.0) -> None:
-    """SIGKILL every process running as `uid` (a sandbox uid of ours) and wait until they are gone."""
-    deadline = time.monotonic() + wait_sec
-    while pids := _uid_pids(uid):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-                os.kill(pid, signal.SIGKILL)
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-
-
-def _under(path: PurePosixPath, prefixes: tuple[str, ...]) -> bool:
-    return any(path == PurePosixPath(p) or path.is_relative_to(p) for p in prefixes)
-
-
-def _inside(path: Path, base: Path) -> bool:
-    real_base = Path(os.path.realpath(base))
-    return path == real_base or path.is_relative_to(real_base)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        _rmtree(path)
-    else:
-        path.unlink()
-
-
-def _rmtree(path: Path) -> None:
-    def retry_writable(func: Any, failed: str, exc: BaseException) -> None:
-        # The sandbox may leave dirs without write permission (chmod 000); as a normal user we must restore
-        # it before deleting their contents. Root never gets here.
-        if not isinstance(exc, PermissionError):
-            raise exc
-        parent = os.path.dirname(failed)
-        os.chmod(parent, stat.S_IRWXU)
-        if os.path.isdir(failed) and not os.path.islink(failed):
-            os.chmod(failed, stat.S_IRWXU)
-            shutil.rmtree(failed, onexc=retry_writable)
-        else:
-            func(failed)
-
-    shutil.rmtree(path, onexc=retry_writable)
-
-
-def _special_files(directory: str, names: list[str]) -> set[str]:
-    skipped = set()
-    for name in names:
-        mode = os.lstat(os.path.join(directory, name)).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
-            skipped.add(name)
-    return skipped
+        copy_dir_out(source_dir, self._download_source(source_dir), target)

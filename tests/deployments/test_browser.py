@@ -68,6 +68,7 @@ SET_FIELD = """((label, value) => {
   Object.getOwnPropertyDescriptor(Object.getPrototypeOf(input), 'value').set.call(input, value);
   input.dispatchEvent(new Event('input', {bubbles: true}));
   input.dispatchEvent(new Event('change', {bubbles: true}));
+  input.dispatchEvent(new Event('blur', {bubbles: true}));
   lab.scrollIntoView({block: 'center'});
   return input.value;
 })"""
@@ -81,6 +82,9 @@ def test_form_refuses_an_out_of_range_value(prefect_stack, browser):
     missing_model = str(prefect_stack.tmp / "no-such-model")
     assert browser.evaluate(f"{SET_FIELD}('Source', {json.dumps(missing_model)})") == missing_model
     assert browser.evaluate(f"{SET_FIELD}('Temperature', '7')") == "7"
+    # The form applies typed values to its model asynchronously; on a loaded machine a click right after typing
+    # submitted the old values (CI, fresh clone). Give it a moment, as a person's pause would.
+    time.sleep(2.0)
     browser.click_text("Submit")
     message = "Validation failed for field 'config.rollout.temperature'"
     deadline = time.monotonic() + 30

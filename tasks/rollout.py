@@ -90,6 +90,9 @@ async def _run_trials(
     return result
 
 
+_REPORTED_MISSING_LIMITS: set[str] = set()
+
+
 async def sandbox_create_gate(
     limit_name: str | None, logger: logging.Logger | logging.LoggerAdapter
 ) -> SandboxGate | None:
@@ -101,6 +104,9 @@ async def sandbox_create_gate(
         try:
             await client.read_global_concurrency_limit_by_name(limit_name)
         except ObjectNotFound:
+            if limit_name in _REPORTED_MISSING_LIMITS:  # said once per process, not once per step
+                return None
+            _REPORTED_MISSING_LIMITS.add(limit_name)
             logger.info(
                 "no global concurrency limit `%s` on the Prefect server: sandbox starts are bounded by "
                 "rollout.concurrency only (create one: prefect gcl create %s --limit 8)", limit_name, limit_name,

@@ -51,7 +51,7 @@ def test_a_solved_episode_is_one_token_exact_segment(tmp_path, tiny_model_dir):
     assert stats["requests"] == 3 == len(engine.calls) and stats["requests_extended"] == 2
     [seg] = segs
     # Each turn's prompt is the recorded tokens so far: the last engine call's input is a prefix of the segment.
-    last_input = engine.calls[-1]["input_ids"]
+    last_input = engine.calls[-1].input_ids
     assert seg.tokens[: len(last_input)] == last_input and seg.status == "COMPLETED"
     generated = sum(len(engine.tokenizer.encode(r, add_special_tokens=False)) + 1 for r in replies)  # + EOS each
     assert sum(seg.loss_mask) == generated

@@ -19,16 +19,27 @@ from tests.app_thread import AppThread
 
 @dataclass
 class Reply:
-    text: str
+    """One scripted generation: `text` (tokenised, EOS appended on `stop`), or the exact output `ids` (the
+    engine's own, e.g. a non-canonical split of their text; nothing appended)."""
+
+    text: str = ""
     finish: str = "stop"  # "stop" | "length"
     status: int = 200  # an HTTP error status makes the engine fail this call
+    ids: list[int] | None = None
+    logprobs: list[float] | None = None  # default: -0.1 * (position + 1), so misaligned logprobs show
+
+    def output_ids(self, tokenizer) -> list[int]:
+        if self.ids is not None:
+            return list(self.ids)
+        ids = tokenizer.encode(self.text, add_special_tokens=False)
+        return ids + [tokenizer.eos_token_id] if self.finish == "stop" else ids
 
 
 @dataclass
 class ScriptedEngine:
     tokenizer_path: str
     script: Callable[[list[int], int], Reply]  # (input_ids, call index) -> reply
-    calls: list[dict] = field(default_factory=list)
+    calls: list[GenerateRequest] = field(default_factory=list)  # every request, in order
     url: str = ""
 
     def __post_init__(self):
@@ -39,19 +50,19 @@ class ScriptedEngine:
         async def generate(request: Request):
             req = GenerateRequest.model_validate(await request.json())
             reply = self.script(req.input_ids, len(self.calls))
-            self.calls.append({"input_ids": req.input_ids, "reply": reply})
+            self.calls.append(req)
             if reply.status != 200:
                 return JSONResponse({"error": "scripted failure"}, status_code=reply.status)
-            ids = self.tokenizer.encode(reply.text, add_special_tokens=False)
-            if reply.finish == "stop":
-                ids.append(self.tokenizer.eos_token_id)
+            ids = reply.output_ids(self.tokenizer)
+            lps = reply.logprobs or [-0.1 * (i + 1) for i in range(len(ids))]
             return {
-                "text": reply.text,
+                "text": self.tokenizer.decode(ids, skip_special_tokens=True),
                 "output_ids": ids,
                 "meta_info": {
                     "id": str(len(self.calls)), "finish_reason": {"type": reply.finish},
                     "prompt_tokens": len(req.input_ids), "completion_tokens": len(ids),
-                    "output_token_logprobs": [[-0.25, t, None] for t in ids], "weight_version": "7",
+                    "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=True)],
+                    "weight_version": "7",
                 },
             }  # fmt: skip
 

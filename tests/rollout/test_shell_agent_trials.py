@@ -38,10 +38,10 @@ def test_solving_policy_scores_one_with_token_exact_trajectory(tmp_path, tiny_mo
     assert (s.reward, s.exit_status, s.status) == (1.0, "Submitted", "COMPLETED")
     assert s.metrics["turns"] == 2 and s.metrics["commands_run"] == 1
     # The second call's prompt is exactly the trajectory up to that point, and the sample ends with the 2nd reply.
-    second = engine.calls[1]["input_ids"]
+    second = engine.calls[1].input_ids
     assert s.tokens[: len(second)] == second
     gen2 = s.tokens[len(second):]
-    assert s.loss_mask[len(second):] == [1] * len(gen2) and s.rollout_logprobs[len(second):] == [-0.25] * len(gen2)
+    assert s.loss_mask[len(second):] == [1] * len(gen2) and s.rollout_logprobs[len(second):] == pytest.approx([-0.1 * (i + 1) for i in range(len(gen2))])
     assert sum(s.loss_mask) == sum(len(engine.tokenizer.encode(r)) + 1 for r in replies)
     assert "exit code 0" in s.messages[3]["content"] and s.weight_version == "7"
     assert (res.details_path).read_text().count("\n") == 1

@@ -4,60 +4,18 @@ session server over either."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import pytest
-from fastapi import FastAPI, Request
 
 from grpoflow.agents.chat_tokens import load_tokenizer
-from grpoflow.engine.protocol import GenerateRequest
 from grpoflow.sessions.server import SessionServer
 from tests.app_thread import AppThread
+from tests.rollout.scripted_engine import Reply, ScriptedEngine
 
 
-@dataclass
-class Out:
-    """One scripted generation: the exact output ids (the engine's, not a re-tokenisation of `text`)."""
-
-    ids: list[int]
-    finish: str = "stop"  # "stop" | "length"
-    logprobs: list[float] | None = None  # default: -0.1 * (position + 1)
-
-
-@dataclass
-class ScriptedEngine:
-    """SGLang's `/generate` answering from `script(input_ids, call index) -> Out`; records every request."""
-
-    tokenizer_path: str
-    script: Callable[[list[int], int], Out]
-    calls: list[GenerateRequest] = field(default_factory=list)
-    url: str = ""
-
-    def __post_init__(self):
-        self.tokenizer = load_tokenizer(self.tokenizer_path)
-        app = FastAPI()
-
-        @app.post("/generate")
-        async def generate(request: Request):
-            req = GenerateRequest.model_validate(await request.json())
-            out = self.script(req.input_ids, len(self.calls))
-            self.calls.append(req)
-            lps = out.logprobs or [-0.1 * (i + 1) for i in range(len(out.ids))]
-            text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
-            return {
-                "text": text, "output_ids": out.ids,
-                "meta_info": {
-                    "id": str(len(self.calls)), "finish_reason": {"type": out.finish}, "weight_version": "3",
-                    "prompt_tokens": len(req.input_ids), "completion_tokens": len(out.ids),
-                    "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out.ids, strict=True)],
-                },
-            }  # fmt: skip
-
-        self._app = AppThread(app)
-        self.url = self._app.url
-
-    def stop(self):
-        self._app.stop()
+def Out(ids: list[int], finish: str = "stop", logprobs: list[float] | None = None) -> Reply:
+    """One scripted generation given as the engine's exact output ids (not a re-tokenisation of a text)."""
+    return Reply(ids=ids, finish=finish, logprobs=logprobs)
 
 
 @pytest.fixture

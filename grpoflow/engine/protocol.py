@@ -149,13 +149,13 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(BaseModel):
-    """Body of `POST /v1/chat/completions`. Unknown OpenAI fields are ignored, as SGLang and vLLM do."""
+class ChatParams(BaseModel):
+    """OpenAI chat-completion parameters, other than the messages, that our servers read (the engine's
+    `/v1/chat/completions` and the session server's). Unknown OpenAI fields are ignored, as SGLang and vLLM do."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0)
@@ -163,13 +163,19 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
     seed: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1, le=64)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    return_token_ids: bool = False
+    return_token_ids: bool | None = False
     stream: bool | None = False
+
+
+class ChatCompletionRequest(ChatParams):
+    """Body of the engine's `POST /v1/chat/completions`: text messages (see `ChatMessage`)."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    ignore_eos: bool = False
 
 
 class TokenLogprob(_Response):

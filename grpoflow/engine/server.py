@@ -123,7 +123,7 @@ def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> Fa
             scheduler.submit(
                 prompt_ids,
                 chat_sampling_params(req, len(prompt_ids), scheduler.context_length, i),
-                return_logprob=req.logprobs,
+                return_logprob=bool(req.logprobs),
             )
             for i in range(req.n)
         ]

@@ -37,11 +37,11 @@ from urllib.parse import quote
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from grpoflow.agents.chat_tokens import TemplateError, load_tokenizer
 from grpoflow.engine.client import EngineClient
-from grpoflow.engine.protocol import SamplingParams
+from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError
 from grpoflow.sessions.tokens import encode, first_difference, render, suffix_ids
 from grpoflow.sessions.tree import SessionTree
@@ -53,27 +53,12 @@ log = logging.getLogger(__name__)
 _SESSION_ID = re.compile(r"^[^\s?#]{1,400}$")
 
 
-class ChatRequest(BaseModel):
-    """The OpenAI chat-completion fields the session server reads; others (session_id, ...) are ignored."""
+class ChatRequest(ChatParams):
+    """A harness's chat request: any OpenAI message shape (tool calls, content parts) and tools, because the
+    session server renders them with the model's own chat template."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
     messages: list[dict[str, Any]] = Field(..., min_length=1)
     tools: list[dict[str, Any]] | None = None
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=0)
-    n: int = Field(1, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    return_token_ids: bool | None = False
-    stream: bool | None = False
 
 
 class RequestRefused(Exception):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.deployments.browser import Browser, chromium_path
-from tests.deployments.conftest import OUTPUT, artifacts_of
+from tests.deployments.conftest import OUTPUT, POOL, artifacts_of
 
 pytestmark = [
     pytest.mark.slow,
@@ -72,29 +72,53 @@ SET_FIELD = """((label, value) => {
   lab.scrollIntoView({block: 'center'});
   return input.value;
 })"""
+GET_FIELD = """((label) => {
+  const lab = [...document.querySelectorAll('.schema-form-property__label')]
+    .find(l => l.innerText.trim().startsWith(label));
+  return lab.closest('.schema-form-property').querySelector('input, textarea').value;
+})"""
+
+
+def _set_fields_until_they_stay(browser, values: dict[str, str], timeout_s: float = 30.0) -> None:
+    """Type `values` (label -> text) into the form until a second later they still read back. Under load the
+    form can mount, then render again (schema and defaults arrive late), wiping what was typed: a submit then
+    sends the defaults. Typing again until the values stay is what a person looking at the form would do."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for label, value in values.items():
+            browser.evaluate(f"{SET_FIELD}({json.dumps(label)}, {json.dumps(value)})")
+        time.sleep(1.0)
+        read = {label: browser.evaluate(f"{GET_FIELD}({json.dumps(label)})") for label in values}
+        if read == values:
+            return
+        assert time.monotonic() < deadline, f"the form did not keep the typed values: {read}"
 
 
 def test_form_refuses_an_out_of_range_value(prefect_stack, browser):
     dep = prefect_stack.deployments["manual-train"]
-    before = len(prefect_stack.flow_runs("manual-train"))
-    browser.open(f"{prefect_stack.ui}/deployments/deployment/{dep['id']}/run", ["Temperature", "Submit"])
-    # Should the refusal fail, the run must not start the real job: a missing model fails at its preflight.
-    missing_model = str(prefect_stack.tmp / "no-such-model")
-    assert browser.evaluate(f"{SET_FIELD}('Source', {json.dumps(missing_model)})") == missing_model
-    assert browser.evaluate(f"{SET_FIELD}('Temperature', '7')") == "7"
-    # The form applies typed values to its model asynchronously; on a loaded machine a click right after typing
-    # submitted the old values (CI, fresh clone). Give it a moment, as a person's pause would.
-    time.sleep(2.0)
-    browser.click_text("Submit")
-    message = "Validation failed for field 'config.rollout.temperature'"
-    deadline = time.monotonic() + 30
-    while message not in browser.text():
-        assert time.monotonic() < deadline, f"no refusal shown:\n{browser.text()[-2000:]}"
-        time.sleep(0.3)
-    assert "greater than the maximum of 2.0" in browser.text()
-    assert f"/deployments/deployment/{dep['id']}/run" in browser.evaluate("location.href")  # still on the form
-    assert len(prefect_stack.flow_runs("manual-train")) == before, "a refused form still created a flow run"
-    _shot(browser, "manual-train-form-refused.png", height=2200)
+    before = {fr["id"] for fr in prefect_stack.flow_runs("manual-train")}
+    # Should the refusal ever fail, nothing may run: the pool is paused while the form is submitted, a run
+    # created anyway is deleted, and its config points at a missing model (it would die at preflight).
+    assert prefect_stack.request("PATCH", f"/work_pools/{POOL}", {"is_paused": True}).status_code == 204
+    try:
+        browser.open(f"{prefect_stack.ui}/deployments/deployment/{dep['id']}/run", ["Temperature", "Submit"])
+        missing_model = str(prefect_stack.tmp / "no-such-model")
+        _set_fields_until_they_stay(browser, {"Source": missing_model, "Temperature": "7"})
+        browser.click_text("Submit")
+        message = "Validation failed for field 'config.rollout.temperature'"
+        deadline = time.monotonic() + 30
+        while message not in browser.text():
+            assert time.monotonic() < deadline, f"no refusal shown:\n{browser.text()[-2000:]}"
+            time.sleep(0.3)
+        assert "greater than the maximum of 2.0" in browser.text()
+        assert f"/deployments/deployment/{dep['id']}/run" in browser.evaluate("location.href")  # still on the form
+        created = {fr["id"] for fr in prefect_stack.flow_runs("manual-train")} - before
+        assert not created, "a refused form still created a flow run"
+        _shot(browser, "manual-train-form-refused.png", height=2200)
+    finally:
+        for fr_id in {fr["id"] for fr in prefect_stack.flow_runs("manual-train")} - before:
+            prefect_stack.delete(f"/flow_runs/{fr_id}")
+        prefect_stack.request("PATCH", f"/work_pools/{POOL}", {"is_paused": False})
 
 
 def test_nightly_evaluate_form_shows_its_parameters(prefect_stack, browser):

@@ -47,7 +47,7 @@ from grpoflow.agents.chat_tokens import load_tokenizer  # noqa: E402
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.sessions.segments import segments  # noqa: E402
 from grpoflow.sessions.server import SessionServer  # noqa: E402
-from grpoflow.sessions.tokens import encode, render, suffix_ids  # noqa: E402
+from grpoflow.agents.chat_tokens import encode, render, suffix_ids  # noqa: E402
 from grpoflow.sessions.tree import SessionTree  # noqa: E402
 from grpoflow.tiny_model import build_tiny_model  # noqa: E402
 from sglang_standin import StandinServer  # noqa: E402

@@ -39,11 +39,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from grpoflow.agents.chat_tokens import TemplateError, load_tokenizer
+from grpoflow.agents.chat_tokens import TemplateError, encode, load_tokenizer, render, suffix_ids
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError
-from grpoflow.sessions.tokens import encode, first_difference, render, suffix_ids
 from grpoflow.sessions.tree import SessionTree
 
 log = logging.getLogger(__name__)
@@ -361,6 +360,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         # Only the path and the exception: headers (the API key) and bodies never reach the log.
         log.error("unhandled error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
         return _error(500, f"{type(exc).__name__}: {exc}", "api_error", "internal_error")
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where `a` and `b` differ (or the shorter length), None when equal."""
+    if a == b:
+        return None
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class SessionServer:

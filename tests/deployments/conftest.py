@@ -20,6 +20,7 @@ import pytest
 
 from flows.serve import DEPLOYMENTS_FILE, read_specs
 from tests.faults.test_prefect_restart import _free_port, _start_server, _stop
+from tests.proc import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = Path(sys.executable).with_name("prefect")
@@ -75,27 +76,10 @@ def api_request(api: str, method: str, path: str, body: dict | None = None) -> h
     return r
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc), children first found first."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we looked
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def stop_tree(proc: subprocess.Popen, first: int = signal.SIGINT, grace: float = 20.0) -> None:
     """Stop a worker or `serve` and every flow run it started. A flow-run process lives in its own session, and
     a run left over from a failed test would otherwise go on (the real default job runs for hours)."""
-    below = _descendants(proc.pid)
+    below = descendants(proc.pid)
     for pid in [proc.pid, *below]:
         try:
             os.kill(pid, first if pid == proc.pid else signal.SIGTERM)

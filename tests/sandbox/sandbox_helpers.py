@@ -1,4 +1,5 @@
-"""Host-side checks for the sandbox tests: find processes by a marker in their command line or by uid."""
+"""Host-side checks for the sandbox tests: find processes by a marker in their command line (by uid, the
+sandbox's own `grpoflow.sandbox.processes.uid_pids` serves)."""
 
 from __future__ import annotations
 
@@ -40,20 +41,4 @@ def wait_gone(marker: str, timeout_sec: float = 3.0) -> list[int]:
     deadline = time.monotonic() + timeout_sec
     while (pids := live_pids(marker)) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return pids
-
-
-def uid_pids(uid: int) -> list[int]:
-    """Host pids (zombies excluded) running as `uid`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry.name}/status").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith(("Z", "X")):
-            pids.append(int(entry.name))
     return pids

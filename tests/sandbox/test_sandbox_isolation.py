@@ -15,7 +15,8 @@ import pytest
 
 from grpoflow.sandbox import SandboxDiedError
 from grpoflow.sandbox.local import HOST_LIB_NAMES, OWNED_DIRS, TIMEOUT_EXIT_CODE, LocalSandbox
-from tests.sandbox.sandbox_helpers import live_pids, new_marker, uid_pids, wait_gone
+from grpoflow.sandbox.processes import uid_pids
+from tests.sandbox.sandbox_helpers import live_pids, new_marker, wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -56,9 +56,7 @@ ensure_venv() {
   echo "$want" > "$stamp"
 }
 
-# Offline hygiene: nothing phones home.
-export HARBOR_TELEMETRY=0 LITELLM_LOCAL_MODEL_COST_MAP=True PREFECT_SERVER_ANALYTICS_ENABLED=false
-export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Offline hygiene (nothing phones home) is set by the `flows` package itself, for the CLI and the tests alike.
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift

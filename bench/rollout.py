@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HARBOR_TELEMETRY", "0")
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-
+import flows  # noqa: E402, F401  (the offline environment, before Harbor loads)
 import harbor.utils.logger  # noqa: E402
 
 from grpoflow.collect import collect_step, sandbox_config, agent_factory  # noqa: E402

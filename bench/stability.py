@@ -66,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before Prefect is imported: a private home, its own sqlite database, no analytics.
     os.environ["PREFECT_HOME"] = str(home)
     os.environ.pop("PREFECT_API_URL", None)
-    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    os.environ.setdefault("HARBOR_TELEMETRY", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import flows  # noqa: F401  (the offline environment, before Prefect loads)
     db = home / "prefect.db"
 
     import torch

@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from prefect.client.orchestration import get_client
+from prefect.context import refresh_global_settings_context
 from prefect.events import emit_event
 from prefect.runtime import flow_run
+from prefect.settings import get_current_settings
 
 from grpoflow.config import RunConfig, parse_run_config
 from grpoflow.errors import GrpoflowError
@@ -30,6 +33,24 @@ import transformers.utils.logging  # noqa: E402
 
 harbor.utils.logger.logger.setLevel(logging.WARNING)
 transformers.utils.logging.disable_progress_bar()  # per-load tqdm bars drown the per-step progress lines
+
+
+# With no Prefect server configured, the first flow run starts a temporary one. Its first start in a fresh
+# PREFECT_HOME creates and migrates the SQLite database, which can outlast Prefect's default wait of 20 s on a
+# loaded 2-core machine: the very first run of a newcomer would die before its first task.
+EPHEMERAL_STARTUP_TIMEOUT_S = 180
+
+
+def fit_first_server_start() -> None:
+    """Wait up to `EPHEMERAL_STARTUP_TIMEOUT_S` for the temporary server, unless the user set the wait anywhere
+    Prefect reads settings from (environment, .env, prefect.toml, profile): their value wins."""
+    if "startup_timeout_seconds" in get_current_settings().server.ephemeral.model_fields_set:
+        return
+    os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = str(EPHEMERAL_STARTUP_TIMEOUT_S)
+    refresh_global_settings_context()  # Prefect read the environment when it was imported
+
+
+fit_first_server_start()
 
 
 class _OneLineForOurErrors(logging.Filter):

@@ -335,7 +335,9 @@ def test_a_failing_gate_fails_the_trial_without_retry(tmp_path):
 def prefect_server():
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    from flows.common import EPHEMERAL_STARTUP_TIMEOUT_S
+
+    with prefect_test_harness(server_startup_timeout=EPHEMERAL_STARTUP_TIMEOUT_S):
         yield
 
 

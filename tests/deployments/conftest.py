@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flows import OFFLINE_ENV
 from flows.serve import DEPLOYMENTS_FILE, read_specs
 from tests.faults.test_prefect_restart import _free_port, _start_server, _stop
 from tests.proc import descendants
@@ -124,8 +125,7 @@ def prefect_stack(tmp_path_factory):
     env.update({
         "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PREFECT_CLI_PROMPT": "false", "HARBOR_TELEMETRY": "0", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "PREFECT_CLI_PROMPT": "false", **OFFLINE_ENV,
     })  # fmt: skip
     t0 = time.monotonic()
     server_log = open(tmp / "server.log", "ab")

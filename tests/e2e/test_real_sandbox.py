@@ -55,7 +55,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_skip_reason() is not None, r
 def prefect_server():
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    from flows.common import EPHEMERAL_STARTUP_TIMEOUT_S
+
+    with prefect_test_harness(server_startup_timeout=EPHEMERAL_STARTUP_TIMEOUT_S):
         yield
 
 

@@ -3,8 +3,10 @@
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
+from flows.common import EPHEMERAL_STARTUP_TIMEOUT_S
+
 
 @pytest.fixture(scope="session", autouse=True)
 def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=EPHEMERAL_STARTUP_TIMEOUT_S):
         yield

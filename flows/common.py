@@ -21,7 +21,7 @@ from prefect.settings import get_current_settings
 from grpoflow.config import RunConfig, parse_run_config
 from grpoflow.errors import GrpoflowError
 from grpoflow.prepare import PreparedRun
-from grpoflow.reporting import read_metrics
+from grpoflow.reporting import evaluation_rows, read_metrics, training_rows
 from grpoflow.serving import EngineHandle, open_engine
 from tasks.preflight import engine_preflight_task, preflight_task
 from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
@@ -109,15 +109,25 @@ RUN_COMPLETED, RUN_FAILED = "grpoflow.run.completed", "grpoflow.run.failed"
 
 
 def run_summary(flow: str, run_id: str, run_dir: Path, **extra: Any) -> dict[str, Any]:
-    """What a flow's end event carries: run_id, flow, steps recorded, the last step's metrics, the run dir."""
+    """What a flow's end event carries: run_id, flow, steps recorded, the last step's metrics, the final
+    evaluation (train runs that evaluate), the run dir."""
     metrics = Path(run_dir) / "metrics.jsonl"
     try:
         records = read_metrics(metrics)
     except ValueError:  # a corrupt log must not hide the event that reports the run's end
         records = []
-    final = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in (records or [{}])[-1].items()}
-    return {"run_id": run_id, "flow": flow, "steps": len(records), "final_metrics": final,
-            "run_dir": str(Path(run_dir).resolve()), **extra}  # fmt: skip
+    train = training_rows(records)
+    final = _finite((train or records or [{}])[-1])  # the evaluate flow's one row has no rollout/ prefix
+    summary = {"run_id": run_id, "flow": flow, "steps": len(train or records), "final_metrics": final,
+               "run_dir": str(Path(run_dir).resolve())}  # fmt: skip
+    evals = evaluation_rows(records)
+    if train and evals and evals[-1]["step"] == len(train):  # the train flow's evaluation after the last step
+        summary["final_evaluation"] = _finite(evals[-1])
+    return summary | extra
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
 
 
 def emit_run_event(ok: bool, summary: dict[str, Any], error: BaseException | None = None) -> None:

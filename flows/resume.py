@@ -16,10 +16,11 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.common import run_events
-from flows.train import train_steps
+from flows.train import evaluation_versions, train_steps
 from grpoflow.collect import read_journal
 from grpoflow.config import RUN_ID_PATTERN, RunConfig
 from grpoflow.prepare import PreparedRun, read_run_info, reopen_run, update_run_info
+from grpoflow.reporting import has_row
 from grpoflow.resume import ResumePoint, find_resume_point, load_saved_config, repair_run_dir, run_lock
 from grpoflow.rundir import RunPaths
 from tasks.preflight import preflight_task
@@ -31,10 +32,10 @@ RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN)]
 
 
 @task(name="resume-point", cache_policy=NO_CACHE)
-def resume_point_task(paths: RunPaths) -> ResumePoint:
-    """The last complete step, with the run dir repaired to agree with it."""
+def resume_point_task(paths: RunPaths, steps: int) -> ResumePoint:
+    """The last full checkpoint, with the run dir repaired to agree with it."""
     point = find_resume_point(paths)
-    repair_run_dir(paths, point)
+    repair_run_dir(paths, point, steps)
     for note in point.repairs:
         print(f"repaired: {note}")
     return point
@@ -60,9 +61,10 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
             cfg = cfg.model_copy(update={"output_dir": output_dir, "run_id": run_id})
         paths = RunPaths(root)
         with run_lock(root):
-            point = resume_point_task(paths)
+            point = resume_point_task(paths, cfg.train.steps)
             extra.update(resumed_from_step=point.next_step, repairs=point.repairs)
-            if point.next_step >= cfg.train.steps:
+            final = cfg.train.steps
+            if point.next_step >= final and (final not in evaluation_versions(cfg.train) or has_row(paths.metrics, final)):
                 n = cfg.train.steps
                 print(f"run {run_id} is already complete ({n} of {n} steps): nothing to resume")
                 return {**point.record["metrics"], **point.record["timings"]} if point.record else {}
@@ -77,7 +79,8 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
                 "flow_run_id": str(flow_run.id) if flow_run.id else None,
             }])  # fmt: skip
             reused = len(read_journal(paths.details(point.next_step)))
-            print(f"resuming run {run_id} at step {point.next_step + 1}/{cfg.train.steps} ("
+            at = f"step {point.next_step + 1}/{final}" if point.next_step < final else "its final evaluation"
+            print(f"resuming run {run_id} at {at} ("
                   + (f"checkpoint {point.checkpoint.name}" if point.checkpoint else "no step had completed")
                   + (f"; {reused} finished trials of that step are kept" if reused else "") + ")")
             return train_steps(cfg, run, trainer, point.next_step, weights=point.checkpoint)

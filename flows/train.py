@@ -15,15 +15,25 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 
 from flows.common import flow_run_name, prepare_stage, run_events, serving_engine, start_run
 from grpoflow.collect import select_step_prompts
-from grpoflow.config import RunConfig
+from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.evaluate import select_trainable
+from grpoflow.policy_eval import base_pass_rates, before_after_lines, evaluation_lines, reward_gain
 from grpoflow.prepare import PreparedRun, update_run_info
 from grpoflow.prompts import load_prompts
-from grpoflow.reporting import MetricsLog, plot_curves, read_step_records, summary_markdown
-from grpoflow.resume import run_lock
+from grpoflow.reporting import (
+    MetricsLog,
+    evaluation_rows,
+    has_row,
+    plot_curves,
+    read_metrics,
+    read_step_records,
+    summary_markdown,
+    training_rows,
+)
+from grpoflow.resume import StepCommits, is_full_checkpoint, run_lock
 from grpoflow.train import TrainerState, load_trainer
-from tasks.rollout import run_trials_task
-from tasks.train import commit_step_task, grpo_step_task, sync_weights_task
+from tasks.rollout import evaluate_policy_task, run_trials_task
+from tasks.train import grpo_step_task, save_step_task, sync_weights_task
 
 
 @flow(name="train", flow_run_name=flow_run_name("train"), log_prints=True)
@@ -43,55 +53,106 @@ def train_steps(
     cfg: RunConfig, run: PreparedRun, trainer: TrainerState, start_step: int, weights: Path | None = None
 ) -> dict:
     """Steps `start_step` .. `train.steps - 1`; `weights` (a step checkpoint) is loaded into the engine first
-    when resuming. Returns the last step's record (metrics and timings). The caller holds the run's lock."""
+    when resuming. The policy is evaluated before the steps of `evaluation_versions` and after the last one (its
+    own metrics row, `step` = `train.steps`). Returns the last step's record (metrics and timings). The caller
+    holds the run's lock."""
     model, paths = run.model, run.paths
     prompts = load_prompts(paths.prompts)
     log = MetricsLog(paths.metrics, paths.tb)
+    commits = StepCommits(paths, log)
+    evals = evaluation_versions(cfg.train)
     record: dict = {}
     try:
         with serving_engine(cfg, run) as engine:
             if weights is not None:
                 sync_weights_task(weights, engine.url, cfg, str(start_step))
+            earlier = read_metrics(paths.metrics) if start_step > 0 else []
+            base = base_pass_rates(earlier[0]) if earlier else {}
             for step in range(start_step, cfg.train.steps):
                 t0 = time.perf_counter()
+                record = {}
+                if step in evals:
+                    record |= _evaluate(cfg, step, prompts, engine.url, model.path, paths)
+                    base = base or base_pass_rates(record)
+                t_rollout = time.perf_counter()
                 step_prompts = select_step_prompts(prompts, step, cfg.rollout.prompts_per_step)
                 rollout = run_trials_task(cfg, step, step_prompts, engine.url, model.path, paths)
                 trainable, dropped = select_trainable(rollout.samples, cfg.rollout.on_retries_exhausted)
                 t1 = time.perf_counter()
                 train_m = grpo_step_task(trainer, trainable, cfg, step)
                 version = str(step + 1)  # number of GRPO updates in the weights; rollout samples carry it
-                record = {
+                record |= {
                     **{f"rollout/{k}": v for k, v in rollout.metrics.items()},
                     "rollout/dropped_groups": float(dropped),
+                    **({"rollout/reward_gain": reward_gain(rollout.samples, base)} if base else {}),
                     **{f"train/{k}": v for k, v in train_m.items()},
                     "weight_version": version,
-                    "time/rollout_s": t1 - t0,
+                    "time/eval_s": t_rollout - t0,
+                    "time/rollout_s": t1 - t_rollout,
                     "time/train_s": time.perf_counter() - t1,
                     "time/step_s": time.perf_counter() - t0,
                 }
-                ckpt = commit_step_task(trainer, paths, step, record, log, cfg)
+                t2 = time.perf_counter()
+                commits.flush()  # the previous full checkpoint is durable (it had the whole step to finish)
+                ckpt = save_step_task(trainer, paths, step, record)
+                t3 = time.perf_counter()
                 sync_weights_task(ckpt, engine.url, cfg, version)
+                record |= {"time/commit_s": t3 - t2, "time/sync_s": time.perf_counter() - t3}
+                full = is_full_checkpoint(step, cfg.train.steps, cfg.train.save_interval)
+                commits.finish(trainer, ckpt, step, record, full)
                 print(
                     f"step {step + 1}/{cfg.train.steps}: reward {record['rollout/reward_mean']:.3f} "
                     f"pass@k {record['rollout/pass_at_k']:.2f} truncated {record['rollout/truncated_ratio']:.2f} "
-                    f"loss {train_m.get('loss', float('nan')):.4f} ({record['time/step_s']:.0f}s)"
+                    f"loss {train_m.get('loss', float('nan')):.4f} ({time.perf_counter() - t0:.0f}s)"
                 )
+            final = cfg.train.steps
+            if final in evals and not has_row(paths.metrics, final):
+                t0 = time.perf_counter()
+                row = {"weight_version": str(final), **_evaluate(cfg, final, prompts, engine.url, model.path, paths)}
+                commits.flush()  # the last step's row comes first
+                log.log(final, row | {"time/eval_s": time.perf_counter() - t0})
     finally:
-        log.close()
+        try:
+            commits.flush()  # however the loop ended, the last full checkpoint is completed and its rows logged
+        finally:
+            log.close()
     report(cfg.run_id, paths)
     return record
+
+
+def evaluation_versions(train: TrainConfig) -> set[int]:
+    """Weight versions (updates so far) the run evaluates: the base policy, every `eval_interval`-th, the last."""
+    if train.eval_samples_per_prompt == 0:
+        return set()
+    every = set(range(0, train.steps, train.eval_interval)) if train.eval_interval else set()
+    return {0, train.steps} | every
+
+
+def _evaluate(cfg: RunConfig, version: int, prompts, engine_url: str, tokenizer_path: str, paths) -> dict:
+    metrics = evaluate_policy_task(cfg, version, prompts, engine_url, tokenizer_path, paths)
+    for line in evaluation_lines(metrics, f"after {version} steps" if version else "base policy"):
+        print(line)
+    return metrics
 
 
 def report(run_id: str, paths) -> None:
     records = read_step_records(paths.metrics)
     if not records:
         return
-    keys = ["step", "rollout/reward_mean", "rollout/pass_at_k", "rollout/truncated_ratio", "rollout/retries",
-            "rollout/dropped_groups", "train/loss", "train/grad_norm", "train/n_samples", "time/step_s"]  # fmt: skip
+    keys = ["step", "rollout/reward_mean", "rollout/reward_gain", "rollout/pass_at_k", "rollout/truncated_ratio",
+            "rollout/retries", "rollout/dropped_groups", "train/loss", "train/grad_norm", "train/n_samples",
+            "time/step_s"]  # fmt: skip
     create_table_artifact(
-        key=f"{run_id}-steps", table=[{k: r.get(k) for k in keys} for r in records], description="Per-step metrics"
-    )
+        key=f"{run_id}-steps", table=[{k: r.get(k) for k in keys} for r in training_rows(records)],
+        description="Per-step metrics",
+    )  # fmt: skip
+    evals = evaluation_rows(records)
+    verdict = before_after_lines(evals[0], evals[-1]) if len(evals) > 1 else []
+    if verdict:
+        print("\n".join(["before -> after training (pass@1, 95 % intervals; the same trials, only the weights "
+                         "differ):", *verdict]))  # fmt: skip
     png = plot_curves(records, paths.root / "summary.png")
     create_markdown_artifact(
-        key=f"{run_id}-summary", markdown=summary_markdown(run_id, paths.root, records, png), description="Run summary"
-    )
+        key=f"{run_id}-summary", markdown=summary_markdown(run_id, paths.root, records, png, verdict),
+        description="Run summary",
+    )  # fmt: skip

@@ -37,7 +37,7 @@ from grpoflow.sessions.server import SessionServer
 
 __all__ = [
     "SHELL_AGENT", "PolicyAccess", "StepRollout", "agent_factory", "collect_step", "policy_access", "read_journal",
-    "sandbox_config", "select_step_prompts",
+    "read_samples", "sandbox_config", "select_step_prompts",
 ]
 
 
@@ -107,6 +107,14 @@ def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
 
 
 JOURNAL = "journal.jsonl"  # details/step_<N>/: one Sample per finished trial, appended as each one finishes
+SAMPLES = "samples.jsonl"  # details/step_<N>/: every sample of the finished step, in plan order
+
+
+def read_samples(details_dir: Path) -> list[Sample]:
+    """The samples of a finished step (or evaluation), as `collect_step` wrote them."""
+    path = Path(details_dir) / SAMPLES
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [Sample.model_validate(json.loads(line)) for line in lines if line]  # json reads -Infinity back
 
 
 def read_journal(details_dir: Path) -> dict[str, list[Sample]]:
@@ -143,11 +151,14 @@ async def collect_step(
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
     sandbox_gate: SandboxGate | None = None,
     to_samples: ToSamples = trial_sample,
+    specs: Sequence[TrialSpec] | None = None,
 ) -> StepRollout:
-    """Run and score one step's trials. Each finished trial's samples (`to_samples`; several when a session was
-    compacted into segments) are journaled as it finishes, so a step interrupted by a crash runs again only the
-    trials that had not finished (resume); finished ones are reused."""
-    specs = plan_group_trials(prompts, step, rollout.n_samples_per_prompt, seed)
+    """Run and score one step's trials: `specs`, or by default `rollout.n_samples_per_prompt` per prompt (one
+    GRPO group each). Each finished trial's samples (`to_samples`; several when a session was compacted into
+    segments) are journaled as it finishes, so a step interrupted by a crash runs again only the trials that had
+    not finished (resume); finished ones are reused."""
+    if specs is None:
+        specs = plan_group_trials(prompts, step, rollout.n_samples_per_prompt, seed)
     journal = Path(details_dir) / JOURNAL
     done = read_journal(details_dir)
     pending = [s for s in specs if s.rollout_id not in done]
@@ -168,7 +179,7 @@ async def collect_step(
     )  # fmt: skip
     wall = time.perf_counter() - t0
     samples = [x for s in specs for x in done[s.rollout_id]]
-    details = details_dir / "samples.jsonl"
+    details = details_dir / SAMPLES
     write_jsonl_atomic(details, (s.model_dump(mode="json") for s in samples))
     return StepRollout(samples, step_metrics(samples, wall), details)
 

@@ -69,6 +69,11 @@ class PromptsConfig(_Section):
     max_prompts: int | None = Field(
         None, ge=1, description="Keep only this many instances after the seeded shuffle. Empty: keep all."
     )
+    difficulties: list[str] = Field(
+        default_factory=list,
+        description="Keep only tasks of these difficulty grades (task.toml `[metadata].difficulty`, e.g. `easy`). "
+        "Empty: every task.",
+    )
 
 
 class EngineConfig(_Section):
@@ -302,8 +307,21 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     save_interval: int = Field(
-        10, ge=1, description="Keep the checkpoint of every N-th step (the latest is always kept); each is a full copy."
-    )
+        10, ge=1,
+        description="Write a full checkpoint (weights, optimizer state, counters: a resume point, kept) after every "
+        "N steps and after the last. Other steps write only the weights the engine loads next, and only the "
+        "latest of those is kept.",
+    )  # fmt: skip
+    eval_samples_per_prompt: int = Field(
+        4, ge=0, le=256,
+        description="Trials per prompt when the run evaluates the policy on its train tasks and on the held-out "
+        "`eval` split, with the same seeds every time, so evaluations differ only by the weights. 0: no evaluation.",
+    )  # fmt: skip
+    eval_interval: int = Field(
+        0, ge=0,
+        description="Evaluate before the first step, after the last, and also every N steps between (0: only "
+        "before and after).",
+    )  # fmt: skip
 
 
 class RunConfig(_Section):

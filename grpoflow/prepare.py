@@ -32,7 +32,8 @@ class PreparedRun:
 def make_prompts(cfg: RunConfig, dataset: Dataset) -> list[PromptRecord]:
     if cfg.prompts.path:
         return load_prompts(Path(cfg.prompts.path))
-    return build_prompts(dataset, cfg.seed, cfg.prompts.eval_fraction, cfg.prompts.max_prompts)
+    return build_prompts(dataset, cfg.seed, cfg.prompts.eval_fraction, cfg.prompts.max_prompts,
+                         cfg.prompts.difficulties)  # fmt: skip
 
 
 def record_run(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,10 +32,20 @@ class PromptRecord(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict, description="Difficulty, category, source, ...")
 
 
-def build_prompts(dataset: Dataset, seed: int, eval_fraction: float, max_prompts: int | None = None) -> list[PromptRecord]:
-    """Seeded shuffle of the dataset's tasks; `eval_fraction` of each difficulty goes to the eval split."""
+def build_prompts(
+    dataset: Dataset, seed: int, eval_fraction: float, max_prompts: int | None = None,
+    difficulties: Sequence[str] = (),
+) -> list[PromptRecord]:  # fmt: skip
+    """Seeded shuffle of the dataset's tasks (of the given `difficulties` only, when any are given);
+    `eval_fraction` of each difficulty goes to the eval split."""
     rng = random.Random(seed)
     tasks = list(dataset.tasks)  # sorted by name, so the shuffle depends on the seed only
+    if difficulties:
+        tasks = [t for t in tasks if t.difficulty in difficulties]
+        if not tasks:
+            grades = sorted({t.difficulty for t in dataset.tasks})
+            raise DatasetError(f"prompts.difficulties {list(difficulties)}: the dataset has no such task (its "
+                               f"grades: {', '.join(grades)})")  # fmt: skip
     rng.shuffle(tasks)
     if max_prompts is not None:
         tasks = tasks[:max_prompts]

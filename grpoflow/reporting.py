@@ -81,6 +81,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def has_row(metrics_path: Path, step: int) -> bool:
+    return any(r["step"] == step for r in read_metrics(metrics_path))
+
+
 def read_step_records(metrics_path: Path) -> list[dict[str, Any]]:
     """metrics.jsonl rows with their timings.jsonl row merged in (same step), for tables and summaries."""
     timings = {r["step"]: r for r in read_metrics(timings_path(metrics_path))}
@@ -89,30 +93,72 @@ def read_step_records(metrics_path: Path) -> list[dict[str, Any]]:
 
 CURVES = [("rollout/reward_mean", "mean reward"), ("rollout/pass_at_k", "pass@k"),
           ("rollout/truncated_ratio", "truncated share")]  # fmt: skip
+EVAL_CURVES = [("eval/trained/pass_at_1", "trained tasks"), ("eval/heldout/pass_at_1", "held-out tasks")]
+SMOOTHING = 4  # steps in the running mean of the reward curves
+
+
+def training_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of training steps (the final evaluation has a row of its own, without rollout figures)."""
+    return [r for r in records if "rollout/reward_mean" in r]
+
+
+def evaluation_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if any(k in r for k, _ in EVAL_CURVES)]
+
+
+def _running_mean(values: list[float], n: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        window = [v for v in values[max(0, i - n + 1) : i + 1] if math.isfinite(v)]
+        out.append(sum(window) / len(window) if window else float("nan"))
+    return out
 
 
 def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Path:
-    """Reward, truncation and exit-status counts per step, as one PNG."""
+    """Rollout curves (with a running mean, and the reward gain over the base policy on the same tasks), the
+    evaluations with their 95 % intervals, and exit-status counts per step, as one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    train, evals = training_rows(records), evaluation_rows(records)
+    steps = [r["step"] for r in train]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 3.8))
     for key, label in CURVES:
-        ax1.plot(steps, [r.get(key, float("nan")) for r in records], marker="o", label=label)
+        line, = ax1.plot(steps, [r.get(key, float("nan")) for r in train], marker="o", ms=3, alpha=0.35,
+                         label=label)  # fmt: skip
+        ax1.plot(steps, _running_mean([r.get(key, float("nan")) for r in train], SMOOTHING), color=line.get_color(),
+                 label=f"{label}, mean of {SMOOTHING}")  # fmt: skip
+    if any("rollout/reward_gain" in r for r in train):
+        gain = _running_mean([r.get("rollout/reward_gain", float("nan")) for r in train], SMOOTHING)
+        ax1.plot(steps, gain, color="black", linestyle="--", label=f"pass gain over base, mean of {SMOOTHING}")
+        ax1.axhline(0.0, color="grey", linewidth=0.5)
     ax1.set_xlabel("step")
-    ax1.set_ylim(-0.05, 1.05)
-    ax1.legend(loc="best", fontsize=8)
+    ax1.set_ylim(-0.55, 1.05)
+    ax1.legend(loc="best", fontsize=6)
     ax1.set_title("rollout")
-    statuses = sorted({k for r in records for k in r if k.startswith("rollout/exit/")})
-    for key in statuses:
-        ax2.plot(steps, [r.get(key, 0.0) for r in records], marker="o", label=key.removeprefix("rollout/exit/"))
-    ax2.set_xlabel("step")
-    ax2.set_title("trials by exit status")
-    if statuses:
+    for i, (key, label) in enumerate(EVAL_CURVES):
+        rows = [r for r in evals if key in r]
+        if not rows:
+            continue
+        x = [r["step"] + 0.08 * i for r in rows]
+        y = [r[key] for r in rows]
+        err = [[max(0.0, v - r[key + "_ci95_low"]) for v, r in zip(y, rows)],
+               [max(0.0, r[key + "_ci95_high"] - v) for v, r in zip(y, rows)]]  # fmt: skip
+        ax2.errorbar(x, y, yerr=err, marker="o", capsize=4, label=label)
+    ax2.set_xlabel("step (weights after that many updates)")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.set_title("evaluation: pass@1, 95 % interval")
+    if evals:
         ax2.legend(loc="best", fontsize=8)
+    statuses = sorted({k for r in train for k in r if k.startswith("rollout/exit/")})
+    for key in statuses:
+        ax3.plot(steps, [r.get(key, 0.0) for r in train], marker="o", label=key.removeprefix("rollout/exit/"))
+    ax3.set_xlabel("step")
+    ax3.set_title("trials by exit status")
+    if statuses:
+        ax3.legend(loc="best", fontsize=8)
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=90)
@@ -120,16 +166,27 @@ def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Path:
     return out_png
 
 
-def summary_markdown(run_id: str, run_dir: Path, records: list[dict[str, Any]], png: Path | None) -> str:
+def summary_markdown(
+    run_id: str, run_dir: Path, records: list[dict[str, Any]], png: Path | None, verdict: list[str] | None = None
+) -> str:
     keys = ["rollout/reward_mean", "rollout/pass_at_k", "rollout/truncated_ratio", "rollout/retries",
             "train/loss", "train/grad_norm", "train/logprob_gap_mean", "time/step_s"]  # fmt: skip
     head = "| step | " + " | ".join(k.split("/")[-1] for k in keys) + " |"
     sep = "|---" * (len(keys) + 1) + "|"
-    rows = [f"| {r['step']} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in records]
+    rows = [f"| {r['step']} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in training_rows(records)]
     parts = [f"# Run `{run_id}`", "", f"Run dir: `{run_dir.resolve()}`", ""]
+    if verdict:
+        parts += ["## Before and after training (pass@1, 95 % intervals)", "", *[f"- {line}" for line in verdict], ""]
     if png is not None and png.exists():
         data = base64.b64encode(png.read_bytes()).decode()
         parts += [f"![curves](data:image/png;base64,{data})", "", f"(also `{png.resolve()}`)", ""]
+    evals = evaluation_rows(records)
+    if evals:
+        ekeys = [k for k in ("eval/trained/pass_at_1", "eval/trained/pass_at_1_change", "eval/heldout/pass_at_1",
+                             "eval/heldout/pass_at_1_change") if any(k in r for r in evals)]  # fmt: skip
+        parts += ["| after N steps | " + " | ".join(k.removeprefix("eval/") for k in ekeys) + " |",
+                  "|---" * (len(ekeys) + 1) + "|",
+                  *[f"| {r['step']} | " + " | ".join(_fmt(r.get(k)) for k in ekeys) + " |" for r in evals], ""]  # fmt: skip
     return "\n".join(parts + [head, sep, *rows])
 
 

@@ -1,48 +1,133 @@
-"""A step's commit point, and picking a killed run up from its last complete step. No Prefect in here.
+"""A step's commit, and picking a killed run up from its last full checkpoint. No Prefect in here.
 
-A training step is complete once `checkpoints/step_<N>/` exists with its `step.json`: weights, AdamW state,
-trainer counters and the step's record are published by one atomic rename (`grpoflow.train.save_checkpoint`).
-Only then are the step's rows appended to metrics.jsonl / timings.jsonl, and only after that are older
-checkpoints pruned, so the last complete step's checkpoint always exists whatever moment a crash hits.
+Every step writes `checkpoints/step_<N>/` (the weights the engine loads next, and `step.json`, the step's record)
+by one atomic rename; the engine syncs from it. After every `train.save_interval` steps and after the last, the
+dir is made a *full* checkpoint in a background thread (`StepCommits`): the AdamW state and the trainer counters
+join it and everything is fsynced. Other steps skip both (the optimizer state is twice the size of the weights),
+so most steps' commit costs one unsynced write of the weights. A step's metrics.jsonl / timings.jsonl rows follow
+its dir (a full one's once it is complete), then older checkpoints that are not full are pruned.
 
-Resuming therefore means: find the newest checkpoint with a step.json, make the logs agree with it (append its
-rows if the crash came between the rename and the append, drop rows and torn lines of later steps), remove temp
-dirs of interrupted writes, restore the trainer, and go on at the next step. Trials of that next step that had
-finished are in its journal (`grpoflow.collect`) and are not run again.
+A full checkpoint is a resume point. Resuming means: find the newest full checkpoint, make the logs agree with it
+(append its rows if the crash came before they were appended, drop rows and torn lines of later steps), remove
+temp dirs and later checkpoints, restore the trainer, and go on at the next step. The steps after it are done
+again, but their trials are not: every finished trial is in its step's journal (`grpoflow.collect`), so a redone
+step only trains again (bit-exact on CPU); what a crash costs is the training of at most `save_interval - 1`
+steps, plus the trials of the interrupted step that had not finished.
 """
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from grpoflow.config import RunConfig, parse_run_config, read_config_file
 from grpoflow.errors import RunDirError
 from grpoflow.fileio import append_jsonl, write_text_atomic
 from grpoflow.reporting import MetricsLog, split_record, timings_path
 from grpoflow.rundir import RunPaths
-from grpoflow.train import STEP_FILE, TrainerState, prune_checkpoints, save_checkpoint
+from grpoflow.train import (
+    OPTIMIZER_FILE,
+    STEP_FILE,
+    TRAINER_FILE,
+    TrainerState,
+    fsync_path,
+    prune_checkpoints,
+    save_checkpoint,
+    step_of,
+)
+
+
+def is_full_checkpoint(step: int, steps: int, save_interval: int) -> bool:
+    """Whether step `step` (from 0) of a `steps`-step run writes a full checkpoint (a resume point): after every
+    `save_interval` steps, and after the last."""
+    return (step + 1) % save_interval == 0 or step == steps - 1
+
+
+def save_step(trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any]) -> Path:
+    """`checkpoints/step_<step>/`, atomically: the weights the engine loads next and step.json (not fsynced:
+    nothing resumes from it unless `StepCommits` makes it a full checkpoint)."""
+    metrics, timings = split_record(record)
+    return save_checkpoint(trainer.model, trainer.tokenizer, paths.checkpoint(step),
+                           step_record={"step": step, "metrics": metrics, "timings": timings}, durable=False)  # fmt: skip
+
+
+class StepCommits:
+    """The end of each step's commit, after `save_step` and the engine's weight sync.
+
+    A step that writes no full checkpoint logs its metrics/timings rows at once (`log_step`). A full one is
+    completed in a background thread while the run goes on: a snapshot of the AdamW state and the counters are
+    written into its dir, every file is fsynced, and the optimizer file's rename makes the dir a resume point
+    (`complete_steps`). Its rows are logged only then, by `flush`, which every later save and the end of the run
+    call: rows never run ahead of what a resume would keep. `flush` raises what the thread raised."""
+
+    def __init__(self, paths: RunPaths, log: MetricsLog) -> None:
+        self.paths, self.log = paths, log
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending: tuple[int, dict[str, Any]] | None = None
+
+    def finish(self, trainer: TrainerState, ckpt: Path, step: int, record: dict[str, Any], full: bool) -> None:
+        self.flush()
+        if not full:
+            log_step(self.paths, step, record, self.log)
+            return
+        state = copy.deepcopy(trainer.optimizer.state_dict())  # the next step updates the live tensors in place
+        counters = {"step": step, "optimizer_steps": trainer.optimizer_steps}
+        self._pending = (step, record)
+        self._thread = threading.Thread(target=self._complete, args=(Path(ckpt), state, counters),
+                                        name=f"full-checkpoint-{step}", daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _complete(self, ckpt: Path, state: dict[str, Any], counters: dict[str, Any]) -> None:
+        try:
+            tmp = ckpt / f".{OPTIMIZER_FILE}.tmp"
+            torch.save(state, tmp)
+            (ckpt / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
+            for f in ckpt.iterdir():  # the publishing rename is only as durable as the bytes it points at
+                fsync_path(f)
+            tmp.rename(ckpt / OPTIMIZER_FILE)
+            fsync_path(ckpt)
+        except BaseException as err:  # raised again in the run's thread by flush()
+            self._error = err
+
+    def flush(self) -> None:
+        """Wait for a full checkpoint being completed, then log its step's rows."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        pending, self._pending = self._pending, None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        if pending is not None:
+            log_step(self.paths, *pending, self.log)
+
+
+def log_step(paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog) -> None:
+    """The step's metrics/timings rows, then pruning of older checkpoints that are not full."""
+    log.log(step, record)
+    prune_checkpoints(paths.checkpoint(step).parent, latest=step)
 
 
 def commit_step(
-    trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog, keep_interval: int
+    trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog, full: bool = True
 ) -> Path:
-    """Checkpoint (atomic, with optimizer, counters and step.json) -> metrics/timings rows -> prune older ones."""
-    metrics, timings = split_record(record)
-    ckpt = save_checkpoint(
-        trainer.model, trainer.tokenizer, paths.checkpoint(step), optimizer=trainer.optimizer,
-        counters={"step": step, "optimizer_steps": trainer.optimizer_steps},
-        step_record={"step": step, "metrics": metrics, "timings": timings},
-    )  # fmt: skip
-    log.log(step, record)
-    prune_checkpoints(ckpt.parent, keep_interval, latest=step)
+    """`save_step`, then the rest of the commit, waited for: the whole commit of one step, in one call."""
+    ckpt = save_step(trainer, paths, step, record)
+    commits = StepCommits(paths, log)
+    commits.finish(trainer, ckpt, step, record, full)
+    commits.flush()
     return ckpt
 
 
@@ -77,12 +162,13 @@ def load_saved_config(root: Path) -> RunConfig:
 
 
 def complete_steps(paths: RunPaths) -> list[int]:
-    """Steps whose checkpoint dir holds a step.json (a published commit point), ascending."""
+    """Steps with a full checkpoint (step.json and the optimizer state: a resume point), ascending."""
     root = paths.root / "checkpoints"
     steps = []
     for p in root.iterdir() if root.is_dir() else []:
-        if p.name.startswith("step_") and p.name[5:].isdigit() and (p / STEP_FILE).is_file():
-            steps.append(int(p.name[5:]))
+        n = step_of(p)
+        if n is not None and (p / STEP_FILE).is_file() and (p / OPTIMIZER_FILE).is_file():
+            steps.append(n)
     return sorted(steps)
 
 
@@ -119,23 +205,25 @@ def find_resume_point(paths: RunPaths) -> ResumePoint:
     return ResumePoint(steps[-1], ckpt, record)
 
 
-def repair_run_dir(paths: RunPaths, point: ResumePoint) -> list[str]:
+def repair_run_dir(paths: RunPaths, point: ResumePoint, steps: int | None = None) -> list[str]:
     """Make the run dir agree with `point`: logs end at its step, no temp dirs of interrupted writes remain.
+    When `point` is the last of the run's `steps` steps, the row after it (the final evaluation) is kept.
     Returns what was done, one line each (also kept in `point.repairs`)."""
     notes: list[str] = []
     last = -1 if point.last_step is None else point.last_step
+    keep = last + 1 if steps is not None and last == steps - 1 else last
     metrics, timings = split_record(point.record["metrics"] | point.record["timings"]) if point.record else ({}, {})
     for path, row in ((paths.metrics, metrics), (timings_path(paths.metrics), timings)):
-        notes += _repair_log(path, last, row if point.record else None)
+        notes += _repair_log(path, last, row if point.record else None, keep)
     ckpts = paths.root / "checkpoints"
     for p in sorted(ckpts.iterdir()) if ckpts.is_dir() else []:
-        step = int(p.name[5:]) if p.name.startswith("step_") and p.name[5:].isdigit() else None
+        step = step_of(p)
         if p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name):
             shutil.rmtree(p)
             notes.append(f"removed {p.name}, left by an interrupted checkpoint write")
-        elif step is not None and step > last:  # not a commit point (no step.json): never part of the run
+        elif step is not None and step > last:  # after the resume point: the step is done again
             shutil.rmtree(p)
-            notes.append(f"removed checkpoints/{p.name}: step {step} never completed")
+            notes.append(f"removed checkpoints/{p.name}: step {step} is done again from {_point_name(point)}")
     for tmp in [*paths.root.glob(".*.tmp"), *paths.root.glob("details/*/.*.tmp")]:
         tmp.unlink()
         notes.append(f"removed {tmp.relative_to(paths.root)}, left by an interrupted write")
@@ -145,14 +233,18 @@ def repair_run_dir(paths: RunPaths, point: ResumePoint) -> list[str]:
         n = d.name[5:]
         if n.isdigit() and int(n) > last and (d / "samples.jsonl").exists():
             (d / "samples.jsonl").unlink()
-            notes.append(f"removed details/{d.name}/samples.jsonl: step {n} never completed")
+            notes.append(f"removed details/{d.name}/samples.jsonl: step {n} is done again from {_point_name(point)}")
     point.repairs += notes
     return notes
 
 
-def _repair_log(path: Path, last: int, last_row: dict[str, Any] | None) -> list[str]:
-    """Keep the lines of steps <= last (bytes untouched), drop later and torn ones, append the last step's row if
-    it is missing."""
+def _point_name(point: ResumePoint) -> str:
+    return f"the full checkpoint of step {point.last_step}" if point.checkpoint else "the start"
+
+
+def _repair_log(path: Path, last: int, last_row: dict[str, Any] | None, keep: int) -> list[str]:
+    """Keep the lines of steps <= keep (bytes untouched), drop later and torn ones, append the row of step `last`
+    if it is missing."""
     if not path.exists() and last_row is None:
         return []
     data = path.read_bytes() if path.exists() else b""
@@ -170,8 +262,8 @@ def _repair_log(path: Path, last: int, last_row: dict[str, Any] | None) -> list[
                 notes.append(f"{path.name}: dropped a torn last line")
                 continue
             raise RunDirError(f"{path}:{i + 1}: not a valid record") from None
-        if step > last:
-            notes.append(f"{path.name}: dropped the row of step {step} (that step never completed)")
+        if step > keep:
+            notes.append(f"{path.name}: dropped the row of step {step} (that step is done again)")
             continue
         kept.append(line + b"\n")
         steps.append(step)

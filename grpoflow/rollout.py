@@ -67,13 +67,19 @@ class TrialOutcome:
         return len(self.attempts) - 1
 
 
+# Evaluations draw their seeds as this step, which no training step is: every evaluation of a run runs the same
+# trials, so two of them differ only by the weights.
+EVAL_SEED_STEP = -1
+
+
 def plan_group_trials(
-    prompts: Sequence[PromptRecord], step: int, n_samples: int, base_seed: int
+    prompts: Sequence[PromptRecord], step: int, n_samples: int, base_seed: int, prefix: str | None = None
 ) -> list[TrialSpec]:
-    """`n_samples` trials per prompt; seeds are a function of (base seed, step, prompt, sample) only."""
+    """`n_samples` trials per prompt; seeds are a function of (base seed, step, prompt, sample) only. Groups are
+    named `<prefix>-<instance>` (`prefix` defaults to `step<step>`)."""
     specs = []
     for p_idx, p in enumerate(prompts):
-        group = f"step{step}-{p.instance_id}"
+        group = f"{prefix or f'step{step}'}-{p.instance_id}"
         for k in range(n_samples):
             seed = (base_seed * 1_000_003 + step * 10_007 + p_idx * 101 + k) % (2**31)
             specs.append(TrialSpec(p.instance_id, p.task_path, group, k, f"{group}-{k}", seed))

@@ -48,6 +48,12 @@ class RunPaths:
     def details(self, step: int) -> Path:
         return self.root / "details" / f"step_{step}"
 
+    def eval_trials(self, version: int) -> Path:  # the evaluation of the weights after `version` updates
+        return self.root / "trials" / f"eval_{version}"
+
+    def eval_details(self, version: int) -> Path:
+        return self.root / "details" / f"eval_{version}"
+
     def checkpoint(self, step: int) -> Path:
         return self.root / "checkpoints" / f"step_{step}"
 

@@ -341,6 +341,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     counters: dict[str, Any] | None = None,
     step_record: dict[str, Any] | None = None,
+    durable: bool = True,
 ) -> Path:
     """Write an HF dir (safetensors, config, tokenizer) atomically: a temp sibling renamed into place.
 
@@ -348,6 +349,8 @@ def save_checkpoint(
     state, the trainer counters and the step's record (`step.json`) land in the same rename as the weights, so a
     crash leaves either no checkpoint of the step or a complete one. Readers (the engine's weight update globs
     `*.safetensors`) never see a half-written dir. An existing `out_dir` (a retried step) is replaced.
+    `durable` fsyncs the files before the rename (a power loss keeps them); off for checkpoints nothing resumes
+    from.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -362,8 +365,8 @@ def save_checkpoint(
         (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
     if step_record is not None:  # written last: the rename below publishes it with everything else
         (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
-    for f in tmp.iterdir():  # the rename is only as durable as the bytes it points at
-        _fsync(f)
+    for f in tmp.iterdir() if durable else []:  # the rename is only as durable as the bytes it points at
+        fsync_path(f)
     if out_dir.exists():
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
         out_dir.rename(old)
@@ -371,7 +374,8 @@ def save_checkpoint(
         shutil.rmtree(old)
     else:
         tmp.rename(out_dir)
-    _fsync(out_dir.parent)
+    if durable:
+        fsync_path(out_dir.parent)
     return out_dir
 
 
@@ -398,7 +402,7 @@ def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, A
     return counters
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -406,22 +410,24 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
+    """N of a `step_<N>` checkpoint dir, else None."""
     name = path.name
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
-def prune_checkpoints(root: str | Path, keep_interval: int, latest: int) -> list[Path]:
-    """Delete `root/step_<n>` dirs with n < latest and n % keep_interval != 0; return the deleted paths.
+def prune_checkpoints(root: str | Path, latest: int) -> list[Path]:
+    """Delete `root/step_<n>` dirs with n < latest that are not full checkpoints (no optimizer state); return
+    the deleted paths.
 
-    The latest step is always kept, and steps after `latest` are left alone. Leftover temp dirs of an
-    interrupted `save_checkpoint` are removed too.
+    Full checkpoints (resume points) and the latest step are kept, and steps after `latest` are left alone.
+    Leftover temp dirs of an interrupted `save_checkpoint` are removed too.
     """
     removed = []
     for p in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
-        n = _step_of(p)
+        n = step_of(p)
         stale_tmp = p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name)
-        if stale_tmp or (n is not None and n < latest and n % keep_interval != 0):
+        if stale_tmp or (n is not None and n < latest and not (p / OPTIMIZER_FILE).is_file()):
             shutil.rmtree(p)
             removed.append(p)
     return removed

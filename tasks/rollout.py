@@ -10,9 +10,10 @@ global concurrency limit `rollout.sandbox_create_limit` when the server has one.
 from __future__ import annotations
 
 import asyncio
+import logging
+from pathlib import Path
 
 import httpx
-import logging
 
 from prefect import get_run_logger, task
 from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
@@ -22,11 +23,12 @@ from prefect.client.orchestration import get_client
 from prefect.concurrency.asyncio import concurrency
 from prefect.exceptions import ObjectNotFound
 
-from grpoflow.collect import StepRollout, collect_step, policy_access, read_journal, sandbox_config
+from grpoflow.collect import StepRollout, collect_step, policy_access, read_journal, read_samples, sandbox_config
 from grpoflow.config import RunConfig
 from grpoflow.credentials import export_policy_key, export_sandbox_key
+from grpoflow.policy_eval import eval_metrics, eval_prompts, eval_specs
 from grpoflow.prompts import PromptRecord
-from grpoflow.rollout import Attempt, SandboxGate, TrialOutcome, TrialSpec
+from grpoflow.rollout import Attempt, SandboxGate, TrialOutcome, TrialSpec, plan_group_trials
 from grpoflow.rundir import RunPaths
 
 
@@ -35,19 +37,43 @@ def run_trials_task(
     cfg: RunConfig, step: int, prompts: list[PromptRecord], engine_url: str, tokenizer_path: str, paths: RunPaths
 ) -> StepRollout:
     """Run and score one step's trials. Sync, so sync flows get a result; the trials run in their own loop."""
-    return asyncio.run(_run_trials(cfg, step, prompts, engine_url, tokenizer_path, paths))
+    specs = plan_group_trials(prompts, step, cfg.rollout.n_samples_per_prompt, cfg.seed)
+    return asyncio.run(_run_trials(cfg, step, specs, engine_url, tokenizer_path, paths.trials(step),
+                                   paths.details(step), label=f"step-{step}"))  # fmt: skip
+
+
+@task(name="evaluate-policy", cache_policy=NO_CACHE, task_run_name="evaluate-policy-{version}")
+def evaluate_policy_task(
+    cfg: RunConfig, version: int, prompts: list[PromptRecord], engine_url: str, tokenizer_path: str, paths: RunPaths
+) -> dict[str, float]:
+    """Evaluate the engine's weights (version `version`: updates so far) on the train tasks and the held-out
+    split, with the same trials as every other evaluation of the run; returns the `eval/...` metrics, each split
+    compared with the run's first evaluation (version 0) when there is one."""
+    splits = {name: eval_specs(name, ps, version, cfg.train.eval_samples_per_prompt, cfg.seed)
+              for name, ps in eval_prompts(prompts).items()}  # fmt: skip
+    specs = [s for group in splits.values() for s in group]
+    result = asyncio.run(_run_trials(cfg, version, specs, engine_url, tokenizer_path, paths.eval_trials(version),
+                                     paths.eval_details(version), label=f"eval-{version}"))  # fmt: skip
+    base = read_samples(paths.eval_details(0)) if version > 0 else None
+    metrics: dict[str, float] = {}
+    for name, group in splits.items():
+        ids = {s.rollout_id for s in group}
+        baseline = [s for s in base if s.group_id.startswith(f"eval0-{name}-")] if base is not None else None
+        metrics |= eval_metrics(name, [s for s in result.samples if s.rollout_id in ids], baseline)
+    return metrics
 
 
 async def _run_trials(
-    cfg: RunConfig, step: int, prompts: list[PromptRecord], engine_url: str, tokenizer_path: str, paths: RunPaths
+    cfg: RunConfig, step: int, specs: list[TrialSpec], engine_url: str, tokenizer_path: str, trials_dir: Path,
+    details_dir: Path, label: str,
 ) -> StepRollout:
     logger = get_run_logger()
-    total = len(prompts) * cfg.rollout.n_samples_per_prompt
+    total = len(specs)
     progress = await _best_effort(
         logger, acreate_progress_artifact,
-        progress=0.0, key=f"{cfg.run_id}-rollout", description=f"Trials finished in step {step} (of {total})",
+        progress=0.0, key=f"{cfg.run_id}-rollout", description=f"Trials finished in {label} (of {total})",
     )  # fmt: skip
-    done = len(read_journal(paths.details(step)))  # a resumed step's trials that finished before the crash
+    done = len(read_journal(details_dir))  # a resumed step's trials that finished before the crash
 
     async def on_done(outcome: TrialOutcome) -> None:
         nonlocal done
@@ -66,26 +92,26 @@ async def _run_trials(
     export_policy_key(cfg.rollout.policy_api_key_file)
     async with policy_access(cfg.rollout, cfg.engine, engine_url, tokenizer_path) as policy:
         result = await collect_step(
-            cfg.run_id, step, prompts, cfg.rollout, cfg.seed, policy.make_agent, sandbox_config(cfg.rollout),
-            paths.trials(step), paths.details(step), on_done=on_done, on_retry=on_retry,
+            cfg.run_id, step, [], cfg.rollout, cfg.seed, policy.make_agent, sandbox_config(cfg.rollout),
+            trials_dir, details_dir, on_done=on_done, on_retry=on_retry,
             sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
-            to_samples=policy.to_samples,
+            to_samples=policy.to_samples, specs=specs,
         )  # fmt: skip
     await _best_effort(
         logger, acreate_table_artifact,
-        key=f"{cfg.run_id}-step-{step}-trials",
+        key=f"{cfg.run_id}-{label}-trials",
         table=[
             {"instance": s.instance_id, "sample": s.sample_index, "reward": s.reward, "exit_status": s.exit_status,
              "status": s.status, "turns": s.metrics.get("turns"), "retries": s.metrics.get("retries"),
              "segments": s.metrics.get("segments", 1.0), "reason": s.exit_reason or ""}
             for s in result.samples if s.segment_index == 0  # one row per trial
         ],  # fmt: skip
-        description=f"Trials of step {step}: reward, exit status, retries",
+        description=f"Trials of {label}: reward, exit status, retries",
     )
     m = result.metrics
     logger.info(
-        "step %d: %d trials, reward %.3f, pass@k %.2f, truncated %.2f, retries %d, %.1fs",
-        step, total, m["reward_mean"], m["pass_at_k"], m["truncated_ratio"], m["retries"], m["wall_time_s"],
+        "%s: %d trials, reward %.3f, pass@k %.2f, truncated %.2f, retries %d, %.1fs",
+        label, total, m["reward_mean"], m["pass_at_k"], m["truncated_ratio"], m["retries"], m["wall_time_s"],
     )  # fmt: skip
     return result
 

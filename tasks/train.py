@@ -1,4 +1,4 @@
-"""Prefect tasks of the train stage: the GRPO update, the step's commit (checkpoint + logs) and the weight sync.
+"""Prefect tasks of the train stage: the GRPO update, the step's checkpoint and the weight sync.
 
 The trainer state (model, optimizer) lives in the flow's process and is handed to these tasks in memory; results
 are not cached or persisted by Prefect — the checkpoint on disk is the durable record.
@@ -14,8 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from grpoflow.config import RunConfig
 from grpoflow.engine.client import EngineClient
-from grpoflow.reporting import MetricsLog
-from grpoflow.resume import commit_step
+from grpoflow.resume import save_step
 from grpoflow.rundir import RunPaths
 from grpoflow.samples import Sample
 from grpoflow.train import TrainerState, train_step
@@ -29,13 +28,10 @@ def grpo_step_task(trainer: TrainerState, samples: list[Sample], cfg: RunConfig,
     return train_step(trainer, samples, cfg.train, seed=cfg.seed * 1_000_003 + step, temperature=cfg.rollout.temperature)
 
 
-@task(name="commit-step", cache_policy=NO_CACHE, task_run_name="commit-step-{step}")
-def commit_step_task(
-    trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog, cfg: RunConfig
-) -> Path:
-    """`checkpoints/step_<step>` (weights, optimizer, counters, step.json; atomic), then the step's metrics and
-    timings rows, then pruning of older checkpoints: a crash anywhere leaves a resumable run dir."""
-    return commit_step(trainer, paths, step, record, log, cfg.train.save_interval)
+@task(name="save-step", cache_policy=NO_CACHE, task_run_name="save-step-{step}")
+def save_step_task(trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any]) -> Path:
+    """`checkpoints/step_<step>` (atomic): the weights the engine loads next and step.json."""
+    return save_step(trainer, paths, step, record)
 
 
 @task(name="sync-weights", cache_policy=NO_CACHE, task_run_name="sync-weights-{version}")

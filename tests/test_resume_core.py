@@ -36,7 +36,7 @@ def test_restored_trainer_continues_bit_exact(tiny_model_dir, tmp_path):
     samples = _agentic_samples(a.model)
     m0 = train_step(a, samples, cfg, seed=0)
     log = MetricsLog(paths.metrics, paths.tb)
-    commit_step(a, paths, 0, {"train/loss": m0["loss"], "time/step_s": 1.0}, log, keep_interval=10)
+    commit_step(a, paths, 0, {"train/loss": m0["loss"], "time/step_s": 1.0}, log)
     log.close()
     train_step(a, samples, cfg, seed=1)
 
@@ -51,12 +51,14 @@ def test_restored_trainer_continues_bit_exact(tiny_model_dir, tmp_path):
     assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
 
 
-def _step_ckpt(paths: RunPaths, step: int, metrics: dict, timings: dict, complete: bool = True) -> None:
+def _step_ckpt(paths: RunPaths, step: int, metrics: dict, timings: dict, complete: bool = True, full: bool = True) -> None:
     d = paths.checkpoint(step)
     d.mkdir(parents=True)
     (d / "model.safetensors").write_bytes(b"w")
     if complete:
         (d / "step.json").write_text(json.dumps({"step": step, "metrics": metrics, "timings": timings}) + "\n")
+    if full:
+        (d / "optimizer.pt").write_bytes(b"o")
 
 
 def test_repair_appends_the_missing_row_and_drops_later_and_torn_ones(tmp_path):
@@ -64,9 +66,10 @@ def test_repair_appends_the_missing_row_and_drops_later_and_torn_ones(tmp_path):
     _step_ckpt(paths, 0, {"x": 0.5}, {"time/step_s": 1.5})
     _step_ckpt(paths, 1, {"x": float("nan")}, {"time/step_s": 2.5})
     _step_ckpt(paths, 2, {}, {}, complete=False)  # an old-style or foreign dir: not a commit point
+    _step_ckpt(paths, 3, {"x": 1}, {}, full=False)  # a step between full checkpoints: done again on resume
     (paths.root / "checkpoints" / ".step_2.tmp-99").mkdir()  # an interrupted write
     row0 = b'{"step": 0, "x": 0.5}\n'
-    paths.metrics.write_bytes(row0 + b'{"step": 2, "x": 1}\n{"step": 3, "x"')  # step 1 missing, later + torn
+    paths.metrics.write_bytes(row0 + b'{"step": 2, "x": 1}\n{"step": 3, "x": 1}\n{"step": 4, "x"')  # 1 missing, later + torn
     paths.timings.write_bytes(b'{"step": 0, "time/step_s": 1.5}\n{"step": 1, "time/step_s": 2.5}\n')
     (paths.details(2)).mkdir(parents=True)
     (paths.details(2) / "samples.jsonl").write_text("{}\n")
@@ -111,3 +114,18 @@ def test_only_train_runs_resume(tmp_path):
     paths.run_info.write_text('{"flow": "evaluate"}')
     with pytest.raises(RunDirError, match="made by the `evaluate` flow; only train runs resume"):
         find_resume_point(paths)
+
+
+def test_the_final_evaluation_row_of_a_finished_run_is_kept(tmp_path):
+    """The last step (always a full checkpoint) is followed by the final evaluation's own row: a repair keeps it
+    when the resume point is that last step, and drops it otherwise."""
+    paths = _run_dir(tmp_path)
+    _step_ckpt(paths, 0, {"x": 0.5}, {})
+    _step_ckpt(paths, 1, {"x": 0.6}, {})
+    rows = b'{"step": 0, "x": 0.5}\n{"step": 1, "x": 0.6}\n{"step": 2, "eval/trained/pass_at_1": 0.5}\n'
+    paths.metrics.write_bytes(rows)
+    paths.timings.write_bytes(b'{"step": 0}\n{"step": 1}\n{"step": 2}\n')
+    assert repair_run_dir(paths, find_resume_point(paths), steps=2) == []
+    assert paths.metrics.read_bytes() == rows
+    repair_run_dir(paths, find_resume_point(paths), steps=3)  # step 2 is a training step still to do
+    assert paths.metrics.read_bytes() == rows.rsplit(b"{", 1)[0]

@@ -401,7 +401,7 @@ def test_train_flow_on_e2b_writes_the_key_nowhere(prefect_server, tmp_path, tiny
         "run_id": "leak-1", "output_dir": str(tmp_path / "runs"), "model": {"source": str(tiny_model_dir)},
         "rollout": {"sandbox": "e2b", "sandbox_api_key_file": str(key_file), "prompts_per_step": 1,
                     "n_samples_per_prompt": 2, "sandbox_retries": 1, "retry_backoff_s": 0.01},
-        "train": {"steps": 1},
+        "train": {"steps": 1, "eval_samples_per_prompt": 0},
     })  # fmt: skip
     t0 = time.perf_counter()
     record = train_flow(cfg)

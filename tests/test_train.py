@@ -198,12 +198,14 @@ def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == ["step_1"]
 
 
-def test_prune_checkpoints(tmp_path):
+def test_prune_checkpoints_keeps_full_ones_and_the_latest(tmp_path):
     for n in [1, 2, 3, 4, 5, 6, 7, 9]:
         (tmp_path / f"step_{n}").mkdir()
+        if n % 3 == 0:  # full checkpoints: with the optimizer state
+            (tmp_path / f"step_{n}" / "optimizer.pt").write_bytes(b"o")
     (tmp_path / ".step_8.tmp-123").mkdir()  # an interrupted save
     (tmp_path / "notes").mkdir()
-    removed = prune_checkpoints(tmp_path, keep_interval=3, latest=7)
+    removed = prune_checkpoints(tmp_path, latest=7)
     assert sorted(p.name for p in removed) == [".step_8.tmp-123", "step_1", "step_2", "step_4", "step_5"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_3", "step_6", "step_7", "step_9"]
 

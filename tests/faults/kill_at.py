@@ -5,8 +5,9 @@ point, as a crash or an OOM kill would. The point is monkeypatched in here; prod
 
 POINT (in step STEP):
   rollout     after the N-th finished trial of the step is journaled (other trials are mid-flight)
+  eval        the same, in the evaluation of the weights after STEP steps
   train       after the GRPO update of the step ran (weights and optimizer changed in memory only)
-  checkpoint  while the step's checkpoint is written (files in the temp dir, not yet renamed into place)
+  checkpoint  while the step's dir is being made a full checkpoint (optimizer state written, not yet published)
   metrics     after the step's checkpoint is in place, half-way through appending its metrics.jsonl row
 """
 
@@ -33,14 +34,15 @@ def die() -> None:
 
 
 def arm(point: str, step: int, n: int) -> None:
-    if point == "rollout":
+    if point in ("rollout", "eval"):
         import grpoflow.collect as collect
 
         real, count = collect.append_jsonl, [0]
+        where = f"{'step' if point == 'rollout' else 'eval'}_{step}"
 
         def append(path, record):
             real(path, record)
-            if Path(path).name == "journal.jsonl" and Path(path).parent.name == f"step_{step}":
+            if Path(path).name == "journal.jsonl" and Path(path).parent.name == where:
                 count[0] += 1
                 if count[0] == n:
                     die()
@@ -59,16 +61,16 @@ def arm(point: str, step: int, n: int) -> None:
 
         tasks.train.train_step = train_step
     elif point == "checkpoint":
-        import grpoflow.train as train
+        import grpoflow.resume as resume
 
-        real_fsync = train._fsync
+        real_fsync = resume.fsync_path
 
         def fsync(path):
-            if Path(path).parent.name.startswith(f".step_{step}.tmp-"):
+            if Path(path).parent.name == f"step_{step}":  # making the step's dir a full checkpoint
                 die()
             real_fsync(path)
 
-        train._fsync = fsync
+        resume.fsync_path = fsync
     elif point == "metrics":
         import grpoflow.reporting as reporting
 

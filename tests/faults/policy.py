@@ -81,13 +81,14 @@ def reward_tasks(out_dir: Path, n: int = 2) -> Path:
     return out_dir
 
 
-def run_config(output_dir: Path, model: Path, dataset: Path, run_id: str, steps: int = 3) -> dict:
-    """A small deterministic training run on the fence policy: 2 prompts x 4 trials per step, 2 turns."""
+def run_config(output_dir: Path, model: Path, dataset: Path, run_id: str, steps: int = 3, evals: int = 0) -> dict:
+    """A small deterministic training run on the fence policy: 2 prompts x 4 trials per step, 2 turns; `evals`
+    trials per prompt in each evaluation (0: none)."""
     return {
         "run_id": run_id, "output_dir": str(output_dir), "model": {"source": str(model)},
         "dataset": {"path": str(dataset)}, "prompts": {"eval_fraction": 0.0},
         "engine": {"deterministic": True},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 16, "max_turns": 2,
                     "temperature": 1.0, "concurrency": 4, "sandbox_create_limit": None},
-        "train": {"steps": steps, "learning_rate": 2e-3, "save_interval": 2},
+        "train": {"steps": steps, "learning_rate": 2e-3, "save_interval": 2, "eval_samples_per_prompt": evals},
     }  # fmt: skip

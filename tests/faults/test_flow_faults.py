@@ -20,7 +20,7 @@ def _cfg(tmp_path, model, run_id, rollout=None, **over):
         "run_id": run_id, "output_dir": str(tmp_path), "model": {"source": str(model)},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, "max_turns": 1,
                     "temperature": 1.0, **(rollout or {})},
-        "train": {"steps": 2, "learning_rate": 1e-3, "save_interval": 1}, **over,
+        "train": {"steps": 2, "learning_rate": 1e-3, "save_interval": 1, "eval_samples_per_prompt": 0}, **over,
     })  # fmt: skip
 
 

@@ -74,7 +74,8 @@ def test_prefect_server_restart_during_rollout(tmp_path, tiny_model_dir):
            "PYTHONPATH": str(ROOT)}  # fmt: skip
     cfg = {"run_id": "restart", "output_dir": str(tmp_path / "runs"), "model": {"source": str(tiny_model_dir)},
            "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, "max_turns": 1},
-           "train": {"steps": 4, "learning_rate": 1e-3, "save_interval": 1}}  # fmt: skip
+           "train": {"steps": 4, "learning_rate": 1e-3, "save_interval": 1,
+                     "eval_samples_per_prompt": 0}}  # fmt: skip
     metrics = tmp_path / "runs" / "restart" / "metrics.jsonl"
     server_log = open(tmp_path / "server.log", "ab")
     server = _start_server(env, port, server_log)

@@ -21,8 +21,9 @@ def test_rerun_reproduces_metrics_and_weights_bit_exact(tmp_path, tiny_model_dir
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     data = reward_tasks(tmp_path / "tasks")
     runs = tmp_path / "runs"
-    train_flow(parse_run_config(run_config(runs, model, data, "orig", steps=2)))
-    records = read_metrics(runs / "orig" / "metrics.jsonl")
+    train_flow(parse_run_config(run_config(runs, model, data, "orig", steps=2, evals=2)))
+    *records, final_eval = read_metrics(runs / "orig" / "metrics.jsonl")
+    assert final_eval["step"] == 2 and "eval/trained/pass_at_1_change" in final_eval  # reproduced with the rest
     # the run really trained: rewards spread within groups and the optimizer stepped, so the weights moved
     assert sum(r["train/optimizer_steps"] for r in records) >= 1
 
@@ -44,6 +45,7 @@ def test_rerun_reproduces_metrics_and_weights_bit_exact(tmp_path, tiny_model_dir
     train_ev, rerun_ev = events
     assert train_ev.payload["steps"] == 2 and train_ev.payload["final_metrics"]["step"] == 1
     assert train_ev.payload["final_metrics"]["train/loss"] == records[-1]["train/loss"]
+    assert train_ev.payload["final_evaluation"]["eval/trained/pass_at_1"] == final_eval["eval/trained/pass_at_1"]
     assert rerun_ev.payload["reproduced"] is True and rerun_ev.payload["rerun_of"] == "orig"
 
 

@@ -71,7 +71,7 @@ def test_terminus2_trains_through_the_session_server(tmp_path, tiny_model_dir, s
         "engine": {"backend": "sglang", "url": standin.url},
         "rollout": {"harness": "terminus-2", "prompts_per_step": 1, "n_samples_per_prompt": 2, "max_turns": 3,
                     "max_new_tokens": 256, "max_context_tokens": 8192, "temperature": 1.0},
-        "train": {"steps": 1, "learning_rate": 1e-3},
+        "train": {"steps": 1, "learning_rate": 1e-3, "eval_samples_per_prompt": 0},
     })  # fmt: skip
     last = train_flow(cfg)
 

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         "run_id": "stability", "output_dir": str(tmp / "runs"), "model": {"source": str(model)},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, "max_turns": 1,
                     "temperature": 1.0},
-        "train": {"steps": args.steps, "learning_rate": 1e-4, "save_interval": args.steps},
+        "train": {"steps": args.steps, "learning_rate": 1e-4, "save_interval": args.steps,
+                  "eval_samples_per_prompt": 0},
     })  # fmt: skip
     metrics = cfg.run_dir / "metrics.jsonl"
     marks: dict[int, dict[str, float]] = {}

@@ -64,7 +64,8 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
             point = resume_point_task(paths, cfg.train.steps)
             extra.update(resumed_from_step=point.next_step, repairs=point.repairs)
             final = cfg.train.steps
-            if point.next_step >= final and (final not in evaluation_versions(cfg.train) or has_row(paths.metrics, final)):
+            final_eval_done = final not in evaluation_versions(cfg.train) or has_row(paths.metrics, final)
+            if point.next_step >= final and final_eval_done:
                 n = cfg.train.steps
                 print(f"run {run_id} is already complete ({n} of {n} steps): nothing to resume")
                 return {**point.record["metrics"], **point.record["timings"]} if point.record else {}

@@ -185,8 +185,8 @@ def summary_markdown(
         ekeys = [k for k in ("eval/trained/pass_at_1", "eval/trained/pass_at_1_change", "eval/heldout/pass_at_1",
                              "eval/heldout/pass_at_1_change") if any(k in r for r in evals)]  # fmt: skip
         parts += ["| after N steps | " + " | ".join(k.removeprefix("eval/") for k in ekeys) + " |",
-                  "|---" * (len(ekeys) + 1) + "|",
-                  *[f"| {r['step']} | " + " | ".join(_fmt(r.get(k)) for k in ekeys) + " |" for r in evals], ""]  # fmt: skip
+                  "|---" * (len(ekeys) + 1) + "|"]  # fmt: skip
+        parts += [f"| {r['step']} | " + " | ".join(_fmt(r.get(k)) for k in ekeys) + " |" for r in evals] + [""]
     return "\n".join(parts + [head, sep, *rows])
 
 

@@ -58,8 +58,8 @@ def save_step(trainer: TrainerState, paths: RunPaths, step: int, record: dict[st
     """`checkpoints/step_<step>/`, atomically: the weights the engine loads next and step.json (not fsynced:
     nothing resumes from it unless `StepCommits` makes it a full checkpoint)."""
     metrics, timings = split_record(record)
-    return save_checkpoint(trainer.model, trainer.tokenizer, paths.checkpoint(step),
-                           step_record={"step": step, "metrics": metrics, "timings": timings}, durable=False)  # fmt: skip
+    record = {"step": step, "metrics": metrics, "timings": timings}
+    return save_checkpoint(trainer.model, trainer.tokenizer, paths.checkpoint(step), step_record=record, durable=False)
 
 
 class StepCommits:

@@ -51,7 +51,9 @@ def test_restored_trainer_continues_bit_exact(tiny_model_dir, tmp_path):
     assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
 
 
-def _step_ckpt(paths: RunPaths, step: int, metrics: dict, timings: dict, complete: bool = True, full: bool = True) -> None:
+def _step_ckpt(
+    paths: RunPaths, step: int, metrics: dict, timings: dict, complete: bool = True, full: bool = True
+) -> None:
     d = paths.checkpoint(step)
     d.mkdir(parents=True)
     (d / "model.safetensors").write_bytes(b"w")
@@ -69,7 +71,8 @@ def test_repair_appends_the_missing_row_and_drops_later_and_torn_ones(tmp_path):
     _step_ckpt(paths, 3, {"x": 1}, {}, full=False)  # a step between full checkpoints: done again on resume
     (paths.root / "checkpoints" / ".step_2.tmp-99").mkdir()  # an interrupted write
     row0 = b'{"step": 0, "x": 0.5}\n'
-    paths.metrics.write_bytes(row0 + b'{"step": 2, "x": 1}\n{"step": 3, "x": 1}\n{"step": 4, "x"')  # 1 missing, later + torn
+    # step 1's row missing, rows of later steps, a torn last line
+    paths.metrics.write_bytes(row0 + b'{"step": 2, "x": 1}\n{"step": 3, "x": 1}\n{"step": 4, "x"')
     paths.timings.write_bytes(b'{"step": 0, "time/step_s": 1.5}\n{"step": 1, "time/step_s": 2.5}\n')
     (paths.details(2)).mkdir(parents=True)
     (paths.details(2) / "samples.jsonl").write_text("{}\n")

@@ -33,14 +33,18 @@ def _config_from_args(args: argparse.Namespace):
     flags = {"run_id": args.run_id, "seed": args.seed, "output_dir": args.output_dir,
              "model.source": args.model, "dataset.path": args.dataset}  # fmt: skip
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    if args.preset:
-        cfg = layered_run_config(args.preset, Path(args.config) if args.config else None, overrides)
+    preset = args.preset or (MAIN_PRESET if args.command == "main" else None)
+    if preset:
+        cfg = layered_run_config(preset, Path(args.config) if args.config else None, overrides)
     elif args.config:
         cfg = load_run_config(Path(args.config), overrides)
     else:
         cfg = parse_run_config(apply_overrides({}, overrides), source="command line")
     # Fix the run_id here so the flow run is named after it from its first moment.
     return cfg if cfg.run_id else cfg.model_copy(update={"run_id": new_run_id()})
+
+
+MAIN_PRESET = "embedded-default"  # what `grpoflow main` starts from when no --preset is given
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +62,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in [("main", "the main job: the train flow on the embedded default"),
+    for name, help_ in [("main", f"the main job: the train flow, starting from the `{MAIN_PRESET}` preset"),
                         ("train", "the train flow: prepare, then rollout -> evaluate -> GRPO step per step"),
                         ("evaluate", "the evaluate flow: k trials per prompt of the eval split, no training"),
                         ("prepare", "prepare a run: model, dataset, prompts")]:  # fmt: skip
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return _resume_or_rerun(args)
     try:
         cfg = _config_from_args(args)
-        preset = f"preset {args.preset}, " if args.preset else ""
+        preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or args.command == "main" else ""
         print(f"grpoflow: {args.command} run {cfg.run_id} ({preset}model {cfg.model.source}, dataset "
               f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})",
               flush=True)  # fmt: skip

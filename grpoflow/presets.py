@@ -40,8 +40,14 @@ PRESETS: dict[str, Preset] = {
     for p in [
         Preset(
             "embedded-default",
-            "What the main job runs today: every default (SmolLM2-135M, embedded CPU engine, local sandbox).",
-            {},
+            "The main job (`grpoflow main`): SmolLM2-135M on the embedded CPU engine and the local sandbox, "
+            "trained on the built-in easy tasks (the only ones on which the 135M model earns rewards often enough "
+            "for GRPO groups to have spread), evaluated before and after with 8 trials per prompt.",
+            {
+                "prompts": {"difficulties": ["easy"]},
+                "rollout": {"max_turns": 3},
+                "train": {"learning_rate": 5e-5, "eval_samples_per_prompt": 8},
+            },
         ),
         Preset(
             "terminus-2-compaction",

@@ -18,8 +18,24 @@ def test_the_presets():
     assert list(PRESETS) == ["embedded-default", "terminus-2-compaction", "sglang-e2b"]
 
 
-def test_embedded_default_is_exactly_the_defaults():
-    assert _dump(load_preset("embedded-default")) == _dump(parse_run_config({}))
+def test_embedded_default_is_the_main_job_recipe_over_the_defaults():
+    cfg, defaults = load_preset("embedded-default"), parse_run_config({})
+    assert cfg.prompts.difficulties == ["easy"] and cfg.rollout.max_turns == 3
+    assert (cfg.train.learning_rate, cfg.train.eval_samples_per_prompt) == (5e-5, 8)
+    recipe = {"prompts": ["difficulties"], "rollout": ["max_turns"],
+              "train": ["learning_rate", "eval_samples_per_prompt"]}
+    for section, fields in _dump(defaults).items():  # everything else is the default
+        if isinstance(fields, dict):
+            for name, value in fields.items():
+                if name not in recipe.get(section, []):
+                    assert _dump(cfg)[section][name] == value, f"{section}.{name}"
+
+
+def test_main_starts_from_the_recipe_and_train_from_the_defaults():
+    main_cfg = _config_from_args(build_parser().parse_args(["main", "--set", "train.steps=2"]))
+    train_cfg = _config_from_args(build_parser().parse_args(["train", "--set", "train.steps=2"]))
+    assert main_cfg.prompts.difficulties == ["easy"] and main_cfg.train.steps == 2
+    assert train_cfg.prompts.difficulties == [] and train_cfg.train.learning_rate == 1e-5
 
 
 def test_terminus_2_compaction_resolves_to_the_recipe():

@@ -10,6 +10,8 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from flows.serve import ROOT, read_specs
+from grpoflow.config import parse_run_config
+from grpoflow.presets import load_preset
 from tests.deployments.conftest import POOL, artifacts_of, dumps, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -26,6 +28,10 @@ def test_yaml_declares_the_deployments_the_issue_asks_for():
         assert specs[name].parameters["config"], f"{name}: nightly parameters are explicit"
         assert "run_id" not in specs[name].parameters["config"], f"{name}: a fixed run_id would collide the 2nd night"
     assert specs["manual-train"].parameters == {} and not specs["manual-train"].schedules  # the form shows defaults
+    # the nightly run is the main job's recipe, with the deterministic engine
+    nightly = parse_run_config(specs["nightly-train"].parameters["config"])
+    recipe = load_preset("embedded-default", {"engine.deterministic": True, "seed": 0})
+    assert nightly.model_dump(exclude={"run_id"}) == recipe.model_dump(exclude={"run_id"})
     assert all(s.enforce_parameter_schema for s in specs.values())
 
 

@@ -17,7 +17,7 @@ from flows.common import flow_run_name, prepare_stage, run_events, serving_engin
 from grpoflow.collect import select_step_prompts
 from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.evaluate import select_trainable
-from grpoflow.policy_eval import base_pass_rates, before_after_lines, evaluation_lines, reward_gain
+from grpoflow.policy_eval import base_pass_rates, before_after_lines, evaluation_lines, reward_gain, task_rewards
 from grpoflow.prepare import PreparedRun, update_run_info
 from grpoflow.prompts import load_prompts
 from grpoflow.reporting import (
@@ -85,6 +85,7 @@ def train_steps(
                     **{f"rollout/{k}": v for k, v in rollout.metrics.items()},
                     "rollout/dropped_groups": float(dropped),
                     **({"rollout/reward_gain": reward_gain(rollout.samples, base)} if base else {}),
+                    **{f"rollout/task/{k}": v for k, v in task_rewards(rollout.samples).items()},
                     **{f"train/{k}": v for k, v in train_m.items()},
                     "weight_version": version,
                     "time/eval_s": t_rollout - t0,

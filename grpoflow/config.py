@@ -70,7 +70,7 @@ class PromptsConfig(_Section):
         None, ge=1, description="Keep only this many instances after the seeded shuffle. Empty: keep all."
     )
     difficulties: list[str] = Field(
-        default_factory=list,
+        [],  # a plain default (pydantic copies it per instance), so the UI form shows it
         description="Keep only tasks of these difficulty grades (task.toml `[metadata].difficulty`, e.g. `easy`). "
         "Empty: every task.",
     )

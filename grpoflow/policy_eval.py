@@ -112,6 +112,15 @@ def base_pass_rates(row: Mapping[str, float]) -> dict[str, float]:
     return {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
 
 
+def task_rewards(samples: Sequence[Sample]) -> dict[str, float]:
+    """Mean reward per task of a rollout step's scored trials: each task's own curve across the steps."""
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for s in _trials(samples).values():
+        if s.reward is not None:
+            by_task[s.instance_id].append(s.reward)
+    return {task: statistics.fmean(rewards) for task, rewards in sorted(by_task.items())}
+
+
 def reward_gain(samples: Sequence[Sample], base_rates: Mapping[str, float]) -> float:
     """Mean over a rollout step's scored trials of (passed - the task's pass rate under the base policy): zero
     while the policy is the base one, whichever prompts the step drew."""

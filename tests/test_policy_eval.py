@@ -13,6 +13,7 @@ from grpoflow.policy_eval import (
     eval_specs,
     paired_change,
     reward_gain,
+    task_rewards,
     wilson_interval,
 )
 from grpoflow.prompts import PromptRecord
@@ -86,6 +87,11 @@ def test_eval_metrics_pass_rates_exits_tasks_and_change_since_the_base():
     assert base_pass_rates(first) == {"a": 0.5, "b": 0.0}
     [line] = before_after_lines(first, m)
     assert line.startswith("trained tasks:") and "0.250 [" in line and "-> 1.000 [" in line and "+0.667" in line
+
+
+def test_task_rewards_are_per_task_means_of_the_scored_trials():
+    samples = [_sample("a", 0, 1.0), _sample("a", 1, 0.0), _sample("b", 0, 0.5), _sample("b", 1, None, "AgentError")]
+    assert task_rewards(samples) == {"a": 0.5, "b": 0.5}
 
 
 def test_reward_gain_takes_the_task_difficulty_out():

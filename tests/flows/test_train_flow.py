@@ -51,6 +51,8 @@ def test_train_flow_records_every_step(tmp_path, tiny_model_dir, caplog):
     assert "eval/trained/pass_at_1_change" in records[3] and "eval/trained/pass_at_1_change" not in records[0]
     assert not any(k.startswith("eval/") for r in records[1:3] for k in r)
     assert records[3]["weight_version"] == "3" and "rollout/reward_gain" in records[1]
+    step0 = {json.loads(x)["instance_id"] for x in (root / "details" / "step_0" / "samples.jsonl").open()}
+    assert {k.removeprefix("rollout/task/") for k in records[0] if k.startswith("rollout/task/")} == step0
     # both evaluations ran the same trials (same seeds), on the weights before and after training
     evals = [[json.loads(x) for x in (root / "details" / f"eval_{v}" / "samples.jsonl").read_text().splitlines()]
              for v in (0, 3)]  # fmt: skip

@@ -7,6 +7,10 @@ trials. Its figures go into the metrics row of the step whose weights it measure
 pass@1 with a 95 % Wilson interval, pass@k, exit-status counts, per-task pass rates and, against the first
 evaluation, the change in pass@1 with a 95 % interval over the paired trials.
 
+The intervals are about these tasks: the split's tasks are fixed and only the sampling is random, so trials are
+independent given their task (pooling tasks of different pass rates makes the binomial interval wider, not
+narrower). Whether a gain carries over to other tasks is what the held-out split, with its few tasks, hints at.
+
 The rollout's own reward depends on which prompts a step drew; `reward_gain` takes each task's base pass rate
 away, so its curve shows what the training changed.
 """
@@ -49,14 +53,20 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))  # p inside, whatever the rounding
 
 
-def paired_change(before: Sequence[float], after: Sequence[float], z: float = Z95) -> tuple[float, float, float]:
-    """Mean of after - before over paired trials (same task, same seed) and its 95 % normal interval."""
-    d = [a - b for a, b in zip(after, before, strict=True)]
-    if not d:
+def paired_change(before: Sequence[bool], after: Sequence[bool], z: float = Z95) -> tuple[float, float, float]:
+    """Change in pass rate over paired trials (same task, same seed: passed before, passed after) and its 95 %
+    interval: Agresti-Min's adjusted Wald interval for paired proportions (half a trial added to each of the four
+    cells), which stays honest where the plain one collapses to a point (every pair changed alike, few pairs)."""
+    pairs = list(zip(before, after, strict=True))
+    n = len(pairs)
+    if n == 0:
         return float("nan"), float("nan"), float("nan")
-    mean = statistics.fmean(d)
-    half = z * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("inf")
-    return mean, mean - half, mean + half
+    gained = sum(not b and a for b, a in pairs)
+    lost = sum(b and not a for b, a in pairs)
+    p_gained, p_lost = (gained + 0.5) / (n + 2), (lost + 0.5) / (n + 2)
+    centre = p_gained - p_lost
+    half = z * math.sqrt(max(0.0, (p_gained + p_lost - centre * centre) / (n + 2)))
+    return (gained - lost) / n, max(-1.0, centre - half), min(1.0, centre + half)
 
 
 def _passed(s: Sample) -> float:
@@ -100,9 +110,9 @@ def eval_metrics(name: str, samples: Sequence[Sample], baseline: Sequence[Sample
     if baseline is not None:
         base = _trials(baseline)
         keys = [k for k, s in trials.items() if s.reward is not None and k in base and base[k].reward is not None]
-        mean, low, high = paired_change([_passed(base[k]) for k in keys], [_passed(trials[k]) for k in keys])
+        mean, low, high = paired_change([_passed(base[k]) > 0 for k in keys], [_passed(trials[k]) > 0 for k in keys])
         m.update({p + "pass_at_1_change": mean, p + "pass_at_1_change_ci95_low": low,
-                  p + "pass_at_1_change_ci95_high": high})  # fmt: skip
+                  p + "pass_at_1_change_ci95_high": high, p + "paired_trials": float(len(keys))})  # fmt: skip
     return m
 
 
@@ -164,5 +174,5 @@ def before_after_lines(first: Mapping[str, float], last: Mapping[str, float]) ->
         verdict = "better" if low > 0 else "worse" if high < 0 else "no significant change"
         lines.append(f"{title + ':':16s} pass@1 {_interval(first, p + 'pass_at_1')} -> "
                      f"{_interval(last, p + 'pass_at_1')}, change {change:+.3f} [{low:+.3f}, {high:+.3f}]: "
-                     f"{verdict} ({int(last[p + 'scored'])} paired trials)")  # fmt: skip
+                     f"{verdict} ({int(last[p + 'paired_trials'])} paired trials)")  # fmt: skip
     return lines

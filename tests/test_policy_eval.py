@@ -61,13 +61,18 @@ def test_paired_change_covers_the_true_difference():
     hits = 0
     for _ in range(500):
         # each trial passes before with p 0.4; training flips a failing trial to a pass with p 0.25
-        before = [float(rng.random() < 0.4) for _ in range(64)]
-        after = [1.0 if b or rng.random() < 0.25 else 0.0 for b in before]
+        before = [rng.random() < 0.4 for _ in range(64)]
+        after = [b or rng.random() < 0.25 for b in before]
         mean, lo, hi = paired_change(before, after)
         hits += lo <= 0.6 * 0.25 <= hi
     assert 0.92 <= hits / 500 <= 0.98
-    mean, lo, hi = paired_change([0.0] * 8, [1.0] * 8)
-    assert (mean, lo, hi) == (1.0, 1.0, 1.0)
+    # every pair gained: the interval excludes zero but does not collapse to a point
+    mean, lo, hi = paired_change([False] * 8, [True] * 8)
+    assert mean == 1.0 and 0.3 < lo < 1.0 and hi == 1.0
+    mean, lo, hi = paired_change([False] * 2, [True] * 2)  # two pairs prove little
+    assert mean == 1.0 and lo < 0.5
+    mean, lo, hi = paired_change([True, False] * 10, [True, False] * 10)  # nothing changed
+    assert mean == 0.0 and lo < 0.0 < hi
 
 
 def test_eval_metrics_pass_rates_exits_tasks_and_change_since_the_base():
@@ -80,7 +85,7 @@ def test_eval_metrics_pass_rates_exits_tasks_and_change_since_the_base():
     assert m["eval/trained/exit/Submitted"] == 3 and m["eval/trained/exit/SandboxError"] == 1
     assert m["eval/trained/task/a"] == 1.0 and m["eval/trained/task/b"] == 1.0
     # the failed trial is left out of the pairing: 3 pairs, changes 1, 0, 1
-    assert m["eval/trained/pass_at_1_change"] == pytest.approx(2 / 3)
+    assert m["eval/trained/pass_at_1_change"] == pytest.approx(2 / 3) and m["eval/trained/paired_trials"] == 3
     assert m["eval/trained/pass_at_1_change_ci95_low"] < 2 / 3 < m["eval/trained/pass_at_1_change_ci95_high"]
     assert "eval/trained/pass_at_1_change" not in eval_metrics("trained", base)
     first = eval_metrics("trained", base)

@@ -33,7 +33,7 @@ def _config_from_args(args: argparse.Namespace):
     flags = {"run_id": args.run_id, "seed": args.seed, "output_dir": args.output_dir,
              "model.source": args.model, "dataset.path": args.dataset}  # fmt: skip
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    preset = args.preset or (MAIN_PRESET if args.command == "main" else None)
+    preset = args.preset or (MAIN_PRESET if _is_embedded_default(args) else None)
     if preset:
         cfg = layered_run_config(preset, Path(args.config) if args.config else None, overrides)
     elif args.config:
@@ -44,7 +44,13 @@ def _config_from_args(args: argparse.Namespace):
     return cfg if cfg.run_id else cfg.model_copy(update={"run_id": new_run_id()})
 
 
-MAIN_PRESET = "embedded-default"  # what `grpoflow main` starts from when no --preset is given
+MAIN_PRESET = "embedded-default"  # what `grpoflow main` starts from on the built-in model and tasks
+
+
+def _is_embedded_default(args: argparse.Namespace) -> bool:
+    """`main` on the built-in model and tasks: the recipe is tuned for those, so another model, dataset or config
+    file starts from the plain defaults (as `train` does)."""
+    return args.command == "main" and not (args.config or args.model or args.dataset)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return _resume_or_rerun(args)
     try:
         cfg = _config_from_args(args)
-        preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or args.command == "main" else ""
+        preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or _is_embedded_default(args) else ""
         print(f"grpoflow: {args.command} run {cfg.run_id} ({preset}model {cfg.model.source}, dataset "
               f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})",
               flush=True)  # fmt: skip

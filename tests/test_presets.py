@@ -36,6 +36,10 @@ def test_main_starts_from_the_recipe_and_train_from_the_defaults():
     train_cfg = _config_from_args(build_parser().parse_args(["train", "--set", "train.steps=2"]))
     assert main_cfg.prompts.difficulties == ["easy"] and main_cfg.train.steps == 2
     assert train_cfg.prompts.difficulties == [] and train_cfg.train.learning_rate == 1e-5
+    # the recipe is for the built-in model and tasks: with others, main starts from the defaults
+    for own in (["--dataset", "/data/tasks"], ["--model", "/models/qwen"]):
+        cfg = _config_from_args(build_parser().parse_args(["main", *own]))
+        assert cfg.prompts.difficulties == [] and cfg.train.learning_rate == 1e-5, own
 
 
 def test_terminus_2_compaction_resolves_to_the_recipe():

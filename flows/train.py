@@ -112,11 +112,17 @@ def train_steps(
                 row = {"weight_version": str(final), **_evaluate(cfg, final, prompts, engine.url, model.path, paths)}
                 commits.flush()  # the last step's row comes first
                 log.log(final, row | {"time/eval_s": time.perf_counter() - t0})
-    finally:
+            commits.flush()
+    except BaseException:
+        # However the loop ended, the last full checkpoint is completed and its rows logged; if that fails too,
+        # the error that ended the loop is the one raised.
         try:
-            commits.flush()  # however the loop ended, the last full checkpoint is completed and its rows logged
-        finally:
-            log.close()
+            commits.flush()
+        except Exception as err:  # noqa: BLE001  (reported, then the loop's own error propagates)
+            print(f"completing the last full checkpoint failed as well: {type(err).__name__}: {err}")
+        raise
+    finally:
+        log.close()
     report(cfg.run_id, paths)
     return record
 

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from grpoflow.train import (
     STEP_FILE,
     TRAINER_FILE,
     TrainerState,
+    fsync_files,
     fsync_path,
     prune_checkpoints,
     save_checkpoint,
@@ -82,8 +84,10 @@ class StepCommits:
         if not full:
             log_step(self.paths, step, record, self.log)
             return
-        state = copy.deepcopy(trainer.optimizer.state_dict())  # the next step updates the live tensors in place
+        t0 = time.perf_counter()
+        state = _cpu_copy(trainer.optimizer.state_dict())  # the next step updates the live tensors in place
         counters = {"step": step, "optimizer_steps": trainer.optimizer_steps}
+        record = {**record, "time/commit_s": record.get("time/commit_s", 0.0) + time.perf_counter() - t0}
         self._pending = (step, record)
         self._thread = threading.Thread(target=self._complete, args=(Path(ckpt), state, counters),
                                         name=f"full-checkpoint-{step}", daemon=True)  # fmt: skip
@@ -94,10 +98,10 @@ class StepCommits:
             tmp = ckpt / f".{OPTIMIZER_FILE}.tmp"
             torch.save(state, tmp)
             (ckpt / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
-            for f in ckpt.iterdir():  # the publishing rename is only as durable as the bytes it points at
-                fsync_path(f)
+            fsync_files(ckpt)  # the publishing rename is only as durable as the bytes it points at
             tmp.rename(ckpt / OPTIMIZER_FILE)
             fsync_path(ckpt)
+            fsync_path(ckpt.parent)  # the step dir's own entry (its rename into checkpoints/ was not synced)
         except BaseException as err:  # raised again in the run's thread by flush()
             self._error = err
 
@@ -114,21 +118,21 @@ class StepCommits:
             log_step(self.paths, *pending, self.log)
 
 
+def _cpu_copy(state: Any) -> Any:
+    """A copy of an optimizer state dict with every tensor in CPU memory (no second copy on the GPU)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _cpu_copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_cpu_copy(v) for v in state)
+    return copy.deepcopy(state)
+
+
 def log_step(paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog) -> None:
     """The step's metrics/timings rows, then pruning of older checkpoints that are not full."""
     log.log(step, record)
     prune_checkpoints(paths.checkpoint(step).parent, latest=step)
-
-
-def commit_step(
-    trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog, full: bool = True
-) -> Path:
-    """`save_step`, then the rest of the commit, waited for: the whole commit of one step, in one call."""
-    ckpt = save_step(trainer, paths, step, record)
-    commits = StepCommits(paths, log)
-    commits.finish(trainer, ckpt, step, record, full)
-    commits.flush()
-    return ckpt
 
 
 LOCK_FILE = "run.lock"
@@ -154,11 +158,18 @@ def run_lock(root: Path) -> Iterator[None]:
 
 
 def load_saved_config(root: Path) -> RunConfig:
-    """The run's own config.json, validated; one line naming the file when it is missing or bad."""
+    """The run's own config.json, validated; one line naming the file when it is missing or bad.
+
+    config.json holds every field the run had. One without `train.eval_samples_per_prompt` was made before runs
+    evaluated themselves: it keeps running without evaluations, so a resume or rerun does what the run did."""
     path = Path(root) / "config.json"
     if not Path(root).is_dir():
         raise RunDirError(f"run dir {root} does not exist")
-    return parse_run_config(read_config_file(path), source=str(path))
+    data = read_config_file(path)
+    train = data.get("train")
+    if isinstance(train, dict) and "eval_samples_per_prompt" not in train:
+        data = {**data, "train": {**train, "eval_samples_per_prompt": 0}}
+    return parse_run_config(data, source=str(path))
 
 
 def complete_steps(paths: RunPaths) -> list[int]:
@@ -228,10 +239,10 @@ def repair_run_dir(paths: RunPaths, point: ResumePoint, steps: int | None = None
         tmp.unlink()
         notes.append(f"removed {tmp.relative_to(paths.root)}, left by an interrupted write")
     for d in sorted((paths.root / "details").glob("step_*")):
-        # The resumed step's journal is kept (its finished trials are reused); samples.jsonl of steps that
-        # never completed is rewritten when the step completes.
-        n = d.name[5:]
-        if n.isdigit() and int(n) > last and (d / "samples.jsonl").exists():
+        # Journals are kept (their finished trials are reused, evaluations' too); samples.jsonl of a step done
+        # again is rewritten when the step completes.
+        n = step_of(d)
+        if n is not None and n > last and (d / "samples.jsonl").exists():
             (d / "samples.jsonl").unlink()
             notes.append(f"removed details/{d.name}/samples.jsonl: step {n} is done again from {_point_name(point)}")
     point.repairs += notes

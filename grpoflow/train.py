@@ -365,8 +365,8 @@ def save_checkpoint(
         (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
     if step_record is not None:  # written last: the rename below publishes it with everything else
         (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
-    for f in tmp.iterdir() if durable else []:  # the rename is only as durable as the bytes it points at
-        fsync_path(f)
+    if durable:  # the rename is only as durable as the bytes it points at
+        fsync_files(tmp)
     if out_dir.exists():
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
         out_dir.rename(old)
@@ -400,6 +400,11 @@ def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, A
     counters = json.loads((ckpt / TRAINER_FILE).read_text(encoding="utf-8"))
     state.optimizer_steps = int(counters.get("optimizer_steps", 0))
     return counters
+
+
+def fsync_files(folder: Path) -> None:
+    for f in Path(folder).iterdir():
+        fsync_path(f)
 
 
 def fsync_path(path: Path) -> None:

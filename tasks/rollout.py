@@ -23,7 +23,15 @@ from prefect.client.orchestration import get_client
 from prefect.concurrency.asyncio import concurrency
 from prefect.exceptions import ObjectNotFound
 
-from grpoflow.collect import StepRollout, collect_step, policy_access, read_journal, read_samples, sandbox_config
+from grpoflow.collect import (
+    SAMPLES,
+    StepRollout,
+    collect_step,
+    policy_access,
+    read_journal,
+    read_samples,
+    sandbox_config,
+)
 from grpoflow.config import RunConfig
 from grpoflow.credentials import export_policy_key, export_sandbox_key
 from grpoflow.policy_eval import eval_metrics, eval_prompts, eval_specs
@@ -54,7 +62,8 @@ def evaluate_policy_task(
     specs = [s for group in splits.values() for s in group]
     result = asyncio.run(_run_trials(cfg, version, specs, engine_url, tokenizer_path, paths.eval_trials(version),
                                      paths.eval_details(version), label=f"eval-{version}"))  # fmt: skip
-    base = read_samples(paths.eval_details(0)) if version > 0 else None
+    first = paths.eval_details(0) / SAMPLES
+    base = read_samples(first.parent) if version > 0 and first.is_file() else None  # None: nothing to compare to
     metrics: dict[str, float] = {}
     for name, group in splits.items():
         ids = {s.rollout_id for s in group}

@@ -7,7 +7,7 @@ import torch
 
 from grpoflow.config import TrainConfig
 from grpoflow.reporting import MetricsLog, read_step_records, split_record
-from grpoflow.resume import commit_step, find_resume_point, repair_run_dir
+from grpoflow.resume import StepCommits, find_resume_point, repair_run_dir, save_step
 from grpoflow.rundir import RunPaths
 from grpoflow.train import load_trainer, restore_training_state, train_step
 from tests.test_train import _agentic_samples
@@ -36,8 +36,12 @@ def test_restored_trainer_continues_bit_exact(tiny_model_dir, tmp_path):
     samples = _agentic_samples(a.model)
     m0 = train_step(a, samples, cfg, seed=0)
     log = MetricsLog(paths.metrics, paths.tb)
-    commit_step(a, paths, 0, {"train/loss": m0["loss"], "time/step_s": 1.0}, log)
+    record = {"train/loss": m0["loss"], "time/step_s": 1.0}
+    commits = StepCommits(paths, log)
+    commits.finish(a, save_step(a, paths, 0, record), 0, record, full=True)
+    commits.flush()  # the full checkpoint is complete, its row logged
     log.close()
+    assert [r["step"] for r in read_step_records(paths.metrics)] == [0]
     train_step(a, samples, cfg, seed=1)
 
     b = load_trainer(tiny_model_dir, cfg, seed=0)
@@ -132,3 +136,17 @@ def test_the_final_evaluation_row_of_a_finished_run_is_kept(tmp_path):
     assert paths.metrics.read_bytes() == rows
     repair_run_dir(paths, find_resume_point(paths), steps=3)  # step 2 is a training step still to do
     assert paths.metrics.read_bytes() == rows.rsplit(b"{", 1)[0]
+
+
+def test_a_run_made_before_evaluations_resumes_and_reruns_without_them(tmp_path):
+    from grpoflow.config import parse_run_config
+    from grpoflow.resume import load_saved_config
+
+    saved = parse_run_config({"run_id": "old"}).model_dump(mode="json")
+    del saved["train"]["eval_samples_per_prompt"]  # config.json as a run of the earlier code wrote it
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
+    assert load_saved_config(tmp_path / "old").train.eval_samples_per_prompt == 0
+    saved["train"]["eval_samples_per_prompt"] = 3  # a run that evaluates keeps its setting
+    (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
+    assert load_saved_config(tmp_path / "old").train.eval_samples_per_prompt == 3

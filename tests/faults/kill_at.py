@@ -5,7 +5,8 @@ point, as a crash or an OOM kill would. The point is monkeypatched in here; prod
 
 POINT (in step STEP):
   rollout     after the N-th finished trial of the step is journaled (other trials are mid-flight)
-  eval        the same, in the evaluation of the weights after STEP steps
+  eval        the same, in the evaluation of the weights after STEP steps (once step STEP - 1's full checkpoint
+              is complete)
   train       after the GRPO update of the step ran (weights and optimizer changed in memory only)
   checkpoint  while the step's dir is being made a full checkpoint (optimizer state written, not yet published)
   metrics     after the step's checkpoint is in place, half-way through appending its metrics.jsonl row
@@ -17,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,6 +35,12 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def arm(point: str, step: int, n: int) -> None:
     if point in ("rollout", "eval"):
         import grpoflow.collect as collect
@@ -45,6 +53,8 @@ def arm(point: str, step: int, n: int) -> None:
             if Path(path).name == "journal.jsonl" and Path(path).parent.name == where:
                 count[0] += 1
                 if count[0] == n:
+                    if point == "eval":  # the evaluation after step STEP - 1: kill once its full checkpoint is in
+                        _wait_for(Path(path).parents[2] / "checkpoints" / f"step_{step - 1}" / "optimizer.pt")
                     die()
 
         collect.append_jsonl = append

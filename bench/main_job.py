@@ -4,7 +4,7 @@
 
 Per run: seconds per stage per step (mean, min-max), the share of commit + sync in a step's wall time, bytes
 written per step (checkpoint dirs: the weights every step, the optimizer state on full checkpoints only), and the
-before/after evaluation. `--wall` gives the runs' whole wall times (as `time ./run.sh main` printed them), in the
+before/after evaluation, computed from the evaluations' trial records. `--wall` gives the runs' whole wall times (as `time ./run.sh main` printed them), in the
 order of the run dirs, for min/median/max. The baseline is HF `generate` on the run's model: fp32, greedy, one
 thread, 64 new tokens; this machine's speed varies 2-3x between days, so absolute times mean little without it.
 """
@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpoflow.policy_eval import before_after_lines  # noqa: E402
+from grpoflow.collect import SAMPLES, read_samples  # noqa: E402
+from grpoflow.policy_eval import EVAL_SPLITS, before_after_lines, eval_metrics  # noqa: E402
 from grpoflow.reporting import evaluation_rows, read_step_records, training_rows  # noqa: E402
 
 STAGES = ["time/eval_s", "time/rollout_s", "time/train_s", "time/commit_s", "time/sync_s"]
@@ -51,6 +52,23 @@ def step_bytes(run_dir: Path, steps: int, save_interval: int, weights: int, opti
     return (steps * weights + full * optimizer) / steps
 
 
+def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
+    """The before/after lines, computed again from the first and last evaluations' trial records (so a run made
+    by earlier code is judged by this code's statistics), or taken from the metrics rows."""
+    if len(evals) < 2:
+        return []
+    first, last = (run_dir / "details" / f"eval_{r['step']}" for r in (evals[0], evals[-1]))
+    if not ((first / SAMPLES).is_file() and (last / SAMPLES).is_file()):
+        return before_after_lines(evals[0], evals[-1])
+    before, after = read_samples(first), read_samples(last)
+    rows = [{}, {}]
+    for name in EVAL_SPLITS:
+        mine = [[s for s in samples if f"-{name}-" in s.group_id] for samples in (before, after)]
+        rows[0] |= eval_metrics(name, mine[0])
+        rows[1] |= eval_metrics(name, mine[1], mine[0])
+    return before_after_lines(*rows)
+
+
 def summarize(run_dir: Path) -> dict:
     cfg = json.loads((run_dir / "config.json").read_text())
     records = read_step_records(run_dir / "metrics.jsonl")
@@ -68,7 +86,7 @@ def summarize(run_dir: Path) -> dict:
         "commit_sync_share": sum(stages["time/commit_s"]) + sum(stages["time/sync_s"]),
         "bytes_per_step": step_bytes(run_dir, len(train), cfg["train"]["save_interval"], weights, optimizer),
         "bytes_every_step_before": weights + optimizer,  # the old commit: weights and AdamW state every step
-        "verdict": before_after_lines(evals[0], evals[-1]) if len(evals) > 1 else [],
+        "verdict": verdict(run_dir, evals),
         "model": json.loads((run_dir / "run.json").read_text())["model"]["path"],
     }  # fmt: skip
 

@@ -174,5 +174,5 @@ def before_after_lines(first: Mapping[str, float], last: Mapping[str, float]) ->
         verdict = "better" if low > 0 else "worse" if high < 0 else "no significant change"
         lines.append(f"{title + ':':16s} pass@1 {_interval(first, p + 'pass_at_1')} -> "
                      f"{_interval(last, p + 'pass_at_1')}, change {change:+.3f} [{low:+.3f}, {high:+.3f}]: "
-                     f"{verdict} ({int(last[p + 'paired_trials'])} paired trials)")  # fmt: skip
+                     f"{verdict} ({int(last.get(p + 'paired_trials', last[p + 'scored']))} paired trials)")  # fmt: skip
     return lines

@@ -4,9 +4,10 @@
 
 Per run: seconds per stage per step (mean, min-max), the share of commit + sync in a step's wall time, bytes
 written per step (checkpoint dirs: the weights every step, the optimizer state on full checkpoints only), and the
-before/after evaluation, computed from the evaluations' trial records. `--wall` gives the runs' whole wall times (as `time ./run.sh main` printed them), in the
-order of the run dirs, for min/median/max. The baseline is HF `generate` on the run's model: fp32, greedy, one
-thread, 64 new tokens; this machine's speed varies 2-3x between days, so absolute times mean little without it.
+before/after evaluation, computed from the evaluations' trial records. `--wall` gives the runs' whole wall
+times (as `time ./run.sh main` printed them), in the order of the run dirs, for min/median/max. The baseline is
+HF `generate` on the run's model: fp32, greedy, one thread, 64 new tokens; this machine's speed varies 2-3x
+between days, so absolute times mean little without it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def hf_generate_tok_s(model_path: str, new_tokens: int = 64) -> float:
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": "Write a bash command that lists /app."}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+    chat = [{"role": "user", "content": "Write a bash command that lists /app."}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
         model.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up
         t0 = time.perf_counter()

@@ -87,7 +87,7 @@ class StepCommits:
         t0 = time.perf_counter()
         state = _cpu_copy(trainer.optimizer.state_dict())  # the next step updates the live tensors in place
         counters = {"step": step, "optimizer_steps": trainer.optimizer_steps}
-        record = {**record, "time/commit_s": record.get("time/commit_s", 0.0) + time.perf_counter() - t0}
+        record["time/commit_s"] = record.get("time/commit_s", 0.0) + time.perf_counter() - t0  # the caller's too
         self._pending = (step, record)
         self._thread = threading.Thread(target=self._complete, args=(Path(ckpt), state, counters),
                                         name=f"full-checkpoint-{step}", daemon=True)  # fmt: skip

@@ -71,16 +71,16 @@ def arm(point: str, step: int, n: int) -> None:
 
         tasks.train.train_step = train_step
     elif point == "checkpoint":
-        import grpoflow.resume as resume
+        import grpoflow.train as train
 
-        real_fsync = resume.fsync_path
+        real_fsync = train.fsync_path
 
         def fsync(path):
             if Path(path).parent.name == f"step_{step}":  # making the step's dir a full checkpoint
                 die()
             real_fsync(path)
 
-        resume.fsync_path = fsync
+        train.fsync_path = fsync  # fsync_files, which makes a step dir durable, calls it
     elif point == "metrics":
         import grpoflow.reporting as reporting
 

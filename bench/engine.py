@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from grpoflow.embedded.engine.scheduler import Scheduler  # noqa: E402
 from grpoflow.engine.protocol import SamplingParams  # noqa: E402
-from grpoflow.engine.scheduler import Scheduler  # noqa: E402
-from grpoflow.tiny_model import build_tiny_model  # noqa: E402
+from tests.fakes.tiny_model import build_tiny_model  # noqa: E402
 
 # HuggingFaceTB/SmolLM2-135M-Instruct's config.json, minus the weights.
 SMOLLM2_135M = dict(

@@ -155,7 +155,8 @@ def model_flops(shape: dict, tied: bool, n_params: int, samples: list[Sample], k
 
 
 def run(a: argparse.Namespace) -> dict:
-    from grpoflow.train import load_trainer, train_step
+    from grpoflow.train.step import train_step
+    from grpoflow.train.trainer import load_trainer
 
     dry = a.dry_run
     shape = TINY if dry else {k: getattr(a, k) for k in FULL}

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpoflow.collect import SAMPLES, read_samples  # noqa: E402
-from grpoflow.policy_eval import EVAL_SPLITS, before_after_lines, eval_metrics  # noqa: E402
-from grpoflow.reporting import evaluation_rows, read_step_records, training_rows  # noqa: E402
+from grpoflow.evaluation import EVAL_SPLITS, before_after_lines, eval_metrics  # noqa: E402
+from grpoflow.rollout.step import SAMPLES, read_samples  # noqa: E402
+from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
 
 STAGES = ["time/eval_s", "time/rollout_s", "time/train_s", "time/commit_s", "time/sync_s"]
 WEIGHTS_FILES = ("*.safetensors",)
@@ -47,7 +47,7 @@ def hf_generate_tok_s(model_path: str, new_tokens: int = 64) -> float:
 
 def step_bytes(run_dir: Path, steps: int, save_interval: int, weights: int, optimizer: int) -> float:
     """Mean bytes a step writes into checkpoints/: the weights every step, the optimizer state on full ones."""
-    from grpoflow.resume import is_full_checkpoint
+    from grpoflow.run.commit import is_full_checkpoint
 
     full = sum(is_full_checkpoint(s, steps, save_interval) for s in range(steps))
     return (steps * weights + full * optimizer) / steps

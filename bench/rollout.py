@@ -16,15 +16,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import flows  # noqa: E402, F401  (the offline environment, before Harbor loads)
 import harbor.utils.logger  # noqa: E402
 
-from grpoflow.collect import collect_step, sandbox_config, agent_factory  # noqa: E402
+import flows  # noqa: E402, F401  (the offline environment, before Harbor loads)
 from grpoflow.config import parse_run_config  # noqa: E402
-from grpoflow.dataset import load_dataset  # noqa: E402
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
-from grpoflow.model import prepare_model  # noqa: E402
-from grpoflow.prompts import build_prompts  # noqa: E402
+from grpoflow.prepare.dataset import load_dataset  # noqa: E402
+from grpoflow.prepare.model import prepare_model  # noqa: E402
+from grpoflow.prepare.prompts import build_prompts  # noqa: E402
+from grpoflow.rollout.step import agent_factory, collect_step, sandbox_config  # noqa: E402
 
 harbor.utils.logger.logger.setLevel("WARNING")
 

@@ -19,7 +19,7 @@
 4. The retokenize mismatch rate the server reported for each backend of 1. The stand-in's reply text is not the
    decoding of its ids ("<id>" pieces), so its rate only says the check fires; the engine's is a tokenizer figure.
 
-The tiny test model (`grpoflow.tiny_model`, random weights, 1k-token BPE) is built in a temporary folder unless
+The tiny test model (`tests.fakes.tiny_model`, random weights, 1k-token BPE) is built in a temporary folder unless
 --model names a folder (e.g. ~/.cache/grpoflow/models/<hash>). A random model rarely emits EOS, so on a vocabulary
 of at most 4096 ids the engine's turns stop at the top eighth of the ids (`stop_token_ids`); the stand-in's
 turns stop at the stop string "0>" (about one token in ten). A turn cut off at --max-tokens ends its session in
@@ -43,14 +43,19 @@ sys.path.insert(0, str(ROOT))
 # lets it), so put that folder itself on the path.
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
 
-from grpoflow.agents.chat_tokens import load_tokenizer  # noqa: E402
-from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
-from grpoflow.sessions.segments import segments  # noqa: E402
-from grpoflow.sessions.server import SessionServer  # noqa: E402
-from grpoflow.agents.chat_tokens import encode, render, suffix_ids  # noqa: E402
-from grpoflow.sessions.tree import SessionTree  # noqa: E402
-from grpoflow.tiny_model import build_tiny_model  # noqa: E402
 from sglang_standin import StandinServer  # noqa: E402
+
+from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
+from grpoflow.rollout.sessions.segments import segments  # noqa: E402
+from grpoflow.rollout.sessions.server import SessionServer  # noqa: E402
+from grpoflow.rollout.sessions.tree import SessionTree  # noqa: E402
+from grpoflow.rollout.tokens import (  # noqa: E402
+    encode,
+    load_tokenizer,  # noqa: E402
+    render,
+    suffix_ids,
+)
+from tests.fakes.tiny_model import build_tiny_model  # noqa: E402
 
 SYSTEM = "You are a helpful assistant that replies with one bash command. Think briefly, then act."
 _WORDS = ("drwxr-xr-x", "-rw-r--r--", "user", "staff", "4096", "src", "main.py", "README.md", "build", "tests",

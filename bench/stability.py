@@ -40,7 +40,7 @@ def _snapshot(db: Path) -> dict[str, float]:
             rss = _mb(child.memory_info().rss)
         except psutil.Error:
             continue
-        if "grpoflow.engine.server" in cmd:
+        if "grpoflow.embedded.engine.server" in cmd:
             snap["engine"] += rss
         elif "prefect" in cmd or "uvicorn" in cmd:
             snap["prefect_server"] += rss
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from flows.train import train_flow
     from grpoflow.config import parse_run_config
-    from grpoflow.tiny_model import build_tiny_model
+    from tests.fakes.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp / "tiny-model", seed=0)
     cfg = parse_run_config({

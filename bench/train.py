@@ -52,8 +52,8 @@ def make_spec(args, model_path: Path) -> dict:
     the model's own + small noise, binary rewards that vary inside every group."""
     from transformers import AutoModelForCausalLM
 
-    from grpoflow.grpo import group_advantages
-    from grpoflow.train import token_logprobs
+    from grpoflow.train.grpo import group_advantages
+    from grpoflow.train.logprobs import token_logprobs
 
     rng = random.Random(args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -89,7 +89,8 @@ def _train_config(a: dict):
 
 def run_ours(spec: dict, device: str) -> dict:
     from grpoflow.samples import Sample
-    from grpoflow.train import load_trainer, train_step
+    from grpoflow.train.step import train_step
+    from grpoflow.train.trainer import load_trainer
 
     a, P = spec["args"], spec["prompt_len"]
     cfg = _train_config(a)
@@ -115,7 +116,7 @@ def run_trl(spec: dict, device: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpoflow.train import disable_dropout
+    from grpoflow.train.trainer import disable_dropout
 
     a, P = spec["args"], spec["prompt_len"]
     dev = torch.device(device)
@@ -216,7 +217,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="grpoflow-bench-") as tmp:
         model_path = args.model_path
         if model_path is None:
-            from grpoflow.tiny_model import build_tiny_model
+            from tests.fakes.tiny_model import build_tiny_model
 
             model_path = build_tiny_model(Path(tmp) / "tiny", seed=0)
         spec_path = Path(tmp) / "spec.json"

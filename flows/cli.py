@@ -10,9 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from grpoflow.config import RUN_ID_PATTERN, apply_overrides, load_run_config, new_run_id, parse_run_config
+from grpoflow.config import (
+    RUN_ID_PATTERN,
+    apply_overrides,
+    load_run_config,
+    new_run_id,
+    parse_run_config,
+)
 from grpoflow.errors import ConfigError, GrpoflowError, RunDirError
-from grpoflow.presets import PRESETS, layered_run_config
+from grpoflow.prepare.presets import PRESETS, layered_run_config
 
 
 def _parse_value(text: str) -> Any:

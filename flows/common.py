@@ -12,6 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# Harbor sets its logger to DEBUG and logs every trial's internals; a run's console shows our per-step lines and
+# Harbor's warnings (the full detail stays in each trial's trial.log).
+import harbor.utils.logger  # noqa: E402
+import transformers.utils.logging  # noqa: E402
 from prefect.client.orchestration import get_client
 from prefect.context import refresh_global_settings_context
 from prefect.events import emit_event
@@ -19,17 +23,12 @@ from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 
 from grpoflow.config import RunConfig, parse_run_config
+from grpoflow.engine.backends import EngineHandle, open_engine
 from grpoflow.errors import GrpoflowError
-from grpoflow.prepare import PreparedRun
-from grpoflow.reporting import evaluation_rows, read_metrics, training_rows
-from grpoflow.serving import EngineHandle, open_engine
+from grpoflow.prepare.stage import PreparedRun
+from grpoflow.run.metrics import evaluation_rows, read_metrics, training_rows
 from tasks.preflight import engine_preflight_task, preflight_task
 from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
-
-# Harbor sets its logger to DEBUG and logs every trial's internals; a run's console shows our per-step lines and
-# Harbor's warnings (the full detail stays in each trial's trial.log).
-import harbor.utils.logger  # noqa: E402
-import transformers.utils.logging  # noqa: E402
 
 harbor.utils.logger.logger.setLevel(logging.WARNING)
 transformers.utils.logging.disable_progress_bar()  # per-load tqdm bars drown the per-step progress lines

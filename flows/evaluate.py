@@ -12,11 +12,17 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
-from flows.common import flow_run_name, prepare_stage, run_events, serving_engine, start_run
+from flows.common import (
+    flow_run_name,
+    prepare_stage,
+    run_events,
+    serving_engine,
+    start_run,
+)
 from grpoflow.config import RunConfig
-from grpoflow.prepare import update_run_info
-from grpoflow.prompts import load_prompts
-from grpoflow.reporting import append_step
+from grpoflow.prepare.prompts import load_prompts
+from grpoflow.prepare.stage import update_run_info
+from grpoflow.run.metrics import append_step
 from tasks.rollout import run_trials_task
 
 Split = Literal["eval", "train", "all"]

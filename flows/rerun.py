@@ -18,14 +18,19 @@ from flows.common import run_events
 from flows.resume import RunId
 from flows.train import train_flow
 from grpoflow.config import RUN_ID_PATTERN, RunConfig
-from grpoflow.dataset import load_dataset
 from grpoflow.errors import ConfigError, RunDirError
 from grpoflow.fileio import write_json_atomic
-from grpoflow.model import prepare_model
-from grpoflow.prepare import read_run_info, update_run_info
-from grpoflow.rerun import compare_runs, provenance_differences, report_markdown, verdict_line
-from grpoflow.resume import load_saved_config
-from grpoflow.rundir import RunPaths, environment_info
+from grpoflow.prepare.dataset import load_dataset
+from grpoflow.prepare.model import prepare_model
+from grpoflow.prepare.stage import read_run_info, update_run_info
+from grpoflow.run.paths import RunPaths, environment_info
+from grpoflow.run.rerun import (
+    compare_runs,
+    provenance_differences,
+    report_markdown,
+    verdict_line,
+)
+from grpoflow.run.resume import load_saved_config
 
 
 @task(name="provenance-now", cache_policy=NO_CACHE)

@@ -1,7 +1,7 @@
 """The resume flow: pick a killed train run up under its own run_id, from its last complete step.
 
 Finished steps are never redone, and trials of the interrupted step that had finished are reused from its
-journal; see `grpoflow.resume` for what a complete step is and what is repaired on disk.
+journal; see `grpoflow.run.resume` for what a complete step is and what is repaired on disk.
 """
 
 from __future__ import annotations
@@ -17,15 +17,26 @@ from pydantic import Field
 
 from flows.common import run_events
 from flows.train import evaluation_versions, train_steps
-from grpoflow.collect import read_journal
 from grpoflow.config import RUN_ID_PATTERN, RunConfig
-from grpoflow.prepare import PreparedRun, read_run_info, reopen_run, update_run_info
-from grpoflow.reporting import has_row
-from grpoflow.resume import ResumePoint, find_resume_point, load_saved_config, repair_run_dir, run_lock
-from grpoflow.rundir import RunPaths
+from grpoflow.prepare.stage import (
+    PreparedRun,
+    read_run_info,
+    reopen_run,
+    update_run_info,
+)
+from grpoflow.rollout.step import read_journal
+from grpoflow.run.checkpoint import restore_training_state
+from grpoflow.run.metrics import has_row
+from grpoflow.run.paths import RunPaths
+from grpoflow.run.resume import (
+    ResumePoint,
+    find_resume_point,
+    load_saved_config,
+    repair_run_dir,
+    run_lock,
+)
+from grpoflow.train.trainer import load_trainer
 from tasks.preflight import preflight_task
-from grpoflow.train import load_trainer, restore_training_state
-
 
 # A run dir's name: checked before the flow starts (the UI form refuses others), never a path.
 RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN)]

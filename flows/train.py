@@ -11,16 +11,32 @@ import time
 from pathlib import Path
 
 from prefect import flow
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_table_artifact,
+)
 
-from flows.common import flow_run_name, prepare_stage, run_events, serving_engine, start_run
-from grpoflow.collect import select_step_prompts
+from flows.common import (
+    flow_run_name,
+    prepare_stage,
+    run_events,
+    serving_engine,
+    start_run,
+)
 from grpoflow.config import RunConfig, TrainConfig
-from grpoflow.evaluate import select_trainable
-from grpoflow.policy_eval import base_pass_rates, before_after_lines, evaluation_lines, reward_gain, task_rewards
-from grpoflow.prepare import PreparedRun, update_run_info
-from grpoflow.prompts import load_prompts
-from grpoflow.reporting import (
+from grpoflow.evaluation import (
+    base_pass_rates,
+    before_after_lines,
+    evaluation_lines,
+    reward_gain,
+    task_rewards,
+)
+from grpoflow.prepare.prompts import load_prompts
+from grpoflow.prepare.stage import PreparedRun, update_run_info
+from grpoflow.rollout.step import select_step_prompts
+from grpoflow.run.commit import StepCommits, is_full_checkpoint
+from grpoflow.run.metrics import (
     MetricsLog,
     evaluation_rows,
     has_row,
@@ -30,8 +46,9 @@ from grpoflow.reporting import (
     summary_markdown,
     training_rows,
 )
-from grpoflow.resume import StepCommits, is_full_checkpoint, run_lock
-from grpoflow.train import TrainerState, load_trainer
+from grpoflow.run.resume import run_lock
+from grpoflow.scoring import select_trainable
+from grpoflow.train.trainer import TrainerState, load_trainer
 from tasks.rollout import evaluate_policy_task, run_trials_task
 from tasks.train import grpo_step_task, save_step_task, sync_weights_task
 

@@ -18,8 +18,8 @@ from typing import Any, Literal
 from harbor.models.environment_type import EnvironmentType
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from grpoflow.credentials import sandbox_key_var
 from grpoflow.errors import ConfigError
+from grpoflow.rollout.credentials import sandbox_key_var
 
 RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
@@ -147,7 +147,7 @@ SGLANG_RESERVED_FLAGS = frozenset({
 
 # `local` or any environment type of the installed Harbor, read from its own enum so the two never disagree.
 SandboxName = Literal[("local", *(t.value for t in EnvironmentType))]  # type: ignore[valid-type]
-# Harnesses that install their CLI inside the sandbox (grpoflow.harnesses says the same; a test keeps them equal).
+# Harnesses that install their CLI inside the sandbox (grpoflow.rollout.harnesses says the same; a test keeps them equal).
 HARNESSES_NEEDING_NETWORK = ("claude-code", "opencode")
 
 # Name parts that mark a kwarg or field as a credential: kwargs are written to every trial's config.json.

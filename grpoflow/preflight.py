@@ -10,7 +10,7 @@ What is checked, by stage (prepare needs neither engine nor sandbox):
 - train, evaluate, resume: the harness can run in the sandbox (terminus-2 on the local sandbox needs tmux; a
   policy key file holds a key); the sandbox. `local`: `bwrap`, `prlimit` and `setpriv` are installed. A Harbor type: Harbor can
   load its environment (its extra is installed); its key is set and non-empty (a key file, if named, exists and
-  holds one) for providers in `grpoflow.credentials.PROVIDERS`, else Harbor's own preflight for the type passes;
+  holds one) for providers in `grpoflow.rollout.credentials.PROVIDERS`, else Harbor's own preflight for the type passes;
   and, for providers with a known API (e2b), its API answers an HTTP GET within a few seconds (any answer below
   500, 401/403 included, counts as reachable: the key itself is not tested).
 - train, evaluate with `engine.backend=sglang`: `engine.url` answers `GET /health` with 200, and `GET
@@ -29,10 +29,14 @@ from typing import Literal
 
 import httpx
 
-from grpoflow.config import RunConfig, RolloutConfig
-from grpoflow.credentials import PROVIDERS, policy_key_problems, sandbox_key_problems
-from grpoflow.harnesses import harness_problems
+from grpoflow.config import RolloutConfig, RunConfig
 from grpoflow.errors import GrpoflowError
+from grpoflow.rollout.credentials import (
+    PROVIDERS,
+    policy_key_problems,
+    sandbox_key_problems,
+)
+from grpoflow.rollout.harnesses import harness_problems
 
 Stage = Literal["prepare", "train", "evaluate", "resume"]  # resume: a train run whose dir exists
 

@@ -10,7 +10,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpoflow.config import RunConfig
-from grpoflow.preflight import PreflightError, Stage, check_engine, check_run, format_problems
+from grpoflow.preflight import (
+    PreflightError,
+    Stage,
+    check_engine,
+    check_run,
+    format_problems,
+)
 
 
 @task(name="preflight", cache_policy=NO_CACHE, task_run_name="preflight-{stage}")

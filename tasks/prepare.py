@@ -1,4 +1,4 @@
-"""Prefect tasks of the prepare stage: thin wrappers over grpoflow.model / dataset / prompts / prepare.
+"""Prefect tasks of the prepare stage: thin wrappers over grpoflow.prepare.model / dataset / prompts / prepare.
 
 Caching is our own, on purpose: the model conversion is cached on disk by the GGUF's sha256 (so a rerun with
 the same inputs never converts again, in or out of Prefect), and dataset validation is cheap enough to redo.
@@ -11,9 +11,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpoflow.config import RunConfig
-from grpoflow.dataset import Dataset, load_dataset
-from grpoflow.model import PreparedModel, prepare_model
-from grpoflow.prepare import PreparedRun, make_prompts, record_run
+from grpoflow.prepare.dataset import Dataset, load_dataset
+from grpoflow.prepare.model import PreparedModel, prepare_model
+from grpoflow.prepare.stage import PreparedRun, make_prompts, record_run
 
 
 @task(name="prepare-model", cache_policy=NO_CACHE)

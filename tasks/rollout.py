@@ -14,16 +14,22 @@ import logging
 from pathlib import Path
 
 import httpx
-
 from prefect import get_run_logger, task
-from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
+from prefect.artifacts import (
+    acreate_progress_artifact,
+    acreate_table_artifact,
+    aupdate_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
-from prefect.exceptions import PrefectHTTPStatusError
 from prefect.client.orchestration import get_client
 from prefect.concurrency.asyncio import concurrency
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
-from grpoflow.collect import (
+from grpoflow.config import RunConfig
+from grpoflow.evaluation import eval_metrics, eval_prompts, eval_specs
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.credentials import export_policy_key, export_sandbox_key
+from grpoflow.rollout.step import (
     SAMPLES,
     StepRollout,
     collect_step,
@@ -32,12 +38,14 @@ from grpoflow.collect import (
     read_samples,
     sandbox_config,
 )
-from grpoflow.config import RunConfig
-from grpoflow.credentials import export_policy_key, export_sandbox_key
-from grpoflow.policy_eval import eval_metrics, eval_prompts, eval_specs
-from grpoflow.prompts import PromptRecord
-from grpoflow.rollout import Attempt, SandboxGate, TrialOutcome, TrialSpec, plan_group_trials
-from grpoflow.rundir import RunPaths
+from grpoflow.rollout.trials import (
+    Attempt,
+    SandboxGate,
+    TrialOutcome,
+    TrialSpec,
+    plan_group_trials,
+)
+from grpoflow.run.paths import RunPaths
 
 
 @task(name="run-trials", cache_policy=NO_CACHE, task_run_name="run-trials-step-{step}")
@@ -91,7 +99,6 @@ async def _run_trials(
             await _best_effort(logger, aupdate_progress_artifact, progress, 100.0 * done / total)
 
     def on_retry(spec: TrialSpec, attempt: Attempt) -> None:
-        policy.forget(spec)  # the retry starts a fresh session: the failed attempt's turns never train
         logger.warning(
             "sandbox failure in %s (%s: %s): retrying in a fresh sandbox",
             spec.rollout_id, attempt.exception_type, " ".join((attempt.exception_message or "").split())[:200],
@@ -101,10 +108,9 @@ async def _run_trials(
     export_policy_key(cfg.rollout.policy_api_key_file)
     async with policy_access(cfg.rollout, cfg.engine, engine_url, tokenizer_path) as policy:
         result = await collect_step(
-            cfg.run_id, step, [], cfg.rollout, cfg.seed, policy.make_agent, sandbox_config(cfg.rollout),
+            cfg.run_id, step, [], cfg.rollout, cfg.seed, policy, sandbox_config(cfg.rollout),
             trials_dir, details_dir, on_done=on_done, on_retry=on_retry,
-            sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
-            to_samples=policy.to_samples, specs=specs,
+            sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger), specs=specs,
         )  # fmt: skip
     await _best_effort(
         logger, acreate_table_artifact,

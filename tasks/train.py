@@ -14,18 +14,19 @@ from prefect.cache_policies import NO_CACHE
 
 from grpoflow.config import RunConfig
 from grpoflow.engine.client import EngineClient
-from grpoflow.resume import save_step
-from grpoflow.rundir import RunPaths
+from grpoflow.run.commit import save_step
+from grpoflow.run.paths import RunPaths
 from grpoflow.samples import Sample
-from grpoflow.train import TrainerState, train_step
+from grpoflow.train.step import grpo_update
+from grpoflow.train.trainer import TrainerState
 
 
 @task(name="grpo-step", cache_policy=NO_CACHE, task_run_name="grpo-step-{step}")
 def grpo_step_task(trainer: TrainerState, samples: list[Sample], cfg: RunConfig, step: int) -> dict[str, float]:
+    metrics = grpo_update(trainer, samples, cfg, step)
     if not samples:
         get_run_logger().warning("step %d: no trainable samples (all groups dropped): weights unchanged", step)
-        return {"n_samples": 0.0, "optimizer_steps": 0.0}
-    return train_step(trainer, samples, cfg.train, seed=cfg.seed * 1_000_003 + step, temperature=cfg.rollout.temperature)
+    return metrics
 
 
 @task(name="save-step", cache_policy=NO_CACHE, task_run_name="save-step-{step}")

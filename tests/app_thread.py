@@ -7,7 +7,7 @@ import time
 
 import uvicorn
 
-from grpoflow.engine.server import bind_socket
+from grpoflow.sockets import bind_socket
 
 
 class AppThread:

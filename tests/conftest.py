@@ -10,6 +10,6 @@ torch.set_num_threads(1)  # the machine is shared; generation under test stays o
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from grpoflow.tiny_model import build_tiny_model
+    from tests.fakes.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)

@@ -4,7 +4,13 @@ import re
 import pytest
 from pydantic import BaseModel
 
-from grpoflow.config import RUN_ID_PATTERN, RunConfig, load_run_config, new_run_id, parse_run_config
+from grpoflow.config import (
+    RUN_ID_PATTERN,
+    RunConfig,
+    load_run_config,
+    new_run_id,
+    parse_run_config,
+)
 from grpoflow.errors import ConfigError
 
 

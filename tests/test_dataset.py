@@ -13,7 +13,8 @@ import pytest
 from harbor.lint.models import LintRule
 from harbor.lint.task import lint_task
 
-from grpoflow.dataset import (
+from grpoflow.errors import DatasetError
+from grpoflow.prepare.dataset import (
     CATEGORIES,
     DIFFICULTIES,
     MAX_INSTRUCTION_BYTES,
@@ -21,7 +22,6 @@ from grpoflow.dataset import (
     builtin_dataset_path,
     load_dataset,
 )
-from grpoflow.errors import DatasetError
 
 BUILTIN = load_dataset("builtin")
 

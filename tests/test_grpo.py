@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpoflow.grpo import group_advantages, policy_loss, zero_std_groups
+from grpoflow.train.grpo import group_advantages, policy_loss, zero_std_groups
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

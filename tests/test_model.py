@@ -4,7 +4,7 @@ import shutil
 import pytest
 
 from grpoflow.errors import ModelError
-from grpoflow.model import BUILTIN_MODELS, prepare_model
+from grpoflow.prepare.model import BUILTIN_MODELS, prepare_model
 
 
 def test_local_hf_dir_is_used_in_place_with_hash_and_template(tiny_model_dir, tmp_path):

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from grpoflow.policy_eval import (
+from grpoflow.evaluation import (
     base_pass_rates,
     before_after_lines,
     eval_metrics,
@@ -16,8 +16,8 @@ from grpoflow.policy_eval import (
     task_rewards,
     wilson_interval,
 )
-from grpoflow.prompts import PromptRecord
-from grpoflow.rollout import plan_group_trials
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.samples import Sample
 
 

@@ -4,8 +4,8 @@ import pytest
 
 from grpoflow.config import parse_run_config
 from grpoflow.errors import DatasetError, ModelError, RunDirError
-from grpoflow.prepare import prepare_run
-from grpoflow.prompts import load_prompts
+from grpoflow.prepare.prompts import load_prompts
+from grpoflow.prepare.stage import prepare_run
 
 
 def _cfg(tmp_path, model, **extra):

@@ -7,7 +7,13 @@ import pytest
 from flows.cli import _config_from_args, build_parser, main
 from grpoflow.config import parse_run_config
 from grpoflow.errors import ConfigError
-from grpoflow.presets import PRESETS, layered_run_config, load_preset, merge_config, preset_config
+from grpoflow.prepare.presets import (
+    PRESETS,
+    layered_run_config,
+    load_preset,
+    merge_config,
+    preset_config,
+)
 
 
 def _dump(cfg) -> dict:
@@ -65,7 +71,7 @@ def test_terminus_2_compaction_is_runnable_and_layers_like_any_preset():
 
 
 def test_a_preset_with_switches_the_config_cannot_hold_is_refused(monkeypatch):
-    from grpoflow.presets import Preset
+    from grpoflow.prepare.presets import Preset
 
     monkeypatch.setitem(PRESETS, "future", Preset("future", "d", {}, {"name": "x-harness", "session_server": True}))
     with pytest.raises(ConfigError, match=r"harness x-harness \(session_server=True\) is not available yet"):

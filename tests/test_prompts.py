@@ -3,9 +3,9 @@ import shutil
 
 import pytest
 
-from grpoflow.dataset import builtin_dataset_path, load_dataset, load_task
 from grpoflow.errors import DatasetError
-from grpoflow.prompts import build_prompts, load_prompts, write_prompts
+from grpoflow.prepare.dataset import builtin_dataset_path, load_dataset, load_task
+from grpoflow.prepare.prompts import build_prompts, load_prompts, write_prompts
 
 
 @pytest.fixture(scope="module")

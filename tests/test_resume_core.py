@@ -6,10 +6,13 @@ import json
 import torch
 
 from grpoflow.config import TrainConfig
-from grpoflow.reporting import MetricsLog, read_step_records, split_record
-from grpoflow.resume import StepCommits, find_resume_point, repair_run_dir, save_step
-from grpoflow.rundir import RunPaths
-from grpoflow.train import load_trainer, restore_training_state, train_step
+from grpoflow.run.checkpoint import restore_training_state
+from grpoflow.run.commit import StepCommits, save_step
+from grpoflow.run.metrics import MetricsLog, read_step_records, split_record
+from grpoflow.run.paths import RunPaths
+from grpoflow.run.resume import find_resume_point, repair_run_dir
+from grpoflow.train.step import train_step
+from grpoflow.train.trainer import load_trainer
 from tests.test_train import _agentic_samples
 
 
@@ -101,7 +104,7 @@ def test_a_live_run_cannot_be_resumed_under_it(tmp_path):
     import pytest
 
     from grpoflow.errors import RunDirError
-    from grpoflow.resume import run_lock
+    from grpoflow.run.resume import run_lock
 
     paths = _run_dir(tmp_path)
     with run_lock(paths.root):
@@ -140,7 +143,7 @@ def test_the_final_evaluation_row_of_a_finished_run_is_kept(tmp_path):
 
 def test_a_run_made_before_evaluations_resumes_and_reruns_without_them(tmp_path):
     from grpoflow.config import parse_run_config
-    from grpoflow.resume import load_saved_config
+    from grpoflow.run.resume import load_saved_config
 
     saved = parse_run_config({"run_id": "old"}).model_dump(mode="json")
     del saved["train"]["eval_samples_per_prompt"]  # config.json as a run of the earlier code wrote it

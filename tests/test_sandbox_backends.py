@@ -19,15 +19,21 @@ import pytest
 from harbor.models.environment_type import EnvironmentType
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.collect import collect_step, sandbox_config
 from grpoflow.config import parse_run_config
-from grpoflow.credentials import PROVIDERS, CredentialError, _e2b_api_base, export_sandbox_key, read_key_file
-from grpoflow.dataset import builtin_dataset_path, load_task
+from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.errors import ConfigError
-from grpoflow.prompts import PromptRecord
 from grpoflow.preflight import missing_extra_packages
-from grpoflow.rollout import LOCAL_SANDBOX
-from grpoflow.sandbox.errors import PROVIDER_SANDBOX_FAILURES, is_sandbox_failure
+from grpoflow.prepare.dataset import builtin_dataset_path, load_task
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.credentials import (
+    PROVIDERS,
+    CredentialError,
+    _e2b_api_base,
+    export_sandbox_key,
+    read_key_file,
+)
+from grpoflow.rollout.environments import PROVIDER_SANDBOX_FAILURES, is_sandbox_failure
+from grpoflow.rollout.step import collect_step, sandbox_config
 from tests.test_preflight import StandIn
 
 KEY = "e2b_planted_0123456789abcdef"  # what the leak checks look for
@@ -137,7 +143,7 @@ def test_key_file_only_for_providers_with_a_known_key_variable(sandbox, why):
 def test_sandbox_config_local_and_harbor_types():
     local = sandbox_config(parse_run_config({"rollout": {"sandbox_kwargs": {"memory_mb": 512}}}).rollout,
                            work_dir="/tmp/x")  # fmt: skip
-    assert (local.import_path, local.type, local.kwargs) == (LOCAL_SANDBOX, None, {"memory_mb": 512, "work_dir": "/tmp/x"})
+    assert (local.import_path, local.type, local.kwargs) == (LOCAL_SANDBOX_IMPORT_PATH, None, {"memory_mb": 512, "work_dir": "/tmp/x"})
     rollout = parse_run_config({"rollout": {"sandbox": "e2b", "sandbox_kwargs": {"sandbox_timeout_secs": 600}}}).rollout
     e2b = sandbox_config(rollout)
     assert (e2b.type, e2b.import_path, e2b.kwargs) == (EnvironmentType.E2B, None, {"sandbox_timeout_secs": 600})

@@ -7,17 +7,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpoflow.config import TrainConfig
+from grpoflow.run.checkpoint import prune_checkpoints, save_checkpoint
 from grpoflow.samples import Sample
-from grpoflow.train import (
+from grpoflow.train.logprobs import token_logprobs
+from grpoflow.train.step import (
     backward_minibatch,
-    load_trainer,
     pack_micro_batches,
     prepare_samples,
-    prune_checkpoints,
-    save_checkpoint,
-    token_logprobs,
     train_step,
 )
+from grpoflow.train.trainer import load_trainer
 
 
 def _sample(tokens, mask, logprobs, reward, group, i=0, status="COMPLETED"):
@@ -56,9 +55,9 @@ def _weights(model):
 
 
 def test_token_logprobs_match_full_softmax(tiny_model_dir, monkeypatch):
-    import grpoflow.train as train_mod
+    import grpoflow.train.logprobs as logprobs_mod
 
-    monkeypatch.setattr(train_mod, "_LOGIT_CHUNK_ELEMS", 1024 * 4)  # 4-row chunks: exercise the chunking
+    monkeypatch.setattr(logprobs_mod, "_LOGIT_CHUNK_ELEMS", 1024 * 4)  # 4-row chunks: exercise the chunking
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids = torch.randint(3, 1000, (3, 13), generator=torch.Generator().manual_seed(0))
     mask = torch.rand(3, 12, generator=torch.Generator().manual_seed(1)) > 0.3  # (B, L-1)
@@ -180,7 +179,7 @@ def test_failed_or_unrewarded_samples_are_refused():
 
 
 def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
-    from grpoflow.engine.weights import load_safetensors_dir
+    from grpoflow.embedded.engine.weights import load_safetensors_dir
 
     cfg = TrainConfig(learning_rate=1e-2, gradient_checkpointing=True)
     state = load_trainer(tiny_model_dir, cfg, seed=0)
@@ -262,9 +261,10 @@ def test_grpo_learns_to_emit_a_target_token(tiny_model_dir):
 
 
 def test_token_logprobs_are_taken_at_the_rollout_temperature(tmp_path):
-    from grpoflow.tiny_model import build_tiny_model
-    from grpoflow.train import token_logprobs
     from transformers import AutoModelForCausalLM
+
+    from grpoflow.train.logprobs import token_logprobs
+    from tests.fakes.tiny_model import build_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
     ids = torch.tensor([[1, 5, 9, 14, 3, 7]])

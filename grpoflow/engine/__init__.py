@@ -1,10 +1,3 @@
-"""Inference engine access through SGLang's HTTP API: the client (works against real SGLang) and an embedded
-CPU engine that speaks the same API (`scheduler` → `server`, started by `launch`).
-
-Importing this package does not import torch; `scheduler`, `server` and `weights` do.
-"""
-
-from grpoflow.engine.client import EngineClient
-from grpoflow.engine.launch import EngineProcess, start_embedded_engine
-
-__all__ = ["EngineProcess", "EngineClient", "start_embedded_engine"]
+"""What production talks to: the SGLang HTTP API (`protocol`, `client`), the engine backends a run opens
+(`backends`: a running server, a launched SGLang, or the embedded engine), and process launch (`launch`,
+`sglang_launch`)."""

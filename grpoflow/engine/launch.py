@@ -72,7 +72,7 @@ def start_embedded_engine(
     served_model_name: str | None = None,
     prefix_cache_tokens: int | None = None,
 ) -> EngineProcess:
-    """Spawn `python -m grpoflow.engine.server` on 127.0.0.1 (free port) and return once /health answers.
+    """Spawn `python -m grpoflow.embedded.engine.server` on 127.0.0.1 (free port) and return once /health answers.
 
     `threads=None` leaves the torch thread count to the server's default (1)."""
     model_path = Path(model_path)
@@ -86,7 +86,7 @@ def start_embedded_engine(
     port_file = port_dir / "port"
 
     cmd = [
-        sys.executable, "-m", "grpoflow.engine.server",
+        sys.executable, "-m", "grpoflow.embedded.engine.server",
         "--model-path", str(model_path), "--host", "127.0.0.1", "--port", "0",
         "--seed", str(seed), "--max-batch-size", str(max_batch_size), "--port-file", str(port_file),
         "--parent-pid", str(os.getpid()),

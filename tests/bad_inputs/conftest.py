@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from grpoflow.config import parse_run_config
-from grpoflow.dataset import builtin_dataset_path
-from grpoflow.prepare import prepare_run
+from grpoflow.prepare.dataset import builtin_dataset_path
+from grpoflow.prepare.stage import prepare_run
 
 
 def assert_one_line(err: BaseException, *names: object) -> str:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.collect import collect_step, sandbox_config, agent_factory
 from grpoflow.config import parse_run_config
-from grpoflow.dataset import builtin_dataset_path, load_task
 from grpoflow.engine.client import EngineClient
 from grpoflow.errors import EngineError
-from grpoflow.evaluate import select_trainable
-from grpoflow.prompts import PromptRecord
+from grpoflow.prepare.dataset import builtin_dataset_path, load_task
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.step import agent_factory, collect_step, sandbox_config
+from grpoflow.scoring import select_trainable
 
 # tests/engine is not a package: its modules import each other by bare name, as pytest's rootdir insertion lets
 # them; do the same (the stand-in imports SGLang's field lists from test_sglang_contract).

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from grpoflow.dataset import MAX_INSTRUCTION_BYTES, load_dataset
 from grpoflow.errors import DatasetError
+from grpoflow.prepare.dataset import MAX_INSTRUCTION_BYTES, load_dataset
 
 from .conftest import assert_nothing_written, assert_one_line, copy_task
 

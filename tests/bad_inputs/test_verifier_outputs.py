@@ -11,11 +11,11 @@ import shutil
 import pytest
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.collect import collect_step, sandbox_config
 from grpoflow.config import parse_run_config
-from grpoflow.dataset import load_task
-from grpoflow.evaluate import select_trainable
-from grpoflow.prompts import PromptRecord
+from grpoflow.prepare.dataset import load_task
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.step import collect_step, sandbox_config
+from grpoflow.scoring import select_trainable
 
 from .conftest import copy_task
 

@@ -11,7 +11,7 @@ import pytest
 
 from flows.serve import ROOT, read_specs
 from grpoflow.config import parse_run_config
-from grpoflow.presets import load_preset
+from grpoflow.prepare.presets import load_preset
 from tests.deployments.conftest import POOL, artifacts_of, dumps, tiny_config
 
 pytestmark = pytest.mark.slow

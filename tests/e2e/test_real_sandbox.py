@@ -26,11 +26,11 @@ import os
 import pytest
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.collect import collect_step, sandbox_config
 from grpoflow.config import new_run_id, parse_run_config
-from grpoflow.credentials import export_sandbox_key, sandbox_key_var
 from grpoflow.preflight import check_run, format_problems
-from grpoflow.prompts import load_prompts
+from grpoflow.prepare.prompts import load_prompts
+from grpoflow.rollout.credentials import export_sandbox_key, sandbox_key_var
+from grpoflow.rollout.step import collect_step, sandbox_config
 
 SANDBOX = os.environ.get("GRPOFLOW_E2E_SANDBOX", "").strip()
 KEY_VAR = sandbox_key_var(SANDBOX) if SANDBOX else None
@@ -42,7 +42,7 @@ def _skip_reason() -> str | None:
     if not SANDBOX:
         return "set GRPOFLOW_E2E_SANDBOX (e.g. e2b) and its key variable to run the real-sandbox check"
     if KEY_VAR is None:
-        return f"GRPOFLOW_E2E_SANDBOX={SANDBOX}: grpoflow knows no key variable for it (see grpoflow.credentials)"
+        return f"GRPOFLOW_E2E_SANDBOX={SANDBOX}: grpoflow knows no key variable for it (see grpoflow.rollout.credentials)"
     if not (os.environ.get(KEY_VAR, "").strip() or KEY_FILE):
         return f"set {KEY_VAR} (or GRPOFLOW_E2E_KEY_FILE) to run the real-sandbox check on {SANDBOX}"
     return None

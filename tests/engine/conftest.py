@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpoflow.tiny_model import build_tiny_model
+from tests.fakes.tiny_model import build_tiny_model
 
 torch.set_num_threads(1)
 
@@ -24,7 +24,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def scheduler(tiny_model_dir: Path):
     """The shared engine. Tests must not change its weights (use `fresh_scheduler` for that)."""
-    from grpoflow.engine.scheduler import Scheduler
+    from grpoflow.embedded.engine.scheduler import Scheduler
 
     s = Scheduler(tiny_model_dir, seed=0, max_batch_size=8)
     yield s
@@ -33,7 +33,7 @@ def scheduler(tiny_model_dir: Path):
 
 @pytest.fixture
 def fresh_scheduler(tiny_model_dir: Path):
-    from grpoflow.engine.scheduler import Scheduler
+    from grpoflow.embedded.engine.scheduler import Scheduler
 
     s = Scheduler(tiny_model_dir, seed=0, max_batch_size=8)
     yield s
@@ -67,7 +67,7 @@ def serve_app(app) -> Iterator[str]:
     """Serve an ASGI app with uvicorn on a free 127.0.0.1 port in a thread; yield its base URL."""
     import uvicorn
 
-    from grpoflow.engine.server import bind_socket
+    from grpoflow.sockets import bind_socket
 
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
@@ -88,7 +88,7 @@ def serve_app(app) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def engine_url(scheduler) -> Iterator[str]:
-    from grpoflow.engine.server import create_app
+    from grpoflow.embedded.engine.server import create_app
 
     with serve_app(create_app(scheduler, served_model_name="tiny")) as url:
         yield url

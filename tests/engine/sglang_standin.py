@@ -59,10 +59,10 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from grpoflow.engine.protocol import ChatCompletionRequest
-
 # The request field names SGLang accepts, pinned in one place from its source (io_struct.py, sampling_params.py).
 from test_sglang_contract import SGLANG_GENERATE_REQ_INPUT, SGLANG_SAMPLING_PARAMS
+
+from grpoflow.engine.protocol import ChatCompletionRequest
 
 FAULT_KINDS = ("5xx", "slow", "drop", "malformed_json", "missing_finish_reason")
 STANDIN_VERSION = "0.0.0-standin"

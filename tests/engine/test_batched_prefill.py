@@ -121,7 +121,7 @@ def test_shared_prompt_is_prefilled_once_then_reused(fresh_scheduler, reference_
 
 
 def test_without_prefix_cache_shared_prompts_run_together(tiny_model_dir, monkeypatch):
-    from grpoflow.engine.scheduler import Scheduler
+    from grpoflow.embedded.engine.scheduler import Scheduler
 
     prompt = list(range(600, 680))
     with Scheduler(tiny_model_dir, max_batch_size=8, prefix_cache_tokens=0) as sched:

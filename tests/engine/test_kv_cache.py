@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from grpoflow.engine.kv_cache import BatchKVCache, GrowingLayer, kv_tensors
+from grpoflow.embedded.engine.kv_cache import BatchKVCache, GrowingLayer, kv_tensors
 
 
 def test_growing_layer_appends_like_cat_across_regrowth():

@@ -7,7 +7,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from grpoflow.engine.packed_linear import PackedLinear, pack_linears, repack_linears
+from grpoflow.embedded.engine.packed_linear import (
+    PackedLinear,
+    pack_linears,
+    repack_linears,
+)
 
 
 @pytest.fixture

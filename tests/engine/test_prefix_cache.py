@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
-from grpoflow.engine.prefix_cache import PrefixCache
+from grpoflow.embedded.engine.prefix_cache import PrefixCache
 from grpoflow.engine.protocol import SamplingParams
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from grpoflow.embedded.engine.sampling import sample_next_tokens
 from grpoflow.engine.protocol import SamplingParams
-from grpoflow.engine.sampling import sample_next_tokens
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from grpoflow.embedded.engine.scheduler import InvalidRequest
 from grpoflow.engine.protocol import SamplingParams
-from grpoflow.engine.scheduler import InvalidRequest
 
 PROMPTS = [
     [1, 302, 201, 538, 439, 2, 201, 1, 296, 201],
@@ -141,7 +141,7 @@ def test_seeded_sample_is_the_same_alone_and_in_a_batch(scheduler):
 
 
 def test_engine_seed_makes_unseeded_runs_reproducible(tiny_model_dir):
-    from grpoflow.engine.scheduler import Scheduler
+    from grpoflow.embedded.engine.scheduler import Scheduler
 
     p = SamplingParams(max_new_tokens=12, temperature=1.0)
     runs = []
@@ -234,7 +234,7 @@ def test_bad_weights_leave_the_model_untouched(fresh_scheduler, reference_model,
 
 
 def test_close_fails_queued_work(tiny_model_dir):
-    from grpoflow.engine.scheduler import Scheduler
+    from grpoflow.embedded.engine.scheduler import Scheduler
     from grpoflow.errors import EngineError
 
     s = Scheduler(tiny_model_dir, max_batch_size=1)

@@ -132,8 +132,8 @@ def test_chat_completions_stop_n_and_seed(client):
 
 
 def test_weight_update_over_http(tiny_model_dir, reference_model, serve, tmp_path):
-    from grpoflow.engine.scheduler import Scheduler
-    from grpoflow.engine.server import create_app
+    from grpoflow.embedded.engine.scheduler import Scheduler
+    from grpoflow.embedded.engine.server import create_app
 
     new_dir = tmp_path / "step1"
     new_dir.mkdir()
@@ -186,8 +186,8 @@ def test_harbor_litellm_reads_token_ids_and_logprobs(engine_url, monkeypatch):
 def test_flush_cache_and_unhealthy_after_close(tiny_model_dir, serve):
     import time
 
-    from grpoflow.engine.scheduler import Scheduler
-    from grpoflow.engine.server import create_app
+    from grpoflow.embedded.engine.scheduler import Scheduler
+    from grpoflow.embedded.engine.server import create_app
 
     sched = Scheduler(tiny_model_dir)
     with serve(create_app(sched)) as url, EngineClient(url, retries=0) as client:

@@ -23,8 +23,8 @@ def _settled_state(client: EngineClient) -> dict:
 
 
 def test_server_info_shape_and_counters(tiny_model_dir, serve):
-    from grpoflow.engine.scheduler import Scheduler
-    from grpoflow.engine.server import create_app
+    from grpoflow.embedded.engine.scheduler import Scheduler
+    from grpoflow.embedded.engine.server import create_app
 
     prompt = [5, 6, 7, 8, 9]
     with (

@@ -22,12 +22,12 @@ import pytest
 from sglang_standin import StandinServer
 
 from grpoflow.config import EngineConfig, parse_run_config
+from grpoflow.engine.backends import open_engine
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.engine.sglang_launch import sglang_command, start_sglang_server
 from grpoflow.errors import ConfigError, EngineError
-from grpoflow.serving import open_engine
 
 STANDIN = Path(__file__).with_name("sglang_standin.py")
 TIMEOUT_S = 1.5  # client timeout in fault cases; a `slow` fault answers after twice that

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from grpoflow.fileio import sha256_file, sha256_tree
-from grpoflow.tiny_model import IM_END, build_tiny_model
+from tests.fakes.tiny_model import IM_END, build_tiny_model
 
 
 def test_same_seed_same_files_other_seed_other_weights(tiny_model_dir, tmp_path):

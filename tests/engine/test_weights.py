@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from grpoflow.engine.weights import load_safetensors_dir
+from grpoflow.embedded.engine.weights import load_safetensors_dir
 from grpoflow.errors import ModelError
 
 

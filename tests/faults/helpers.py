@@ -8,10 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from grpoflow.collect import collect_step, sandbox_config, agent_factory
 from grpoflow.config import parse_run_config
-from grpoflow.dataset import builtin_dataset_path, load_task
-from grpoflow.prompts import PromptRecord
+from grpoflow.prepare.dataset import builtin_dataset_path, load_task
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.step import agent_factory, collect_step, sandbox_config
 
 
 def prompt(name_or_path) -> PromptRecord:

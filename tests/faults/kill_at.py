@@ -43,7 +43,7 @@ def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
 
 def arm(point: str, step: int, n: int) -> None:
     if point in ("rollout", "eval"):
-        import grpoflow.collect as collect
+        import grpoflow.rollout.step as collect
 
         real, count = collect.append_jsonl, [0]
         where = f"{'step' if point == 'rollout' else 'eval'}_{step}"
@@ -59,9 +59,9 @@ def arm(point: str, step: int, n: int) -> None:
 
         collect.append_jsonl = append
     elif point == "train":
-        import tasks.train
+        import grpoflow.train.step as train_step_mod
 
-        real_step = tasks.train.train_step
+        real_step = train_step_mod.train_step
 
         def train_step(state, samples, cfg, seed, temperature=1.0):
             out = real_step(state, samples, cfg, seed, temperature)
@@ -69,20 +69,20 @@ def arm(point: str, step: int, n: int) -> None:
                 die()
             return out
 
-        tasks.train.train_step = train_step
+        train_step_mod.train_step = train_step
     elif point == "checkpoint":
-        import grpoflow.train as train
+        import grpoflow.run.checkpoint as checkpoint
 
-        real_fsync = train.fsync_path
+        real_fsync = checkpoint.fsync_path
 
         def fsync(path):
             if Path(path).parent.name == f"step_{step}":  # making the step's dir a full checkpoint
                 die()
             real_fsync(path)
 
-        train.fsync_path = fsync  # fsync_files, which makes a step dir durable, calls it
+        checkpoint.fsync_path = fsync  # fsync_files, which makes a step dir durable, calls it
     elif point == "metrics":
-        import grpoflow.reporting as reporting
+        import grpoflow.run.metrics as reporting
 
         real_append = reporting.append_jsonl
 

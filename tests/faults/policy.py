@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpoflow.dataset import builtin_dataset_path
+from grpoflow.prepare.dataset import builtin_dataset_path
 
 BIG = 24.0
 

@@ -9,7 +9,7 @@ import pytest
 
 from grpoflow import fileio
 from grpoflow.fileio import append_jsonl, write_bytes_atomic, write_json_atomic
-from grpoflow.reporting import read_metrics
+from grpoflow.run.metrics import read_metrics
 
 
 def _enospc(*_a, **_k):

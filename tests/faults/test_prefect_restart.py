@@ -9,18 +9,18 @@ again, so the outcome does not depend on how fast the machine restarts it."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-import shutil
 
 import httpx
 import pytest
 
-from grpoflow.reporting import read_metrics
+from grpoflow.run.metrics import read_metrics
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.flow,

@@ -22,8 +22,8 @@ from flows.cli import main
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.fileio import sha256_tree
-from grpoflow.resume import complete_steps
-from grpoflow.rundir import RunPaths
+from grpoflow.run.paths import RunPaths
+from grpoflow.run.resume import complete_steps
 from tests.faults.events import fresh_events_worker, run_events
 from tests.faults.policy import fence_policy, reward_tasks, run_config
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from grpoflow.evaluate import select_trainable
+from grpoflow.scoring import select_trainable
 from tests.faults.helpers import accounted, collect, load_standin, prompt
 from tests.rollout.scripted_engine import Reply, ScriptedEngine
 
@@ -106,7 +106,7 @@ def test_persistent_engine_fault_fails_samples_not_the_step(tmp_path, tiny_model
 
 
 def test_crashing_verifier_is_a_verifier_error_and_its_group_dropped(tmp_path, tiny_model_dir, scripted):
-    from grpoflow.dataset import builtin_dataset_path
+    from grpoflow.prepare.dataset import builtin_dataset_path
 
     task = tmp_path / "tasks" / "hello-crash"
     shutil.copytree(builtin_dataset_path() / "hello-file", task)

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from flows.cli import main
-from grpoflow.dataset import builtin_dataset_path
+from grpoflow.prepare.dataset import builtin_dataset_path
 
 pytestmark = pytest.mark.flow
 

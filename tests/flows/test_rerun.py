@@ -9,7 +9,7 @@ import pytest
 from flows.cli import main
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
-from grpoflow.reporting import read_metrics
+from grpoflow.run.metrics import read_metrics
 from tests.faults.events import fresh_events_worker, run_events
 from tests.faults.policy import fence_policy, reward_tasks, run_config
 
@@ -51,7 +51,7 @@ def test_rerun_reproduces_metrics_and_weights_bit_exact(tmp_path, tiny_model_dir
 
 def test_rerun_reports_the_first_difference(tmp_path, tiny_model_dir):
     """A changed record is found: its step and key are named (the original's metrics are edited here)."""
-    from grpoflow.rerun import first_metrics_difference
+    from grpoflow.run.rerun import first_metrics_difference
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"step": 0, "x": 1.0}\n{"step": 1, "x": 2.0, "y": 3}\n')

@@ -18,10 +18,10 @@ import pytest
 from safetensors.torch import load_file
 
 from flows.train import train_flow
-from grpoflow.agents.chat_tokens import load_tokenizer
 from grpoflow.config import parse_run_config
-from grpoflow.dataset import builtin_dataset_path
-from grpoflow.reporting import read_metrics
+from grpoflow.prepare.dataset import builtin_dataset_path
+from grpoflow.rollout.tokens import load_tokenizer
+from grpoflow.run.metrics import read_metrics
 from tests.harnesses.scripted_openai import terminus_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # tests/engine is not a package

@@ -9,7 +9,7 @@ from prefect.client.orchestration import get_client
 from flows.evaluate import evaluate_flow
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
-from grpoflow.reporting import read_metrics, read_step_records
+from grpoflow.run.metrics import read_metrics, read_step_records
 
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+
 from tests.app_thread import AppThread
 
 

@@ -9,15 +9,24 @@ from types import SimpleNamespace
 import pytest
 from harbor.agents.factory import AgentFactory
 
-from grpoflow.collect import sandbox_config
 from grpoflow.config import parse_run_config
-from grpoflow.credentials import POLICY_KEY_VAR, CredentialError, export_policy_key
 from grpoflow.errors import ConfigError
-from grpoflow.evaluate import classify
-from grpoflow.harnesses import (
-    LOCAL_API_KEY, claude_code_base_url, get_binding, agent_factory, model_alias, sampling_params,
+from grpoflow.rollout.credentials import (
+    POLICY_KEY_VAR,
+    CredentialError,
+    export_policy_key,
+)
+from grpoflow.rollout.harnesses import (
+    LOCAL_API_KEY,
+    agent_factory,
+    claude_code_base_url,
+    get_binding,
+    model_alias,
+    sampling_params,
 )  # fmt: skip
-from grpoflow.rollout import TrialOutcome, TrialSpec
+from grpoflow.rollout.step import sandbox_config
+from grpoflow.rollout.trials import TrialOutcome, TrialSpec
+from grpoflow.scoring import classify
 
 SPEC = TrialSpec("hello-file", "/tasks/hello-file", "g", 3, "step0-hello-file-3", 1234)
 SESSION = "http://10.0.0.5:8100/sessions/step0-hello-file-3/v1"

@@ -17,12 +17,12 @@ from harbor.models.trial.error_policy import ERROR_POLICIES
 from harbor.models.trial.result import ExceptionInfo, TrialResult
 from harbor.models.verifier.result import VerifierResult
 
-from grpoflow.collect import sandbox_config
 from grpoflow.config import RolloutConfig, SandboxName, parse_run_config
-from grpoflow.dataset import builtin_dataset_path
-from grpoflow.evaluate import HARBOR_EXCEPTION_NAMES
-from grpoflow.harnesses import HARNESSES, agent_factory
-from grpoflow.rollout import TrialSpec, build_trial_config
+from grpoflow.prepare.dataset import builtin_dataset_path
+from grpoflow.rollout.harnesses import HARNESSES, agent_factory
+from grpoflow.rollout.step import sandbox_config
+from grpoflow.rollout.trials import TrialSpec, build_trial_config
+from grpoflow.scoring import HARBOR_EXCEPTION_NAMES
 
 SPEC = TrialSpec("hello-file", str(builtin_dataset_path() / "hello-file"), "g", 0, "g-0", 11)
 HARBOR_AGENTS = [h for h, b in HARNESSES.items() if b.harbor_agent in AgentName.values()]

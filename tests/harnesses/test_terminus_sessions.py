@@ -1,5 +1,5 @@
-"""terminus-2 through the session server (grpoflow.sessions) over a scripted /generate, wired as the rollout task
-wires it (`grpoflow.collect.policy_access`): each trial's session becomes its samples."""
+"""terminus-2 through the session server (grpoflow.rollout.sessions) over a scripted /generate, wired as the rollout task
+wires it (`grpoflow.rollout.step.policy_access`): each trial's session becomes its samples."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import shutil
 
 import pytest
 
-from grpoflow.collect import collect_step, policy_access, sandbox_config
 from grpoflow.config import parse_run_config
-from grpoflow.dataset import builtin_dataset_path, load_task
-from grpoflow.prompts import PromptRecord
+from grpoflow.prepare.dataset import builtin_dataset_path, load_task
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.step import collect_step, policy_access, sandbox_config
 from tests.harnesses.scripted_openai import terminus_json
 from tests.rollout.scripted_engine import Reply, ScriptedEngine
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None or shutil.which("tmux") is None, reason="needs bubblewrap and tmux"
 )
-sessions = pytest.importorskip("grpoflow.sessions.server")
+sessions = pytest.importorskip("grpoflow.rollout.sessions.server")
 
 
 def _run(tmp_path, tiny_model_dir, script):
@@ -31,8 +31,8 @@ def _run(tmp_path, tiny_model_dir, script):
     async def step():
         async with policy_access(cfg.rollout, cfg.engine, engine.url, str(tiny_model_dir)) as policy:
             return await collect_step(
-                "t", 0, prompts, cfg.rollout, 0, policy.make_agent, sandbox_config(cfg.rollout), tmp_path / "trials",
-                tmp_path / "details", to_samples=policy.to_samples,
+                "t", 0, prompts, cfg.rollout, 0, policy, sandbox_config(cfg.rollout), tmp_path / "trials",
+                tmp_path / "details",
             )  # fmt: skip
 
     try:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.collect import agent_factory, collect_step, sandbox_config
 from grpoflow.config import parse_run_config
-from grpoflow.dataset import builtin_dataset_path, load_task
-from grpoflow.prompts import PromptRecord
-from grpoflow.rollout import plan_group_trials
+from grpoflow.prepare.dataset import builtin_dataset_path, load_task
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.step import agent_factory, collect_step, sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
 from tests.harnesses.scripted_openai import Reply, ScriptedOpenAI, terminus_json
 
 pytestmark = pytest.mark.skipif(
@@ -103,7 +103,7 @@ def test_max_turns_zero_means_no_policy_call_not_unlimited(tmp_path):
 
 
 def test_the_policy_key_comes_from_a_file_and_is_written_nowhere(tmp_path, monkeypatch):
-    from grpoflow.credentials import POLICY_KEY_VAR, export_policy_key
+    from grpoflow.rollout.credentials import POLICY_KEY_VAR, export_policy_key
 
     key = "sk-policy-test-4242"
     key_file = tmp_path / "policy.key"

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from grpoflow.agents.chat_tokens import load_tokenizer
 from grpoflow.engine.protocol import GenerateRequest
+from grpoflow.rollout.tokens import load_tokenizer
 from tests.app_thread import AppThread
 
 

@@ -10,8 +10,8 @@ from harbor.models.trial.config import AgentConfig, TaskConfig, TrialConfig
 from harbor.models.trial.result import AgentInfo, ExceptionInfo, TrialResult
 from harbor.models.verifier.result import VerifierResult
 
-from grpoflow.evaluate import select_trainable, step_metrics, to_sample, verifier_reward
-from grpoflow.rollout import Attempt, TrialOutcome, TrialSpec
+from grpoflow.rollout.trials import Attempt, TrialOutcome, TrialSpec
+from grpoflow.scoring import select_trainable, step_metrics, to_sample, verifier_reward
 
 
 def _outcome(reward=None, rewards=None, exc=None, end_reason="done", n_attempts=1, group="g", k=0, gen=3):

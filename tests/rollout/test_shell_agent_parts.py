@@ -1,7 +1,7 @@
 import pytest
 
-from grpoflow.agents.chat_tokens import TemplateError, TokenTrajectory, load_tokenizer
-from grpoflow.agents.shell import format_output, parse_command
+from grpoflow.rollout.agents.shell import format_output, parse_command
+from grpoflow.rollout.tokens import TemplateError, TokenTrajectory, load_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from grpoflow.collect import collect_step, sandbox_config, agent_factory
 from grpoflow.config import parse_run_config
-from grpoflow.dataset import builtin_dataset_path, load_task
-from grpoflow.prompts import PromptRecord
+from grpoflow.prepare.dataset import builtin_dataset_path, load_task
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.step import agent_factory, collect_step, sandbox_config
 from tests.rollout.scripted_engine import Reply, ScriptedEngine
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")

@@ -12,8 +12,8 @@ import pytest
 from harbor.models.task.task import Task
 from harbor.models.trial.paths import TrialPaths
 
-from grpoflow.dataset import load_dataset
-from grpoflow.sandbox.local import LocalSandbox
+from grpoflow.embedded.sandbox.local import LocalSandbox
+from grpoflow.prepare.dataset import load_dataset
 
 NO_BWRAP = "bubblewrap (bwrap) is not installed: apt-get install -y bubblewrap (./run.sh test installs it)"
 

@@ -1,5 +1,5 @@
 """Host-side checks for the sandbox tests: find processes by a marker in their command line (by uid, the
-sandbox's own `grpoflow.sandbox.processes.uid_pids` serves)."""
+sandbox's own `grpoflow.embedded.sandbox.processes.uid_pids` serves)."""
 
 from __future__ import annotations
 

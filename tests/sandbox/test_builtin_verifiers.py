@@ -23,14 +23,19 @@ from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 from harbor.models.task.config import TaskOS
-from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
+from harbor.models.trial.config import (
+    AgentConfig,
+    EnvironmentConfig,
+    TaskConfig,
+    TrialConfig,
+)
 from harbor.models.trial.paths import EnvironmentPaths, TrialPaths
 from harbor.trial.trial import Trial
 from harbor.utils.scripts import build_execution_command
 
-from grpoflow.dataset import TaskSpec, load_dataset
-from grpoflow.sandbox import LOCAL_SANDBOX_IMPORT_PATH
-from grpoflow.sandbox.local import LocalSandbox
+from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
+from grpoflow.embedded.sandbox.local import LocalSandbox
+from grpoflow.prepare.dataset import TaskSpec, load_dataset
 
 TASKS = load_dataset("builtin").tasks
 CONCURRENCY = 8  # as in test_sandbox_harbor.py: each trial mostly waits on short bwrap processes

@@ -10,11 +10,16 @@ from pathlib import Path
 import pytest
 from harbor.environments.base import HealthcheckError, SandboxBuildFailedError
 from harbor.models.trial.result import ExceptionInfo
-from harbor.trial.errors import AgentTimeoutError, EnvironmentStartTimeoutError, VerifierTimeoutError
+from harbor.trial.errors import (
+    AgentTimeoutError,
+    EnvironmentStartTimeoutError,
+    VerifierTimeoutError,
+)
 from harbor.verifier.verifier import AddTestsDirError, RewardFileNotFoundError
 
+from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.errors import EngineError
-from grpoflow.sandbox import (
+from grpoflow.rollout.environments import (
     SandboxDiedError,
     SandboxError,
     SandboxStartError,
@@ -22,7 +27,6 @@ from grpoflow.sandbox import (
     is_sandbox_failure,
     is_sandbox_failure_type,
 )
-from grpoflow.sandbox.local import LocalSandbox
 
 
 def test_fail_start_probability_one_always_fails(make_sandbox: Callable[..., LocalSandbox], sandbox_dirs: Path) -> None:

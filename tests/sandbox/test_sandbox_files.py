@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.sandbox.local import LocalSandbox
+from grpoflow.embedded.sandbox.local import LocalSandbox
 
 
 async def _started(env: LocalSandbox) -> LocalSandbox:

@@ -7,12 +7,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
+from harbor.models.trial.config import (
+    AgentConfig,
+    EnvironmentConfig,
+    TaskConfig,
+    TrialConfig,
+)
 from harbor.models.trial.result import TrialResult
 from harbor.trial.trial import Trial
 
-from grpoflow.dataset import load_dataset
-from grpoflow.sandbox import LOCAL_SANDBOX_IMPORT_PATH, is_sandbox_failure
+from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
+from grpoflow.prepare.dataset import load_dataset
+from grpoflow.rollout.environments import is_sandbox_failure
 from tests.sandbox.sandbox_helpers import new_marker, wait_gone
 
 TASKS = load_dataset("builtin").tasks

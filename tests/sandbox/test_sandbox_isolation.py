@@ -13,9 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.sandbox import SandboxDiedError
-from grpoflow.sandbox.local import HOST_LIB_NAMES, OWNED_DIRS, TIMEOUT_EXIT_CODE, LocalSandbox
-from grpoflow.sandbox.processes import uid_pids
+from grpoflow.embedded.sandbox.local import (
+    HOST_LIB_NAMES,
+    OWNED_DIRS,
+    TIMEOUT_EXIT_CODE,
+    LocalSandbox,
+)
+from grpoflow.embedded.sandbox.processes import uid_pids
+from grpoflow.rollout.environments import SandboxDiedError
 from tests.sandbox.sandbox_helpers import live_pids, new_marker, wait_gone
 
 REPO = Path(__file__).resolve().parents[2]

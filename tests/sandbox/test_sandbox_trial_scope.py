@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from grpoflow.sandbox import SandboxDiedError
-from grpoflow.sandbox.local import TIMEOUT_EXIT_CODE, LocalSandbox
+from grpoflow.embedded.sandbox.local import TIMEOUT_EXIT_CODE, LocalSandbox
+from grpoflow.rollout.environments import SandboxDiedError
 from tests.sandbox import test_sandbox_isolation as isolation
 from tests.sandbox.sandbox_helpers import live_pids, new_marker, wait_gone
 

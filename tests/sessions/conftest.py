@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from grpoflow.agents.chat_tokens import load_tokenizer
-from grpoflow.sessions.server import SessionServer
+from grpoflow.rollout.sessions.server import SessionServer
+from grpoflow.rollout.tokens import load_tokenizer
 from tests.app_thread import AppThread
 from tests.rollout.scripted_engine import Reply, ScriptedEngine
 
@@ -44,8 +44,8 @@ def scripted(tiny_model_dir) -> Iterator[Callable[..., tuple[ScriptedEngine, Ses
 @pytest.fixture(scope="module")
 def embedded_engine_url(tiny_model_dir) -> Iterator[str]:
     """The real embedded engine (scheduler + SGLang-API server) over the tiny model, in this process."""
-    from grpoflow.engine.scheduler import Scheduler
-    from grpoflow.engine.server import create_app
+    from grpoflow.embedded.engine.scheduler import Scheduler
+    from grpoflow.embedded.engine.server import create_app
 
     scheduler = Scheduler(tiny_model_dir, seed=0, max_batch_size=8)
     served = AppThread(create_app(scheduler, "tiny"))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from grpoflow.rollout.sessions.segments import segment_samples
+from grpoflow.rollout.sessions.server import SessionServer
 from grpoflow.samples import Sample
-from grpoflow.sessions.segments import segment_samples
-from grpoflow.sessions.server import SessionServer
 
 
 def test_multi_turn_session_trains_exactly_what_the_engine_generated(embedded_engine_url, tiny_model_dir, tok):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpoflow.grpo import group_advantages, policy_loss
 from grpoflow.samples import Sample
-from grpoflow.train import _rollout_minibatches
+from grpoflow.train.grpo import group_advantages, policy_loss
+from grpoflow.train.step import _rollout_minibatches
 
 
 def test_group_statistics_count_a_rollout_once_whatever_its_segments():
@@ -80,9 +80,10 @@ def test_minibatches_keep_a_rollouts_segments_together_and_count_rollouts():
 @pytest.mark.parametrize("aggregation", ["token", "sample"])
 def test_train_step_trains_each_generated_token_of_a_segmented_rollout_once(tiny_model_dir, aggregation):
     from grpoflow.config import TrainConfig
-    from grpoflow.sessions.segments import segment_samples
-    from grpoflow.sessions.tree import SessionTree
-    from grpoflow.train import load_trainer, train_step
+    from grpoflow.rollout.sessions.segments import segment_samples
+    from grpoflow.rollout.sessions.tree import SessionTree
+    from grpoflow.train.step import train_step
+    from grpoflow.train.trainer import load_trainer
 
     tree = SessionTree("a")
     turns = [([5, 6, 7], [10, 11, 12]), ([5, 6, 7, 10, 11, 12, 8], [13]), ([5, 6, 7, 10, 11, 12, 9], [14, 15]),

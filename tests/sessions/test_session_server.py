@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from grpoflow.config import TrainConfig
+from grpoflow.rollout.sessions.segments import segment_samples
 from grpoflow.samples import Sample
-from grpoflow.sessions.segments import segment_samples
-from grpoflow.train import prepare_samples
+from grpoflow.train.step import prepare_samples
 from tests.sessions.conftest import Out
 
 KEY = "sk-session-test-secret-123"
@@ -268,7 +268,7 @@ def test_seed_cap_and_context_limit(scripted, tok):
 
 
 def test_runner_works_from_async_code(tiny_model_dir, tok):
-    from grpoflow.sessions.server import SessionServer
+    from grpoflow.rollout.sessions.server import SessionServer
     from tests.sessions.conftest import ScriptedEngine
 
     engine = ScriptedEngine(str(tiny_model_dir), lambda ids, i: Out([9, tok.eos_token_id]))

@@ -1,7 +1,7 @@
 """The session tree on its own: token prefixes shared once, branches, closed paths, segments."""
 
-from grpoflow.sessions.segments import segments
-from grpoflow.sessions.tree import SessionTree
+from grpoflow.rollout.sessions.segments import segments
+from grpoflow.rollout.sessions.tree import SessionTree
 
 
 def _turn(tree, prompt, out, *, truncated=False, messages=None, reply="r"):

@@ -1,0 +1,271 @@
+"""The embedded engine's HTTP server: SGLang's endpoints over a `Scheduler`, on a CPU box.
+
+    python -m grpoflow.embedded.engine.server --model-path DIR [--host 127.0.0.1] [--port 0] [--seed N] [--threads N]
+        [--max-batch-size N] [--prefix-cache-tokens N] [--port-file PATH] [--served-model-name NAME]
+        [--no-pack-weights]
+
+With `--port 0` the server binds a free port itself and hands the bound socket to uvicorn (no race between
+picking and binding), writes the port to `--port-file` atomically and prints
+`grpoflow-engine listening on http://HOST:PORT`.
+
+Endpoints: POST /generate, POST /update_weights_from_disk, GET /health, GET /model_info,
+GET /get_server_info, POST /flush_cache, POST /v1/chat/completions, GET /v1/models. A bad request gets 400 with a
+one-line message; an engine failure 500 with a message, never a traceback. Error bodies use SGLang's OpenAI-style shape
+`{"object": "error", "message", "type", "param", "code"}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from grpoflow.embedded.engine.chat import (
+    chat_prompt_ids,
+    chat_response,
+    chat_sampling_params,
+)
+from grpoflow.embedded.engine.scheduler import (
+    GenerationResult,
+    InvalidRequest,
+    Scheduler,
+)
+from grpoflow.engine.protocol import (
+    ChatCompletionRequest,
+    GenerateRequest,
+    GenerateResponse,
+    ModelInfo,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResponse,
+)
+from grpoflow.errors import EngineError
+from grpoflow.fileio import write_text_atomic
+from grpoflow.sockets import bind_socket
+
+log = logging.getLogger(__name__)
+
+
+def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> FastAPI:
+    """A FastAPI app serving `scheduler`; the caller owns the scheduler's lifetime."""
+    app = FastAPI(title="grpoflow embedded engine", docs_url=None, redoc_url=None)
+    model_name = served_model_name or scheduler.model_path
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if scheduler.is_alive else 503)
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        scheduler.flush_cache()
+        return Response("Cache flushed.\n", status_code=200)
+
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        hf_config = scheduler.model.config
+        return ModelInfo(
+            model_path=scheduler.model_path,
+            tokenizer_path=scheduler.model_path,
+            is_generation=True,
+            weight_version=scheduler.weight_version,
+            model_type=getattr(hf_config, "model_type", None),
+            architectures=getattr(hf_config, "architectures", None),
+        ).model_dump()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        # SGLang's shape: its server args at the top level, then one `internal_states` entry per scheduler (we
+        # have one). The counters are ours (SGLang's entries hold other keys); a benchmark reads busy_time_s
+        # twice and divides the difference by its wall time to get the engine's busy fraction.
+        return {
+            "model_path": scheduler.model_path,
+            "tokenizer_path": scheduler.model_path,
+            "served_model_name": model_name,
+            "random_seed": scheduler.seed,
+            "max_running_requests": scheduler.max_batch_size,
+            "context_length": scheduler.context_length,
+            "weight_version": scheduler.weight_version,
+            "internal_states": [scheduler.internal_state()],
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "grpoflow",
+            "root": scheduler.model_path,
+            "max_model_len": scheduler.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest) -> dict:
+        fut = scheduler.submit(req.input_ids, req.sampling_params, return_logprob=req.return_logprob, rid=req.rid)
+        result: GenerationResult = await asyncio.wrap_future(fut)
+        # exclude_none: SGLang leaves out what does not apply (finish_reason.matched on "length", logprobs).
+        return _generate_response(result, req.return_logprob).model_dump(exclude_none=True)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
+        res = await asyncio.wrap_future(scheduler.update_weights_from_disk(req.model_path, req.weight_version))
+        body = UpdateWeightsFromDiskResponse(
+            success=res.success, message=res.message, num_paused_requests=res.num_paused_requests
+        ).model_dump()
+        return JSONResponse(body, status_code=200 if res.success else 400)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> dict:
+        prompt_ids = chat_prompt_ids(scheduler.tokenizer, req)
+        futs = [
+            scheduler.submit(
+                prompt_ids,
+                chat_sampling_params(req, len(prompt_ids), scheduler.context_length, i),
+                return_logprob=bool(req.logprobs),
+            )
+            for i in range(req.n)
+        ]
+        results = [await asyncio.wrap_future(f) for f in futs]
+        return chat_response(scheduler.tokenizer, req, model_name, prompt_ids, results)
+
+    return app
+
+
+def _generate_response(r: GenerationResult, return_logprob: bool) -> GenerateResponse:
+    meta = {
+        "id": r.rid,
+        "finish_reason": r.finish_reason,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": len(r.output_ids),
+        "weight_version": r.weight_version,
+    }
+    if return_logprob:
+        # SGLang sends the token text as null unless return_text_in_logprobs.
+        meta["output_token_logprobs"] = [
+            (lp, tok, None) for lp, tok in zip(r.output_logprobs, r.output_ids, strict=True)
+        ]
+    return GenerateResponse.model_validate({"text": r.text, "output_ids": r.output_ids, "meta_info": meta})
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return JSONResponse(body, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        parts = []
+        for err in errors[:3]:
+            loc = [p for p in err.get("loc", ()) if p != "body"]
+            if err.get("type") == "json_invalid":
+                parts.append(f"body is not valid JSON (at character {loc[0] if loc else '?'})")
+            elif not loc and err.get("type") == "model_attributes_type":
+                parts.append("body must be a JSON object (send Content-Type: application/json)")
+            else:
+                parts.append(f"{'.'.join(str(p) for p in loc) or 'body'}: {err.get('msg')}")
+        more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
+        return _error(400, f"{request.url.path}: " + "; ".join(parts) + more, "BadRequestError")
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
+        return _error(400, f"{request.url.path}: {exc}", "BadRequestError")
+
+    @app.exception_handler(EngineError)
+    async def _engine(request: Request, exc: EngineError) -> JSONResponse:
+        return _error(500, f"{request.url.path}: {exc}", "InternalServerError")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error(500, f"{request.url.path}: {type(exc).__name__}: {exc}", "InternalServerError")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m grpoflow.embedded.engine.server", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True, help="Hugging Face model folder (config.json, safetensors).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = a free port, reported via --port-file and stdout.")
+    p.add_argument("--seed", type=int, default=0, help="Engine seed for requests without sampling_seed.")
+    # One thread by default: the engine shares a small, noisy CPU with the trainer and sandboxes, and with two
+    # threads every matmul waits for the slower core, so throughput collapses under contention.
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1).")
+    p.add_argument("--max-batch-size", type=int, default=16, help="Most requests decoded together.")
+    p.add_argument("--prefix-cache-tokens", type=int, default=16384, help="KV kept for prompt reuse; 0 = off.")
+    p.add_argument("--port-file", type=Path, default=None, help="Write the bound port here (atomically).")
+    p.add_argument("--served-model-name", default=None, help="Model id for /v1 endpoints (default: model path).")
+    p.add_argument(
+        "--no-pack-weights", action="store_true", help="Plain F.linear (MKL) instead of oneDNN-packed linears."
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="Exit when this process is gone (the run that started the engine was killed).")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def exit_with_parent(server, parent_pid: int, poll_s: float = 1.0) -> threading.Thread:
+    """Stop `server` (a uvicorn.Server) once `parent_pid` is no longer our parent. A run killed with SIGKILL
+    cannot stop the engine it started (its own session, so no terminal signal reaches it either); without this
+    it would hold a core and gigabytes until someone finds it, and a resumed run would start a second one."""
+
+    def watch() -> None:
+        while not server.should_exit:
+            if os.getppid() != parent_pid:
+                log.warning("the process that started this engine (pid %d) is gone: shutting down", parent_pid)
+                server.should_exit = True
+                return
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+    from transformers.utils import logging as hf_logging
+
+    args = _parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hf_logging.disable_progress_bar()
+    if not Path(args.model_path).is_dir():
+        sys.exit(f"grpoflow-engine: model path {args.model_path} does not exist or is not a directory")
+    scheduler = Scheduler(
+        args.model_path,
+        seed=args.seed,
+        threads=args.threads,
+        max_batch_size=args.max_batch_size,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        pack_weights=not args.no_pack_weights,
+    )
+    sock = bind_socket(args.host, args.port)
+    port = sock.getsockname()[1]
+    if args.port_file is not None:
+        write_text_atomic(args.port_file, f"{port}\n")
+    print(f"grpoflow-engine listening on http://{args.host}:{port}", flush=True)
+    config = uvicorn.Config(
+        create_app(scheduler, args.served_model_name), log_level=args.log_level, access_log=False, timeout_keep_alive=30
+    )
+    server = uvicorn.Server(config)
+    if args.parent_pid is not None:
+        exit_with_parent(server, args.parent_pid)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        scheduler.close()
+        sock.close()
+
+
+if __name__ == "__main__":
+    main()

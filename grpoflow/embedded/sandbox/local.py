@@ -1,0 +1,506 @@
+"""`LocalSandbox`: a Harbor environment that runs every `exec()` in a fresh bubblewrap sandbox on this machine.
+
+Select it with `EnvironmentConfig(import_path="grpoflow.embedded.sandbox.local:LocalSandbox", kwargs={...})`. No docker,
+no daemon: one trial = one temp dir on the host, and each command is one short-lived `bwrap` process over it.
+
+Filesystem (host dirs are per trial, under `<work_dir>/grpoflow-sandbox-<session>-XXXX/`):
+
+    /            <- rootfs/            (a per-trial dir; root-owned, so the sandbox cannot add top-level entries)
+    /usr, /etc   <- the host's, read-only; /bin, /lib, ... are the same symlinks (or read-only binds) as on the host
+    /proc, /dev  <- fresh procfs (the sandbox's own pid namespace) and a minimal /dev
+    /app         <- rootfs/app          workdir, pre-filled from the task's environment/app/
+    /tmp, /root  <- rootfs/tmp, rootfs/root (HOME)
+    /tests, /solution <- rootfs/tests, rootfs/solution (Harbor uploads them)
+    /logs/agent, /logs/verifier, /logs/artifacts <- Harbor's trial dirs (trial_dir/agent, trial_dir/verifier,
+                 trial_dir/artifacts/logs/artifacts), bind-mounted; Harbor therefore reads the agent logs and
+                 reward.txt in place and downloads nothing. With `auto_mounting=False` they are plain dirs under
+                 rootfs/logs/ and Harbor downloads them through `download_dir`.
+
+Nothing else of the host is visible: not /root, /home, /tmp, /work, /opt, the repo. The host's environment
+variables never reach the sandbox: bwrap is started with an explicit environment (PATH, HOME, LANG, the task's
+`[environment.env]`, the trial's env and the exec's env) instead of inheriting `os.environ`.
+
+Isolation per exec: new network (nothing but its own loopback), pid, ipc, uts and cgroup namespaces;
+`--die-with-parent`; `--new-session` (no TIOCSTI into our terminal). Limits per process via `prlimit`
+(RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, no core files). Run as root (CI), the sandbox's processes
+run under a uid of their own (unique per live sandbox, with all capabilities and the bounding set dropped), so
+RLIMIT_NPROC caps this sandbox alone, root-only host files under /etc stay unreadable, and `stop()` can sweep any
+straggler by uid (a passwd entry `sandbox` is bound over /etc/passwd for it). Run as a normal user, bwrap makes
+a user namespace and the sandbox runs as that user; RLIMIT_NPROC is then the user's current process count plus
+`max_processes` (kernels before 5.14 count all of the user's processes against it).
+
+Lifetime (`process_scope`): with "exec" (the default) each exec gets its own pid namespace, so whatever a command
+starts (`&`, `setsid`, `nohup`, a tmux server) dies when the command returns — nothing carries over between execs
+except files. With "trial" (what harnesses driving a terminal need: terminus-2 keeps a tmux server across execs, as
+in Docker or e2b) one long-lived bwrap per sandbox holds the namespaces (same binds, same unshared net, pid, ipc,
+uts, cgroup), started by `start()`: its pid 1 is a root-owned bash loop that reaps orphans and, being the
+namespace's init, ignores every signal sent from inside (`kill -9 -1` cannot end the sandbox). Each exec enters
+those namespaces with `nsenter` and runs under the same prlimit/setpriv as in "exec" mode; background processes
+then live until the agent phase ends (Harbor's `prepare_logs_for_host()`, before the verifier: they are killed
+there) or `stop()` (which SIGKILLs pid 1, and the kernel the rest). A timeout or cancellation kills the exec's
+process group (the command and whatever it did not move to a session of its own). In "exec" scope, on timeout,
+on any exception and on `asyncio.CancelledError` (Harbor cancels the exec when the agent times out) pid 1 of that
+namespace is SIGKILLed, and the kernel kills everything else in it; `stop()` kills whatever is still running and
+deletes the temp dir. If our process dies, `--die-with-parent` takes the sandboxes down (their dirs stay).
+
+Failures: bwrap missing -> `SandboxUnavailableError` (permanent). The sandbox failing to set itself up before
+the command starts -> `SandboxDiedError`; `start()` failing -> `SandboxStartError` (both transient, retried by
+the rollout layer). A command that runs and fails is a normal `ExecResult`; a command past its timeout returns
+exit code 124 (the GNU `timeout` convention Harbor's singularity environment also reports).
+
+Code: this module holds the Harbor environment itself; `grpoflow.embedded.sandbox.rootfs` the per-trial tree (building it,
+bwrap's mounts, sandbox-to-host paths, files in and out); `grpoflow.embedded.sandbox.processes` the host processes (tools,
+sandbox uids, rlimits, output capture, kills and reaping, /proc scans, the trial-scope namespace holder).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
+
+from grpoflow.embedded.sandbox.processes import (
+    HOLDER_LOOP,
+    CappedOutput,
+    allocate_uid,
+    drain,
+    enter_argv,
+    kill_and_reap,
+    kill_exec_and_reap,
+    kill_group,
+    kill_sandbox,
+    kill_uid,
+    limits_argv,
+    process_exit,
+    read_marker,
+    reap_after_kill,
+    release_uid,
+    require_tools,
+    start_holder,
+    stop_holder,
+)
+from grpoflow.embedded.sandbox.rootfs import (
+    HOST_LIB_NAMES,
+    HOST_RO_DIRS,
+    NOT_TRIAL_PATHS,
+    OWNED_DIRS,
+    SANDBOX_HOME,
+    build_rootfs,
+    bwrap_argv,
+    copy_dir_in,
+    copy_dir_out,
+    copy_file_in,
+    copy_file_out,
+    harbor_binds,
+    host_path,
+    make_trial_dir,
+    repair_mount_points,
+    resolve_inside,
+    rmtree,
+    scrub_log_symlinks,
+)
+from grpoflow.rollout.environments import SandboxDiedError, SandboxStartError
+
+PROCESS_SCOPES = ("exec", "trial")
+# Trial scope: after a command exits, how long to keep reading output a background process may still write.
+BACKGROUND_OUTPUT_GRACE_SEC = 0.5
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TIMEOUT_EXIT_CODE = 124  # what GNU `timeout` returns; Harbor's singularity environment reports the same
+DEFAULT_WORKDIR = "/app"
+# Imported from here by tests and callers; the tree's layout lives in rootfs.py, the holder in processes.py.
+__all__ = [
+    "BACKGROUND_OUTPUT_GRACE_SEC",
+    "DEFAULT_WORKDIR",
+    "HOLDER_LOOP",
+    "HOST_LIB_NAMES",
+    "HOST_RO_DIRS",
+    "NOT_TRIAL_PATHS",
+    "OWNED_DIRS",
+    "PROCESS_SCOPES",
+    "SANDBOX_HOME",
+    "SANDBOX_PATH",
+    "TIMEOUT_EXIT_CODE",
+    "LocalSandbox",
+]
+
+
+class LocalSandbox(BaseEnvironment):
+    """A Harbor environment: per-trial host dirs, each `exec()` in its own bubblewrap sandbox (see module doc)."""
+
+    def __init__(
+        self,
+        environment_dir: Path,
+        environment_name: str,
+        session_id: str,
+        trial_paths: Any,
+        task_env_config: Any,
+        logger: Any = None,
+        *,
+        cpu_time_sec: int = 300,
+        memory_mb: int = 2048,
+        max_processes: int = 256,
+        max_file_size_mb: int = 1024,
+        max_output_bytes: int = 1_000_000,
+        work_dir: str | None = None,
+        fail_start_probability: float = 0.0,
+        fail_start_seed: int | None = None,
+        die_after_execs: int | None = None,
+        process_scope: str = "exec",
+        **kwargs: Any,
+    ):
+        """Kwargs (all via `EnvironmentConfig.kwargs`):
+
+        cpu_time_sec: RLIMIT_CPU of every process (CPU seconds; the process gets SIGXCPU/SIGKILL past it).
+        memory_mb: RLIMIT_AS of every process (address space, so set it above what programs merely reserve).
+            The task's `memory_mb` is not used: it means resident memory, which an rlimit cannot cap.
+        max_processes: processes (threads count too) the sandbox may have at once (RLIMIT_NPROC).
+        max_file_size_mb: largest file a process may write (RLIMIT_FSIZE). Disk use as a whole is not capped.
+        max_output_bytes: stdout and stderr of one exec are each cut to this many bytes (head and tail kept).
+        work_dir: where the per-trial temp dirs go (default: the system temp dir).
+        fail_start_probability, fail_start_seed: fault injection for tests: `start()` raises
+            `SandboxStartError` with this probability. With a seed the draw is a function of (seed, session_id),
+            so a retry (a new trial name) draws again while a rerun of the same trial repeats its fate.
+        die_after_execs: fault injection: after this many execs the sandbox "dies": every later exec raises
+            `SandboxDiedError` (Harbor's own execs, e.g. the verifier's, count too).
+        process_scope: "exec" (processes die with their exec) or "trial" (they live until stop(); see module doc).
+        Any other kwarg goes to Harbor's `BaseEnvironment` (`auto_mounting` defaults to True here).
+        """
+        for name, value in (
+            ("cpu_time_sec", cpu_time_sec),
+            ("memory_mb", memory_mb),
+            ("max_processes", max_processes),
+            ("max_file_size_mb", max_file_size_mb),
+            ("max_output_bytes", max_output_bytes),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LocalSandbox: {name} must be a positive integer, got {value!r}")
+        if not 0.0 <= fail_start_probability <= 1.0:
+            raise ValueError(f"LocalSandbox: fail_start_probability must be in [0, 1], got {fail_start_probability}")
+        if process_scope not in PROCESS_SCOPES:
+            raise ValueError(f"LocalSandbox: process_scope must be one of {PROCESS_SCOPES}, got {process_scope!r}")
+        if die_after_execs is not None and die_after_execs < 0:
+            raise ValueError(f"LocalSandbox: die_after_execs must be >= 0, got {die_after_execs}")
+        self.cpu_time_sec = cpu_time_sec
+        self.memory_mb = memory_mb
+        self.max_processes = max_processes
+        self.max_file_size_mb = max_file_size_mb
+        self.max_output_bytes = max_output_bytes
+        self.work_dir = work_dir
+        self.fail_start_probability = fail_start_probability
+        self.fail_start_seed = fail_start_seed
+        self.die_after_execs = die_after_execs
+        self.process_scope = process_scope
+        # Log dirs bound from the trial dir, so Harbor reads them in place (as with Docker's bind mounts).
+        kwargs.setdefault("auto_mounting", True)
+        super().__init__(
+            environment_dir=environment_dir,
+            environment_name=environment_name,
+            session_id=session_id,
+            trial_paths=trial_paths,
+            task_env_config=task_env_config,
+            logger=logger,
+            **kwargs,
+        )
+        self._maybe_resolve_task_env()  # the task's [environment.env] joins every exec's environment
+        self._workdir = task_env_config.workdir or DEFAULT_WORKDIR
+        self._binds = harbor_binds(self._host_mounts)
+        self._root: Path | None = None  # the per-trial temp dir; None until start()
+        self._uid: int | None = None  # the sandbox uid when we are root
+        self._argv_prefix: list[str] = []
+        self._holder: subprocess.Popen[bytes] | None = None  # process_scope="trial": the namespaces' bwrap
+        self._enter_prefix: list[str] = []  # process_scope="trial": nsenter into the holder's namespaces
+        self._procs: set[asyncio.subprocess.Process] = set()
+        self._exec_count = 0
+        self._dead_reason: str | None = None
+
+    # ---- Harbor's environment interface -------------------------------------------------------------------
+
+    @staticmethod
+    def type() -> str:
+        return "grpoflow-local"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        # disable_internet: tasks with network_mode="no-network" are accepted. The sandbox never has a network,
+        # whatever the task asks: a task that needs one fails in it rather than reaching out.
+        return EnvironmentCapabilities(disable_internet=True, mounted=True)
+
+    @classmethod
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
+        # No cgroups: the task's cpus/memory are neither limits nor requests here (see the kwargs for rlimits).
+        return EnvironmentResourceCapabilities(fractional_cpus=True)
+
+    @classmethod
+    def preflight(cls) -> None:
+        require_tools()
+
+    def _validate_definition(self) -> None:
+        # The Dockerfile is not used: the image is the host's /usr. Only environment/app/ matters, and it is
+        # optional.
+        return None
+
+    async def start(self, force_build: bool) -> None:
+        self._maybe_inject_start_fault()
+        tools = require_tools()
+        try:
+            await asyncio.to_thread(self._make_root, tools)
+        except OSError as exc:
+            raise SandboxStartError(f"could not create the sandbox dirs for {self.session_id}: {exc}") from exc
+        if self.process_scope == "trial":
+            # The bwrap that holds the trial's namespaces; every exec then enters them with nsenter.
+            self._holder, holder_pid = await start_holder(self._argv_prefix, self._exec_env(None), self.session_id)
+            self._enter_prefix = enter_argv(tools["nsenter"], holder_pid)
+        # One real command: proves bwrap can create its namespaces here before Harbor starts the agent. Not
+        # counted as an exec (die_after_execs counts the trial's own commands).
+        try:
+            probe = await self._run("true", self._workdir, None, 60)
+        except SandboxDiedError as exc:
+            raise SandboxStartError(f"sandbox for {self.session_id} failed its start probe: {exc}") from exc
+        if probe.return_code != 0:
+            raise SandboxStartError(
+                f"sandbox for {self.session_id} failed its start probe (exit {probe.return_code}): {probe.stderr}"
+            )
+
+    async def stop(self, delete: bool) -> None:
+        self._dead_reason = self._dead_reason or "the sandbox was stopped"
+        for proc in list(self._procs):
+            await (kill_exec_and_reap(proc) if self._holder is not None else kill_and_reap(proc))
+        if self._holder is not None:
+            holder, self._holder = self._holder, None
+            await asyncio.to_thread(stop_holder, holder)
+        if self._uid is not None:
+            # Belt and braces: the pid namespace already took everything down; anything left with our uid goes.
+            await asyncio.to_thread(kill_uid, self._uid)
+            release_uid(self._uid)
+            self._uid = None
+        if self._root is not None:
+            scrub_log_symlinks(self._binds)
+            if delete:
+                await asyncio.to_thread(rmtree, self._root)
+                self._root = None
+
+    async def prepare_logs_for_host(self) -> None:
+        # Harbor calls this once the agent phase is over, before the verifier runs. In trial scope the agent's
+        # processes (its tmux server, whatever the policy left running) end here, so none can touch the files the
+        # verifier reads or writes: the verifier sees files, not processes, as with per-exec scope.
+        if self._holder is not None and self._dead_reason is None and self._holder.poll() is None:
+            await self._end_trial_processes()
+        scrub_log_symlinks(self._binds)
+
+    async def _end_trial_processes(self) -> None:
+        """SIGKILL every process of a trial-scope sandbox but its init, from inside (twice: a process forking
+        while the first sweep runs may leave a child), and as root every process of the sandbox uid."""
+        await self._run("kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true", "/", None, 30)
+        if self._uid is not None:
+            await asyncio.to_thread(kill_uid, self._uid)
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: float | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        """Run `command` with bash in a fresh sandbox. `user` is ignored: every command runs as the sandbox user."""
+        if self._root is None or self._dead_reason is not None:
+            raise SandboxDiedError(
+                f"sandbox {self.session_id}: {self._dead_reason or 'not started'}; cannot run {command[:80]!r}"
+            )
+        self._exec_count += 1
+        if self.die_after_execs is not None and self._exec_count > self.die_after_execs:
+            self._dead_reason = f"injected fault: died after {self.die_after_execs} execs"
+            raise SandboxDiedError(f"sandbox {self.session_id}: {self._dead_reason}")
+        return await self._run(command, cwd or self._workdir, env, timeout_sec)
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        await asyncio.to_thread(self._upload_file, Path(source_path), target_path)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        await asyncio.to_thread(self._upload_dir, Path(source_dir), target_dir)
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        await asyncio.to_thread(self._download_file, source_path, Path(target_path))
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        await asyncio.to_thread(self._download_dir, source_dir, Path(target_dir))
+
+    # ---- one exec -----------------------------------------------------------------------------------------
+
+    async def _run(self, command: str, cwd: str, env: dict[str, str] | None, timeout_sec: float | None) -> ExecResult:
+        if self._holder is None:  # "trial": the holder's mounts are in place for its whole life
+            await asyncio.to_thread(self._repair_mount_points)
+        marker_r, marker_w = os.pipe()
+        argv = self._exec_argv(command, cwd, marker_w)
+        try:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=self._exec_env(env),
+                    start_new_session=True,  # bwrap/nsenter leads its own process group: one killpg ends it
+                    pass_fds=(marker_w,),
+                )
+            finally:
+                os.close(marker_w)  # the sandbox holds the only write end now: EOF once it closed it
+            self._procs.add(proc)
+            try:
+                return await self._collect(proc, marker_r, command, timeout_sec)
+            finally:
+                self._procs.discard(proc)
+                scrub_log_symlinks(self._binds)
+        finally:
+            os.close(marker_r)
+
+    async def _collect(
+        self, proc: asyncio.subprocess.Process, marker_r: int, command: str, timeout_sec: float | None
+    ) -> ExecResult:
+        out, err = CappedOutput(self.max_output_bytes), CappedOutput(self.max_output_bytes)
+        assert proc.stdout is not None and proc.stderr is not None
+        readers = [
+            asyncio.ensure_future(drain(proc.stdout, out)),
+            asyncio.ensure_future(drain(proc.stderr, err)),
+        ]
+        timed_out = False
+        trial_scope = self._holder is not None
+        try:
+            try:
+                async with asyncio.timeout(timeout_sec if timeout_sec else None):
+                    # asyncio's wait() also waits for the pipes to close, which a background process (trial scope)
+                    # may hold open for the rest of the trial: wait for the process itself.
+                    await (process_exit(proc) if trial_scope else proc.wait())
+                    if trial_scope:
+                        # A background process the command left running may hold the pipes open for the rest of
+                        # the trial: take what it wrote by now and stop reading.
+                        await asyncio.wait(readers, timeout=BACKGROUND_OUTPUT_GRACE_SEC)
+                    else:
+                        await asyncio.gather(*readers)
+            except TimeoutError:
+                timed_out = True
+                await (kill_exec_and_reap(proc) if trial_scope else kill_and_reap(proc))
+                # The pipes close as the pid namespace dies; don't wait forever on a descendant that lingers.
+                await asyncio.wait(readers, timeout=5)
+        except BaseException:
+            # Cancellation (Harbor's agent timeout) or any error: the sandbox must not outlive this call. The
+            # kill comes first and is synchronous, so it happens even if the wait below is cut short.
+            if trial_scope:
+                kill_group(proc)
+            else:
+                kill_sandbox(proc)
+            await reap_after_kill(proc, readers)
+            raise
+        for reader in readers:
+            reader.cancel()  # no-op when they finished
+        started = read_marker(marker_r)
+        if self._dead_reason is not None:  # stop() ran meanwhile and killed the command
+            raise SandboxDiedError(f"sandbox {self.session_id}: {self._dead_reason} during {command[:80]!r}")
+        if timed_out:
+            note = f"\n[grpoflow sandbox] command timed out after {timeout_sec} s and was killed\n"
+            return ExecResult(stdout=out.text(), stderr=err.text() + note, return_code=TIMEOUT_EXIT_CODE)
+        if not started:
+            raise SandboxDiedError(
+                f"sandbox {self.session_id} failed before running the command "
+                f"(bwrap exit {proc.returncode}): {err.text().strip()[:2000]}"
+            )
+        if self._holder is not None and self._holder.poll() is not None:
+            raise SandboxDiedError(
+                f"sandbox {self.session_id}: its namespaces ended (bwrap exit {self._holder.returncode}) during "
+                f"{command[:80]!r}"
+            )
+        if trial_scope and proc.returncode is not None and proc.returncode < 0:
+            # nsenter re-raises the signal that killed the command on itself: report it as a shell would.
+            return ExecResult(stdout=out.text(), stderr=err.text(), return_code=128 - proc.returncode)
+        if proc.returncode is not None and proc.returncode < 0:
+            # bwrap itself was killed by a signal (nothing in the sandbox can see it): the host killed it.
+            raise SandboxDiedError(
+                f"sandbox {self.session_id}: bwrap was killed by signal {-proc.returncode} during {command[:80]!r}"
+            )
+        return ExecResult(stdout=out.text(), stderr=err.text(), return_code=proc.returncode or 0)
+
+    def _exec_argv(self, command: str, cwd: str, marker_fd: int) -> list[str]:
+        # The wrapper proves the sandbox came up (a byte on marker_fd, which it then closes so the command can't
+        # touch it); a failure before that byte is the sandbox's, after it the command's. `cd` is done here, not
+        # with bwrap's --chdir, so a missing cwd is the command's failure, not the sandbox's.
+        wrapper = f'printf 1 >&{marker_fd}; exec {marker_fd}>&-; cd -- "$1" || exit 1; exec /bin/bash -c "$2"'
+        prefix = self._enter_prefix if self._holder is not None else self._argv_prefix
+        return [*prefix, *self._limits_argv(), "/bin/bash", "-c", wrapper, "grpoflow-exec", cwd, command]
+
+    def _limits_argv(self) -> list[str]:
+        return limits_argv(
+            memory_mb=self.memory_mb,
+            cpu_time_sec=self.cpu_time_sec,
+            max_processes=self.max_processes,
+            max_file_size_mb=self.max_file_size_mb,
+            uid=self._uid,
+        )
+
+    def _exec_env(self, env: dict[str, str] | None) -> dict[str, str]:
+        base = {"PATH": SANDBOX_PATH, "HOME": SANDBOX_HOME, "LANG": "C.UTF-8"}
+        if self._uid is not None:
+            base["USER"] = base["LOGNAME"] = "sandbox"  # the name our passwd entry gives the sandbox uid
+        return {**base, **(self._merge_env(env) or {})}
+
+    # ---- start: the per-trial tree ------------------------------------------------------------------------
+
+    def _maybe_inject_start_fault(self) -> None:
+        if self.fail_start_probability <= 0.0:
+            return
+        rng = random.Random(f"{self.fail_start_seed}/{self.session_id}") if self.fail_start_seed is not None else random
+        if rng.random() < self.fail_start_probability:
+            raise SandboxStartError(
+                f"injected fault: sandbox {self.session_id} failed to start "
+                f"(fail_start_probability={self.fail_start_probability})"
+            )
+
+    def _make_root(self, tools: dict[str, str]) -> None:
+        root = make_trial_dir(self.work_dir, self.session_id)
+        self._root = root  # mkdtemp's 0700 stays: bwrap binds it as root, the sandbox only sees the mount
+        if os.geteuid() == 0:
+            self._uid = allocate_uid()
+        app = self.environment_dir / "app"
+        extra_ro = build_rootfs(root / "rootfs", app, self._binds, self._uid, self.auto_mounting)
+        self._argv_prefix = bwrap_argv(tools["bwrap"], root, self._binds, self._uid, extra_ro)
+
+    def _repair_mount_points(self) -> None:
+        assert self._root is not None
+        repair_mount_points(self._root / "rootfs", self._binds)
+
+    # ---- files in and out ---------------------------------------------------------------------------------
+
+    def _host_path(self, sandbox_path: str) -> tuple[Path, Path]:
+        """(host path, host dir it must stay inside) for a path in the sandbox."""
+        if self._root is None:
+            raise SandboxDiedError(f"sandbox {self.session_id} is not started (or was deleted): no {sandbox_path}")
+        return host_path(self._root / "rootfs", self._binds, self._workdir, sandbox_path)
+
+    def _upload_file(self, source: Path, target_path: str) -> None:
+        target, base = self._host_path(target_path)
+        copy_file_in(source, target, base, self._uid)
+
+    def _upload_dir(self, source: Path, target_dir: str) -> None:
+        if not source.is_dir():
+            raise FileNotFoundError(f"upload_dir: {source} is not a directory")
+        target, base = self._host_path(target_dir)
+        copy_dir_in(source, target, base, self._uid)
+
+    def _download_source(self, sandbox_path: str) -> Path:
+        """The host file behind a sandbox path, refusing links that lead out of the sandbox's own files."""
+        source, base = self._host_path(sandbox_path)
+        return resolve_inside(sandbox_path, source, base)
+
+    def _download_file(self, source_path: str, target: Path) -> None:
+        copy_file_out(source_path, self._download_source(source_path), target)
+
+    def _download_dir(self, source_dir: str, target: Path) -> None:
+        copy_dir_out(source_dir, self._download_source(source_dir), target)

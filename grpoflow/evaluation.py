@@ -1,0 +1,178 @@
+"""Evaluating the policy inside a train run: fixed prompts and seeds, so two evaluations differ only by the weights.
+
+An evaluation runs `train.eval_samples_per_prompt` trials per prompt of two splits: `trained` (the train split,
+the tasks the run trains on) and `heldout` (the eval split, never trained on). Seeds depend on the prompt and the
+sample only (`EVAL_SEED_STEP`), so the run's first evaluation (the base policy) and every later one run the same
+trials. Its figures go into the metrics row of the step whose weights it measured (`step` = updates so far):
+pass@1 with a 95 % Wilson interval, pass@k, exit-status counts, per-task pass rates and, against the first
+evaluation, the change in pass@1 with a 95 % interval over the paired trials.
+
+The intervals are about these tasks: the split's tasks are fixed and only the sampling is random, so trials are
+independent given their task (pooling tasks of different pass rates makes the binomial interval wider, not
+narrower). Whether a gain carries over to other tasks is what the held-out split, with its few tasks, hints at.
+
+The rollout's own reward depends on which prompts a step drew; `reward_gain` takes each task's base pass rate
+away, so its curve shows what the training changed.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.trials import EVAL_SEED_STEP, TrialSpec, plan_group_trials
+from grpoflow.samples import Sample
+
+# metric-key name of a split -> the prompts.jsonl split it evaluates
+EVAL_SPLITS = {"trained": "train", "heldout": "eval"}
+SUCCESS = 1.0  # a trial passes when the verifier's reward reaches this (as `pass_at_1` of the rollout metrics)
+Z95 = 1.959963984540054
+
+
+def eval_prompts(prompts: Sequence[PromptRecord]) -> dict[str, list[PromptRecord]]:
+    """The prompts each evaluated split holds (in prompts.jsonl order); splits without prompts are left out."""
+    out = {name: [p for p in prompts if p.split == split] for name, split in EVAL_SPLITS.items()}
+    return {name: ps for name, ps in out.items() if ps}
+
+
+def eval_specs(name: str, prompts: Sequence[PromptRecord], version: int, n: int, seed: int) -> list[TrialSpec]:
+    """The trials of split `name`'s evaluation of weight version `version`: the same seeds for every version."""
+    return plan_group_trials(prompts, EVAL_SEED_STEP, n, seed, prefix=f"eval{version}-{name}")
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """95 % score interval of a binomial proportion (sound at 0 and n successes, unlike the normal one)."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))  # p inside, whatever the rounding
+
+
+def paired_change(before: Sequence[bool], after: Sequence[bool], z: float = Z95) -> tuple[float, float, float]:
+    """Change in pass rate over paired trials (same task, same seed: passed before, passed after) and its 95 %
+    interval: Agresti-Min's adjusted Wald interval for paired proportions (half a trial added to each of the four
+    cells), which stays honest where the plain one collapses to a point (every pair changed alike, few pairs)."""
+    pairs = list(zip(before, after, strict=True))
+    n = len(pairs)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    gained = sum(not b and a for b, a in pairs)
+    lost = sum(b and not a for b, a in pairs)
+    p_gained, p_lost = (gained + 0.5) / (n + 2), (lost + 0.5) / (n + 2)
+    centre = p_gained - p_lost
+    half = z * math.sqrt(max(0.0, (p_gained + p_lost - centre * centre) / (n + 2)))
+    return (gained - lost) / n, max(-1.0, centre - half), min(1.0, centre + half)
+
+
+def _passed(s: Sample) -> float:
+    return float(s.reward is not None and s.reward >= SUCCESS)
+
+
+def _trials(samples: Sequence[Sample]) -> dict[tuple[str, int], Sample]:
+    """One sample per trial (the first segment stands for a compacted one), keyed by (task, sample index): the
+    key pairs a trial with the same trial of another evaluation."""
+    out: dict[tuple[str, int], Sample] = {}
+    for s in samples:
+        out.setdefault((s.instance_id, s.sample_index), s)
+    return out
+
+
+def eval_metrics(name: str, samples: Sequence[Sample], baseline: Sequence[Sample] | None = None) -> dict[str, float]:
+    """`eval/<name>/...` figures of one split's evaluation; with `baseline` (the run's first evaluation of the
+    split) also the change in pass@1 over the trials both scored. A trial without a verifier reward (FAILED) is
+    counted under its exit status and left out of pass rates."""
+    trials = _trials(samples)
+    scored = [s for s in trials.values() if s.reward is not None]
+    wins = int(sum(_passed(s) for s in scored))
+    lo, hi = wilson_interval(wins, len(scored))
+    by_task: dict[str, list[Sample]] = defaultdict(list)
+    for s in scored:
+        by_task[s.instance_id].append(s)
+    p = f"eval/{name}/"
+    m: dict[str, float] = {
+        p + "trials": float(len(trials)),
+        p + "scored": float(len(scored)),
+        p + "pass_at_1": wins / len(scored) if scored else float("nan"),
+        p + "pass_at_1_ci95_low": lo,
+        p + "pass_at_1_ci95_high": hi,
+        p + "pass_at_k": statistics.fmean(any(map(_passed, g)) for g in by_task.values()) if by_task else float("nan"),
+        p + "reward_mean": statistics.fmean(s.reward for s in scored) if scored else float("nan"),
+    }
+    for status, count in sorted(Counter(s.exit_status for s in trials.values()).items()):
+        m[f"{p}exit/{status}"] = float(count)
+    for task, group in sorted(by_task.items()):
+        m[f"{p}task/{task}"] = statistics.fmean(map(_passed, group))
+    if baseline is not None:
+        base = _trials(baseline)
+        keys = [k for k, s in trials.items() if s.reward is not None and k in base and base[k].reward is not None]
+        mean, low, high = paired_change([_passed(base[k]) > 0 for k in keys], [_passed(trials[k]) > 0 for k in keys])
+        m.update({p + "pass_at_1_change": mean, p + "pass_at_1_change_ci95_low": low,
+                  p + "pass_at_1_change_ci95_high": high, p + "paired_trials": float(len(keys))})  # fmt: skip
+    return m
+
+
+def base_pass_rates(row: Mapping[str, float]) -> dict[str, float]:
+    """Per-task pass rates of the `trained` split from an evaluation's metrics row."""
+    prefix = "eval/trained/task/"
+    return {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
+
+
+def task_rewards(samples: Sequence[Sample]) -> dict[str, float]:
+    """Mean reward per task of a rollout step's scored trials: each task's own curve across the steps."""
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for s in _trials(samples).values():
+        if s.reward is not None:
+            by_task[s.instance_id].append(s.reward)
+    return {task: statistics.fmean(rewards) for task, rewards in sorted(by_task.items())}
+
+
+def reward_gain(samples: Sequence[Sample], base_rates: Mapping[str, float]) -> float:
+    """Mean over a rollout step's scored trials of (passed - the task's pass rate under the base policy): zero
+    while the policy is the base one, whichever prompts the step drew."""
+    scored = [s for s in _trials(samples).values() if s.reward is not None and s.instance_id in base_rates]
+    return statistics.fmean(_passed(s) - base_rates[s.instance_id] for s in scored) if scored else float("nan")
+
+
+SPLIT_LABELS = {"trained": "trained tasks", "heldout": "held-out tasks"}
+
+
+def _interval(row: Mapping[str, float], key: str, signed: bool = False) -> str:
+    f = "{:+.3f}" if signed else "{:.3f}"
+    return f"{f.format(row[key])} [{f.format(row[key + '_ci95_low'])}, {f.format(row[key + '_ci95_high'])}]"
+
+
+def evaluation_lines(row: Mapping[str, float], label: str) -> list[str]:
+    """One line per evaluated split of an evaluation's metrics: pass@1 with its 95 % interval, and the change
+    since the base policy when the row has it."""
+    lines = []
+    for name, title in SPLIT_LABELS.items():
+        p = f"eval/{name}/"
+        if p + "pass_at_1" not in row:
+            continue
+        line = (f"evaluation, {label}: {title} pass@1 {_interval(row, p + 'pass_at_1')} "
+                f"({int(row[p + 'scored'])} trials), pass@k {row[p + 'pass_at_k']:.2f}")  # fmt: skip
+        if p + "pass_at_1_change" in row:
+            line += f"; change since the base policy {_interval(row, p + 'pass_at_1_change', signed=True)}"
+        lines.append(line)
+    return lines
+
+
+def before_after_lines(first: Mapping[str, float], last: Mapping[str, float]) -> list[str]:
+    """The run's verdict: per split, pass@1 of the base policy -> the trained one, and the paired change."""
+    lines = []
+    for name, title in SPLIT_LABELS.items():
+        p = f"eval/{name}/"
+        if p + "pass_at_1" not in first or p + "pass_at_1_change" not in last:
+            continue
+        change = last[p + "pass_at_1_change"]
+        low, high = last[p + "pass_at_1_change_ci95_low"], last[p + "pass_at_1_change_ci95_high"]
+        verdict = "better" if low > 0 else "worse" if high < 0 else "no significant change"
+        lines.append(f"{title + ':':16s} pass@1 {_interval(first, p + 'pass_at_1')} -> "
+                     f"{_interval(last, p + 'pass_at_1')}, change {change:+.3f} [{low:+.3f}, {high:+.3f}]: "
+                     f"{verdict} ({int(last.get(p + 'paired_trials', last[p + 'scored']))} paired trials)")  # fmt: skip
+    return lines

@@ -1,0 +1,197 @@
+"""A dataset: a directory of Harbor task directories, validated up front.
+
+Each task dir holds `task.toml`, `instruction.md`, `tests/test.sh`, `solution/solve.sh` and `environment/`
+(Harbor 0.25's layout). `task.toml` is parsed with Harbor's own `TaskConfig`, and Harbor's `Task` must accept
+the dir too, so a task we load is a task Harbor will run. Problems surface here, before any rollout, as one
+`DatasetError` per problem with a one-line message naming the task dir.
+
+The built-in dataset ships in `grpoflow/data/tasks` (`load_dataset("builtin")`). Its tasks that need input
+files keep them in `environment/app/`; the sandbox copies that folder into `/app` before the agent starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from harbor.models.task.config import TaskConfig
+from harbor.models.task.task import Task, strip_canary
+from pydantic import ValidationError
+
+from grpoflow.errors import DatasetError
+from grpoflow.fileio import sha256_tree
+
+BUILTIN = "builtin"
+MAX_INSTRUCTION_BYTES = 64 * 1024
+# Values the built-in tasks use; other datasets may use their own (Harbor does not constrain metadata).
+DIFFICULTIES = ("easy", "medium", "hard")
+CATEGORIES = ("file", "shell", "text")
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One validated task directory."""
+
+    name: str  # the task dir's name, unique within its dataset
+    path: Path  # absolute path of the task dir
+    instruction: str  # instruction.md as Harbor shows it to the agent (canary lines stripped)
+    difficulty: str  # [metadata].difficulty, or "unknown"
+    category: str  # [metadata].category, or "unknown"
+    agent_timeout_sec: float | None  # [agent].timeout_sec; None means Harbor applies no limit
+    verifier_timeout_sec: float  # [verifier].timeout_sec (Harbor's default 600 s when unset)
+    metadata: dict[str, Any] = field(default_factory=dict)  # the whole [metadata] table
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Validated tasks of one dataset directory, sorted by name, and a hash of all their files."""
+
+    root: Path
+    tasks: tuple[TaskSpec, ...]
+    sha256: str
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def by_name(self, name: str) -> TaskSpec:
+        for task in self.tasks:
+            if task.name == name:
+                return task
+        raise KeyError(name)
+
+
+def builtin_dataset_path() -> Path:
+    """The packaged task directories (`grpoflow/data/tasks`)."""
+    return Path(__file__).resolve().parents[1] / "data" / "tasks"
+
+
+def load_dataset(path: str | Path, *, require_solution: bool = True) -> Dataset:
+    """Load and validate every task dir under `path` (or the built-in set for the string "builtin").
+
+    Every non-hidden subdirectory of `path` must be a valid task dir; the first problem found raises
+    `DatasetError`. `require_solution` demands `solution/solve.sh` (the oracle), which the built-in set and
+    any dataset whose rewards we want to trust must have.
+    """
+    root = builtin_dataset_path() if isinstance(path, str) and path == BUILTIN else Path(path)
+    root = root.expanduser().resolve()
+    if not root.is_dir():
+        raise DatasetError(f"{root}: dataset directory does not exist or is not a directory")
+    task_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not _is_hidden(p))
+    if not task_dirs:
+        raise DatasetError(f"{root}: dataset directory holds no task directories")
+    tasks = tuple(load_task(d, require_solution=require_solution) for d in task_dirs)
+    _check_unique_names(tasks)
+    return Dataset(root=root, tasks=tasks, sha256=_dataset_sha256(tasks))
+
+
+def load_task(task_dir: Path, *, require_solution: bool = True) -> TaskSpec:
+    """Validate one task dir and describe it; raises `DatasetError` naming the dir and the problem."""
+    task_dir = Path(task_dir).resolve()
+    config = _load_config(task_dir)
+    if config.steps:
+        _fail(task_dir, "multi-step tasks ([[steps]] in task.toml) are not supported")
+    instruction = _load_instruction(task_dir)
+    if not (task_dir / "tests" / "test.sh").is_file():
+        _fail(task_dir, "missing tests/test.sh (the verifier)")
+    if require_solution and not (task_dir / "solution" / "solve.sh").is_file():
+        _fail(task_dir, "missing solution/solve.sh (the oracle solution)")
+    if not (task_dir / "environment").is_dir():
+        _fail(task_dir, "missing environment/ directory")
+    try:
+        # Harbor's own checks on top of ours (e.g. inputs that symlink out of the task dir), so a task we
+        # accept is one that Trial will accept.
+        Task(task_dir)
+    except (OSError, ValueError, RuntimeError) as e:
+        _fail(task_dir, f"Harbor rejects the task: {_one_line(str(e))}")
+    metadata = dict(config.metadata)
+    return TaskSpec(
+        name=task_dir.name,
+        path=task_dir,
+        instruction=instruction,
+        difficulty=_metadata_str(task_dir, metadata, "difficulty"),
+        category=_metadata_str(task_dir, metadata, "category"),
+        agent_timeout_sec=config.agent.timeout_sec,
+        verifier_timeout_sec=config.verifier.timeout_sec,
+        metadata=metadata,
+    )
+
+
+def _load_config(task_dir: Path) -> TaskConfig:
+    config_path = task_dir / "task.toml"
+    if not config_path.is_file():
+        _fail(task_dir, "missing task.toml")
+    try:
+        text = config_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        _fail(task_dir, f"task.toml is not UTF-8: {_one_line(str(e))}")
+    try:
+        return TaskConfig.model_validate_toml(text)
+    except tomllib.TOMLDecodeError as e:
+        _fail(task_dir, f"task.toml is not valid TOML: {_one_line(str(e))}")
+    except ValidationError as e:
+        errors = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'task'}: {err['msg']}"
+            for err in e.errors(include_url=False, include_input=False)
+        )
+        _fail(task_dir, f"task.toml does not match Harbor's task config: {_one_line(errors)}")
+
+
+def _load_instruction(task_dir: Path) -> str:
+    path = task_dir / "instruction.md"
+    if not path.is_file():
+        _fail(task_dir, "missing instruction.md")
+    data = path.read_bytes()
+    if len(data) > MAX_INSTRUCTION_BYTES:
+        _fail(task_dir, f"instruction.md is {len(data)} bytes, over the {MAX_INSTRUCTION_BYTES}-byte limit")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _fail(task_dir, f"instruction.md is not UTF-8: {_one_line(str(e))}")
+    instruction = strip_canary(text)
+    if not instruction.strip():
+        _fail(task_dir, "instruction.md is empty")
+    return instruction
+
+
+def _metadata_str(task_dir: Path, metadata: dict[str, Any], key: str) -> str:
+    value = metadata.get(key, UNKNOWN)
+    if not isinstance(value, str) or not value:
+        _fail(task_dir, f"task.toml [metadata].{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _check_unique_names(tasks: tuple[TaskSpec, ...]) -> None:
+    # Names come from directory names, which a case-insensitive filesystem or a later merge of datasets can
+    # make collide; trials, artifacts and metrics are keyed by name, so compare them case-folded.
+    seen: dict[str, TaskSpec] = {}
+    for task in tasks:
+        key = task.name.casefold()
+        if key in seen:
+            raise DatasetError(f"{task.path}: duplicate task name {task.name!r} (also {seen[key].path})")
+        seen[key] = task
+
+
+def _dataset_sha256(tasks: tuple[TaskSpec, ...]) -> str:
+    # Per task: its name and the hash of every file in it (paths, exec bits, bytes). Files beside the task
+    # dirs (a README at the root, hidden dirs) are not part of the dataset and do not change the hash.
+    h = hashlib.sha256()
+    for task in tasks:
+        h.update(f"{task.name}\0{sha256_tree(task.path)}\n".encode())
+    return h.hexdigest()
+
+
+def _is_hidden(path: Path) -> bool:
+    return path.name.startswith(".") or path.name == "__pycache__"
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _fail(task_dir: Path, problem: str) -> NoReturn:
+    raise DatasetError(_one_line(f"{task_dir}: {problem}"))

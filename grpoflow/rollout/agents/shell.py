@@ -1,0 +1,182 @@
+"""The shell agent: a Harbor agent whose policy writes one bash command per turn, in a fence.
+
+Turn loop: generate (tokens in, tokens out, via the engine's `/generate`) -> parse the fenced command -> run it in
+the sandbox -> feed back its output (capped) -> ... until the policy says DONE, gives no command, or the turn or
+token budget runs out.
+
+Early truncation exit: a turn that ends with finish_reason `length` ends the episode at once. Its half-written
+command is not run and no further policy call is made (the tail would be discarded by training anyway, and in
+long-context runs it was a fifth of all rollout time); the turn stays in the trajectory and the agent returns
+normally, so Harbor still runs the verifier and the sample is scored (status TRUNCATED).
+
+Everything the trainer needs is kept in `context.metadata["grpoflow"]`, updated after every turn, so it survives
+a timeout or an error (Harbor keeps the context).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from harbor.agents.base import BaseAgent
+from harbor.environments.base import BaseEnvironment
+from harbor.models.agent.context import AgentContext
+
+from grpoflow.engine.client import EngineClient
+from grpoflow.engine.protocol import SamplingParams
+from grpoflow.rollout.tokens import TokenTrajectory, is_cut_off, load_tokenizer
+
+SYSTEM_PROMPT = """You are a shell agent working in a Linux sandbox; your working directory is /app.
+Reply with exactly one bash command in a fenced code block, like this:
+```bash
+echo hello > /app/hello.txt
+```
+You will see the command's output. When the task is done, reply with the single word DONE."""
+
+# Stop at a fence followed by a newline: that is a command's closing fence (the opening one carries a language,
+# "```bash\n", as the system prompt shows). What a small model writes after the command is never executed, and
+# cutting it off at the engine saves the generation; the text is cut before the match, which the regex accepts.
+STOP_STRINGS = ["```\n"]
+_FENCE = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_DONE = re.compile(r"\bDONE\b")
+
+# Why an episode ended (recorded in metadata; evaluate maps `truncated` to status TRUNCATED).
+END_DONE, END_NO_COMMAND, END_MAX_TURNS, END_TOKEN_BUDGET, END_TRUNCATED = (
+    "done", "no_command", "max_turns", "token_budget", "truncated",
+)  # fmt: skip
+
+
+def parse_command(reply: str) -> str | None:
+    """The first fenced block's content, or None. An unclosed fence counts only if the turn was not cut off."""
+    m = _FENCE.search(reply)
+    if not m:
+        return None
+    cmd = m.group(1).strip()
+    return cmd or None
+
+
+def format_output(stdout: str | None, stderr: str | None, return_code: int, cap: int) -> str:
+    """Exit code plus output; over `cap` chars keep the head and the tail (errors tend to be at the end)."""
+    out = (stdout or "") + (stderr or "")
+    if len(out) > cap:
+        half = cap // 2
+        out = f"{out[:half]}\n[... {len(out) - 2 * half} characters cut ...]\n{out[-half:]}"
+    return f"exit code {return_code}\n{out}".rstrip()
+
+
+class ShellAgent(BaseAgent):
+    def __init__(
+        self,
+        *args: Any,
+        engine_url: str,
+        tokenizer_path: str,
+        max_turns: int = 4,
+        max_new_tokens: int = 96,
+        max_context_tokens: int = 4096,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int = 0,
+        command_timeout_sec: float = 30.0,
+        output_cap_chars: int = 2000,
+        early_truncation_exit: bool = True,
+        request_timeout_s: float = 300.0,
+        engine_retries: int = 3,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self.engine_url = engine_url
+        self.tokenizer_path = tokenizer_path
+        self.max_turns = max_turns
+        self.max_new_tokens = max_new_tokens
+        self.max_context_tokens = max_context_tokens
+        self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.seed = seed
+        self.command_timeout_sec = command_timeout_sec
+        self.output_cap_chars = output_cap_chars
+        self.early_truncation_exit = early_truncation_exit
+        self.request_timeout_s = request_timeout_s
+        self.engine_retries = engine_retries
+
+    @staticmethod
+    def name() -> str:
+        return "grpoflow-shell"
+
+    def version(self) -> str:
+        return "1"
+
+    async def setup(self, environment: BaseEnvironment) -> None:
+        return None
+
+    async def set_web_tools_disabled(self, disabled: bool, environment: BaseEnvironment) -> None:
+        return None  # the agent has no web tools; the sandbox has no network anyway
+
+    async def run(self, instruction: str, environment: BaseEnvironment, context: AgentContext) -> None:
+        tokenizer = load_tokenizer(self.tokenizer_path)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
+        traj = TokenTrajectory.start(tokenizer, messages)
+        rec: dict[str, Any] = {
+            "end_reason": None, "turns": 0, "generation_time_s": 0.0, "tool_time_s": 0.0, "truncated": False,
+            "tokens_after_truncation": 0, "policy_calls": 0, "commands_run": 0, "weight_version": None,
+        }  # fmt: skip
+        client = EngineClient(self.engine_url, timeout=self.request_timeout_s, retries=self.engine_retries)
+        try:
+            rec["end_reason"] = await self._loop(traj, environment, client, rec, context)
+        finally:
+            await client.aclose()
+            self._record(context, traj, rec)
+
+    async def _loop(self, traj, environment, client, rec, context) -> str:
+        while True:
+            if rec["turns"] >= self.max_turns:
+                return END_MAX_TURNS
+            if len(traj.tokens) + self.max_new_tokens > self.max_context_tokens:
+                return END_TOKEN_BUDGET
+            params = SamplingParams(
+                max_new_tokens=self.max_new_tokens, sampling_seed=self.seed + rec["turns"], stop=STOP_STRINGS,
+                **self.sampling,
+            )
+            t0 = time.perf_counter()
+            resp = await client.agenerate(traj.tokens, params, return_logprob=True)
+            rec["generation_time_s"] += time.perf_counter() - t0
+            rec["policy_calls"] += 1
+            rec["turns"] += 1
+            rec["weight_version"] = resp.meta_info.weight_version
+            if rec["truncated"]:  # only reachable with the early exit switched off (benchmarks)
+                rec["tokens_after_truncation"] += len(resp.output_ids)
+            reply = traj.add_generated(resp.output_ids, resp.logprobs)
+            if is_cut_off(resp.meta_info.finish_reason.type, resp.output_ids, traj.tokenizer.eos_token_id):
+                rec["truncated"] = True
+                if self.early_truncation_exit:
+                    return END_TRUNCATED
+            self._record(context, traj, rec)
+            command = parse_command(reply)
+            if command is None:
+                return END_DONE if _DONE.search(reply) else END_NO_COMMAND
+            t0 = time.perf_counter()
+            result = await environment.exec(command, cwd="/app", timeout_sec=self.command_timeout_sec)
+            rec["tool_time_s"] += time.perf_counter() - t0
+            rec["commands_run"] += 1
+            feedback = format_output(result.stdout, result.stderr, result.return_code, self.output_cap_chars)
+            traj.add_user(feedback)
+            if _DONE.search(reply):
+                return END_DONE
+
+    def _record(self, context: AgentContext, traj: TokenTrajectory, rec: dict[str, Any]) -> None:
+        gen = traj.n_generated
+        context.n_input_tokens = len(traj.tokens) - gen
+        context.n_output_tokens = gen
+        context.metadata = {
+            **(context.metadata or {}),
+            "grpoflow": {
+                **rec,
+                "end_reason": rec["end_reason"] if rec["end_reason"] is not None else (
+                    END_TRUNCATED if rec["truncated"] else None),
+                "tokens": list(traj.tokens),
+                "loss_mask": list(traj.loss_mask),
+                "rollout_logprobs": list(traj.logprobs),
+                "prompt_len": traj.prompt_len,
+                "messages": list(traj.messages),
+            },
+        }  # fmt: skip

@@ -1,0 +1,257 @@
+"""Harness bindings: how each agent harness is configured for one trial (Harbor `AgentConfig` kwargs and env).
+
+`HARNESSES` maps `rollout.harness` to a `HarnessBinding`; `harness_agent_factory` turns a run's config into the
+`TrialSpec -> AgentConfig` factory the rollout layer calls once per trial attempt. Every binding but `shell` talks
+to an OpenAI-compatible policy endpoint given per trial (`api_base`, ending in `/v1`): today the engine's own
+(`<engine_url>/v1`); with the session server `<url>/sessions/<rollout_id>/v1` (pass `api_base_for`).
+
+    harness      Harbor agent      how it reaches the policy
+    shell        (grpoflow's)      tokens in/out on the engine's /generate (not through api_base)
+    terminus-2   terminus-2        LiteLLM `hosted_vllm/<model>` at api_base; key in llm_kwargs (or by variable)
+    claude-code  claude-code       ANTHROPIC_BASE_URL = the server root (api_base without `/v1`: the SDK adds it)
+    opencode     opencode          a custom provider `grpoflow` (npm @ai-sdk/openai-compatible, chat completions)
+                                   at api_base; opencode's built-in `openai` provider would use the Responses API
+
+Keys: our local servers take any key, so a fixed dummy is used. A real key (`rollout.policy_api_key_file`) is
+exported into this process's environment as `POLICY_KEY_VAR` (by `grpoflow.rollout.credentials.export_policy_key`) and the
+bindings only name that variable (`AgentConfig.model_api_key_name`, or a `${VAR}` template in `AgentConfig.env`
+that Harbor resolves when it builds the agent): Harbor writes every trial's config to its trial dir, so a key
+value never goes into a config.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from harbor.models.trial.config import AgentConfig
+
+from grpoflow.config import EngineConfig, RolloutConfig
+from grpoflow.errors import ConfigError
+from grpoflow.rollout.credentials import POLICY_KEY_VAR
+from grpoflow.rollout.trials import TrialSpec
+
+SHELL_AGENT = "grpoflow.rollout.agents.shell:ShellAgent"
+TERMINUS_AGENT = "grpoflow.rollout.agents.terminus:GrpoTerminus2"
+LOCAL_API_KEY = "grpoflow-local"  # not a secret: what our engine and session server accept (they check none)
+OPENCODE_PROVIDER = "grpoflow"
+
+
+@dataclass(frozen=True)
+class TrialEndpoint:
+    """Where one trial's harness finds the policy."""
+
+    api_base: str  # OpenAI-compatible base URL ending in /v1
+    model: str  # the served model name
+    key_from_env: bool  # True: the key is in the process env as POLICY_KEY_VAR; False: LOCAL_API_KEY
+
+
+@dataclass(frozen=True)
+class BindingInput:
+    rollout: RolloutConfig
+    engine: EngineConfig
+    spec: TrialSpec
+    endpoint: TrialEndpoint
+    engine_url: str
+    tokenizer_path: str
+
+
+@dataclass(frozen=True)
+class HarnessBinding:
+    harbor_agent: str  # Harbor's AgentName value of the agent (ours subclass it or are registered by import path)
+    build: Callable[[BindingInput], AgentConfig]
+    # Extra kwargs of the local sandbox this harness needs (terminus-2: a tmux server that lives across execs).
+    local_sandbox_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    needs_network_in_sandbox: bool = False  # installs its CLI with npm inside the sandbox
+    # Speaks OpenAI chat and re-sends the conversation as text: reaches the policy through the session server,
+    # which keeps the exact tokens. Our shell agent keeps them itself and talks to the engine directly.
+    via_session_server: bool = True
+
+
+def sampling_params(rollout: RolloutConfig, seed: int) -> dict[str, Any]:
+    """OpenAI chat-completion sampling parameters of one trial (terminus-2's `llm_call_kwargs`)."""
+    params: dict[str, Any] = {
+        "temperature": rollout.temperature,
+        "top_p": rollout.top_p,
+        "max_tokens": rollout.max_new_tokens,
+        "seed": seed,
+    }
+    if rollout.top_k != -1:
+        params["extra_body"] = {"top_k": rollout.top_k}  # not an OpenAI parameter; SGLang and our engine read it
+    return params
+
+
+def _shell(b: BindingInput) -> AgentConfig:
+    r = b.rollout
+    return AgentConfig(
+        import_path=SHELL_AGENT,
+        kwargs={
+            "engine_url": b.engine_url,
+            "tokenizer_path": b.tokenizer_path,
+            "max_turns": r.max_turns,
+            "max_new_tokens": r.max_new_tokens,
+            "max_context_tokens": r.max_context_tokens,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_k": r.top_k,
+            "seed": b.spec.seed,
+            "command_timeout_sec": r.command_timeout_sec,
+            "output_cap_chars": r.output_cap_chars,
+            "early_truncation_exit": r.early_truncation_exit,
+            "request_timeout_s": b.engine.request_timeout_s,
+            "engine_retries": b.engine.retries,
+        },
+    )
+
+
+def _terminus(b: BindingInput) -> AgentConfig:
+    r, ep = b.rollout, b.endpoint
+    kwargs: dict[str, Any] = {
+        "api_base": ep.api_base,
+        "parser_name": r.parser,
+        "llm_call_kwargs": sampling_params(r, b.spec.seed),
+        # Terminus-2 has no api_key parameter: LiteLLM takes it from llm_kwargs (or the key variable below).
+        "llm_kwargs": {} if ep.key_from_env else {"api_key": LOCAL_API_KEY},
+        # LiteLLM knows nothing of our model: tell terminus-2 its window (proactive summarisation reads it).
+        "model_info": {
+            "max_input_tokens": r.max_context_tokens, "max_output_tokens": r.max_new_tokens,
+            # all four costs, or LiteLLM warns per trial that the cache costs default to 0
+            "input_cost_per_token": 0.0, "output_cost_per_token": 0.0,
+            "cache_creation_input_token_cost": 0.0, "cache_read_input_token_cost": 0.0,
+        },  # fmt: skip
+        "enable_summarize": r.summarize,
+        "trajectory_config": {"linear_history": r.linear_history},
+        "collect_rollout_details": True,
+        "max_turns": r.max_turns,  # always set (0 means no turn), never left to terminus-2's 1e6
+        "suppress_max_turns_warning": True,
+        "record_terminal_session": False,  # asciinema is not in the sandbox and cannot be installed offline
+        "early_truncation_exit": r.early_truncation_exit,
+        # terminus-2 has no web tools to turn off; saying so keeps Harbor from logging an ERROR per trial when
+        # the sandbox has no network.
+        "disable_web_search": False,
+    }
+    return AgentConfig(
+        name=None,
+        import_path=TERMINUS_AGENT,
+        model_name=f"hosted_vllm/{ep.model}",
+        # The key by name only; terminus-2's env (AgentConfig.env) is exported into the sandbox's terminal.
+        model_api_key_name=POLICY_KEY_VAR if ep.key_from_env else None,
+        kwargs=kwargs,
+    )
+
+
+def _key_env(ep: TrialEndpoint) -> str:
+    return f"${{{POLICY_KEY_VAR}}}" if ep.key_from_env else LOCAL_API_KEY
+
+
+def claude_code_base_url(api_base: str) -> str:
+    """The server root: Anthropic's SDK appends /v1/messages itself, so a base ending in /v1 would double it."""
+    return api_base.rstrip("/").removesuffix("/v1")
+
+
+def _claude_code(b: BindingInput) -> AgentConfig:
+    ep = b.endpoint
+    return AgentConfig(
+        name="claude-code",
+        model_name=ep.model,
+        skip_model_parsing=True,  # our served name is not an Anthropic model id
+        base_url=claude_code_base_url(ep.api_base),
+        env={"ANTHROPIC_API_KEY": _key_env(ep)},
+        kwargs={"max_turns": b.rollout.max_turns},
+    )
+
+
+def opencode_model(model: str) -> str:
+    """opencode's `provider/model` selector with our provider id (see module doc)."""
+    return f"{OPENCODE_PROVIDER}/{model}"
+
+
+def _opencode(b: BindingInput) -> AgentConfig:
+    ep = b.endpoint
+    provider = {
+        "npm": "@ai-sdk/openai-compatible",
+        "name": "grpoflow policy",
+        # {env:...} is opencode's own substitution, done inside the sandbox where the variable is set.
+        "options": {"baseURL": ep.api_base, "apiKey": "{env:OPENAI_API_KEY}"},
+        "models": {ep.model: {"name": ep.model}},
+    }
+    return AgentConfig(
+        name="opencode",
+        model_name=opencode_model(ep.model),
+        env={"OPENAI_API_KEY": _key_env(ep)},
+        kwargs={"opencode_config": {"provider": {OPENCODE_PROVIDER: provider}}},
+    )
+
+
+HARNESSES: dict[str, HarnessBinding] = {
+    "shell": HarnessBinding("grpoflow-shell", _shell, via_session_server=False),
+    "terminus-2": HarnessBinding("terminus-2", _terminus, local_sandbox_kwargs={"process_scope": "trial"}),
+    "claude-code": HarnessBinding("claude-code", _claude_code, needs_network_in_sandbox=True),
+    "opencode": HarnessBinding("opencode", _opencode, needs_network_in_sandbox=True),
+}
+
+
+def get_binding(harness: str) -> HarnessBinding:
+    try:
+        return HARNESSES[harness]
+    except KeyError:
+        raise ConfigError(f"rollout.harness `{harness}`: unknown; known harnesses: {', '.join(HARNESSES)}") from None
+
+
+def harness_problems(rollout: RolloutConfig) -> list[str]:
+    """What stops `rollout.harness` from running with `rollout.sandbox` (one line each; empty: fine)."""
+    binding = get_binding(rollout.harness)
+    if binding.needs_network_in_sandbox and rollout.sandbox == "local":
+        return [
+            f"rollout.harness={rollout.harness} installs its CLI with npm inside the sandbox, and the local sandbox "
+            "has no network: use a cloud sandbox (rollout.sandbox=e2b, daytona, modal, ...)"
+        ]
+    if rollout.harness == "terminus-2" and rollout.sandbox == "local" and shutil.which("tmux") is None:
+        # The local sandbox shows the host's /usr, and terminus-2 drives a tmux in it (it cannot install one
+        # offline).
+        return ["rollout.harness=terminus-2 needs tmux on this machine for the local sandbox: apt-get install -y tmux"]
+    return []
+
+
+def agent_factory(
+    rollout: RolloutConfig,
+    engine: EngineConfig,
+    engine_url: str,
+    tokenizer_path: str,
+    *,
+    model: str | None = None,
+    api_base_for: Callable[[TrialSpec], str] | None = None,
+) -> Callable[[TrialSpec], AgentConfig]:
+    """The per-trial `AgentConfig` factory of `rollout.harness`. Raises `ConfigError` before any trial starts when
+    the harness is unknown or cannot run in `rollout.sandbox`.
+
+    model: the served model name (default: `tokenizer_path`, which is what the embedded engine serves); see
+        `model_alias`.
+    api_base_for: the OpenAI base URL of one trial (default: the engine's, `<engine_url>/v1`); the session server
+        gives each trial its own (`<url>/sessions/<rollout_id>/v1`).
+    """
+    binding = get_binding(rollout.harness)
+    problems = harness_problems(rollout)
+    if problems:
+        raise ConfigError(problems[0])
+    base = engine_url.rstrip("/")
+    url_of = api_base_for or (lambda spec: f"{base}/v1")
+    served = model_alias(model or tokenizer_path)
+    key_from_env = rollout.policy_api_key_file is not None
+
+    def make(spec: TrialSpec) -> AgentConfig:
+        endpoint = TrialEndpoint(api_base=url_of(spec), model=served, key_from_env=key_from_env)
+        return binding.build(BindingInput(rollout, engine, spec, endpoint, engine_url, tokenizer_path))
+
+    return make
+
+
+def model_alias(model: str) -> str:
+    """The model name harnesses send: a model path's last component, in LiteLLM's `hosted_vllm/<name>` alphabet
+    (letters, digits, `.-_`, under 64). Our engine and session server serve one model whatever a request names."""
+    last = model.rstrip("/").rsplit("/", 1)[-1] or "policy"
+    return re.sub(r"[^A-Za-z0-9._-]", "-", last)[:63]  # LiteLLM's hosted_vllm name rule
+

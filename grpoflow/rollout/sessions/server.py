@@ -1,0 +1,476 @@
+"""The session server: an OpenAI-compatible chat front per session, token-exact over SGLang's `/generate`.
+
+    POST /sessions/<session_id>/v1/chat/completions     GET /sessions/<session_id>/v1/models
+    GET  /v1/models    GET /health    GET /stats
+
+A harness gets `SessionServer.session_url(rollout_id)` as its OpenAI `api_base`. Per request the server renders the
+chat template (with `tools` when given); when the messages continue an earlier turn of the session (its messages
+and the reply we returned, equal), it reuses that turn's exact prompt + output ids and tokenises only the new
+suffix; otherwise the whole rendering is tokenised and the session's tree branches at the longest common token
+prefix. It then calls the engine's `/generate` with `input_ids` and `return_logprob` and answers in OpenAI's
+`chat.completion` shape: `logprobs.content` when `logprobs` is set, and with `return_token_ids` (vLLM / SGLang's
+name, which Harbor's LiteLLM sends in `extra_body`) `choices[0].token_ids` and `prompt_token_ids`.
+
+Every request records whether tokenising the whole rendered history would have given other ids than the prompt
+used (`retokenize_mismatch`); `/stats` and `SessionServer.stats()` report the rate.
+
+A turn cut off at the token limit (finish_reason `length`, no EOS) closes its path: a later request that continues
+it gets HTTP 400 (OpenAI error shape, code `session_path_closed`), which ends the harness's episode there. A prompt
+at or past the context length gets 400 with OpenAI's `context_length_exceeded` code (harnesses that compact their
+context react to it). The Authorization header (the harness's API key) is never read or logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from grpoflow.engine.client import EngineClient
+from grpoflow.engine.protocol import ChatParams, SamplingParams
+from grpoflow.errors import EngineError
+from grpoflow.rollout.sessions.tree import SessionTree
+from grpoflow.rollout.tokens import (
+    TemplateError,
+    encode,
+    is_cut_off,
+    load_tokenizer,
+    render,
+    suffix_ids,
+)
+
+log = logging.getLogger(__name__)
+
+# A rollout id is `step<N>-<instance id>-<k>` and instance ids are task names: allow anything printable but
+# whitespace, `?` and `#` (a `/` travels percent-encoded and the route takes the rest of the path).
+_SESSION_ID = re.compile(r"^[^\s?#]{1,400}$")
+
+
+class ChatRequest(ChatParams):
+    """A harness's chat request: any OpenAI message shape (tool calls, content parts) and tools, because the
+    session server renders them with the model's own chat template."""
+
+    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    tools: list[dict[str, Any]] | None = None
+
+
+class RequestRefused(Exception):
+    """A request the session cannot serve: answered 400 with an OpenAI error body."""
+
+    def __init__(self, message: str, code: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.code, self.kind = code, kind
+
+
+@dataclass
+class _Session:
+    tree: SessionTree
+    seed: int | None = None
+    lock: asyncio.Lock | None = None  # created in the server's loop
+
+
+@dataclass
+class SessionStore:
+    """Sessions by id, shared between the server's loop thread and callers (a thread lock guards the dict)."""
+
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    # counters of popped sessions, so stats() covers the whole run
+    _done: dict[str, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self, session_id: str) -> _Session:
+        with self._lock:
+            s = self.sessions.get(session_id)
+            if s is None:
+                s = self.sessions[session_id] = _Session(SessionTree(session_id))
+            return s
+
+    def register(self, session_id: str, seed: int | None) -> None:
+        with self._lock:
+            s = self.sessions.setdefault(session_id, _Session(SessionTree(session_id)))
+            s.seed = seed
+
+    def pop(self, session_id: str) -> SessionTree:
+        with self._lock:
+            s = self.sessions.pop(session_id, None)
+            tree = s.tree if s is not None else SessionTree(session_id)
+            for k, v in tree.stats().items():
+                self._done[k] = self._done.get(k, 0.0) + v
+            self._done["sessions"] = self._done.get("sessions", 0.0) + 1
+            return tree
+
+    def stats(self) -> dict[str, float]:
+        """Totals over every session seen (popped and live); `retokenize_mismatch_rate` over all requests."""
+        with self._lock:
+            out = dict(self._done)
+            for s in self.sessions.values():
+                for k, v in s.tree.stats().items():
+                    out[k] = out.get(k, 0.0) + v
+            out["sessions"] = out.get("sessions", 0.0) + len(self.sessions)
+        out.pop("retokenize_mismatch_rate", None)
+        n = out.get("requests", 0.0)
+        out["retokenize_mismatch_rate"] = out.get("retokenize_mismatches", 0.0) / n if n else 0.0
+        return out
+
+
+def create_app(
+    engine_url: str,
+    tokenizer_path: str,
+    store: SessionStore,
+    *,
+    model_name: str = "policy",
+    max_new_tokens: int | None = None,
+    context_length: int | None = None,
+    request_timeout_s: float = 600.0,
+    engine_retries: int = 3,
+) -> FastAPI:
+    """The session server app. `max_new_tokens` caps every turn (the training config's limit wins over the
+    harness's `max_tokens`); `context_length` (default: the engine's `/get_server_info`) bounds prompt + output."""
+    tokenizer = load_tokenizer(str(tokenizer_path))
+    # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
+    # does all tokenising, off the event loop.
+    tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-tokenizer")
+    engine = EngineClient(engine_url, timeout=request_timeout_s, retries=engine_retries)
+    limits: dict[str, int | None] = {"context_length": context_length}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        try:
+            yield
+        finally:
+            await engine.aclose()
+            tok_pool.shutdown(wait=False)
+
+    app = FastAPI(title="grpoflow session server", docs_url=None, redoc_url=None, lifespan=lifespan)
+    _install_error_handlers(app)
+
+    async def _context_length() -> int | None:
+        if limits["context_length"] is None:
+            try:
+                value = (await engine.aserver_info()).get("context_length")
+            except EngineError as e:  # an engine without /get_server_info: no bound but the turn cap
+                log.warning("context length unknown (%s); prompts are not bounded here", e)
+                value = None
+            limits["context_length"] = value if isinstance(value, int) and value > 0 else 0
+        return limits["context_length"] or None
+
+    def _card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "grpoflow"}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return store.stats()
+
+    @app.get("/v1/models")
+    @app.get("/sessions/{session_id:path}/v1/models")
+    async def models(session_id: str | None = None) -> dict:
+        return {"object": "list", "data": [_card()]}
+
+    @app.post("/sessions/{session_id:path}/v1/chat/completions")
+    async def chat(session_id: str, req: ChatRequest) -> dict:
+        if not _SESSION_ID.match(session_id):
+            raise RequestRefused(f"invalid session id {session_id[:80]!r}", "invalid_session_id")
+        if req.stream:
+            raise RequestRefused("stream=true is not supported by the session server", "unsupported_parameter")
+        if req.n != 1:
+            raise RequestRefused(f"n={req.n}: a session records one path per request, so n must be 1",
+                                 "unsupported_parameter")  # fmt: skip
+        session = store.get(session_id)
+        if session.lock is None:
+            session.lock = asyncio.Lock()
+        async with session.lock:  # a session's requests are sequential; keep them so if a harness misbehaves
+            return await _turn(session, req)
+
+    async def _turn(session: _Session, req: ChatRequest) -> dict:
+        tree = session.tree
+        loop = asyncio.get_running_loop()
+        messages = [_template_message(m) for m in req.messages]
+        prev = tree.extended_turn(messages)
+        if prev is not None and prev.truncated:
+            tree.refused += 1
+            raise _closed(tree.session_id, prev.index)
+        plan = await loop.run_in_executor(tok_pool, _prompt_plan, tokenizer, tree, messages, req.tools, prev)
+        prompt_ids, full_ids, extends = plan
+        closed = tree.closed_prefix(prompt_ids)
+        if closed is not None:
+            tree.refused += 1
+            raise _closed(tree.session_id, closed.index)
+        params = _sampling(req, len(prompt_ids), max_new_tokens, await _context_length(), session, len(tree.turns))
+        t0 = time.perf_counter()
+        resp = await engine.agenerate(prompt_ids, params, return_logprob=True)
+        gen_s = time.perf_counter() - t0
+        out_ids, logprobs = list(resp.output_ids), resp.logprobs
+        if len(logprobs) != len(out_ids):
+            raise EngineError(f"/generate: {len(out_ids)} output ids but {len(logprobs)} logprobs")
+        truncated = is_cut_off(resp.meta_info.finish_reason.type, out_ids, tokenizer.eos_token_id)
+        mismatch_at = first_difference(prompt_ids, full_ids)
+        turn = tree.add_turn(
+            messages, prompt_ids, out_ids, logprobs, reply=resp.text, finish_reason="length" if truncated else "stop",
+            truncated=truncated, extends=extends, retokenize_mismatch=mismatch_at is not None,
+            first_mismatch=mismatch_at, weight_version=resp.meta_info.weight_version, generation_time_s=gen_s,
+        )  # fmt: skip
+        return _response(tokenizer, req, model_name, prompt_ids, turn, logprobs)
+
+    return app
+
+
+def _template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A request message as the chat template gets it: content as text, fields the template may use kept."""
+    content = m.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestRefused(f"only text content parts are supported, got {kind!r}", "unsupported_content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    elif content is not None and not isinstance(content, str):
+        raise RequestRefused(f"message content must be a string or a list of parts, got {type(content).__name__}",
+                             "invalid_content")  # fmt: skip
+    if not isinstance(m.get("role"), str):
+        raise RequestRefused("every message needs a string `role`", "invalid_message")
+    out = {k: v for k, v in m.items() if k in ("role", "name", "tool_calls", "tool_call_id") and v is not None}
+    out["content"] = content or ""
+    return out
+
+
+def _prompt_plan(tokenizer, tree: SessionTree, messages, tools, prev) -> tuple[list[int], list[int], int | None]:
+    """(prompt ids to send, ids of the whole history tokenised afresh, the turn whose ids were reused)."""
+    full_text = render(tokenizer, messages, tools, generation_prompt=True)
+    full_ids = encode(tokenizer, full_text)
+    if prev is None:
+        return full_ids, full_ids, None
+    try:
+        suffix = suffix_ids(
+            tokenizer, messages, len(prev.messages) + 1, prev.reply, prev.output_ids, tools, full_text
+        )
+    except TemplateError as e:
+        tree.extend_failures += 1
+        log.warning("session %s: cannot extend turn %d token-exactly (%s); tokenising the whole history",
+                    tree.session_id, prev.index, e)  # fmt: skip
+        return full_ids, full_ids, None
+    base, _, _ = tree.path(prev.end)
+    return base + suffix, full_ids, prev.index
+
+
+def _sampling(
+    req: ChatRequest, prompt_len: int, cap: int | None, context_length: int | None, session: _Session, turn: int
+) -> SamplingParams:
+    if context_length is not None and prompt_len >= context_length:
+        raise RequestRefused(
+            f"This model's maximum context length is {context_length} tokens. However, your messages resulted in "
+            f"{prompt_len} tokens.", "context_length_exceeded",
+        )  # fmt: skip
+    wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    limits = [x for x in (wanted, cap, context_length - prompt_len if context_length else None) if x is not None]
+    seed = req.seed if req.seed is not None else (session.seed + turn if session.seed is not None else None)
+    try:
+        return SamplingParams(
+            max_new_tokens=min(limits) if limits else SamplingParams().max_new_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            sampling_seed=seed,
+        )
+    except ValueError as e:
+        raise RequestRefused(f"invalid sampling parameters: {e}", "invalid_sampling_parameters") from e
+
+
+def _response(tokenizer, req: ChatRequest, model_name: str, prompt_ids: list[int], turn, logprobs) -> dict:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": turn.reply},
+        "finish_reason": turn.finish_reason,
+        "logprobs": {"content": _logprob_content(tokenizer, turn.output_ids, logprobs)} if req.logprobs else None,
+    }
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model or model_name,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(turn.output_ids),
+            "total_tokens": len(prompt_ids) + len(turn.output_ids),
+        },
+        "weight_version": turn.weight_version,
+    }
+    if req.return_token_ids:
+        choice["token_ids"] = turn.output_ids
+        body["prompt_token_ids"] = prompt_ids
+    return body
+
+
+def _logprob_content(tokenizer, ids: list[int], logprobs: list[float]) -> list[dict]:
+    out = []
+    for tok, lp in zip(ids, logprobs, strict=True):
+        piece = tokenizer.decode([tok])
+        out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")), "top_logprobs": []})
+    return out
+
+
+def _closed(session_id: str, turn: int) -> RequestRefused:
+    return RequestRefused(
+        f"session {session_id}: this conversation continues turn {turn}, whose reply was cut off at the token "
+        "limit (finish_reason length); that path is closed and the episode ends there",
+        "session_path_closed",
+    )
+
+
+def _error(status: int, message: str, kind: str, code: str | None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestRefused)
+    async def _refused(request: Request, exc: RequestRefused) -> JSONResponse:
+        return _error(400, str(exc), exc.kind, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors()[:3]:
+            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            parts.append(f"{loc}: {err.get('msg')}")  # never the input: it is the harness's text
+        return _error(400, f"{request.url.path}: " + "; ".join(parts), "invalid_request_error", "invalid_body")
+
+    @app.exception_handler(EngineError)
+    async def _engine(request: Request, exc: EngineError) -> JSONResponse:
+        log.warning("engine call failed on %s: %s", request.url.path, exc)
+        return _error(502, f"the engine failed: {exc}", "api_error", "engine_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Only the path and the exception: headers (the API key) and bodies never reach the log.
+        log.error("unhandled error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
+        return _error(500, f"{type(exc).__name__}: {exc}", "api_error", "internal_error")
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where `a` and `b` differ (or the shorter length), None when equal."""
+    if a == b:
+        return None
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class SessionServer:
+    """The session server in this process: uvicorn on a free loopback port, in a daemon thread with its own loop.
+
+    Usable from sync and async code alike (`start`/`stop` block briefly; `with` and `async with` work):
+
+        with SessionServer(engine_url, tokenizer_path, max_new_tokens=256) as srv:
+            api_base = srv.session_url(rollout_id, seed=trial_seed)   # ends in /v1
+            ... the harness talks to api_base ...
+            tree = srv.pop_session(rollout_id)                        # after the trial ended
+            samples = segment_samples(trial_sample, tree)
+    """
+
+    def __init__(
+        self,
+        engine_url: str,
+        tokenizer_path: str,
+        *,
+        model_name: str = "policy",
+        max_new_tokens: int | None = None,
+        context_length: int | None = None,
+        host: str = "127.0.0.1",
+        request_timeout_s: float = 600.0,
+        engine_retries: int = 3,
+    ):
+        self.store = SessionStore()
+        self._app_kwargs = dict(
+            model_name=model_name, max_new_tokens=max_new_tokens, context_length=context_length,
+            request_timeout_s=request_timeout_s, engine_retries=engine_retries,
+        )  # fmt: skip
+        self._engine_url, self._tokenizer_path, self._host = engine_url, tokenizer_path, host
+        self.model_name = model_name
+        self.url = ""
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._sock = None
+
+    def start(self, timeout_s: float = 30.0) -> SessionServer:
+        import uvicorn
+
+        from grpoflow.sockets import bind_socket
+
+        if self._thread is not None:
+            return self
+        for s in self.store.sessions.values():  # a restarted server runs a new event loop: old locks are bound
+            s.lock = None
+        app = create_app(self._engine_url, self._tokenizer_path, self.store, **self._app_kwargs)
+        self._sock = bind_socket(self._host, 0)
+        self.url = f"http://{self._host}:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="session-server", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise EngineError(f"session server at {self.url} did not start within {timeout_s:.0f} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        if self._sock is not None:
+            self._sock.close()
+        self._server = self._thread = self._sock = None
+
+    def session_url(self, session_id: str, seed: int | None = None) -> str:
+        """The OpenAI `api_base` for one session (ends in /v1). With `seed`, a request without its own `seed`
+        samples with `seed + turn index`, so a trial's generations are a function of its seed."""
+        if not _SESSION_ID.match(session_id):
+            raise ValueError(f"session id {session_id!r}: 1 to 400 characters, no whitespace, `?` or `#`")
+        if seed is not None:
+            self.store.register(session_id, seed)
+        return f"{self.url}/sessions/{quote(session_id, safe='')}/v1"
+
+    def pop_session(self, session_id: str) -> SessionTree:
+        """The session's recorded tree, forgotten here (a session that made no request gives an empty tree).
+        Call it after the trial ended; a later request with the same id starts a new session."""
+        return self.store.pop(session_id)
+
+    def stats(self) -> dict[str, float]:
+        return self.store.stats()
+
+    def __enter__(self) -> SessionServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> SessionServer:
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.stop)

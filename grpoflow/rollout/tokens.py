@@ -1,0 +1,131 @@
+"""A chat episode kept as the exact tokens the policy saw and produced.
+
+Re-rendering the conversation text and tokenising it again does not reproduce the generated tokens (a generated
+token run need not be the tokenizer's canonical split of its text, BPE merges differ across turn boundaries,
+decoding drops special tokens), so the trajectory is built incrementally: the prompt is tokenised once, each
+turn's output ids are appended as the engine returned them (loss mask 1), and only the template text after a
+turn (the end of the assistant message, the new messages, the generation prompt) is tokenised, on its own (loss
+mask 0): `suffix_ids`. The shell agent's `TokenTrajectory` and the session server (`grpoflow.rollout.sessions`) share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(path: str):
+    """One tokenizer per model dir per process: trials in the same rollout share it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class TemplateError(ValueError):
+    """The chat template cannot be extended token-exactly (it does not close assistant turns with EOS)."""
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, generation_prompt: bool) -> str:
+    kwargs = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    # The template already wrote BOS and the other special tokens as text.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def suffix_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    n_prefix: int,
+    reply: str,
+    output_ids: list[int],
+    tools: list[dict] | None,
+    full_text: str,
+) -> list[int]:
+    """Ids to append to an earlier turn's prompt + output ids so they equal the prompt of `messages`.
+
+    `messages[:n_prefix]` is the earlier turn's history ending with its assistant reply `reply`; `full_text` is
+    `messages` rendered with the generation prompt. The earlier turn's output ends at the template's end of
+    the assistant message (reply + EOS); everything after that is tokenised on its own. An output that stopped
+    without EOS (a stop string or stop token) gets the EOS the template writes there (a prompt token, not
+    trained). Raises `TemplateError` when the template does not end assistant turns with EOS or renders the
+    earlier turns differently once new messages follow.
+    """
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    if eos is None or eos_id is None:
+        raise TemplateError("the tokenizer has no EOS token to end assistant turns with")
+    prefix_text = render(tokenizer, messages[:n_prefix], tools, generation_prompt=False)
+    for text in dict.fromkeys((reply, reply.strip())):  # templates that trim the content
+        marker = text + eos
+        at = prefix_text.rfind(marker)
+        if at >= 0:
+            break
+    else:
+        raise TemplateError("the chat template does not end assistant turns with the EOS token")
+    end = at + len(marker)
+    if full_text[:end] != prefix_text[:end]:
+        raise TemplateError("the chat template renders earlier turns differently once new messages follow")
+    ids = encode(tokenizer, full_text[end:])
+    if not output_ids or output_ids[-1] != eos_id:
+        ids = [eos_id] + ids
+    return ids
+
+
+@dataclass
+class TokenTrajectory:
+    tokenizer: Any
+    messages: list[dict[str, str]]
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_len: int = 0
+
+    @classmethod
+    def start(cls, tokenizer: Any, messages: list[dict[str, str]]) -> TokenTrajectory:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        traj = cls(tokenizer, list(messages))
+        traj._extend(ids, 0)
+        traj.prompt_len = len(ids)
+        return traj
+
+    def add_generated(self, output_ids: list[int], logprobs: list[float]) -> str:
+        """Append a policy turn exactly as generated; returns its text (special tokens dropped)."""
+        if len(output_ids) != len(logprobs):
+            raise ValueError(f"{len(output_ids)} output ids but {len(logprobs)} logprobs")
+        self.tokens += output_ids
+        self.loss_mask += [1] * len(output_ids)
+        self.logprobs += list(logprobs)
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": text})
+        return text
+
+    def add_user(self, content: str) -> int:
+        """Close the last assistant turn, add a user message and the generation prompt. Returns tokens added."""
+        n_prefix, reply = len(self.messages), self.messages[-1]["content"]
+        self.messages.append({"role": "user", "content": content})
+        full = render(self.tokenizer, self.messages, None, generation_prompt=True)
+        ids = suffix_ids(self.tokenizer, self.messages, n_prefix, reply, self.tokens, None, full)
+        self._extend(ids, 0)
+        return len(ids)
+
+    def _extend(self, ids: list[int], mask: int) -> None:
+        self.tokens += ids
+        self.loss_mask += [mask] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    @property
+    def n_generated(self) -> int:
+        return sum(self.loss_mask)
+
+
+def is_cut_off(finish_reason: str, output_ids: list[int], eos_token_id: int | None) -> bool:
+    """Was a turn cut off at its token limit? SGLang reports `length` even when the last allowed token was EOS:
+    that turn ended by itself."""
+    ended = bool(output_ids) and output_ids[-1] == eos_token_id
+    return finish_reason == "length" and not ended
+

@@ -1,0 +1,119 @@
+"""Checkpoint files: an HF dir written atomically, optionally with the AdamW state, trainer counters and the
+step's record (then it is a full checkpoint, a resume point), and pruning of the ones nothing resumes from."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from grpoflow.run.paths import step_of
+from grpoflow.train.trainer import TrainerState
+
+OPTIMIZER_FILE = "optimizer.pt"  # AdamW state: a resumed run continues the same moments
+TRAINER_FILE = "trainer.json"  # trainer counters
+STEP_FILE = "step.json"  # the step's metrics + timings record; its presence marks a complete step
+
+
+def save_checkpoint(
+    model: PreTrainedModel,
+    tokenizer: Any | None,
+    out_dir: str | Path,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    counters: dict[str, Any] | None = None,
+    step_record: dict[str, Any] | None = None,
+    durable: bool = True,
+) -> Path:
+    """Write an HF dir (safetensors, config, tokenizer) atomically: a temp sibling renamed into place.
+
+    With `optimizer`, `counters` and `step_record` the dir is the commit point of a training step: the optimizer
+    state, the trainer counters and the step's record (`step.json`) land in the same rename as the weights, so a
+    crash leaves either no checkpoint of the step or a complete one. Readers (the engine's weight update globs
+    `*.safetensors`) never see a half-written dir. An existing `out_dir` (a retried step) is replaced.
+    `durable` fsyncs the files before the rename (a power loss keeps them); off for checkpoints nothing resumes
+    from.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    if counters is not None:
+        (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
+    if step_record is not None:  # written last: the rename below publishes it with everything else
+        (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
+    if durable:  # the rename is only as durable as the bytes it points at
+        fsync_files(tmp)
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out_dir)
+    if durable:
+        fsync_path(out_dir.parent)
+    return out_dir
+
+
+def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, Any]:
+    """Load a step checkpoint's weights, AdamW state and counters into `state` (a trainer from `load_trainer` on
+    the same model); returns the counters. The model keeps its device and dtype (fp32)."""
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt)
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        weights.update(load_file(f, device=str(state.device)))
+    # Tied weights (lm_head = embed_tokens) are saved once; strict=False lets the tie fill the other name.
+    missing, unexpected = state.model.load_state_dict(weights, strict=False)
+    params = state.model.state_dict(keep_vars=True)
+    loaded = {params[n].data_ptr() for n in weights if n in params}
+    untied = [n for n in missing if params[n].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ValueError(f"{ckpt}: weights do not match the model (missing {sorted(untied)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]})")  # fmt: skip
+    state.optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, map_location=state.device, weights_only=True))
+    counters = json.loads((ckpt / TRAINER_FILE).read_text(encoding="utf-8"))
+    state.optimizer_steps = int(counters.get("optimizer_steps", 0))
+    return counters
+
+
+def fsync_files(folder: Path) -> None:
+    for f in Path(folder).iterdir():
+        fsync_path(f)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prune_checkpoints(root: str | Path, latest: int) -> list[Path]:
+    """Delete `root/step_<n>` dirs with n < latest that are not full checkpoints (no optimizer state); return
+    the deleted paths.
+
+    Full checkpoints (resume points) and the latest step are kept, and steps after `latest` are left alone.
+    Leftover temp dirs of an interrupted `save_checkpoint` are removed too.
+    """
+    removed = []
+    for p in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
+        n = step_of(p)
+        stale_tmp = p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name)
+        if stale_tmp or (n is not None and n < latest and not (p / OPTIMIZER_FILE).is_file()):
+            shutil.rmtree(p)
+            removed.append(p)
+    return removed

@@ -1,0 +1,117 @@
+"""A step's commit: its checkpoint dir, the full checkpoint made in the background, then its log rows.
+
+Every step writes `checkpoints/step_<N>/` (the weights the engine loads next, and `step.json`, the step's record)
+by one atomic rename; the engine syncs from it. After every `train.save_interval` steps and after the last, the
+dir is made a *full* checkpoint in a background thread (`StepCommits`): the AdamW state and the trainer counters
+join it and everything is fsynced. Other steps skip both (the optimizer state is twice the size of the weights),
+so most steps' commit costs one unsynced write of the weights. A step's metrics.jsonl / timings.jsonl rows follow
+its dir (a full one's once it is complete), then older checkpoints that are not full are pruned.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpoflow.run.checkpoint import (
+    OPTIMIZER_FILE,
+    TRAINER_FILE,
+    fsync_files,
+    fsync_path,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from grpoflow.run.metrics import MetricsLog, split_record
+from grpoflow.run.paths import RunPaths
+from grpoflow.train.trainer import TrainerState
+
+
+def is_full_checkpoint(step: int, steps: int, save_interval: int) -> bool:
+    """Whether step `step` (from 0) of a `steps`-step run writes a full checkpoint (a resume point): after every
+    `save_interval` steps, and after the last."""
+    return (step + 1) % save_interval == 0 or step == steps - 1
+
+
+def save_step(trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any]) -> Path:
+    """`checkpoints/step_<step>/`, atomically: the weights the engine loads next and step.json (not fsynced:
+    nothing resumes from it unless `StepCommits` makes it a full checkpoint)."""
+    metrics, timings = split_record(record)
+    record = {"step": step, "metrics": metrics, "timings": timings}
+    return save_checkpoint(trainer.model, trainer.tokenizer, paths.checkpoint(step), step_record=record, durable=False)
+
+
+class StepCommits:
+    """The end of each step's commit, after `save_step` and the engine's weight sync.
+
+    A step that writes no full checkpoint logs its metrics/timings rows at once (`log_step`). A full one is
+    completed in a background thread while the run goes on: a snapshot of the AdamW state and the counters are
+    written into its dir, every file is fsynced, and the optimizer file's rename makes the dir a resume point
+    (`complete_steps`). Its rows are logged only then, by `flush`, which every later save and the end of the run
+    call: rows never run ahead of what a resume would keep. `flush` raises what the thread raised."""
+
+    def __init__(self, paths: RunPaths, log: MetricsLog) -> None:
+        self.paths, self.log = paths, log
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending: tuple[int, dict[str, Any]] | None = None
+
+    def finish(self, trainer: TrainerState, ckpt: Path, step: int, record: dict[str, Any], full: bool) -> None:
+        self.flush()
+        if not full:
+            log_step(self.paths, step, record, self.log)
+            return
+        t0 = time.perf_counter()
+        state = _cpu_copy(trainer.optimizer.state_dict())  # the next step updates the live tensors in place
+        counters = {"step": step, "optimizer_steps": trainer.optimizer_steps}
+        record["time/commit_s"] = record.get("time/commit_s", 0.0) + time.perf_counter() - t0  # the caller's too
+        self._pending = (step, record)
+        self._thread = threading.Thread(target=self._complete, args=(Path(ckpt), state, counters),
+                                        name=f"full-checkpoint-{step}", daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _complete(self, ckpt: Path, state: dict[str, Any], counters: dict[str, Any]) -> None:
+        try:
+            tmp = ckpt / f".{OPTIMIZER_FILE}.tmp"
+            torch.save(state, tmp)
+            (ckpt / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
+            fsync_files(ckpt)  # the publishing rename is only as durable as the bytes it points at
+            tmp.rename(ckpt / OPTIMIZER_FILE)
+            fsync_path(ckpt)
+            fsync_path(ckpt.parent)  # the step dir's own entry (its rename into checkpoints/ was not synced)
+        except BaseException as err:  # raised again in the run's thread by flush()
+            self._error = err
+
+    def flush(self) -> None:
+        """Wait for a full checkpoint being completed, then log its step's rows."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        pending, self._pending = self._pending, None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        if pending is not None:
+            log_step(self.paths, *pending, self.log)
+
+
+def _cpu_copy(state: Any) -> Any:
+    """A copy of an optimizer state dict with every tensor in CPU memory (no second copy on the GPU)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _cpu_copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_cpu_copy(v) for v in state)
+    return copy.deepcopy(state)
+
+
+def log_step(paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog) -> None:
+    """The step's metrics/timings rows, then pruning of older checkpoints that are not full."""
+    log.log(step, record)
+    prune_checkpoints(paths.checkpoint(step).parent, latest=step)

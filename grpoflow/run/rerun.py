@@ -1,0 +1,112 @@
+"""Rerun reports: what changed in the world since a run (provenance), and whether its rerun reproduced it.
+No Prefect in here.
+
+Reproduced means: metrics.jsonl byte-identical, and the final checkpoint's weights (its *.safetensors) hash the
+same. Wall-clock figures live in timings.jsonl and are not compared.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from grpoflow.fileio import sha256_tree
+from grpoflow.run.paths import RunPaths
+from grpoflow.run.resume import complete_steps
+
+
+def provenance_differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """One line per difference between two run.json-shaped records: code commit, package versions, Python,
+    dataset sha256, model weights sha256."""
+    out = []
+
+    def cmp(label: str, a: Any, b: Any) -> None:
+        if a != b:
+            out.append(f"{label}: {a} -> {b}")
+
+    cmp("code commit", then.get("code_commit"), now.get("code_commit"))
+    cmp("python", then.get("python"), now.get("python"))
+    pkgs_then, pkgs_now = then.get("packages") or {}, now.get("packages") or {}
+    for name in sorted(set(pkgs_then) | set(pkgs_now)):
+        cmp(f"package {name}", pkgs_then.get(name), pkgs_now.get(name))
+    cmp("dataset sha256", (then.get("dataset") or {}).get("sha256"), (now.get("dataset") or {}).get("sha256"))
+    cmp("model weights sha256", (then.get("model") or {}).get("weights_sha256"),
+        (now.get("model") or {}).get("weights_sha256"))  # fmt: skip
+    return out
+
+
+def final_weights_sha256(paths: RunPaths) -> tuple[int | None, str | None]:
+    """(step, sha256 over its *.safetensors) of the run's last complete checkpoint, or (None, None)."""
+    steps = complete_steps(paths)
+    if not steps:
+        return None, None
+    return steps[-1], sha256_tree(paths.checkpoint(steps[-1]), "*.safetensors")
+
+
+def first_metrics_difference(a: Path, b: Path) -> str | None:
+    """None when the two metrics.jsonl are byte-identical; else where they first differ (step and key)."""
+    da = a.read_bytes() if a.exists() else b""
+    db = b.read_bytes() if b.exists() else b""
+    if da == db:
+        return None
+    la, lb = da.splitlines(), db.splitlines()
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if x == y:
+            continue
+        try:
+            rx, ry = json.loads(x), json.loads(y)
+        except json.JSONDecodeError:
+            return f"line {i + 1} differs (not valid JSON)"
+        step = rx.get("step", i)
+        for key in list(rx) + [k for k in ry if k not in rx]:
+            if json.dumps(rx.get(key)) != json.dumps(ry.get(key)):
+                return f"step {step}: `{key}` {rx.get(key)!r} -> {ry.get(key)!r}"
+        return f"step {step}: same values, different bytes (key order or formatting)"
+    return f"the original has {len(la)} steps, the rerun {len(lb)}"
+
+
+def compare_runs(original: RunPaths, rerun: RunPaths) -> dict[str, Any]:
+    """Metrics bytes and final weights of a run and its rerun."""
+    diff = first_metrics_difference(original.metrics, rerun.metrics)
+    step_a, hash_a = final_weights_sha256(original)
+    step_b, hash_b = final_weights_sha256(rerun)
+    return {
+        "metrics_identical": diff is None,
+        "metrics_first_difference": diff,
+        "final_checkpoint": {"original": {"step": step_a, "weights_sha256": hash_a},
+                             "rerun": {"step": step_b, "weights_sha256": hash_b}},  # fmt: skip
+        "weights_identical": hash_a is not None and (step_a, hash_a) == (step_b, hash_b),
+    }
+
+
+def verdict_line(report: dict[str, Any]) -> str:
+    """`rerun <new> of <old>: reproduced bit-exact`, or what differed."""
+    head = f"rerun {report['run_id']} of {report['rerun_of']}"
+    if report["metrics_identical"] and report["weights_identical"]:
+        return f"{head}: reproduced bit-exact"
+    what = []
+    if not report["metrics_identical"]:
+        what.append(f"metrics.jsonl differs ({report['metrics_first_difference']})")
+    if not report["weights_identical"]:
+        fc = report["final_checkpoint"]
+        what.append(f"final weights differ (step {fc['original']['step']} {str(fc['original']['weights_sha256'])[:12]}"
+                    f" vs step {fc['rerun']['step']} {str(fc['rerun']['weights_sha256'])[:12]})")  # fmt: skip
+    return f"{head}: NOT reproduced: " + "; ".join(what)
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    fc = report["final_checkpoint"]
+    lines = [
+        f"# Rerun `{report['run_id']}` of `{report['rerun_of']}`", "", f"**{verdict_line(report)}**", "",
+        "| check | result |", "|---|---|",
+        f"| metrics.jsonl | {'identical' if report['metrics_identical'] else report['metrics_first_difference']} |",
+        f"| final weights (original) | step {fc['original']['step']} `{fc['original']['weights_sha256']}` |",
+        f"| final weights (rerun) | step {fc['rerun']['step']} `{fc['rerun']['weights_sha256']}` |",
+        f"| deterministic engine | {report['deterministic']} |", "",
+        "## Provenance then vs now", "",
+    ]  # fmt: skip
+    lines += [f"- {d}" for d in report["provenance_differences"]] or ["- no difference"]
+    if report.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,181 @@
+"""Picking a killed run up from its last full checkpoint (`grpoflow.run.commit` makes them).
+
+A full checkpoint is a resume point. Resuming means: find the newest full checkpoint, make the logs agree with it
+(append its rows if the crash came before they were appended, drop rows and torn lines of later steps), remove
+temp dirs and later checkpoints, restore the trainer, and go on at the next step. The steps after it are done
+again, but their trials are not: every finished trial is in its step's journal (`grpoflow.rollout.step`), so a redone
+step only trains again (bit-exact on CPU); what a crash costs is the training of at most `save_interval - 1`
+steps, plus the trials of the interrupted step that had not finished.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpoflow.config import RunConfig, parse_run_config, read_config_file
+from grpoflow.errors import RunDirError
+from grpoflow.fileio import append_jsonl, write_text_atomic
+from grpoflow.run.checkpoint import (
+    OPTIMIZER_FILE,
+    STEP_FILE,
+)
+from grpoflow.run.metrics import split_record, timings_path
+from grpoflow.run.paths import RunPaths, step_of
+
+LOCK_FILE = "run.lock"
+
+
+@contextmanager
+def run_lock(root: Path) -> Iterator[None]:
+    """Hold the run dir for one process while it trains: a resume started while the run is still alive would
+    repair files under its feet. The kernel drops the lock when the holder dies, however it dies."""
+    path = Path(root) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirError(f"{path}: another process is running this run; resume it after that process "
+                              "has ended") from None  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())  # for a person wondering who holds it
+        yield
+    finally:
+        os.close(fd)
+
+
+def load_saved_config(root: Path) -> RunConfig:
+    """The run's own config.json, validated; one line naming the file when it is missing or bad.
+
+    config.json holds every field the run had. One without `train.eval_samples_per_prompt` was made before runs
+    evaluated themselves: it keeps running without evaluations, so a resume or rerun does what the run did."""
+    path = Path(root) / "config.json"
+    if not Path(root).is_dir():
+        raise RunDirError(f"run dir {root} does not exist")
+    data = read_config_file(path)
+    train = data.get("train")
+    if isinstance(train, dict) and "eval_samples_per_prompt" not in train:
+        data = {**data, "train": {**train, "eval_samples_per_prompt": 0}}
+    return parse_run_config(data, source=str(path))
+
+
+def complete_steps(paths: RunPaths) -> list[int]:
+    """Steps with a full checkpoint (step.json and the optimizer state: a resume point), ascending."""
+    root = paths.root / "checkpoints"
+    steps = []
+    for p in root.iterdir() if root.is_dir() else []:
+        n = step_of(p)
+        if n is not None and (p / STEP_FILE).is_file() and (p / OPTIMIZER_FILE).is_file():
+            steps.append(n)
+    return sorted(steps)
+
+
+@dataclass
+class ResumePoint:
+    last_step: int | None  # last complete step; None: no step completed
+    checkpoint: Path | None  # its checkpoint dir
+    record: dict[str, Any] | None  # its step.json: {"step", "metrics", "timings"}
+    repairs: list[str] = field(default_factory=list)  # what was fixed on disk, one line each
+
+    @property
+    def next_step(self) -> int:
+        return 0 if self.last_step is None else self.last_step + 1
+
+
+def find_resume_point(paths: RunPaths) -> ResumePoint:
+    """The last complete step of a run dir (nothing is changed on disk)."""
+    for name in ("config.json", "run.json", "prompts.jsonl"):
+        if not (paths.root / name).is_file():
+            raise RunDirError(f"{paths.root / name} is missing: the run never finished preparing; start a new run")
+    flow = json.loads(paths.run_info.read_text(encoding="utf-8")).get("flow", "train")
+    if flow != "train":
+        raise RunDirError(
+            f"{paths.run_info}: run {paths.root.name} was made by the `{flow}` flow; only train runs resume"
+        )
+    steps = complete_steps(paths)
+    if not steps:
+        return ResumePoint(None, None, None)
+    ckpt = paths.checkpoint(steps[-1])
+    try:
+        record = json.loads((ckpt / STEP_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:  # cannot happen short of disk corruption: it was renamed whole
+        raise RunDirError(f"{ckpt / STEP_FILE}: unreadable ({err})") from None
+    return ResumePoint(steps[-1], ckpt, record)
+
+
+def repair_run_dir(paths: RunPaths, point: ResumePoint, steps: int | None = None) -> list[str]:
+    """Make the run dir agree with `point`: logs end at its step, no temp dirs of interrupted writes remain.
+    When `point` is the last of the run's `steps` steps, the row after it (the final evaluation) is kept.
+    Returns what was done, one line each (also kept in `point.repairs`)."""
+    notes: list[str] = []
+    last = -1 if point.last_step is None else point.last_step
+    keep = last + 1 if steps is not None and last == steps - 1 else last
+    metrics, timings = split_record(point.record["metrics"] | point.record["timings"]) if point.record else ({}, {})
+    for path, row in ((paths.metrics, metrics), (timings_path(paths.metrics), timings)):
+        notes += _repair_log(path, last, row if point.record else None, keep)
+    ckpts = paths.root / "checkpoints"
+    for p in sorted(ckpts.iterdir()) if ckpts.is_dir() else []:
+        step = step_of(p)
+        if p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name):
+            shutil.rmtree(p)
+            notes.append(f"removed {p.name}, left by an interrupted checkpoint write")
+        elif step is not None and step > last:  # after the resume point: the step is done again
+            shutil.rmtree(p)
+            notes.append(f"removed checkpoints/{p.name}: step {step} is done again from {_point_name(point)}")
+    for tmp in [*paths.root.glob(".*.tmp"), *paths.root.glob("details/*/.*.tmp")]:
+        tmp.unlink()
+        notes.append(f"removed {tmp.relative_to(paths.root)}, left by an interrupted write")
+    for d in sorted((paths.root / "details").glob("step_*")):
+        # Journals are kept (their finished trials are reused, evaluations' too); samples.jsonl of a step done
+        # again is rewritten when the step completes.
+        n = step_of(d)
+        if n is not None and n > last and (d / "samples.jsonl").exists():
+            (d / "samples.jsonl").unlink()
+            notes.append(f"removed details/{d.name}/samples.jsonl: step {n} is done again from {_point_name(point)}")
+    point.repairs += notes
+    return notes
+
+
+def _point_name(point: ResumePoint) -> str:
+    return f"the full checkpoint of step {point.last_step}" if point.checkpoint else "the start"
+
+
+def _repair_log(path: Path, last: int, last_row: dict[str, Any] | None, keep: int) -> list[str]:
+    """Keep the lines of steps <= keep (bytes untouched), drop later and torn ones, append the row of step `last`
+    if it is missing."""
+    if not path.exists() and last_row is None:
+        return []
+    data = path.read_bytes() if path.exists() else b""
+    kept: list[bytes] = []
+    notes: list[str] = []
+    steps: list[int] = []
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        try:
+            step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:  # a torn last line (no newline after it): a crash mid-append
+                notes.append(f"{path.name}: dropped a torn last line")
+                continue
+            raise RunDirError(f"{path}:{i + 1}: not a valid record") from None
+        if step > keep:
+            notes.append(f"{path.name}: dropped the row of step {step} (that step is done again)")
+            continue
+        kept.append(line + b"\n")
+        steps.append(step)
+    if notes:
+        write_text_atomic(path, b"".join(kept).decode("utf-8"))
+    if last_row is not None and last not in steps:
+        append_jsonl(path, {"step": last, **last_row})
+        notes.append(f"{path.name}: appended the row of step {last} from its checkpoint's step.json")
+    return notes

@@ -1,0 +1,201 @@
+"""The GRPO train step: samples -> advantages -> micro-batched forward/backward -> clipped AdamW step(s).
+
+Layout: a `Sample`'s `tokens`, `loss_mask` and `rollout_logprobs` are aligned (length T); the model reads
+`tokens[:-1]` and position t scores `tokens[t + 1]`, so training uses `loss_mask[1:]` and
+`rollout_logprobs[1:]`.
+
+An optimizer minibatch whose advantages are all zero is skipped (no forward, no `optimizer.step`): AdamW would
+still move the weights through weight decay and momentum. A KL term alone does not justify a step either. A
+minibatch whose gradient norm is not finite is skipped too (counted).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from grpoflow.config import RunConfig, TrainConfig
+from grpoflow.samples import Sample
+from grpoflow.train.grpo import group_advantages, policy_loss, zero_std_groups
+from grpoflow.train.logprobs import token_logprobs
+from grpoflow.train.trainer import TrainerState
+
+
+def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group sample indices so that (rows * longest row) <= budget; a sample longer than the budget goes alone.
+
+    Longest first, so rows of similar length share a micro-batch and little is padding.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _collate(samples: list[Sample], device: torch.device):
+    """Right-padded (B, L) ids and the (B, L - 1) train mask / rollout logprobs, shifted to score tokens[1:]."""
+    L = max(len(s.tokens) for s in samples)
+    ids = torch.zeros(len(samples), L, dtype=torch.long)  # pad id 0: never attended to by real tokens, never trained
+    mask = torch.zeros(len(samples), L - 1, dtype=torch.bool)
+    old = torch.zeros(len(samples), L - 1, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n = len(s.tokens)
+        ids[i, :n] = torch.tensor(s.tokens)
+        mask[i, : n - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.bool)
+        old[i, : n - 1] = torch.tensor(s.rollout_logprobs[1:])
+    return ids.to(device), mask.to(device), old.to(device)
+
+
+def _n_trained(s: Sample) -> int:
+    return sum(s.loss_mask[1:])  # position 0 has no logprob: nothing predicts the first token
+
+
+def backward_minibatch(
+    state: TrainerState, samples: list[Sample], advantages: torch.Tensor, cfg: TrainConfig, temperature: float = 1.0
+) -> dict[str, float]:
+    """Forward/backward one optimizer minibatch in micro-batches, accumulating into `.grad` (no optimizer step).
+
+    advantages (N,). Each micro-batch loss is divided by the minibatch's count (tokens or samples), so the
+    accumulated gradient is that of the aggregation over the whole minibatch. The segments of one rollout
+    (same `rollout_id`) count as one sample under `sample` aggregation: each is divided by the rollout's trained
+    tokens and the count is of rollouts. (Under `token` aggregation nothing changes: tokens shared between
+    segments are loss-masked in all but one, so every trained token counts once.)
+    """
+    rollout_tokens: dict[str, int] = {}
+    for s in samples:
+        rollout_tokens[s.rollout_id] = rollout_tokens.get(s.rollout_id, 0) + _n_trained(s)
+    row_tokens = torch.tensor([rollout_tokens[s.rollout_id] for s in samples])  # (N,)
+    denom = sum(map(_n_trained, samples)) if cfg.loss_aggregation == "token" else len(rollout_tokens)
+    sums: dict[str, float] = {"loss": 0.0, "n_tokens": 0, "logprob_gap_max": 0.0}
+    for idx in pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens):
+        ids, mask, old = _collate([samples[i] for i in idx], state.device)
+        logp, ent = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)  # (B, L-1)
+        ref = None
+        if state.ref_model is not None:
+            with torch.no_grad():
+                ref, _ = token_logprobs(state.ref_model, ids, mask, state.autocast_dtype, temperature)
+        loss, m = policy_loss(
+            logp, old, advantages[idx].to(state.device), mask, cfg.eps_low, cfg.eps_high, cfg.loss_aggregation,
+            ref_logprobs=ref, kl_coef=cfg.kl_coef, entropy=ent, denominator=denom, sample_tokens=row_tokens[idx],
+        )  # fmt: skip
+        loss.backward()
+        sums["loss"] += loss.item()
+        n = int(m.pop("n_tokens"))
+        sums["n_tokens"] += n
+        sums["logprob_gap_max"] = max(sums["logprob_gap_max"], m.pop("logprob_gap_max").item())
+        for k, v in m.items():  # token-weighted means across micro-batches
+            sums[k] = sums.get(k, 0.0) + v.item() * n
+        sums["n_forward_tokens"] = sums.get("n_forward_tokens", 0) + sum(len(samples[i].tokens) - 1 for i in idx)
+        sums["n_micro_batches"] = sums.get("n_micro_batches", 0) + 1
+    for k in ("clip_frac_low", "clip_frac_high", "logprob_gap_mean", "kl", "entropy"):
+        if k in sums:
+            sums[k] /= max(sums["n_tokens"], 1)
+    return sums
+
+
+def prepare_samples(samples: list[Sample], cfg: TrainConfig) -> tuple[list[Sample], torch.Tensor, dict[str, int]]:
+    """Advantages per group, then the zero-std filter; returns (kept samples, their advantages (K,), counts)."""
+    for s in samples:
+        if s.status == "FAILED" or s.reward is None:
+            raise ValueError(f"sample {s.rollout_id} (group {s.group_id}): status {s.status}, reward {s.reward}: "
+                             "FAILED / unrewarded samples must be dropped before training")  # fmt: skip
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # (N,)
+    group_ids = [s.group_id for s in samples]
+    # a trial split into segments (context compaction) is one rollout: one slot in its group's statistics
+    adv = group_advantages(rewards, group_ids, cfg.scale_by_std, rollout_ids=[s.rollout_id for s in samples])
+    flat = set(zero_std_groups(rewards, group_ids))
+    keep = [
+        i for i, s in enumerate(samples)
+        if _n_trained(s) > 0 and not (cfg.filter_zero_std and s.group_id in flat)
+    ]  # fmt: skip
+    counts = {"n_groups": len(set(group_ids)), "zero_std_groups": len(flat),
+              "filtered_samples": len(samples) - len(keep)}
+    return [samples[i] for i in keep], adv[keep], counts
+
+
+def _rollout_minibatches(kept: list[Sample], size: int | None, seed: int) -> list[list[int]]:
+    """Sample indices per optimizer minibatch: rollouts in a seeded random order, `size` rollouts each (all when
+    None). With one sample per rollout this is a seeded permutation of the samples cut every `size`."""
+    rows: dict[str, list[int]] = {}
+    for i, s in enumerate(kept):
+        rows.setdefault(s.rollout_id, []).append(i)
+    rollouts = list(rows.values())
+    order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(seed)).tolist()
+    size = size or max(len(rollouts), 1)
+    return [[i for r in order[start : start + size] for i in rollouts[r]] for start in range(0, len(rollouts), size)]
+
+
+def train_step(
+    state: TrainerState, samples: list[Sample], cfg: TrainConfig, seed: int, temperature: float = 1.0
+) -> dict[str, float]:
+    """One GRPO update on a rollout step's samples: one optimizer step per `global_batch_size` rollouts.
+
+    `temperature` is the rollout's sampling temperature (logprobs are taken under softmax(logits / T)).
+
+    Minibatches are drawn in a seeded random order when there are several; `global_batch_size` counts rollouts,
+    and the segments of one rollout stay in one minibatch. Returns the step's metrics.
+    """
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    kept, adv, counts = prepare_samples(samples, cfg)
+    minibatches = _rollout_minibatches(kept, cfg.global_batch_size, seed)
+    params = [p for p in state.model.parameters() if p.requires_grad]
+    if state.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(state.device)
+
+    out: dict[str, float] = {"n_samples": 0, "n_tokens": 0, "n_forward_tokens": 0, "n_micro_batches": 0,
+                             "optimizer_steps": 0, "skipped_zero_advantage": 0, "skipped_nonfinite": 0,
+                             "logprob_gap_max": 0.0}  # fmt: skip
+    # every key present even when nothing was trained (optimizer_steps 0 says so), for steady metric columns
+    for k in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "logprob_gap_mean", "entropy"):
+        out[k] = 0.0
+    means: dict[str, list[float]] = {}
+    for idx in minibatches:
+        if not bool(adv[idx].any()):
+            out["skipped_zero_advantage"] += 1
+            continue
+        state.optimizer.zero_grad(set_to_none=True)
+        m = backward_minibatch(state, [kept[i] for i in idx], adv[idx], cfg, temperature)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+        if not math.isfinite(grad_norm):
+            out["skipped_nonfinite"] += 1
+        else:
+            state.optimizer.step()
+            state.optimizer_steps += 1
+            out["optimizer_steps"] += 1
+        state.optimizer.zero_grad(set_to_none=True)
+        out["n_samples"] += len(idx)
+        out["n_tokens"] += m.pop("n_tokens")
+        out["n_forward_tokens"] += m.pop("n_forward_tokens")
+        out["n_micro_batches"] += m.pop("n_micro_batches")
+        out["logprob_gap_max"] = max(out["logprob_gap_max"], m.pop("logprob_gap_max"))
+        m["grad_norm"] = grad_norm
+        for k, v in m.items():
+            means.setdefault(k, []).append(v)
+    out.update({k: sum(v) / len(v) for k, v in means.items()})
+    out.update(counts)
+    out["step_time_s"] = time.perf_counter() - t0
+    out["tokens_per_s"] = out["n_forward_tokens"] / out["step_time_s"]
+    if state.device.type == "cuda":
+        out["peak_memory_gb"] = torch.cuda.max_memory_allocated(state.device) / 2**30
+    return out
+
+
+def step_seed(run_seed: int, step: int) -> int:
+    """The seed of step `step`'s minibatch order and torch RNG: distinct per step, reproducible per run."""
+    return run_seed * 1_000_003 + step
+
+
+def grpo_update(state: TrainerState, samples: list[Sample], cfg: RunConfig, step: int) -> dict[str, float]:
+    """Step `step`'s GRPO update on its trainable samples. With none (every group dropped) the weights stay as
+    they are and the metrics say so (`n_samples` 0)."""
+    if not samples:
+        return {"n_samples": 0.0, "optimizer_steps": 0.0}
+    return train_step(state, samples, cfg.train, seed=step_seed(cfg.seed, step), temperature=cfg.rollout.temperature)
+

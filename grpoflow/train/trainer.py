@@ -1,0 +1,67 @@
+"""The trainer: the policy (and a frozen reference for KL) loaded from an HF dir, with AdamW over fp32 weights.
+
+Weights are fp32 everywhere; on CUDA the backbone runs under bf16 autocast (pure bf16 AdamW would round away
+updates below the bf16 step of a weight, e.g. lr 1e-5 on a weight of 0.02). Dropout is off: train-time logprobs
+must match the engine's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from grpoflow.config import TrainConfig
+
+
+@dataclass
+class TrainerState:
+    model: PreTrainedModel
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    ref_model: PreTrainedModel | None
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # bf16 on CUDA, None (plain fp32) on CPU
+    optimizer_steps: int = 0
+
+
+def load_trainer(model_path: str | Path, cfg: TrainConfig, seed: int = 0, device: str | None = None) -> TrainerState:
+    """Load the policy (and a frozen reference when `kl_coef > 0`) from an HF dir, with an AdamW over it.
+
+    Determinism: on CPU, torch kernels are deterministic for a fixed thread count, so seeding is enough (steps
+    from the same seed give bitwise-equal weights; tested). On CUDA, SDPA/matmul backward may use atomics:
+    equal up to rounding, not bitwise.
+    """
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(dev)
+    disable_dropout(model)
+    model.train()  # activation checkpointing only runs in training mode; dropout is off anyway
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    ref = None
+    if cfg.kl_coef > 0:
+        ref_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # frozen: bf16 weights lose nothing
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=ref_dtype).to(dev).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return TrainerState(
+        model=model,
+        tokenizer=AutoTokenizer.from_pretrained(model_path),
+        optimizer=optimizer,
+        ref_model=ref,
+        device=dev,
+        autocast_dtype=torch.bfloat16 if dev.type == "cuda" else None,
+    )
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    # Train-time logprobs must match the engine's (no dropout) or every ratio is noise.
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+

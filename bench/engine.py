@@ -32,10 +32,18 @@ from tests.fakes.tiny_model import build_tiny_model  # noqa: E402
 
 # HuggingFaceTB/SmolLM2-135M-Instruct's config.json, minus the weights.
 SMOLLM2_135M = dict(
-    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-    vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-    tie_word_embeddings=True, hidden_act="silu",
-)  # fmt: skip
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+)
 
 
 def build_random_smollm2(out_dir: Path) -> Path:
@@ -125,8 +133,10 @@ def main() -> None:
     # Wall-clock throughput is what a client sees; tokens per CPU-second is steadier on a shared machine (with
     # one torch thread it counts the work done, not the time spent waiting for a core).
     print(f"best of {args.repeats} runs per figure")
-    print(f"{'sessions':>8} {'batched tok/s':>14} {'sequential tok/s':>17} {'ratio':>6} | "
-          f"{'batched tok/cpu-s':>18} {'sequential tok/cpu-s':>21} {'ratio':>6}")  # fmt: skip
+    print(
+        f"{'sessions':>8} {'batched tok/s':>14} {'sequential tok/s':>17} {'ratio':>6} | "
+        f"{'batched tok/cpu-s':>18} {'sequential tok/cpu-s':>21} {'ratio':>6}"
+    )
     seed = 0
     for s in args.sessions:
         keys = ("prefill_forwards", "prefills", "busy_time_s", "wall_s")
@@ -138,11 +148,15 @@ def main() -> None:
                 for k, value in enumerate(run(sched, s, batched, args, seed)):
                     best[batched, k] = max(best[batched, k], value)
         wall_b, wall_s, cpu_b, cpu_s = best[True, 0], best[False, 0], best[True, 1], best[False, 1]
-        print(f"{s:>8} {wall_b:>14.1f} {wall_s:>17.1f} {wall_b / wall_s:>5.2f}x | "
-              f"{cpu_b:>18.1f} {cpu_s:>21.1f} {cpu_b / cpu_s:>5.2f}x")  # fmt: skip
+        print(
+            f"{s:>8} {wall_b:>14.1f} {wall_s:>17.1f} {wall_b / wall_s:>5.2f}x | "
+            f"{cpu_b:>18.1f} {cpu_s:>21.1f} {cpu_b / cpu_s:>5.2f}x"
+        )
         tb = args.totals[True]
-        print(f"{'':>8} batched: {tb['prefills']:.0f} requests in {tb['prefill_forwards']:.0f} prefill forwards, "
-              f"engine busy {tb['busy_time_s'] / tb['wall_s']:.0%} of wall time")  # fmt: skip
+        print(
+            f"{'':>8} batched: {tb['prefills']:.0f} requests in {tb['prefill_forwards']:.0f} prefill forwards, "
+            f"engine busy {tb['busy_time_s'] / tb['wall_s']:.0%} of wall time"
+        )
     sched.close()
     if tmp is not None:
         tmp.cleanup()

@@ -65,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
     p.add_argument("--time-budget-s", type=float, default=480.0, help="stop timed steps before this wall time")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dry-run", action="store_true",
-                   help="validate the arguments, then 1 step of a tiny model on CPU, with the same report")  # fmt: skip
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the arguments, then 1 step of a tiny model on CPU, with the same report",
+    )
     return p
 
 
@@ -92,9 +95,13 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 def train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        learning_rate=1e-6, global_batch_size=a.batch, micro_batch_tokens=a.micro_batch_tokens, kl_coef=a.kl_coef,
-        gradient_checkpointing=a.gradient_checkpointing, filter_zero_std=False,
-    )  # fmt: skip
+        learning_rate=1e-6,
+        global_batch_size=a.batch,
+        micro_batch_tokens=a.micro_batch_tokens,
+        kl_coef=a.kl_coef,
+        gradient_checkpointing=a.gradient_checkpointing,
+        filter_zero_std=False,
+    )
 
 
 def build_model_dir(shape: dict, tied: bool, seq_len: int, out: Path, device: torch.device, seed: int) -> Path:
@@ -106,11 +113,16 @@ def build_model_dir(shape: dict, tied: bool, seq_len: int, out: Path, device: to
     hf_logging.disable_progress_bar()  # the report is the output; shard-writing bars only clutter it
 
     cfg = Qwen2Config(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"], max_position_embeddings=max(seq_len, 2048),
-        tie_word_embeddings=tied, dtype="float32",
-    )  # fmt: skip
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max(seq_len, 2048),
+        tie_word_embeddings=tied,
+        dtype="float32",
+    )
     torch.manual_seed(seed)
     with torch.device(device):  # initialise where it will train: random init of 0.5B on CPU alone takes a while
         model = Qwen2ForCausalLM(cfg)
@@ -130,13 +142,23 @@ def make_samples(a: argparse.Namespace, vocab: int, seq_len: int, prompt_len: in
         if j == 0:
             prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         completion = [rng.randrange(3, vocab) for _ in range(seq_len - prompt_len)]
-        samples.append(Sample(
-            run_id="gpu-check", step=0, instance_id=f"task-{g}", group_id=f"g{g}", sample_index=j,
-            rollout_id=f"r{i}", tokens=prompt + completion,
-            loss_mask=[0] * prompt_len + [1] * len(completion),
-            rollout_logprobs=[0.0] * prompt_len + [old_lp] * len(completion),
-            prompt_len=prompt_len, reward=float(j % 2), status="COMPLETED", exit_status="Submitted",
-        ))  # fmt: skip
+        samples.append(
+            Sample(
+                run_id="gpu-check",
+                step=0,
+                instance_id=f"task-{g}",
+                group_id=f"g{g}",
+                sample_index=j,
+                rollout_id=f"r{i}",
+                tokens=prompt + completion,
+                loss_mask=[0] * prompt_len + [1] * len(completion),
+                rollout_logprobs=[0.0] * prompt_len + [old_lp] * len(completion),
+                prompt_len=prompt_len,
+                reward=float(j % 2),
+                status="COMPLETED",
+                exit_status="Submitted",
+            )
+        )
     return samples
 
 
@@ -192,21 +214,38 @@ def run(a: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - ts)
     step_s = statistics.median(times)
     return {
-        "dry_run": dry, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "shape": shape, "tied": tied, "n_params": n_params, "batch": batch, "seq_len": seq_len,
-        "prompt_len": prompt_len, "micro_batch_tokens": cfg.micro_batch_tokens,
-        "gradient_checkpointing": cfg.gradient_checkpointing, "kl_coef": cfg.kl_coef,
-        "autocast": str(state.autocast_dtype), "fp32_matmul_precision": torch.get_float32_matmul_precision(),
-        "warmup": warmup, "steps_timed": len(times), "stopped_early": stopped_early, "step_s": times,
-        "step_s_median": step_s, "tokens_per_s": flops["tokens_fwd"] / step_s,
+        "dry_run": dry,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": shape,
+        "tied": tied,
+        "n_params": n_params,
+        "batch": batch,
+        "seq_len": seq_len,
+        "prompt_len": prompt_len,
+        "micro_batch_tokens": cfg.micro_batch_tokens,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "kl_coef": cfg.kl_coef,
+        "autocast": str(state.autocast_dtype),
+        "fp32_matmul_precision": torch.get_float32_matmul_precision(),
+        "warmup": warmup,
+        "steps_timed": len(times),
+        "stopped_early": stopped_early,
+        "step_s": times,
+        "step_s_median": step_s,
+        "tokens_per_s": flops["tokens_fwd"] / step_s,
         **{f"flops_{k}": v for k, v in flops.items()},
-        "tflops_simple": flops["simple"] / step_s / 1e12, "tflops_detailed": flops["detailed"] / step_s / 1e12,
-        "peak_tflops": a.peak_tflops, "mfu_simple": flops["simple"] / step_s / (a.peak_tflops * 1e12),
+        "tflops_simple": flops["simple"] / step_s / 1e12,
+        "tflops_detailed": flops["detailed"] / step_s / 1e12,
+        "peak_tflops": a.peak_tflops,
+        "mfu_simple": flops["simple"] / step_s / (a.peak_tflops * 1e12),
         "mfu_detailed": flops["detailed"] / step_s / (a.peak_tflops * 1e12),
-        "peak_memory_gb": metrics.get("peak_memory_gb"), "loss": metrics.get("loss"),
-        "grad_norm": metrics.get("grad_norm"), "optimizer_steps": metrics.get("optimizer_steps"),
-        "setup_s": setup_s, "total_s": time.perf_counter() - t0,
-    }  # fmt: skip
+        "peak_memory_gb": metrics.get("peak_memory_gb"),
+        "loss": metrics.get("loss"),
+        "grad_norm": metrics.get("grad_norm"),
+        "optimizer_steps": metrics.get("optimizer_steps"),
+        "setup_s": setup_s,
+        "total_s": time.perf_counter() - t0,
+    }
 
 
 def report(r: dict) -> str:
@@ -233,7 +272,7 @@ def report(r: dict) -> str:
         f"peak memory: {mem} | loss {r['loss']:.6f}, grad_norm {r['grad_norm']:.4f} "
         f"({'finite' if finite else 'NOT FINITE'}), optimizer steps {r['optimizer_steps']} | setup "
         f"{r['setup_s']:.1f} s, total {r['total_s']:.1f} s",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)
 
 
@@ -242,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     validate(parser, args)
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check.py: error: no CUDA device here; --dry-run runs the same path on CPU with a tiny model",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_check.py: error: no CUDA device here; --dry-run runs the same path on CPU with a tiny model",
+            file=sys.stderr,
+        )
         return 2
     result = run(args)
     print(report(result))

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpoflow.evaluation import EVAL_SPLITS, before_after_lines, eval_metrics  # noqa: E402
-from grpoflow.rollout.step import SAMPLES, read_samples  # noqa: E402
+from grpoflow.rollout.step import SAMPLES, read_samples
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
 
 STAGES = ["time/eval_s", "time/rollout_s", "time/train_s", "time/commit_s", "time/sync_s"]
@@ -82,14 +82,18 @@ def summarize(run_dir: Path) -> dict:
     step_wall = [sum(r.get(k, 0.0) for k in STAGES) for r in train]
     final_eval = evals[-1].get("time/eval_s", 0.0) if evals and evals[-1]["step"] == len(train) else 0.0
     return {
-        "run": run_dir.name, "steps": len(train), "trials": sum(int(r["rollout/trials"]) for r in train),
-        "stages": stages, "step_wall": step_wall, "final_eval_s": final_eval,
+        "run": run_dir.name,
+        "steps": len(train),
+        "trials": sum(int(r["rollout/trials"]) for r in train),
+        "stages": stages,
+        "step_wall": step_wall,
+        "final_eval_s": final_eval,
         "commit_sync_share": sum(stages["time/commit_s"]) + sum(stages["time/sync_s"]),
         "bytes_per_step": step_bytes(run_dir, len(train), cfg["train"]["save_interval"], weights, optimizer),
         "bytes_every_step_before": weights + optimizer,  # the old commit: weights and AdamW state every step
         "verdict": verdict(run_dir, evals),
         "model": json.loads((run_dir / "run.json").read_text())["model"]["path"],
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -103,18 +107,26 @@ def main() -> None:
         print(f"baseline: HF generate, SmolLM2 fp32 greedy, 1 thread: {hf_generate_tok_s(runs[0]['model']):.1f} tok/s")
     if args.wall:
         w = sorted(args.wall)
-        print(f"main job wall time over {len(w)} runs: min {w[0]:.0f} s, median {statistics.median(w):.0f} s, "
-              f"max {w[-1]:.0f} s")  # fmt: skip
+        print(
+            f"main job wall time over {len(w)} runs: min {w[0]:.0f} s, median {statistics.median(w):.0f} s, "
+            f"max {w[-1]:.0f} s"
+        )
     for r in runs:
         total = sum(r["step_wall"])
-        print(f"\n{r['run']}: {r['steps']} steps, {r['trials']} training trials, steps {total:.0f} s "
-              f"+ final evaluation {r['final_eval_s']:.0f} s")  # fmt: skip
+        print(
+            f"\n{r['run']}: {r['steps']} steps, {r['trials']} training trials, steps {total:.0f} s "
+            f"+ final evaluation {r['final_eval_s']:.0f} s"
+        )
         for k, v in r["stages"].items():
-            print(f"  {k.removeprefix('time/').removesuffix('_s'):8s} mean {statistics.fmean(v):6.2f} s/step "
-                  f"(min {min(v):.2f}, max {max(v):.2f}; {sum(v):.0f} s in all)")  # fmt: skip
+            print(
+                f"  {k.removeprefix('time/').removesuffix('_s'):8s} mean {statistics.fmean(v):6.2f} s/step "
+                f"(min {min(v):.2f}, max {max(v):.2f}; {sum(v):.0f} s in all)"
+            )
         print(f"  commit + sync: {100 * r['commit_sync_share'] / total:.1f} % of the steps' wall time")
-        print(f"  bytes written per step: {r['bytes_per_step'] / 1e9:.2f} GB (weights and optimizer state every "
-              f"step, as before: {r['bytes_every_step_before'] / 1e9:.2f} GB)")  # fmt: skip
+        print(
+            f"  bytes written per step: {r['bytes_per_step'] / 1e9:.2f} GB (weights and optimizer state every "
+            f"step, as before: {r['bytes_every_step_before'] / 1e9:.2f} GB)"
+        )
         for line in r["verdict"]:
             print(f"  {line}")
 

@@ -24,7 +24,8 @@ from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.prepare.dataset import load_dataset  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.prepare.prompts import build_prompts  # noqa: E402
-from grpoflow.rollout.step import agent_factory, collect_step, sandbox_config  # noqa: E402
+from grpoflow.rollout.harnesses import agent_factory
+from grpoflow.rollout.step import collect_step, sandbox_config
 
 harbor.utils.logger.logger.setLevel("WARNING")
 
@@ -36,18 +37,32 @@ def busy_time(client) -> float:
 def run(engine, model_path, prompts, work: Path, tag: str, **rollout) -> dict:
     cfg = parse_run_config({"rollout": rollout})
     busy0, t0 = busy_time(engine.client), time.perf_counter()
-    res = asyncio.run(collect_step(
-        "bench", 0, prompts, cfg.rollout, 0, agent_factory(cfg.rollout, cfg.engine, engine.url, model_path),
-        sandbox_config(cfg.rollout, work_dir=str(work)), work / f"trials-{tag}", work / f"details-{tag}",
-    ))  # fmt: skip
+    res = asyncio.run(
+        collect_step(
+            "bench",
+            0,
+            prompts,
+            cfg.rollout,
+            0,
+            agent_factory(cfg.rollout, cfg.engine, engine.url, model_path),
+            sandbox_config(cfg.rollout, work_dir=str(work)),
+            work / f"trials-{tag}",
+            work / f"details-{tag}",
+        )
+    )
     wall = time.perf_counter() - t0
     m = res.metrics
     return {
-        "trials": len(res.samples), "wall_s": wall, "trials_per_s": len(res.samples) / wall,
-        "busy_fraction": (busy_time(engine.client) - busy0) / wall, "tokens": m["tokens_generated"],
-        "after_trunc": m["tokens_after_truncation"], "truncated": m["truncated_ratio"], "reward": m["reward_mean"],
+        "trials": len(res.samples),
+        "wall_s": wall,
+        "trials_per_s": len(res.samples) / wall,
+        "busy_fraction": (busy_time(engine.client) - busy0) / wall,
+        "tokens": m["tokens_generated"],
+        "after_trunc": m["tokens_after_truncation"],
+        "truncated": m["truncated_ratio"],
+        "reward": m["reward_mean"],
         "tool_s": m["tool_time_s"],
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -66,26 +81,35 @@ def main() -> None:
     base = {"n_samples_per_prompt": per_prompt, "max_turns": 3, "max_new_tokens": 64, "temperature": 0.5}
     print(f"model {args.model}, {len(prompts) * per_prompt} trials per row, engine threads {args.threads}")
     try:
-        with start_embedded_engine(model_path, seed=0, threads=args.threads, max_batch_size=32,
-                                   log_path=work / "engine.log") as engine:  # fmt: skip
+        with start_embedded_engine(
+            model_path, seed=0, threads=args.threads, max_batch_size=32, log_path=work / "engine.log"
+        ) as engine:
             print("\n== throughput (shell agent, easy built-in tasks, local sandbox) ==")
             print(f"{'concurrency':>11} {'trials/s':>9} {'wall s':>7} {'busy frac':>9} {'tokens':>7} {'tool s':>7}")
             for c in (int(x) for x in args.concurrency.split(",")):
                 r = run(engine, model_path, prompts, work, f"c{c}", concurrency=c, **base)
-                print(f"{c:>11} {r['trials_per_s']:>9.3f} {r['wall_s']:>7.1f} {r['busy_fraction']:>9.2f} "
-                      f"{r['tokens']:>7.0f} {r['tool_s']:>7.1f}")  # fmt: skip
+                print(
+                    f"{c:>11} {r['trials_per_s']:>9.3f} {r['wall_s']:>7.1f} {r['busy_fraction']:>9.2f} "
+                    f"{r['tokens']:>7.0f} {r['tool_s']:>7.1f}"
+                )
             print("\n== truncation-heavy mix (max_new_tokens 12, 4 turns): early exit on vs off ==")
             heavy = {**base, "max_new_tokens": 12, "max_turns": 4, "concurrency": 16}
-            rows = {flag: run(engine, model_path, prompts, work, f"exit-{flag}", early_truncation_exit=flag, **heavy)
-                    for flag in (True, False)}  # fmt: skip
+            rows = {
+                flag: run(engine, model_path, prompts, work, f"exit-{flag}", early_truncation_exit=flag, **heavy)
+                for flag in (True, False)
+            }
             print(f"{'early exit':>10} {'truncated':>9} {'tokens':>7} {'after trunc':>11} {'share':>6} {'wall s':>7}")
             for flag, r in rows.items():
                 share = r["after_trunc"] / r["tokens"] if r["tokens"] else 0.0
-                print(f"{str(flag):>10} {r['truncated']:>9.2f} {r['tokens']:>7.0f} {r['after_trunc']:>11.0f} "
-                      f"{share:>6.2f} {r['wall_s']:>7.1f}")  # fmt: skip
+                print(
+                    f"{str(flag):>10} {r['truncated']:>9.2f} {r['tokens']:>7.0f} {r['after_trunc']:>11.0f} "
+                    f"{share:>6.2f} {r['wall_s']:>7.1f}"
+                )
             on, off = rows[True], rows[False]
-            print(f"\nwall time with early exit / without: {on['wall_s'] / off['wall_s']:.2f}; "
-                  f"tokens generated: {on['tokens'] / max(off['tokens'], 1):.2f}")
+            print(
+                f"\nwall time with early exit / without: {on['wall_s'] / off['wall_s']:.2f}; "
+                f"tokens generated: {on['tokens'] / max(off['tokens'], 1):.2f}"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

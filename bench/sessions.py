@@ -6,7 +6,7 @@
 1. Per-request latency of a multi-turn agent conversation (each session re-sends its whole history plus a new
    tool observation every turn), sent (a) straight to the backend's /v1/chat/completions and (b) through
    `SessionServer`'s /sessions/<id>/v1/chat/completions, which renders the template, tokenises, calls /generate
-   and records the tree. Backend: the SGLang stand-in (tests/engine/sglang_standin.py; a scripted model, so
+   and records the tree. Backend: the SGLang stand-in (tests/fakes/sglang_standin.py; a scripted model, so
    generation costs ~0 and b - a is our overhead) and, with --engine, the embedded engine
    (`start_embedded_engine`) on the same model folder. "own" is each b request's latency less the time the
    server waited on /generate (its turn's `generation_time_s`): the session server's own cost, HTTP included.
@@ -39,12 +39,6 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# tests/engine is not a package: the stand-in imports its neighbours by bare name (as pytest's rootdir insertion
-# lets it), so put that folder itself on the path.
-sys.path.insert(0, str(ROOT / "tests" / "engine"))
-
-from sglang_standin import StandinServer  # noqa: E402
-
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.rollout.sessions.segments import segments  # noqa: E402
 from grpoflow.rollout.sessions.server import SessionServer  # noqa: E402
@@ -55,12 +49,37 @@ from grpoflow.rollout.tokens import (  # noqa: E402
     render,
     suffix_ids,
 )
+from tests.fakes.sglang_standin import StandinServer  # noqa: E402
 from tests.fakes.tiny_model import build_tiny_model  # noqa: E402
 
 SYSTEM = "You are a helpful assistant that replies with one bash command. Think briefly, then act."
-_WORDS = ("drwxr-xr-x", "-rw-r--r--", "user", "staff", "4096", "src", "main.py", "README.md", "build", "tests",
-          "error:", "warning:", "line", "No such file or directory", "exit code 0", "Traceback", "import", "42",
-          "notes.txt", "greeting.txt", "passed", "failed", "Makefile", "config.json", "ok")  # fmt: skip
+_WORDS = (
+    "drwxr-xr-x",
+    "-rw-r--r--",
+    "user",
+    "staff",
+    "4096",
+    "src",
+    "main.py",
+    "README.md",
+    "build",
+    "tests",
+    "error:",
+    "warning:",
+    "line",
+    "No such file or directory",
+    "exit code 0",
+    "Traceback",
+    "import",
+    "42",
+    "notes.txt",
+    "greeting.txt",
+    "passed",
+    "failed",
+    "Makefile",
+    "config.json",
+    "ok",
+)
 
 
 def observation(rng: random.Random, chars: int) -> str:
@@ -85,11 +104,19 @@ def converse(http: httpx.Client, url: str, sid: int, args, extra: dict, lat: lis
     """One agent session of `args.turns` turns against `url` (a chat completions endpoint); appends each request's
     latency (s) to `lat`; returns the number of turns cut off at the token limit (0 or 1: it ends the session)."""
     rng = random.Random(sid)
-    msgs = [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Task {sid}: find the failing test and fix it."}]  # fmt: skip
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Task {sid}: find the failing test and fix it."},
+    ]
     for turn in range(args.turns):
-        body = {"model": "policy", "messages": msgs, "max_tokens": args.max_tokens, "temperature": 1.0,
-                "seed": 1000 * sid + turn, **extra}  # fmt: skip
+        body = {
+            "model": "policy",
+            "messages": msgs,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+            "seed": 1000 * sid + turn,
+            **extra,
+        }
         t0 = time.perf_counter()
         r = http.post(url, json=body)
         lat.append(time.perf_counter() - t0)
@@ -98,8 +125,10 @@ def converse(http: httpx.Client, url: str, sid: int, args, extra: dict, lat: lis
         choice = r.json()["choices"][0]
         if choice["finish_reason"] == "length":
             return 1
-        msgs = msgs + [{"role": "assistant", "content": choice["message"]["content"] or ""},
-                       {"role": "user", "content": observation(rng, args.obs_chars)}]  # fmt: skip
+        msgs = msgs + [
+            {"role": "assistant", "content": choice["message"]["content"] or ""},
+            {"role": "user", "content": observation(rng, args.obs_chars)},
+        ]
     return 0
 
 
@@ -127,9 +156,11 @@ def overhead(name: str, backend_url: str, model: Path, args, extra: dict) -> tup
     gen = [t.generation_time_s for tree in trees for t in tree.turns]
     own = [x - g for x, g in zip(b, gen, strict=True)]
     pa50, pa95, pb50, pb95, po50, po95 = (1000 * pct(x, q) for x in (a, b, own) for q in (0.5, 0.95))
-    print(f"{name:<10} {len(a):>4} {pa50:>7.2f} {pa95:>7.2f} | {len(b):>4} {pb50:>7.2f} {pb95:>7.2f} | "
-          f"{pb50 / pa50:>6.2f}x {pb95 / pa95:>6.2f}x | {pb50 - pa50:>+8.2f} | {po50:>7.2f} {po95:>7.2f}"
-          f"   cut off: a {cut['a']}, b {cut['b']}")  # fmt: skip
+    print(
+        f"{name:<10} {len(a):>4} {pa50:>7.2f} {pa95:>7.2f} | {len(b):>4} {pb50:>7.2f} {pb95:>7.2f} | "
+        f"{pb50 / pa50:>6.2f}x {pb95 / pa95:>6.2f}x | {pb50 - pa50:>+8.2f} | {po50:>7.2f} {po95:>7.2f}"
+        f"   cut off: a {cut['a']}, b {cut['b']}"
+    )
     return trees, stats
 
 
@@ -161,14 +192,18 @@ def retokenise(name: str, tok, trees: list[SessionTree]) -> None:
         sums = [sum(x[k] for x in r) for k in range(5)]
         tot = [a + b for a, b in zip(tot, sums, strict=True)]
         full_ms, suf_ms = 1000 * (sums[2] + sums[3]) / len(r), 1000 * (sums[2] + sums[4]) / len(r)
-        print(f"{name:<10} {i:>4} {len(r):>4} {sums[0] / len(r):>9.0f} {sums[1] / len(r):>9.0f} "
-              f"{sums[0] / max(sums[1], 1):>6.1f}x | {full_ms:>8.3f} {suf_ms:>8.3f} {full_ms / suf_ms:>6.2f}x")  # fmt: skip
+        print(
+            f"{name:<10} {i:>4} {len(r):>4} {sums[0] / len(r):>9.0f} {sums[1] / len(r):>9.0f} "
+            f"{sums[0] / max(sums[1], 1):>6.1f}x | {full_ms:>8.3f} {suf_ms:>8.3f} {full_ms / suf_ms:>6.2f}x"
+        )
     n = sum(len(r) for r in rows.values())
     full_ms, suf_ms = 1000 * (tot[2] + tot[3]) / n, 1000 * (tot[2] + tot[4]) / n
     both_ms = 1000 * (tot[2] + tot[3] + tot[4]) / n
-    print(f"{name:<10} {'all':>4} {n:>4} {tot[0] / n:>9.0f} {tot[1] / n:>9.0f} {tot[0] / max(tot[1], 1):>6.1f}x | "
-          f"{full_ms:>8.3f} {suf_ms:>8.3f} {full_ms / suf_ms:>6.2f}x   server as written (both): {both_ms:.3f} ms"
-          f" (render {1000 * tot[2] / n:.3f}, encode full {1000 * tot[3] / n:.3f}, suffix {1000 * tot[4] / n:.3f})")
+    print(
+        f"{name:<10} {'all':>4} {n:>4} {tot[0] / n:>9.0f} {tot[1] / n:>9.0f} {tot[0] / max(tot[1], 1):>6.1f}x | "
+        f"{full_ms:>8.3f} {suf_ms:>8.3f} {full_ms / suf_ms:>6.2f}x   server as written (both): {both_ms:.3f} ms"
+        f" (render {1000 * tot[2] / n:.3f}, encode full {1000 * tot[3] / n:.3f}, suffix {1000 * tot[4] / n:.3f})"
+    )
 
 
 # --- 3. tree and segments -----------------------------------------------------------------------------------
@@ -209,10 +244,19 @@ def build_compacted(args, vocab: int, seed: int) -> tuple[SessionTree, dict[str,
         out = ids(4 * out_len if summarise else out_len)
         t3 = time.perf_counter()
         turn = tree.add_turn(
-            msgs, context, out, [-0.5] * len(out), reply=f"r{i}", finish_reason="stop", truncated=False,
-            extends=ext.index if ext is not None else None, retokenize_mismatch=False, first_mismatch=None,
-            weight_version="0", generation_time_s=0.0,
-        )  # fmt: skip
+            msgs,
+            context,
+            out,
+            [-0.5] * len(out),
+            reply=f"r{i}",
+            finish_reason="stop",
+            truncated=False,
+            extends=ext.index if ext is not None else None,
+            retokenize_mismatch=False,
+            first_mismatch=None,
+            weight_version="0",
+            generation_time_s=0.0,
+        )
         t4 = time.perf_counter()
         times["extended_turn"].append(t1 - t0)
         times["path"].append(t2 - t1)
@@ -246,14 +290,19 @@ def tree_costs(args, vocab: int) -> None:
     positions = _tree_positions(tree.root)
     seg_tokens = sum(len(s.tokens) for s in segs)
     trained = sum(sum(s.loss_mask) for s in segs)
-    print(f"session: {len(tree.turns)} turns, {positions} token positions in the tree, {len(segs)} segments "
-          f"({seg_tokens} tokens in all, {trained} trained), longest prompt {max(prompt_lens)} tokens")  # fmt: skip
+    print(
+        f"session: {len(tree.turns)} turns, {positions} token positions in the tree, {len(segs)} segments "
+        f"({seg_tokens} tokens in all, {trained} trained), longest prompt {max(prompt_lens)} tokens"
+    )
     print(f"{'per turn':<16} {'mean ms':>9} {'p95 ms':>9} {'max ms':>9}")
     for k in ("add_turn", "path", "extended_turn"):
-        print(f"{k:<16} {1000 * best[k + '_mean']:>9.3f} {1000 * best[k + '_p95']:>9.3f} "
-              f"{1000 * best[k + '_max']:>9.3f}")  # fmt: skip
-    print(f"segments(): {1000 * best['segments']:.2f} ms for the whole session "
-          f"({1e6 * best['segments'] / positions:.2f} us per tree position); best of {args.repeats}")
+        print(
+            f"{k:<16} {1000 * best[k + '_mean']:>9.3f} {1000 * best[k + '_p95']:>9.3f} {1000 * best[k + '_max']:>9.3f}"
+        )
+    print(
+        f"segments(): {1000 * best['segments']:.2f} ms for the whole session "
+        f"({1e6 * best['segments'] / positions:.2f} us per tree position); best of {args.repeats}"
+    )
 
 
 def _tree_positions(node) -> int:
@@ -314,13 +363,19 @@ def main() -> None:
         model = args.model.expanduser()
     tok = load_tokenizer(str(model))
     vocab = len(tok)
-    print(f"model {model} (tokenizer vocab {vocab}); {args.sessions} sessions x {args.turns} turns, "
-          f"observations {args.obs_chars} chars, max_tokens {args.max_tokens}")  # fmt: skip
+    print(
+        f"model {model} (tokenizer vocab {vocab}); {args.sessions} sessions x {args.turns} turns, "
+        f"observations {args.obs_chars} chars, max_tokens {args.max_tokens}"
+    )
 
-    print("\n1. latency per request: (a) straight to the backend's /v1/chat/completions, (b) through the session "
-          "server (ms)")  # fmt: skip
-    print(f"{'backend':<10} {'n':>4} {'a p50':>7} {'a p95':>7} | {'n':>4} {'b p50':>7} {'b p95':>7} | "
-          f"{'b/a p50':>7} {'b/a p95':>7} | {'b-a p50':>8} | {'own p50':>7} {'own p95':>7}")  # fmt: skip
+    print(
+        "\n1. latency per request: (a) straight to the backend's /v1/chat/completions, (b) through the session "
+        "server (ms)"
+    )
+    print(
+        f"{'backend':<10} {'n':>4} {'a p50':>7} {'a p95':>7} | {'n':>4} {'b p50':>7} {'b p95':>7} | "
+        f"{'b/a p50':>7} {'b/a p95':>7} | {'b-a p50':>8} | {'own p50':>7} {'own p95':>7}"
+    )
     runs = []
     # The stand-in's context length is the model's; lift it so long histories are served (its "tokens" are bytes).
     with StandinServer(str(model), context_length=1 << 20) as standin:
@@ -335,29 +390,43 @@ def main() -> None:
             eng.stop()
         runs.append(("engine", trees, stats))
 
-    print("\n2. tokenising per continued turn (replayed offline): whole history re-rendered and tokenised vs the "
-          "server's suffix-only plan")  # fmt: skip
-    print(f"{'backend':<10} {'turn':>4} {'n':>4} {'full tok':>9} {'sfx tok':>9} {'ratio':>7} | "
-          f"{'full ms':>8} {'sfx ms':>8} {'ratio':>7}")  # fmt: skip
+    print(
+        "\n2. tokenising per continued turn (replayed offline): whole history re-rendered and tokenised vs the "
+        "server's suffix-only plan"
+    )
+    print(
+        f"{'backend':<10} {'turn':>4} {'n':>4} {'full tok':>9} {'sfx tok':>9} {'ratio':>7} | "
+        f"{'full ms':>8} {'sfx ms':>8} {'ratio':>7}"
+    )
     for name, trees, _ in runs:
         retokenise(name, tok, trees)
-    print("(full ms = render + encode the whole history; sfx ms = render + suffix_ids, which renders the earlier "
-          "turn's messages and encodes the suffix)")  # fmt: skip
+    print(
+        "(full ms = render + encode the whole history; sfx ms = render + suffix_ids, which renders the earlier "
+        "turn's messages and encodes the suffix)"
+    )
 
-    print(f"\n3. SessionTree on a synthetic compacted session ({args.tree_turns} turns, ~{args.tree_tokens} new "
-          f"tokens, {args.tree_branches} summarisation branches)")  # fmt: skip
+    print(
+        f"\n3. SessionTree on a synthetic compacted session ({args.tree_turns} turns, ~{args.tree_tokens} new "
+        f"tokens, {args.tree_branches} summarisation branches)"
+    )
     tree_costs(args, vocab)
 
-    print("\n4. retokenize mismatch rate the server reported (requests whose whole history, re-tokenised, differs "
-          "from the prompt ids it sent)")  # fmt: skip
+    print(
+        "\n4. retokenize mismatch rate the server reported (requests whose whole history, re-tokenised, differs "
+        "from the prompt ids it sent)"
+    )
     for name, trees, s in runs:
         note = "  (stand-in text is not the decoding of its ids: not a tokenizer figure)" if name == "stand-in" else ""
-        print(f"{name:<10} {s['requests']:.0f} requests, {s['requests_extended']:.0f} continued a turn, "
-              f"{s['retokenize_mismatches']:.0f} mismatched: rate {s['retokenize_mismatch_rate']:.1%}, "
-              f"extend failures {s['extend_failures']:.0f}{note}")  # fmt: skip
+        print(
+            f"{name:<10} {s['requests']:.0f} requests, {s['requests_extended']:.0f} continued a turn, "
+            f"{s['retokenize_mismatches']:.0f} mismatched: rate {s['retokenize_mismatch_rate']:.1%}, "
+            f"extend failures {s['extend_failures']:.0f}{note}"
+        )
         where = mismatch_sites(trees)
-        print(f"{'':<10} first difference: {where['inside']} inside an earlier reply's ids (not the canonical "
-              f"split of its text), {where['end']} at a reply's end (stop token / EOS), {where['other']} elsewhere")
+        print(
+            f"{'':<10} first difference: {where['inside']} inside an earlier reply's ids (not the canonical "
+            f"split of its text), {where['end']} at a reply's end (stop token / EOS), {where['other']} elsewhere"
+        )
     if tmp is not None:
         tmp.cleanup()
 

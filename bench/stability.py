@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PREFECT_HOME"] = str(home)
     os.environ.pop("PREFECT_API_URL", None)
     import flows  # noqa: F401  (the offline environment, before Prefect loads)
+
     db = home / "prefect.db"
 
     import torch
@@ -77,13 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     from tests.fakes.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp / "tiny-model", seed=0)
-    cfg = parse_run_config({
-        "run_id": "stability", "output_dir": str(tmp / "runs"), "model": {"source": str(model)},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, "max_turns": 1,
-                    "temperature": 1.0},
-        "train": {"steps": args.steps, "learning_rate": 1e-4, "save_interval": args.steps,
-                  "eval_samples_per_prompt": 0},
-    })  # fmt: skip
+    cfg = parse_run_config(
+        {
+            "run_id": "stability",
+            "output_dir": str(tmp / "runs"),
+            "model": {"source": str(model)},
+            "rollout": {
+                "prompts_per_step": 2,
+                "n_samples_per_prompt": 2,
+                "max_new_tokens": 8,
+                "max_turns": 1,
+                "temperature": 1.0,
+            },
+            "train": {
+                "steps": args.steps,
+                "learning_rate": 1e-4,
+                "save_interval": args.steps,
+                "eval_samples_per_prompt": 0,
+            },
+        }
+    )
     metrics = cfg.run_dir / "metrics.jsonl"
     marks: dict[int, dict[str, float]] = {}
     times: dict[int, float] = {}
@@ -119,11 +133,17 @@ def main(argv: list[str] | None = None) -> int:
 
     span = args.steps - args.measure_at
     per_step = (times[args.steps] - times[args.measure_at]) / span
-    print(f"\nstability: {args.steps} steps of the train flow in {wall:.0f} s "
-          f"({per_step:.2f} s/step after step {args.measure_at})")
+    print(
+        f"\nstability: {args.steps} steps of the train flow in {wall:.0f} s "
+        f"({per_step:.2f} s/step after step {args.measure_at})"
+    )
     print(f"{'':16}{'step ' + str(args.measure_at):>12}{'step ' + str(args.steps):>12}{'growth':>12}")
-    for key, label in (("self", "RSS flow proc"), ("engine", "RSS engine"), ("prefect_server", "RSS prefect srv"),
-                       ("db", "prefect db")):  # fmt: skip
+    for key, label in (
+        ("self", "RSS flow proc"),
+        ("engine", "RSS engine"),
+        ("prefect_server", "RSS prefect srv"),
+        ("db", "prefect db"),
+    ):
         print(f"{label:16}{a[key]:>9.1f} MB{b[key]:>9.1f} MB{growth(key):>12}")
     per_step_db = (b["db"] - a["db"]) / span
     print(f"prefect db growth per step: {per_step_db * 1024:.1f} KB")

@@ -74,17 +74,27 @@ def make_spec(args, model_path: Path) -> dict:
     groups = [f"g{i // GROUP}" for i in range(args.batch)]
     adv = group_advantages(rewards, groups, scale_by_std=True)
     plain_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    return {"model_path": str(model_path), "prompt_len": args.prompt_len, "samples": samples, "groups": groups,
-            "advantages": adv.tolist(), "args": plain_args}  # fmt: skip
+    return {
+        "model_path": str(model_path),
+        "prompt_len": args.prompt_len,
+        "samples": samples,
+        "groups": groups,
+        "advantages": adv.tolist(),
+        "args": plain_args,
+    }
 
 
 def _train_config(a: dict):
     from grpoflow.config import TrainConfig
 
     return TrainConfig(
-        learning_rate=a["lr"], loss_aggregation=a["aggregation"], gradient_checkpointing=a["gradient_checkpointing"],
-        micro_batch_tokens=a["batch"] * a["seq_len"], filter_zero_std=False, max_grad_norm=1.0,
-    )  # fmt: skip
+        learning_rate=a["lr"],
+        loss_aggregation=a["aggregation"],
+        gradient_checkpointing=a["gradient_checkpointing"],
+        micro_batch_tokens=a["batch"] * a["seq_len"],
+        filter_zero_std=False,
+        max_grad_norm=1.0,
+    )
 
 
 def run_ours(spec: dict, device: str) -> dict:
@@ -98,11 +108,23 @@ def run_ours(spec: dict, device: str) -> dict:
     samples = []
     for i, s in enumerate(spec["samples"]):
         n, c = len(s["tokens"]), len(s["tokens"]) - P
-        samples.append(Sample(
-            run_id="bench", step=0, instance_id="x", group_id=spec["groups"][i], sample_index=i, rollout_id=str(i),
-            tokens=s["tokens"], loss_mask=[0] * P + [1] * c, rollout_logprobs=[0.0] * P + s["completion_logprobs"],
-            prompt_len=P, reward=s["reward"], status="COMPLETED", exit_status="Submitted",
-        ))  # fmt: skip
+        samples.append(
+            Sample(
+                run_id="bench",
+                step=0,
+                instance_id="x",
+                group_id=spec["groups"][i],
+                sample_index=i,
+                rollout_id=str(i),
+                tokens=s["tokens"],
+                loss_mask=[0] * P + [1] * c,
+                rollout_logprobs=[0.0] * P + s["completion_logprobs"],
+                prompt_len=P,
+                reward=s["reward"],
+                status="COMPLETED",
+                exit_status="Submitted",
+            )
+        )
         assert len(samples[-1].tokens) == n
 
     def step(i: int) -> float:
@@ -124,17 +146,31 @@ def run_trl(spec: dict, device: str) -> dict:
     disable_dropout(model)
     B, C = len(spec["samples"]), max(len(s["tokens"]) for s in spec["samples"]) - P
     args = GRPOConfig(
-        output_dir=str(Path(spec["workdir"]) / "trl-out"), per_device_train_batch_size=B, num_generations=GROUP,
-        max_completion_length=C, beta=0.0, epsilon=0.2, epsilon_high=0.28, learning_rate=a["lr"],
-        loss_type={"token": "bnpo", "sample": "grpo"}[a["aggregation"]], max_grad_norm=1.0, weight_decay=0.0,
-        report_to="none", use_cpu=dev.type == "cpu", bf16=dev.type == "cuda",
-        activation_checkpointing=a["gradient_checkpointing"], disable_dropout=True, logging_steps=1,
-    )  # fmt: skip
+        output_dir=str(Path(spec["workdir"]) / "trl-out"),
+        per_device_train_batch_size=B,
+        num_generations=GROUP,
+        max_completion_length=C,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        learning_rate=a["lr"],
+        loss_type={"token": "bnpo", "sample": "grpo"}[a["aggregation"]],
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        report_to="none",
+        use_cpu=dev.type == "cpu",
+        bf16=dev.type == "cuda",
+        activation_checkpointing=a["gradient_checkpointing"],
+        disable_dropout=True,
+        logging_steps=1,
+    )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+        model=model,
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
         train_dataset=Dataset.from_list([{"prompt": "x"}] * B),
         processing_class=AutoTokenizer.from_pretrained(spec["model_path"]),
-    )  # fmt: skip
+    )
     if a["gradient_checkpointing"]:  # what `Trainer.train()` does before the first step
         model.activation_checkpointing_enable()
     model.train()
@@ -152,9 +188,11 @@ def run_trl(spec: dict, device: str) -> dict:
     inputs = {
         "prompt_ids": torch.tensor([s["tokens"][:P] for s in spec["samples"]]),
         "prompt_mask": torch.ones(B, P, dtype=torch.long),
-        "completion_ids": comp, "completion_mask": comp_mask, "advantages": torch.tensor(spec["advantages"]),
+        "completion_ids": comp,
+        "completion_mask": comp_mask,
+        "advantages": torch.tensor(spec["advantages"]),
         "old_per_token_logps": old,
-    }  # fmt: skip
+    }
     inputs = {k: v.to(dev) for k, v in inputs.items()}
 
     def step(_: int) -> float:
@@ -183,8 +221,13 @@ def _measure(step, a: dict, dev: torch.device) -> dict:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    out = {"first_loss": first_loss, "step_s": min(times), "step_s_all": times, "rss_loaded_mb": rss_loaded,
-           "peak_rss_mb": _peak_rss_mb()}  # fmt: skip
+    out = {
+        "first_loss": first_loss,
+        "step_s": min(times),
+        "step_s_all": times,
+        "rss_loaded_mb": rss_loaded,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
     if dev.type == "cuda":
         out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out
@@ -225,8 +268,18 @@ def main() -> None:
         spec_path.write_text(json.dumps(spec))
         results = {}
         for worker in ("ours", "trl"):
-            cmd = [sys.executable, __file__, "--worker", worker, "--spec", str(spec_path), "--threads",
-                   str(args.threads), "--device", args.device]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                worker,
+                "--spec",
+                str(spec_path),
+                "--threads",
+                str(args.threads),
+                "--device",
+                args.device,
+            ]
             env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -242,21 +295,30 @@ def _report(args, model_path, spec: dict, results: dict) -> None:
     n_trained = sum(len(s["completion_logprobs"]) for s in spec["samples"])
     cuda = args.device.startswith("cuda")
     mem_key = "cuda_peak_mb" if cuda else "peak_rss_mb"
-    print(f"model {model_path} | batch {args.batch} x <= {args.seq_len} tokens (prompt {args.prompt_len}): "
-          f"{n_tokens} real tokens, {n_trained} trained | aggregation {args.aggregation} | "
-          f"grad ckpt {args.gradient_checkpointing} | {args.device}, {args.threads} thread(s)")  # fmt: skip
-    print(f"one optimizer step (forward + backward + clip + AdamW), best of {args.steps} after 1 warm-up; "
-          f"memory: {'CUDA peak allocated' if cuda else 'peak RSS of the worker process'}")  # fmt: skip
+    print(
+        f"model {model_path} | batch {args.batch} x <= {args.seq_len} tokens (prompt {args.prompt_len}): "
+        f"{n_tokens} real tokens, {n_trained} trained | aggregation {args.aggregation} | "
+        f"grad ckpt {args.gradient_checkpointing} | {args.device}, {args.threads} thread(s)"
+    )
+    print(
+        f"one optimizer step (forward + backward + clip + AdamW), best of {args.steps} after 1 warm-up; "
+        f"memory: {'CUDA peak allocated' if cuda else 'peak RSS of the worker process'}"
+    )
     print(f"{'':6} {'tokens/s':>9} {'step s':>8} {'peak MB':>8} {'peak-loaded MB':>15} {'step-1 loss':>12}")
     step_mem = {}
     for name, r in results.items():
         step_mem[name] = r[mem_key] - (0 if cuda else r["rss_loaded_mb"])  # what the step adds to the loaded model
-        print(f"{name:6} {n_tokens / r['step_s']:9.1f} {r['step_s']:8.3f} {r[mem_key]:8.0f} {step_mem[name]:15.0f} "
-              f"{r['first_loss']:12.6f}")  # fmt: skip
+        print(
+            f"{name:6} {n_tokens / r['step_s']:9.1f} {r['step_s']:8.3f} {r[mem_key]:8.0f} {step_mem[name]:15.0f} "
+            f"{r['first_loss']:12.6f}"
+        )
     ours, trl = results["ours"], results["trl"]
-    print(f"ratio ours/TRL: tokens/s {trl['step_s'] / ours['step_s']:.2f}x | peak memory "
-          f"{ours[mem_key] / trl[mem_key]:.2f}x (step's own: {step_mem['ours'] / step_mem['trl']:.2f}x) | "
-          f"TRL optimizer: {trl.get('optimizer')}")  # fmt: skip
+    print(
+        f"ratio ours/TRL: tokens/s {trl['step_s'] / ours['step_s']:.2f}x | peak memory "
+        f"{ours[mem_key] / trl[mem_key]:.2f}x (step's own: {step_mem['ours'] / step_mem['trl']:.2f}x) | "
+        f"TRL optimizer: {trl.get('optimizer')}"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -36,8 +36,13 @@ def _config_from_args(args: argparse.Namespace):
         if not sep or not key:
             raise GrpoflowError(f"--set {item!r}: expected KEY=VALUE, e.g. rollout.temperature=0.7")
         overrides[key] = _parse_value(value)
-    flags = {"run_id": args.run_id, "seed": args.seed, "output_dir": args.output_dir,
-             "model.source": args.model, "dataset.path": args.dataset}  # fmt: skip
+    flags = {
+        "run_id": args.run_id,
+        "seed": args.seed,
+        "output_dir": args.output_dir,
+        "model.source": args.model,
+        "dataset.path": args.dataset,
+    }
     overrides.update({k: v for k, v in flags.items() if v is not None})
     preset = args.preset or (MAIN_PRESET if _is_embedded_default(args) else None)
     if preset:
@@ -60,8 +65,11 @@ def _is_embedded_default(args: argparse.Namespace) -> bool:
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", metavar="NAME",
-                   help=f"named recipe to start from ({', '.join(PRESETS)}); --config, flags and --set override it")
+    p.add_argument(
+        "--preset",
+        metavar="NAME",
+        help=f"named recipe to start from ({', '.join(PRESETS)}); --config, flags and --set override it",
+    )
     p.add_argument("--config", help="JSON file with a RunConfig (flags and --set override it)")
     p.add_argument("--run-id", help="run id (lowercase letters, digits, dashes); default: timestamp + hash")
     p.add_argument("--seed", type=int)
@@ -74,10 +82,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in [("main", f"the main job: the train flow, starting from the `{MAIN_PRESET}` preset"),
-                        ("train", "the train flow: prepare, then rollout -> evaluate -> GRPO step per step"),
-                        ("evaluate", "the evaluate flow: k trials per prompt of the eval split, no training"),
-                        ("prepare", "prepare a run: model, dataset, prompts")]:  # fmt: skip
+    for name, help_ in [
+        ("main", f"the main job: the train flow, starting from the `{MAIN_PRESET}` preset"),
+        ("train", "the train flow: prepare, then rollout -> evaluate -> GRPO step per step"),
+        ("evaluate", "the evaluate flow: k trials per prompt of the eval split, no training"),
+        ("prepare", "prepare a run: model, dataset, prompts"),
+    ]:
         _add_run_args(sub.add_parser(name, help=help_))
     p = sub.add_parser("resume", help="resume a killed train run under its run_id, from its last complete step")
     p.add_argument("run_id", metavar="RUN_ID")
@@ -96,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = _config_from_args(args)
         preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or _is_embedded_default(args) else ""
-        print(f"grpoflow: {args.command} run {cfg.run_id} ({preset}model {cfg.model.source}, dataset "
-              f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})",
-              flush=True)  # fmt: skip
+        print(
+            f"grpoflow: {args.command} run {cfg.run_id} ({preset}model {cfg.model.source}, dataset "
+            f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})",
+            flush=True,
+        )
         _run_flow(args.command, cfg)  # Prefect is imported only after the arguments are valid: it is slow
     except GrpoflowError as err:
         print(f"grpoflow: error: {err}", file=sys.stderr)

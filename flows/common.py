@@ -117,8 +117,13 @@ def run_summary(flow: str, run_id: str, run_dir: Path, **extra: Any) -> dict[str
         records = []
     train = training_rows(records)
     final = _finite((train or records or [{}])[-1])  # the evaluate flow's one row has no rollout/ prefix
-    summary = {"run_id": run_id, "flow": flow, "steps": len(train or records), "final_metrics": final,
-               "run_dir": str(Path(run_dir).resolve())}  # fmt: skip
+    summary = {
+        "run_id": run_id,
+        "flow": flow,
+        "steps": len(train or records),
+        "final_metrics": final,
+        "run_dir": str(Path(run_dir).resolve()),
+    }
     evals = evaluation_rows(records)
     if train and evals and evals[-1]["step"] == len(train):  # the train flow's evaluation after the last step
         summary["final_evaluation"] = _finite(evals[-1])
@@ -137,14 +142,23 @@ def emit_run_event(ok: bool, summary: dict[str, Any], error: BaseException | Non
         payload["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
     related = []
     if flow_run.id:
-        related.append({"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run",
-                        "prefect.resource.name": flow_run.name or ""})  # fmt: skip
+        related.append(
+            {
+                "prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+                "prefect.resource.role": "flow-run",
+                "prefect.resource.name": flow_run.name or "",
+            }
+        )
     emit_event(
         event=RUN_COMPLETED if ok else RUN_FAILED,
-        resource={"prefect.resource.id": f"grpoflow.run.{summary['run_id']}",
-                  "prefect.resource.name": summary["run_id"], "grpoflow.flow": summary["flow"]},
-        related=related, payload=json.loads(json.dumps(payload, default=str)),
-    )  # fmt: skip
+        resource={
+            "prefect.resource.id": f"grpoflow.run.{summary['run_id']}",
+            "prefect.resource.name": summary["run_id"],
+            "grpoflow.flow": summary["flow"],
+        },
+        related=related,
+        payload=json.loads(json.dumps(payload, default=str)),
+    )
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from flows.common import (
 )
 from grpoflow.config import RunConfig
 from grpoflow.prepare.prompts import load_prompts
-from grpoflow.prepare.stage import update_run_info
+from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import append_step
 from tasks.rollout import run_trials_task
 
@@ -50,9 +50,10 @@ def _evaluate(cfg: RunConfig, split: str) -> dict[str, float]:
     metrics = {"step": 0, **result.metrics}
     append_step(run.paths.metrics, 0, result.metrics)  # wall-clock keys go to timings.jsonl
     create_markdown_artifact(
-        key=f"{cfg.run_id}-evaluation", markdown=evaluation_summary(cfg, split, len(prompts), metrics),
+        key=f"{cfg.run_id}-evaluation",
+        markdown=evaluation_summary(cfg, split, len(prompts), metrics),
         description=f"Evaluation {cfg.run_id}",
-    )  # fmt: skip
+    )
     print(f"evaluated {len(prompts)} prompts x {cfg.rollout.n_samples_per_prompt}: reward {metrics['reward_mean']:.3f}")
     return metrics
 

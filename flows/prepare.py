@@ -26,18 +26,20 @@ def prepare_flow(config: RunConfig = RunConfig()) -> PreparedRun:
 def prepare_summary(run: PreparedRun) -> str:
     m = run.model
     splits = ", ".join(f"{k}: {v}" for k, v in sorted(run.n_prompts.items()))
-    return "\n".join([
-        f"# Prepared run `{run.paths.root.name}`",
-        "",
-        "| what | value |",
-        "|---|---|",
-        f"| run dir | `{run.paths.root.resolve()}` |",
-        f"| model | `{m.source}` ({m.architecture}, vocab {m.vocab_size}) |",
-        f"| model dir | `{m.path}` |",
-        f"| weights sha256 | `{m.weights_sha256}` |",
-        f"| GGUF sha256 | `{m.gguf_sha256 or '-'}` |",
-        f"| converted now | {'yes' if m.converted else 'no (cache hit or HF dir)'} |",
-        f"| tasks | {run.n_tasks} |",
-        f"| dataset sha256 | `{run.dataset_sha256}` |",
-        f"| prompts | {splits} |",
-    ])
+    return "\n".join(
+        [
+            f"# Prepared run `{run.paths.root.name}`",
+            "",
+            "| what | value |",
+            "|---|---|",
+            f"| run dir | `{run.paths.root.resolve()}` |",
+            f"| model | `{m.source}` ({m.architecture}, vocab {m.vocab_size}) |",
+            f"| model dir | `{m.path}` |",
+            f"| weights sha256 | `{m.weights_sha256}` |",
+            f"| GGUF sha256 | `{m.gguf_sha256 or '-'}` |",
+            f"| converted now | {'yes' if m.converted else 'no (cache hit or HF dir)'} |",
+            f"| tasks | {run.n_tasks} |",
+            f"| dataset sha256 | `{run.dataset_sha256}` |",
+            f"| prompts | {splits} |",
+        ]
+    )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import secrets
 from pathlib import Path
-from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
@@ -22,11 +21,10 @@ from grpoflow.errors import ConfigError, RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.prepare.dataset import load_dataset
 from grpoflow.prepare.model import prepare_model
-from grpoflow.prepare.stage import read_run_info, update_run_info
-from grpoflow.run.paths import RunPaths, environment_info
+from grpoflow.run.info import Provenance, read_run_info, update_run_info
+from grpoflow.run.paths import RunPaths
 from grpoflow.run.rerun import (
     compare_runs,
-    provenance_differences,
     report_markdown,
     verdict_line,
 )
@@ -34,11 +32,9 @@ from grpoflow.run.resume import load_saved_config
 
 
 @task(name="provenance-now", cache_policy=NO_CACHE)
-def provenance_now_task(cfg: RunConfig) -> dict[str, Any]:
-    """run.json's provenance fields as they are now (model and dataset resolved again)."""
-    model = prepare_model(cfg.model.source)
-    dataset = load_dataset(cfg.dataset.path)
-    return {**environment_info(), "model": model.to_dict(), "dataset": {"sha256": dataset.sha256}}
+def provenance_now_task(cfg: RunConfig) -> Provenance:
+    """run.json's provenance as it would be now (model and dataset resolved again)."""
+    return Provenance.now(prepare_model(cfg.model.source), load_dataset(cfg.dataset.path))
 
 
 def _rerun_id(run_id: str) -> str:
@@ -62,30 +58,38 @@ def rerun_flow(run_id: RunId, output_dir: str = "runs", new_run_id: RunId | None
     with run_events("rerun", new_id, new.root) as extra:
         old_cfg = load_saved_config(original.root)
         then = read_run_info(original)
-        if then.get("flow", "train") != "train":
-            raise RunDirError(f"{original.run_info}: run {run_id} was made by the `{then['flow']}` flow; "
-                              "only train runs are rerun")  # fmt: skip
+        if not then.trains:
+            raise RunDirError(
+                f"{original.run_info}: run {run_id} was made by the `{then.flow}` flow; only train runs are rerun"
+            )
         cfg = old_cfg.model_copy(update={"run_id": new_id, "output_dir": output_dir})
-        diffs = provenance_differences(then, provenance_now_task(cfg))
+        diffs = then.differences(provenance_now_task(cfg))
         for d in diffs:
             print(f"provenance changed since {run_id}: {d}")
         notes = []
         if not (cfg.engine.backend == "embedded" and cfg.engine.deterministic):
-            notes.append("engine.deterministic was off (or the engine is not the embedded one): batched generation "
-                         "rounds differently from run to run, so a bit-exact rerun is not expected")  # fmt: skip
+            notes.append(
+                "engine.deterministic was off (or the engine is not the embedded one): batched generation "
+                "rounds differently from run to run, so a bit-exact rerun is not expected"
+            )
         try:
             train_flow(cfg)
         finally:
             if new.run_info.exists():
                 update_run_info(new, rerun_of=run_id)
         report = {
-            "run_id": new_id, "rerun_of": run_id, "deterministic": cfg.engine.deterministic,
-            "provenance_differences": diffs, "notes": notes, **compare_runs(original, new),
-        }  # fmt: skip
+            "run_id": new_id,
+            "rerun_of": run_id,
+            "deterministic": cfg.engine.deterministic,
+            "provenance_differences": diffs,
+            "notes": notes,
+            **compare_runs(original, new),
+        }
         report["verdict"] = verdict_line(report)
         write_json_atomic(new.root / "rerun.json", report)
-        create_markdown_artifact(key=f"{new_id}-rerun", markdown=report_markdown(report),
-                                 description=f"Rerun of {run_id}")  # fmt: skip
+        create_markdown_artifact(
+            key=f"{new_id}-rerun", markdown=report_markdown(report), description=f"Rerun of {run_id}"
+        )
         extra.update(rerun_of=run_id, reproduced=report["metrics_identical"] and report["weights_identical"])
         print(report["verdict"])
         return report

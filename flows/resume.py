@@ -18,14 +18,10 @@ from pydantic import Field
 from flows.common import run_events
 from flows.train import evaluation_versions, train_steps
 from grpoflow.config import RUN_ID_PATTERN, RunConfig
-from grpoflow.prepare.stage import (
-    PreparedRun,
-    read_run_info,
-    reopen_run,
-    update_run_info,
-)
+from grpoflow.prepare.stage import PreparedRun, reopen_run
 from grpoflow.rollout.step import read_journal
 from grpoflow.run.checkpoint import restore_training_state
+from grpoflow.run.info import Resume, read_run_info, update_run_info
 from grpoflow.run.metrics import has_row
 from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import (
@@ -85,14 +81,18 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
             trainer = load_trainer(run.model.path, cfg.train, seed=cfg.seed)
             if point.checkpoint is not None:
                 restore_training_state(trainer, point.checkpoint)
-            resumes = read_run_info(paths).get("resumes", [])
-            update_run_info(paths, resumes=[*resumes, {
-                "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "from_step": point.next_step,
-                "flow_run_id": str(flow_run.id) if flow_run.id else None,
-            }])  # fmt: skip
+            resume = Resume(
+                at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                from_step=point.next_step,
+                flow_run_id=str(flow_run.id) if flow_run.id else None,
+            )
+            update_run_info(paths, resumes=[*read_run_info(paths).resumes, resume])
             reused = len(read_journal(paths.details(point.next_step)))
             at = f"step {point.next_step + 1}/{final}" if point.next_step < final else "its final evaluation"
-            print(f"resuming run {run_id} at {at} ("
-                  + (f"checkpoint {point.checkpoint.name}" if point.checkpoint else "no step had completed")
-                  + (f"; {reused} finished trials of that step are kept" if reused else "") + ")")
+            print(
+                f"resuming run {run_id} at {at} ("
+                + (f"checkpoint {point.checkpoint.name}" if point.checkpoint else "no step had completed")
+                + (f"; {reused} finished trials of that step are kept" if reused else "")
+                + ")"
+            )
             return train_steps(cfg, run, trainer, point.next_step, weights=point.checkpoint)

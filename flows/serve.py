@@ -65,12 +65,18 @@ def read_specs(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
             if not isinstance(s, dict) or set(s) - {"cron", "timezone", "active"} or "cron" not in s:
                 raise GrpoflowError(f"{where} ({d['name']}): only cron schedules (cron, timezone, active) are served")
             schedules.append(ScheduleSpec(s["cron"], s.get("timezone"), s.get("active", True)))
-        specs.append(DeploymentSpec(
-            name=d["name"], entrypoint=d["entrypoint"], description=d.get("description"), tags=list(d.get("tags") or []),
-            parameters=dict(d.get("parameters") or {}), schedules=schedules,
-            enforce_parameter_schema=d.get("enforce_parameter_schema", True),
-            concurrency_limit=d.get("concurrency_limit"),
-        ))  # fmt: skip
+        specs.append(
+            DeploymentSpec(
+                name=d["name"],
+                entrypoint=d["entrypoint"],
+                description=d.get("description"),
+                tags=list(d.get("tags") or []),
+                parameters=dict(d.get("parameters") or {}),
+                schedules=schedules,
+                enforce_parameter_schema=d.get("enforce_parameter_schema", True),
+                concurrency_limit=d.get("concurrency_limit"),
+            )
+        )
     if not specs:
         raise GrpoflowError(f"{path}: declares no deployments")
     return specs
@@ -88,11 +94,17 @@ def build_deployments(specs: list[DeploymentSpec]):
     out = []
     for s in specs:
         flow = load_flow_from_entrypoint(s.entrypoint)
-        out.append(flow.to_deployment(
-            name=s.name, description=s.description, tags=s.tags, parameters=s.parameters,
-            schedules=[Cron(c.cron, timezone=c.timezone, active=c.active) for c in s.schedules],
-            enforce_parameter_schema=s.enforce_parameter_schema, concurrency_limit=s.concurrency_limit,
-        ))  # fmt: skip
+        out.append(
+            flow.to_deployment(
+                name=s.name,
+                description=s.description,
+                tags=s.tags,
+                parameters=s.parameters,
+                schedules=[Cron(c.cron, timezone=c.timezone, active=c.active) for c in s.schedules],
+                enforce_parameter_schema=s.enforce_parameter_schema,
+                concurrency_limit=s.concurrency_limit,
+            )
+        )
     return out
 
 
@@ -108,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only:
             unknown = sorted(set(args.only) - {s.name for s in specs})
             if unknown:
-                raise GrpoflowError(f"--only {', '.join(unknown)}: not in {args.file} "
-                                    f"({', '.join(s.name for s in specs)})")  # fmt: skip
+                raise GrpoflowError(
+                    f"--only {', '.join(unknown)}: not in {args.file} ({', '.join(s.name for s in specs)})"
+                )
             specs = [s for s in specs if s.name in args.only]
         if args.list:
             for s in specs:

@@ -33,9 +33,10 @@ from grpoflow.evaluation import (
     task_rewards,
 )
 from grpoflow.prepare.prompts import load_prompts
-from grpoflow.prepare.stage import PreparedRun, update_run_info
+from grpoflow.prepare.stage import PreparedRun
 from grpoflow.rollout.step import select_step_prompts
 from grpoflow.run.commit import StepCommits, is_full_checkpoint
+from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import (
     MetricsLog,
     evaluation_rows,
@@ -163,20 +164,38 @@ def report(run_id: str, paths) -> None:
     records = read_step_records(paths.metrics)
     if not records:
         return
-    keys = ["step", "rollout/reward_mean", "rollout/reward_gain", "rollout/pass_at_k", "rollout/truncated_ratio",
-            "rollout/retries", "rollout/dropped_groups", "train/loss", "train/grad_norm", "train/n_samples",
-            "time/step_s"]  # fmt: skip
+    keys = [
+        "step",
+        "rollout/reward_mean",
+        "rollout/reward_gain",
+        "rollout/pass_at_k",
+        "rollout/truncated_ratio",
+        "rollout/retries",
+        "rollout/dropped_groups",
+        "train/loss",
+        "train/grad_norm",
+        "train/n_samples",
+        "time/step_s",
+    ]
     create_table_artifact(
-        key=f"{run_id}-steps", table=[{k: r.get(k) for k in keys} for r in training_rows(records)],
+        key=f"{run_id}-steps",
+        table=[{k: r.get(k) for k in keys} for r in training_rows(records)],
         description="Per-step metrics",
-    )  # fmt: skip
+    )
     evals = evaluation_rows(records)
     verdict = before_after_lines(evals[0], evals[-1]) if len(evals) > 1 else []
     if verdict:
-        print("\n".join(["before -> after training (pass@1, 95 % intervals; the same trials, only the weights "
-                         "differ):", *verdict]))  # fmt: skip
+        print(
+            "\n".join(
+                [
+                    "before -> after training (pass@1, 95 % intervals; the same trials, only the weights differ):",
+                    *verdict,
+                ]
+            )
+        )
     png = plot_curves(records, paths.root / "summary.png")
     create_markdown_artifact(
-        key=f"{run_id}-summary", markdown=summary_markdown(run_id, paths.root, records, png, verdict),
+        key=f"{run_id}-summary",
+        markdown=summary_markdown(run_id, paths.root, records, png, verdict),
         description="Run summary",
-    )  # fmt: skip
+    )

@@ -91,13 +91,15 @@ class EngineConfig(_Section):
     )
     tp_size: int = Field(1, ge=1, le=64, description="SGLang `--tp-size`: GPUs one server shards the model over.")
     mem_fraction_static: float = Field(
-        0.8, gt=0.0, lt=1.0,
+        0.8,
+        gt=0.0,
+        lt=1.0,
         description="SGLang `--mem-fraction-static`: share of GPU memory for weights and KV cache. "
         "Lower it when the trainer shares the GPU.",
-    )  # fmt: skip
+    )
     sglang_args: list[str] = Field(
         default_factory=list,
-        description="Extra `sglang.launch_server` arguments, e.g. [\"--context-length\", \"32768\"]. The flags "
+        description='Extra `sglang.launch_server` arguments, e.g. ["--context-length", "32768"]. The flags '
         "grpoflow sets itself (model path, host, port, tp size, mem fraction) are refused here.",
     )
     startup_timeout_s: float = Field(
@@ -107,19 +109,18 @@ class EngineConfig(_Section):
     max_batch_size: int = Field(16, ge=1, le=1024, description="Most sequences the embedded engine decodes at once.")
     deterministic: bool = Field(
         False,
-        description="Batch-invariant generation, so a rerun reproduces every token and logprob bit for bit "
-        "(SGLang's `--enable-deterministic-inference`). Embedded engine: each request decodes alone and the "
-        "prefix cache is off, since batched and cached forwards round differently (logprobs differ by ~1e-5, "
-        "and sampled tokens flip); costs the batching speed-up (~4x the generation time for 10 concurrent "
-        "SmolLM2-135M requests). Launched SGLang: passes the flag. An "
-        "attached SGLang must have been started with it.",
+        description="Batch-invariant generation, so a rerun reproduces every token and logprob bit for bit, at the "
+        "cost of batching. The embedded engine decodes each request alone with the prefix cache off; a launched "
+        "SGLang gets `--enable-deterministic-inference`, an attached one must have been started with it.",
     )
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one engine request, in seconds.")
     retries: int = Field(
-        3, ge=0, le=20,
+        3,
+        ge=0,
+        le=20,
         description="Retries of one engine request after an infrastructure fault (HTTP 5xx, timeout, refused or "
         "dropped connection), with jittered exponential backoff; then the step fails with the last error.",
-    )  # fmt: skip
+    )
 
     @model_validator(mode="after")
     def _launch_settings(self) -> EngineConfig:
@@ -128,21 +129,33 @@ class EngineConfig(_Section):
             if not self.sglang_python:
                 raise ValueError("`engine.sglang_python`: required when engine.backend is `sglang-launch`")
             if self.url:
-                raise ValueError("`engine.url`: must be empty when engine.backend is `sglang-launch` "
-                                 "(the launched server's URL is chosen when it starts)")  # fmt: skip
+                raise ValueError(
+                    "`engine.url`: must be empty when engine.backend is `sglang-launch` "
+                    "(the launched server's URL is chosen when it starts)"
+                )
         reserved = [a for a in self.sglang_args if a.split("=", 1)[0] in SGLANG_RESERVED_FLAGS]
         if reserved:
-            raise ValueError(f"`engine.sglang_args`: {', '.join(reserved)} is set by grpoflow itself; use the "
-                             "engine.* fields (tp_size, mem_fraction_static) instead")  # fmt: skip
+            raise ValueError(
+                f"`engine.sglang_args`: {', '.join(reserved)} is set by grpoflow itself; use the "
+                "engine.* fields (tp_size, mem_fraction_static) instead"
+            )
         return self
 
 
 # `sglang.launch_server` flags grpoflow passes itself, with their aliases in SGLang's server_args.py add_cli_args
 # (`--tp` is the documented short form, reaching `--tp-size` by argparse's prefix matching).
-SGLANG_RESERVED_FLAGS = frozenset({
-    "--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size", "--tp",
-    "--mem-fraction-static",
-})  # fmt: skip
+SGLANG_RESERVED_FLAGS = frozenset(
+    {
+        "--model-path",
+        "--model",
+        "--host",
+        "--port",
+        "--tp-size",
+        "--tensor-parallel-size",
+        "--tp",
+        "--mem-fraction-static",
+    }
+)
 
 
 # `local` or any environment type of the installed Harbor, read from its own enum so the two never disagree.
@@ -151,8 +164,9 @@ SandboxName = Literal[("local", *(t.value for t in EnvironmentType))]  # type: i
 HARNESSES_NEEDING_NETWORK = ("claude-code", "opencode")
 
 # Name parts that mark a kwarg or field as a credential: kwargs are written to every trial's config.json.
-_CREDENTIAL_WORDS = frozenset({"key", "apikey", "token", "secret", "secrets", "password", "passwd", "credential",
-                               "credentials"})  # fmt: skip
+_CREDENTIAL_WORDS = frozenset(
+    {"key", "apikey", "token", "secret", "secrets", "password", "passwd", "credential", "credentials"}
+)
 
 
 def _looks_like_credential(name: str) -> bool:
@@ -216,7 +230,9 @@ class RolloutConfig(_Section):
         64, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."
     )
     temperature: float = Field(
-        0.5, ge=0.0, le=2.0,
+        0.5,
+        ge=0.0,
+        le=2.0,
         description="Sampling temperature (0 = greedy). The trainer scores tokens at the same temperature. "
         "0.5 suits the 135M default model (at 1.0 it rarely writes a usable command).",
     )
@@ -269,10 +285,14 @@ class RolloutConfig(_Section):
                 "file in rollout.sandbox_api_key_file"
             )
         if self.sandbox_api_key_file is not None and sandbox_key_var(self.sandbox) is None:
-            why = "the local sandbox needs no key" if self.sandbox == "local" else (
-                f"grpoflow does not know which variable sandbox `{self.sandbox}` reads its key from; give its "
-                "credentials in the environment as Harbor documents"
-            )  # fmt: skip
+            why = (
+                "the local sandbox needs no key"
+                if self.sandbox == "local"
+                else (
+                    f"grpoflow does not know which variable sandbox `{self.sandbox}` reads its key from; give its "
+                    "credentials in the environment as Harbor documents"
+                )
+            )
             raise ValueError(f"`rollout.sandbox_api_key_file`: {why}")
         if self.harness in HARNESSES_NEEDING_NETWORK and self.sandbox == "local":
             raise ValueError(
@@ -288,17 +308,18 @@ class TrainConfig(_Section):
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip range above 1 (ratio <= 1 + eps_high).")
     kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of the k3 KL penalty to the reference model.")
-    scale_by_std: bool = Field(
-        True, description="Divide group advantages by the group's reward std (off = Dr.GRPO)."
-    )
+    scale_by_std: bool = Field(True, description="Divide group advantages by the group's reward std (off = Dr.GRPO).")
     loss_aggregation: Literal["token", "sample"] = Field(
         "token", description="Average the loss over all tokens of the batch, or per sample then over samples."
     )
     filter_zero_std: bool = Field(
-        True, description="Leave out groups whose rewards are all equal (they carry no GRPO signal); counted in metrics."
+        True,
+        description="Leave out groups whose rewards are all equal (they carry no GRPO signal); counted in metrics.",
     )
     global_batch_size: int | None = Field(
-        None, ge=1, description="Rollouts (trials) per optimizer step; a compacted trial's segments stay together. Empty: all of the rollout step (one update)."
+        None,
+        ge=1,
+        description="Rollouts (trials) per optimizer step; a compacted trial's segments stay together. Empty: all of the rollout step (one update).",
     )
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Token budget of one forward/backward micro-batch (gradients accumulate)."
@@ -307,21 +328,25 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     save_interval: int = Field(
-        10, ge=1,
+        10,
+        ge=1,
         description="Write a full checkpoint (weights, optimizer state, counters: a resume point, kept) after every "
         "N steps and after the last. Other steps write only the weights the engine loads next, and only the "
         "latest of those is kept.",
-    )  # fmt: skip
+    )
     eval_samples_per_prompt: int = Field(
-        4, ge=0, le=256,
+        4,
+        ge=0,
+        le=256,
         description="Trials per prompt when the run evaluates the policy on its train tasks and on the held-out "
         "`eval` split, with the same seeds every time, so evaluations differ only by the weights. 0: no evaluation.",
-    )  # fmt: skip
+    )
     eval_interval: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="Evaluate before the first step, after the last, and also every N steps between (0: only "
         "before and after).",
-    )  # fmt: skip
+    )
 
 
 class RunConfig(_Section):

@@ -111,8 +111,14 @@ def eval_metrics(name: str, samples: Sequence[Sample], baseline: Sequence[Sample
         base = _trials(baseline)
         keys = [k for k, s in trials.items() if s.reward is not None and k in base and base[k].reward is not None]
         mean, low, high = paired_change([_passed(base[k]) > 0 for k in keys], [_passed(trials[k]) > 0 for k in keys])
-        m.update({p + "pass_at_1_change": mean, p + "pass_at_1_change_ci95_low": low,
-                  p + "pass_at_1_change_ci95_high": high, p + "paired_trials": float(len(keys))})  # fmt: skip
+        m.update(
+            {
+                p + "pass_at_1_change": mean,
+                p + "pass_at_1_change_ci95_low": low,
+                p + "pass_at_1_change_ci95_high": high,
+                p + "paired_trials": float(len(keys)),
+            }
+        )
     return m
 
 
@@ -154,8 +160,10 @@ def evaluation_lines(row: Mapping[str, float], label: str) -> list[str]:
         p = f"eval/{name}/"
         if p + "pass_at_1" not in row:
             continue
-        line = (f"evaluation, {label}: {title} pass@1 {_interval(row, p + 'pass_at_1')} "
-                f"({int(row[p + 'scored'])} trials), pass@k {row[p + 'pass_at_k']:.2f}")  # fmt: skip
+        line = (
+            f"evaluation, {label}: {title} pass@1 {_interval(row, p + 'pass_at_1')} "
+            f"({int(row[p + 'scored'])} trials), pass@k {row[p + 'pass_at_k']:.2f}"
+        )
         if p + "pass_at_1_change" in row:
             line += f"; change since the base policy {_interval(row, p + 'pass_at_1_change', signed=True)}"
         lines.append(line)
@@ -172,7 +180,9 @@ def before_after_lines(first: Mapping[str, float], last: Mapping[str, float]) ->
         change = last[p + "pass_at_1_change"]
         low, high = last[p + "pass_at_1_change_ci95_low"], last[p + "pass_at_1_change_ci95_high"]
         verdict = "better" if low > 0 else "worse" if high < 0 else "no significant change"
-        lines.append(f"{title + ':':16s} pass@1 {_interval(first, p + 'pass_at_1')} -> "
-                     f"{_interval(last, p + 'pass_at_1')}, change {change:+.3f} [{low:+.3f}, {high:+.3f}]: "
-                     f"{verdict} ({int(last.get(p + 'paired_trials', last[p + 'scored']))} paired trials)")  # fmt: skip
+        lines.append(
+            f"{title + ':':16s} pass@1 {_interval(first, p + 'pass_at_1')} -> "
+            f"{_interval(last, p + 'pass_at_1')}, change {change:+.3f} [{low:+.3f}, {high:+.3f}]: "
+            f"{verdict} ({int(last.get(p + 'paired_trials', last[p + 'scored']))} paired trials)"
+        )
     return lines

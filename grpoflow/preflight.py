@@ -1,21 +1,9 @@
 """Checks that fail a run in seconds, with one line naming what to set, instead of failing every trial later.
 
 Each check is a function returning a list of problems (one line each; empty: fine). They only look: no run dir
-is made, no key exported, no sandbox created. `check_run` picks what a flow needs; `tasks/preflight.py` runs it
-as each flow's first task and raises `PreflightError` listing the problems.
-
-What is checked, by stage (prepare needs neither engine nor sandbox):
-
-- every stage: the run dir does not exist yet (resume: it is the run being resumed); harbor is importable.
-- train, evaluate, resume: the harness can run in the sandbox (terminus-2 on the local sandbox needs tmux; a
-  policy key file holds a key); the sandbox. `local`: `bwrap`, `prlimit` and `setpriv` are installed. A Harbor type: Harbor can
-  load its environment (its extra is installed); its key is set and non-empty (a key file, if named, exists and
-  holds one) for providers in `grpoflow.rollout.credentials.PROVIDERS`, else Harbor's own preflight for the type passes;
-  and, for providers with a known API (e2b), its API answers an HTTP GET within a few seconds (any answer below
-  500, 401/403 included, counts as reachable: the key itself is not tested).
-- train, evaluate with `engine.backend=sglang`: `engine.url` answers `GET /health` with 200, and `GET
-  /model_info` names `model.source` as its `model_path` (same string, or the same local path).
-  Engines the run starts itself (any other backend) are checked once up: `check_engine` against the prepared model.
+is made, no key exported, no sandbox created. `check_run` picks what a flow's stage needs (the run dir, Harbor,
+the harness, the sandbox and its key, an attached engine); `check_engine` checks an engine the run started
+itself once it is up. `tasks/preflight.py` runs them as each flow's first task. The table: docs/preflight.md.
 """
 
 from __future__ import annotations
@@ -125,8 +113,10 @@ def check_harbor_environment(sandbox: str) -> list[str]:
     entry = _ENVIRONMENT_REGISTRY.get(env_type)
     missing = missing_extra_packages(entry.pip_extra) if entry and entry.pip_extra else []
     if missing:
-        return [f"rollout.sandbox={sandbox}: Harbor's `{entry.pip_extra}` extra is not fully installed (missing "
-                f"{', '.join(missing)}): pip install 'harbor[{entry.pip_extra}]=={_harbor_version()}'"]  # fmt: skip
+        return [
+            f"rollout.sandbox={sandbox}: Harbor's `{entry.pip_extra}` extra is not fully installed (missing "
+            f"{', '.join(missing)}): pip install 'harbor[{entry.pip_extra}]=={_harbor_version()}'"
+        ]
     return []
 
 
@@ -182,11 +172,15 @@ def check_sandbox_api(sandbox: str, environ: Mapping[str, str], timeout_s: float
     except httpx.TimeoutException:
         return [f"{where} did not answer within {timeout_s:g}s: check this machine's route to it, or the URL setting"]
     except httpx.HTTPError as err:
-        return [f"{where} is unreachable ({type(err).__name__}: {_one_line(str(err))}): check this machine's route "
-                "to it, or the URL setting"]  # fmt: skip
+        return [
+            f"{where} is unreachable ({type(err).__name__}: {_one_line(str(err))}): check this machine's route "
+            "to it, or the URL setting"
+        ]
     if status >= 500:
-        return [f"{where} answered HTTP {status} to GET {provider.probe_path}: the service is failing; retry later "
-                "or check the URL setting"]  # fmt: skip
+        return [
+            f"{where} answered HTTP {status} to GET {provider.probe_path}: the service is failing; retry later "
+            "or check the URL setting"
+        ]
     return []
 
 
@@ -200,23 +194,32 @@ def check_engine(
     try:
         health = httpx.get(base + "/health", timeout=timeout_s)
     except httpx.HTTPError as err:
-        return [f"engine at {base}: no SGLang server answers GET /health ({type(err).__name__}: "
-                f"{_one_line(str(err)) or 'timed out'}): start it (README, Production) or fix engine.url"]  # fmt: skip
+        return [
+            f"engine at {base}: no SGLang server answers GET /health ({type(err).__name__}: "
+            f"{_one_line(str(err)) or 'timed out'}): start it (README, Production) or fix engine.url"
+        ]
     if health.status_code != 200:
-        return [f"engine at {base}: GET /health answered HTTP {health.status_code}: the server is not ready; wait "
-                "for it to finish loading, restart it, or fix engine.url"]  # fmt: skip
+        return [
+            f"engine at {base}: GET /health answered HTTP {health.status_code}: the server is not ready; wait "
+            "for it to finish loading, restart it, or fix engine.url"
+        ]
     try:
         info = httpx.get(base + "/model_info", timeout=timeout_s)
         info.raise_for_status()
         served = info.json()["model_path"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
-        return [f"engine at {base}: GET /model_info gave no model_path ({type(err).__name__}: "
-                f"{_one_line(str(err))}): is engine.url an SGLang server?"]  # fmt: skip
+        return [
+            f"engine at {base}: GET /model_info gave no model_path ({type(err).__name__}: "
+            f"{_one_line(str(err))}): is engine.url an SGLang server?"
+        ]
     if not _same_model(str(served), expected_model):
-        remedy = remedy or (f"start SGLang with --model-path {expected_model}, or set {expected_from} to the served "
-                            "model's directory")  # fmt: skip
-        return [f"engine at {base} serves `{served}` (GET /model_info model_path), but {expected_from} is "
-                f"`{expected_model}`: {remedy}"]  # fmt: skip
+        remedy = remedy or (
+            f"start SGLang with --model-path {expected_model}, or set {expected_from} to the served model's directory"
+        )
+        return [
+            f"engine at {base} serves `{served}` (GET /model_info model_path), but {expected_from} is "
+            f"`{expected_model}`: {remedy}"
+        ]
     return []
 
 

@@ -13,28 +13,48 @@ from collections.abc import Sequence
 from typing import Literal
 
 from grpoflow.rollout.environments import is_sandbox_failure_type
+from grpoflow.rollout.record import END_TRUNCATED, TrialRecord
 from grpoflow.rollout.trials import TrialOutcome
 from grpoflow.samples import ExitStatus, Sample, SampleStatus
 
 _TIMEOUTS = {"AgentTimeoutError", "EnvironmentStartTimeoutError", "AgentSetupTimeoutError"}
 _VERIFIER = {
-    "VerifierTimeoutError", "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierOutputParseError",
-    "AddTestsDirError", "DownloadVerifierDirError",
-}  # fmt: skip
+    "VerifierTimeoutError",
+    "RewardFileNotFoundError",
+    "RewardFileEmptyError",
+    "VerifierOutputParseError",
+    "AddTestsDirError",
+    "DownloadVerifierDirError",
+}
 # Length limits, by Harbor's names: a reply cut off at max_tokens (LiteLLM, claude-code's CLI) or a conversation
 # past the context window (LiteLLM, installed CLIs). terminus-2 (ours) ends the episode on these without raising.
 _LENGTH = {
-    "OutputLengthExceededError", "OutputTokenExceededError", "ContextLengthExceededError",
+    "OutputLengthExceededError",
+    "OutputTokenExceededError",
+    "ContextLengthExceededError",
     "ContextWindowExceededError",
-}  # fmt: skip
+}
 # Harbor runs the verifier after these agent endings (`SingleStepTrial._run_agent`: AgentTimeoutError and
 # NonZeroAgentExitCodeError with its subclasses, i.e. an installed CLI that exited non-zero), so a reward may stand.
 _NON_ZERO_EXIT = {
-    "NonZeroAgentExitCodeError", "ApiError", "ApiRateLimitError", "ApiUsageLimitError", "ApiInternalServerError",
-    "ApiOverloadedError", "ApiConnectionClosedError", "ApiResponseStalledError", "OutputTokenExceededError",
-    "ContextWindowExceededError", "UnknownApiError", "ApiProviderResourceNotFoundError", "AgentSafetyRefusalError",
-    "AgentAuthenticationError", "ModelNotFoundError", "UnsupportedModelParametersError", "NetworkConnectionError",
-}  # fmt: skip
+    "NonZeroAgentExitCodeError",
+    "ApiError",
+    "ApiRateLimitError",
+    "ApiUsageLimitError",
+    "ApiInternalServerError",
+    "ApiOverloadedError",
+    "ApiConnectionClosedError",
+    "ApiResponseStalledError",
+    "OutputTokenExceededError",
+    "ContextWindowExceededError",
+    "UnknownApiError",
+    "ApiProviderResourceNotFoundError",
+    "AgentSafetyRefusalError",
+    "AgentAuthenticationError",
+    "ModelNotFoundError",
+    "UnsupportedModelParametersError",
+    "NetworkConnectionError",
+}
 _VERIFIED_ENDINGS = {"AgentTimeoutError"} | _NON_ZERO_EXIT
 # Every Harbor exception name this module maps (a contract test checks each still exists in harbor).
 HARBOR_EXCEPTION_NAMES = _TIMEOUTS | _VERIFIER | _LENGTH | _VERIFIED_ENDINGS
@@ -60,10 +80,10 @@ def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | N
     on the session server's refusal (a non-zero exit, after which Harbor still verifies).
     """
     res = outcome.result
-    meta = ((res.agent_result.metadata if res.agent_result else None) or {}).get("grpoflow", {})
+    rec = TrialRecord.of(res)
     exc = res.exception_info
     reward, why = verifier_reward(res.verifier_result.rewards if res.verifier_result else None)
-    truncated = bool(meta.get("truncated") or meta.get("end_reason") == "truncated")
+    truncated = rec.truncated or rec.end_reason == END_TRUNCATED
     if exc is not None:
         name, reason = exc.exception_type, f"{exc.exception_type}: {' '.join(exc.exception_message.split())[:300]}"
         if name in _VERIFIED_ENDINGS and reward is not None:
@@ -88,31 +108,42 @@ def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | N
     # A cut-off turn makes the sample TRUNCATED even when the early exit was off and the episode went on.
     if truncated:
         return "SequenceLengthLimitExceeded", "TRUNCATED", reward, "a turn hit the response length limit"
-    return "Submitted", "COMPLETED", reward, meta.get("end_reason")
+    return "Submitted", "COMPLETED", reward, rec.end_reason
 
 
 def to_sample(outcome: TrialOutcome, run_id: str, step: int) -> Sample:
     spec, res = outcome.spec, outcome.result
-    meta = ((res.agent_result.metadata if res.agent_result else None) or {}).get("grpoflow", {})
+    rec = TrialRecord.of(res)
     exit_status, status, reward, reason = classify(outcome)
     metrics = {
-        "turns": float(meta.get("turns", 0)),
-        "policy_calls": float(meta.get("policy_calls", 0)),
-        "commands_run": float(meta.get("commands_run", 0)),
-        "generation_time_s": float(meta.get("generation_time_s", 0.0)),
-        "tool_time_s": float(meta.get("tool_time_s", 0.0)),
-        "tokens_after_truncation": float(meta.get("tokens_after_truncation", 0)),
+        "turns": float(rec.turns),
+        "policy_calls": float(rec.policy_calls),
+        "commands_run": float(rec.commands_run),
+        "generation_time_s": rec.generation_time_s,
+        "tool_time_s": rec.tool_time_s,
+        "tokens_after_truncation": float(rec.tokens_after_truncation),
         "trial_wall_time_s": sum(a.wall_time_s for a in outcome.attempts),
         "retries": float(outcome.retries),
     }
     return Sample(
-        run_id=run_id, step=step, instance_id=spec.instance_id, group_id=spec.group_id,
-        sample_index=spec.sample_index, rollout_id=spec.rollout_id,
-        tokens=meta.get("tokens", []), loss_mask=meta.get("loss_mask", []),
-        rollout_logprobs=meta.get("rollout_logprobs", []), prompt_len=meta.get("prompt_len", 0),
-        reward=reward, status=status, exit_status=exit_status, exit_reason=reason,
-        weight_version=meta.get("weight_version"), messages=meta.get("messages", []), metrics=metrics,
-    )  # fmt: skip
+        run_id=run_id,
+        step=step,
+        instance_id=spec.instance_id,
+        group_id=spec.group_id,
+        sample_index=spec.sample_index,
+        rollout_id=spec.rollout_id,
+        tokens=rec.tokens,
+        loss_mask=rec.loss_mask,
+        rollout_logprobs=rec.rollout_logprobs,
+        prompt_len=rec.prompt_len,
+        reward=reward,
+        status=status,
+        exit_status=exit_status,
+        exit_reason=reason,
+        weight_version=rec.weight_version,
+        messages=rec.messages,
+        metrics=metrics,
+    )
 
 
 def select_trainable(
@@ -148,7 +179,8 @@ def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshol
         "reward_mean": statistics.fmean(s.reward for s in scored) if scored else float("nan"),
         "pass_at_1": statistics.fmean(s.reward >= success_threshold for s in scored) if scored else float("nan"),
         "pass_at_k": statistics.fmean(any(s.reward >= success_threshold for s in g) for g in groups.values())
-        if groups else float("nan"),
+        if groups
+        else float("nan"),
         "group_reward_std_mean": statistics.fmean(stds) if stds else float("nan"),
         "zero_std_group_share": statistics.fmean(sd == 0.0 for sd in stds) if stds else float("nan"),
         "truncated_ratio": sum(s.status == "TRUNCATED" for s in samples) / n if n else float("nan"),

@@ -54,8 +54,11 @@ def run_trials_task(
 ) -> StepRollout:
     """Run and score one step's trials. Sync, so sync flows get a result; the trials run in their own loop."""
     specs = plan_group_trials(prompts, step, cfg.rollout.n_samples_per_prompt, cfg.seed)
-    return asyncio.run(_run_trials(cfg, step, specs, engine_url, tokenizer_path, paths.trials(step),
-                                   paths.details(step), label=f"step-{step}"))  # fmt: skip
+    return asyncio.run(
+        _run_trials(
+            cfg, step, specs, engine_url, tokenizer_path, paths.trials(step), paths.details(step), label=f"step-{step}"
+        )
+    )
 
 
 @task(name="evaluate-policy", cache_policy=NO_CACHE, task_run_name="evaluate-policy-{version}")
@@ -65,11 +68,23 @@ def evaluate_policy_task(
     """Evaluate the engine's weights (version `version`: updates so far) on the train tasks and the held-out
     split, with the same trials as every other evaluation of the run; returns the `eval/...` metrics, each split
     compared with the run's first evaluation (version 0) when there is one."""
-    splits = {name: eval_specs(name, ps, version, cfg.train.eval_samples_per_prompt, cfg.seed)
-              for name, ps in eval_prompts(prompts).items()}  # fmt: skip
+    splits = {
+        name: eval_specs(name, ps, version, cfg.train.eval_samples_per_prompt, cfg.seed)
+        for name, ps in eval_prompts(prompts).items()
+    }
     specs = [s for group in splits.values() for s in group]
-    result = asyncio.run(_run_trials(cfg, version, specs, engine_url, tokenizer_path, paths.eval_trials(version),
-                                     paths.eval_details(version), label=f"eval-{version}"))  # fmt: skip
+    result = asyncio.run(
+        _run_trials(
+            cfg,
+            version,
+            specs,
+            engine_url,
+            tokenizer_path,
+            paths.eval_trials(version),
+            paths.eval_details(version),
+            label=f"eval-{version}",
+        )
+    )
     first = paths.eval_details(0) / SAMPLES
     base = read_samples(first.parent) if version > 0 and first.is_file() else None  # None: nothing to compare to
     metrics: dict[str, float] = {}
@@ -81,15 +96,24 @@ def evaluate_policy_task(
 
 
 async def _run_trials(
-    cfg: RunConfig, step: int, specs: list[TrialSpec], engine_url: str, tokenizer_path: str, trials_dir: Path,
-    details_dir: Path, label: str,
+    cfg: RunConfig,
+    step: int,
+    specs: list[TrialSpec],
+    engine_url: str,
+    tokenizer_path: str,
+    trials_dir: Path,
+    details_dir: Path,
+    label: str,
 ) -> StepRollout:
     logger = get_run_logger()
     total = len(specs)
     progress = await _best_effort(
-        logger, acreate_progress_artifact,
-        progress=0.0, key=f"{cfg.run_id}-rollout", description=f"Trials finished in {label} (of {total})",
-    )  # fmt: skip
+        logger,
+        acreate_progress_artifact,
+        progress=0.0,
+        key=f"{cfg.run_id}-rollout",
+        description=f"Trials finished in {label} (of {total})",
+    )
     done = len(read_journal(details_dir))  # a resumed step's trials that finished before the crash
 
     async def on_done(outcome: TrialOutcome) -> None:
@@ -101,33 +125,61 @@ async def _run_trials(
     def on_retry(spec: TrialSpec, attempt: Attempt) -> None:
         logger.warning(
             "sandbox failure in %s (%s: %s): retrying in a fresh sandbox",
-            spec.rollout_id, attempt.exception_type, " ".join((attempt.exception_message or "").split())[:200],
+            spec.rollout_id,
+            attempt.exception_type,
+            " ".join((attempt.exception_message or "").split())[:200],
         )
 
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
     export_policy_key(cfg.rollout.policy_api_key_file)
     async with policy_access(cfg.rollout, cfg.engine, engine_url, tokenizer_path) as policy:
         result = await collect_step(
-            cfg.run_id, step, [], cfg.rollout, cfg.seed, policy, sandbox_config(cfg.rollout),
-            trials_dir, details_dir, on_done=on_done, on_retry=on_retry,
-            sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger), specs=specs,
-        )  # fmt: skip
+            cfg.run_id,
+            step,
+            [],
+            cfg.rollout,
+            cfg.seed,
+            policy,
+            sandbox_config(cfg.rollout),
+            trials_dir,
+            details_dir,
+            on_done=on_done,
+            on_retry=on_retry,
+            sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
+            specs=specs,
+        )
     await _best_effort(
-        logger, acreate_table_artifact,
+        logger,
+        acreate_table_artifact,
         key=f"{cfg.run_id}-{label}-trials",
         table=[
-            {"instance": s.instance_id, "sample": s.sample_index, "reward": s.reward, "exit_status": s.exit_status,
-             "status": s.status, "turns": s.metrics.get("turns"), "retries": s.metrics.get("retries"),
-             "segments": s.metrics.get("segments", 1.0), "reason": s.exit_reason or ""}
-            for s in result.samples if s.segment_index == 0  # one row per trial
-        ],  # fmt: skip
+            {
+                "instance": s.instance_id,
+                "sample": s.sample_index,
+                "reward": s.reward,
+                "exit_status": s.exit_status,
+                "status": s.status,
+                "turns": s.metrics.get("turns"),
+                "retries": s.metrics.get("retries"),
+                "segments": s.metrics.get("segments", 1.0),
+                "reason": s.exit_reason or "",
+            }
+            for s in result.samples
+            if s.segment_index == 0  # one row per trial
+        ],
         description=f"Trials of {label}: reward, exit status, retries",
     )
     m = result.metrics
     logger.info(
         "%s: %d trials, reward %.3f, pass@k %.2f, truncated %.2f, retries %d, %.1fs",
-        label, total, m["reward_mean"], m["pass_at_k"], m["truncated_ratio"], m["retries"], m["wall_time_s"],
-    )  # fmt: skip
+        label,
+        total,
+        m["reward_mean"],
+        m["pass_at_k"],
+        m["truncated_ratio"],
+        m["retries"],
+        m["wall_time_s"],
+    )
     return result
 
 
@@ -150,8 +202,10 @@ async def sandbox_create_gate(
             _REPORTED_MISSING_LIMITS.add(limit_name)
             logger.info(
                 "no global concurrency limit `%s` on the Prefect server: sandbox starts are bounded by "
-                "rollout.concurrency only (create one: prefect gcl create %s --limit 8)", limit_name, limit_name,
-            )  # fmt: skip
+                "rollout.concurrency only (create one: prefect gcl create %s --limit 8)",
+                limit_name,
+                limit_name,
+            )
             return None
         except httpx.HTTPError as err:
             # The Prefect server is down (a restart): it could not enforce the limit either. Go on, bounded by

@@ -28,22 +28,31 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
     """Start (or reach) the engine for the block; a started one is stopped when the block ends, however it ends."""
     if cfg.backend == "embedded":
         with start_embedded_engine(
-            model_path, seed=seed, threads=cfg.threads, log_path=log_path,
-            client_timeout=cfg.request_timeout_s, client_retries=cfg.retries,
+            model_path,
+            seed=seed,
+            threads=cfg.threads,
+            log_path=log_path,
+            client_timeout=cfg.request_timeout_s,
+            client_retries=cfg.retries,
             # Deterministic: a request's forwards never depend on what else is running or was cached.
             max_batch_size=1 if cfg.deterministic else cfg.max_batch_size,
             prefix_cache_tokens=0 if cfg.deterministic else None,
-        ) as engine:  # fmt: skip
+        ) as engine:
             yield EngineHandle(engine.url, engine.client)
         return
     if cfg.backend == "sglang-launch":
         assert cfg.sglang_python, "validated by EngineConfig"
         with start_sglang_server(
-            cfg.sglang_python, model_path, tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
+            cfg.sglang_python,
+            model_path,
+            tp_size=cfg.tp_size,
+            mem_fraction_static=cfg.mem_fraction_static,
             extra_args=cfg.sglang_args + (["--enable-deterministic-inference"] if cfg.deterministic else []),
-            log_path=log_path, startup_timeout=cfg.startup_timeout_s,
-            client_timeout=cfg.request_timeout_s, client_retries=cfg.retries,
-        ) as server:  # fmt: skip
+            log_path=log_path,
+            startup_timeout=cfg.startup_timeout_s,
+            client_timeout=cfg.request_timeout_s,
+            client_retries=cfg.retries,
+        ) as server:
             yield EngineHandle(server.url, server.client)
         return
     assert cfg.url, "validated by parse_run_config"

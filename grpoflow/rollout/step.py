@@ -21,7 +21,7 @@ from grpoflow.config import EngineConfig, RolloutConfig
 from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.fileio import append_jsonl, write_jsonl_atomic
 from grpoflow.prepare.prompts import PromptRecord
-from grpoflow.rollout.harnesses import SHELL_AGENT, agent_factory, get_binding
+from grpoflow.rollout.harnesses import agent_factory, get_binding
 from grpoflow.rollout.sessions.segments import segment_samples
 from grpoflow.rollout.sessions.server import SessionServer
 from grpoflow.rollout.trials import (
@@ -34,11 +34,6 @@ from grpoflow.rollout.trials import (
 )
 from grpoflow.samples import Sample
 from grpoflow.scoring import step_metrics, to_sample
-
-__all__ = [
-    "SHELL_AGENT", "PolicyAccess", "StepRollout", "agent_factory", "collect_step", "policy_access", "read_journal",
-    "read_samples", "sandbox_config", "select_step_prompts",
-]
 
 
 @dataclass
@@ -76,19 +71,29 @@ async def policy_access(
         yield PolicyAccess(agent_factory(rollout, engine, engine_url, tokenizer_path), trial_sample, lambda spec: None)
         return
     server = SessionServer(
-        engine_url, tokenizer_path, max_new_tokens=rollout.max_new_tokens, context_length=rollout.max_context_tokens,
-        request_timeout_s=engine.request_timeout_s, engine_retries=engine.retries,
-    )  # fmt: skip
+        engine_url,
+        tokenizer_path,
+        max_new_tokens=rollout.max_new_tokens,
+        context_length=rollout.max_context_tokens,
+        request_timeout_s=engine.request_timeout_s,
+        engine_retries=engine.retries,
+    )
     async with server:
 
         def to_samples(outcome: TrialOutcome, run_id: str, step: int) -> list[Sample]:
             return segment_samples(to_sample(outcome, run_id, step), server.pop_session(outcome.spec.rollout_id))
 
         yield PolicyAccess(
-            agent_factory(rollout, engine, engine_url, tokenizer_path,
-                          api_base_for=lambda spec: server.session_url(spec.rollout_id, seed=spec.seed)),
-            to_samples, lambda spec: server.pop_session(spec.rollout_id),
-        )  # fmt: skip
+            agent_factory(
+                rollout,
+                engine,
+                engine_url,
+                tokenizer_path,
+                api_base_for=lambda spec: server.session_url(spec.rollout_id, seed=spec.seed),
+            ),
+            to_samples,
+            lambda spec: server.pop_session(spec.rollout_id),
+        )
 
 
 def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
@@ -181,10 +186,17 @@ async def collect_step(
 
     t0 = time.perf_counter()
     await run_trials(
-        pending, policy.make_agent, environment, trials_dir, concurrency=rollout.concurrency,
-        retries=rollout.sandbox_retries, backoff_s=rollout.retry_backoff_s, on_done=finished, on_retry=retrying,
+        pending,
+        policy.make_agent,
+        environment,
+        trials_dir,
+        concurrency=rollout.concurrency,
+        retries=rollout.sandbox_retries,
+        backoff_s=rollout.retry_backoff_s,
+        on_done=finished,
+        on_retry=retrying,
         sandbox_gate=sandbox_gate,
-    )  # fmt: skip
+    )
     wall = time.perf_counter() - t0
     samples = [x for s in specs for x in done[s.rollout_id]]
     details = details_dir / SAMPLES
@@ -192,7 +204,9 @@ async def collect_step(
     return StepRollout(samples, step_metrics(samples, wall), details)
 
 
-def select_step_prompts(prompts: Sequence[PromptRecord], step: int, per_step: int, split: str = "train") -> list[PromptRecord]:
+def select_step_prompts(
+    prompts: Sequence[PromptRecord], step: int, per_step: int, split: str = "train"
+) -> list[PromptRecord]:
     """Prompts of one training step: walk the split's (already seed-shuffled) order cyclically."""
     pool = [p for p in prompts if p.split == split]
     if not pool:

@@ -128,4 +128,3 @@ def is_cut_off(finish_reason: str, output_ids: list[int], eos_token_id: int | No
     that turn ended by itself."""
     ended = bool(output_ids) and output_ids[-1] == eos_token_id
     return finish_reason == "length" and not ended
-

@@ -40,6 +40,7 @@ from grpoflow.rollout.environments import is_sandbox_failure_type
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class TrialSpec:
     instance_id: str
@@ -195,17 +196,22 @@ async def run_trial(
             if slot:  # normally given back by a hook already; this covers a run that ended in between
                 await slot.release()
         exc = result.exception_info
-        attempts.append(Attempt(
-            trial_dir=str(trials_dir / cfg.trial_name),
-            exception_type=exc.exception_type if exc else None,
-            exception_message=exc.exception_message if exc else None,
-            wall_time_s=time.perf_counter() - t0,
-        ))  # fmt: skip
+        attempts.append(
+            Attempt(
+                trial_dir=str(trials_dir / cfg.trial_name),
+                exception_type=exc.exception_type if exc else None,
+                exception_message=exc.exception_message if exc else None,
+                wall_time_s=time.perf_counter() - t0,
+            )
+        )
         if exc is None or not is_sandbox_failure_type(exc.exception_type) or attempt == retries:
             return TrialOutcome(spec, result, attempts)
         log.warning(
             "trial %s attempt %d: sandbox failure %s: %s; retrying in a fresh sandbox",
-            spec.rollout_id, attempt, exc.exception_type, _one_line(exc.exception_message),
+            spec.rollout_id,
+            attempt,
+            exc.exception_type,
+            _one_line(exc.exception_message),
         )
         if on_retry:
             on_retry(spec, attempts[-1])
@@ -235,9 +241,7 @@ async def run_trials(
 
     async def one(spec: TrialSpec) -> TrialOutcome:
         async with gate:
-            out = await run_trial(
-                spec, make_agent, environment, trials_dir, retries, backoff_s, on_retry, sandbox_gate
-            )
+            out = await run_trial(spec, make_agent, environment, trials_dir, retries, backoff_s, on_retry, sandbox_gate)
         if on_done and inspect.isawaitable(ack := on_done(out)):  # async callbacks (e.g. progress updates)
             await ack
         return out

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from grpoflow.run.paths import step_of
+from grpoflow.run.paths import is_temp_sibling, step_of, temp_sibling
 from grpoflow.train.trainer import TrainerState
 
 OPTIMIZER_FILE = "optimizer.pt"  # AdamW state: a resumed run continues the same moments
@@ -41,7 +41,7 @@ def save_checkpoint(
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    tmp = temp_sibling(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
@@ -55,7 +55,7 @@ def save_checkpoint(
     if durable:  # the rename is only as durable as the bytes it points at
         fsync_files(tmp)
     if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        old = temp_sibling(out_dir, "old")
         out_dir.rename(old)
         tmp.rename(out_dir)
         shutil.rmtree(old)
@@ -81,8 +81,10 @@ def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, A
     loaded = {params[n].data_ptr() for n in weights if n in params}
     untied = [n for n in missing if params[n].data_ptr() not in loaded]
     if unexpected or untied:
-        raise ValueError(f"{ckpt}: weights do not match the model (missing {sorted(untied)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]})")  # fmt: skip
+        raise ValueError(
+            f"{ckpt}: weights do not match the model (missing {sorted(untied)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
     state.optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, map_location=state.device, weights_only=True))
     counters = json.loads((ckpt / TRAINER_FILE).read_text(encoding="utf-8"))
     state.optimizer_steps = int(counters.get("optimizer_steps", 0))
@@ -112,8 +114,7 @@ def prune_checkpoints(root: str | Path, latest: int) -> list[Path]:
     removed = []
     for p in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
         n = step_of(p)
-        stale_tmp = p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name)
-        if stale_tmp or (n is not None and n < latest and not (p / OPTIMIZER_FILE).is_file()):
+        if is_temp_sibling(p) or (n is not None and n < latest and not (p / OPTIMIZER_FILE).is_file()):
             shutil.rmtree(p)
             removed.append(p)
     return removed

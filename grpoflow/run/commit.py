@@ -71,8 +71,9 @@ class StepCommits:
         counters = {"step": step, "optimizer_steps": trainer.optimizer_steps}
         record["time/commit_s"] = record.get("time/commit_s", 0.0) + time.perf_counter() - t0  # the caller's too
         self._pending = (step, record)
-        self._thread = threading.Thread(target=self._complete, args=(Path(ckpt), state, counters),
-                                        name=f"full-checkpoint-{step}", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._complete, args=(Path(ckpt), state, counters), name=f"full-checkpoint-{step}", daemon=True
+        )
         self._thread.start()
 
     def _complete(self, ckpt: Path, state: dict[str, Any], counters: dict[str, Any]) -> None:

@@ -90,8 +90,11 @@ def read_step_records(metrics_path: Path) -> list[dict[str, Any]]:
     return [{**r, **timings.get(r["step"], {})} for r in read_metrics(metrics_path)]
 
 
-CURVES = [("rollout/reward_mean", "mean reward"), ("rollout/pass_at_k", "pass@k"),
-          ("rollout/truncated_ratio", "truncated share")]  # fmt: skip
+CURVES = [
+    ("rollout/reward_mean", "mean reward"),
+    ("rollout/pass_at_k", "pass@k"),
+    ("rollout/truncated_ratio", "truncated share"),
+]
 EVAL_CURVES = [("eval/trained/pass_at_1", "trained tasks"), ("eval/heldout/pass_at_1", "held-out tasks")]
 SMOOTHING = 4  # steps in the running mean of the reward curves
 
@@ -125,10 +128,13 @@ def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Path:
     steps = [r["step"] for r in train]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 3.8))
     for key, label in CURVES:
-        line, = ax1.plot(steps, [r.get(key, float("nan")) for r in train], marker="o", ms=3, alpha=0.35,
-                         label=label)  # fmt: skip
-        ax1.plot(steps, _running_mean([r.get(key, float("nan")) for r in train], SMOOTHING), color=line.get_color(),
-                 label=f"{label}, mean of {SMOOTHING}")  # fmt: skip
+        (line,) = ax1.plot(steps, [r.get(key, float("nan")) for r in train], marker="o", ms=3, alpha=0.35, label=label)
+        ax1.plot(
+            steps,
+            _running_mean([r.get(key, float("nan")) for r in train], SMOOTHING),
+            color=line.get_color(),
+            label=f"{label}, mean of {SMOOTHING}",
+        )
     if any("rollout/reward_gain" in r for r in train):
         gain = _running_mean([r.get("rollout/reward_gain", float("nan")) for r in train], SMOOTHING)
         ax1.plot(steps, gain, color="black", linestyle="--", label=f"pass gain over base, mean of {SMOOTHING}")
@@ -143,8 +149,10 @@ def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Path:
             continue
         x = [r["step"] + 0.08 * i for r in rows]
         y = [r[key] for r in rows]
-        err = [[max(0.0, v - r[key + "_ci95_low"]) for v, r in zip(y, rows)],
-               [max(0.0, r[key + "_ci95_high"] - v) for v, r in zip(y, rows)]]  # fmt: skip
+        err = [
+            [max(0.0, v - r[key + "_ci95_low"]) for v, r in zip(y, rows)],
+            [max(0.0, r[key + "_ci95_high"] - v) for v, r in zip(y, rows)],
+        ]
         ax2.errorbar(x, y, yerr=err, marker="o", capsize=4, label=label)
     ax2.set_xlabel("step (weights after that many updates)")
     ax2.set_ylim(-0.05, 1.05)
@@ -168,8 +176,16 @@ def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Path:
 def summary_markdown(
     run_id: str, run_dir: Path, records: list[dict[str, Any]], png: Path | None, verdict: list[str] | None = None
 ) -> str:
-    keys = ["rollout/reward_mean", "rollout/pass_at_k", "rollout/truncated_ratio", "rollout/retries",
-            "train/loss", "train/grad_norm", "train/logprob_gap_mean", "time/step_s"]  # fmt: skip
+    keys = [
+        "rollout/reward_mean",
+        "rollout/pass_at_k",
+        "rollout/truncated_ratio",
+        "rollout/retries",
+        "train/loss",
+        "train/grad_norm",
+        "train/logprob_gap_mean",
+        "time/step_s",
+    ]
     head = "| step | " + " | ".join(k.split("/")[-1] for k in keys) + " |"
     sep = "|---" * (len(keys) + 1) + "|"
     rows = [f"| {r['step']} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in training_rows(records)]
@@ -181,10 +197,20 @@ def summary_markdown(
         parts += [f"![curves](data:image/png;base64,{data})", "", f"(also `{png.resolve()}`)", ""]
     evals = evaluation_rows(records)
     if evals:
-        ekeys = [k for k in ("eval/trained/pass_at_1", "eval/trained/pass_at_1_change", "eval/heldout/pass_at_1",
-                             "eval/heldout/pass_at_1_change") if any(k in r for r in evals)]  # fmt: skip
-        parts += ["| after N steps | " + " | ".join(k.removeprefix("eval/") for k in ekeys) + " |",
-                  "|---" * (len(ekeys) + 1) + "|"]  # fmt: skip
+        ekeys = [
+            k
+            for k in (
+                "eval/trained/pass_at_1",
+                "eval/trained/pass_at_1_change",
+                "eval/heldout/pass_at_1",
+                "eval/heldout/pass_at_1_change",
+            )
+            if any(k in r for r in evals)
+        ]
+        parts += [
+            "| after N steps | " + " | ".join(k.removeprefix("eval/") for k in ekeys) + " |",
+            "|---" * (len(ekeys) + 1) + "|",
+        ]
         parts += [f"| {r['step']} | " + " | ".join(_fmt(r.get(k)) for k in ekeys) + " |" for r in evals] + [""]
     return "\n".join(parts + [head, sep, *rows])
 

@@ -1,17 +1,13 @@
-"""The `runs/<run_id>/` layout, its creation (never over an existing run), and the run's provenance record."""
+"""The `runs/<run_id>/` layout: every path of a run dir, and its creation (never over an existing run)."""
 
 from __future__ import annotations
 
-import platform
-import subprocess
+import os
+import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 from grpoflow.errors import RunDirError
-
-_TRACKED_PACKAGES = ("grpoflow", "torch", "transformers", "tokenizers", "safetensors", "harbor", "prefect", "gguf")
 
 
 @dataclass(frozen=True)
@@ -58,6 +54,17 @@ class RunPaths:
         return self.root / "checkpoints" / f"step_{step}"
 
 
+def temp_sibling(path: Path, kind: str) -> Path:
+    """`.<name>.<kind>-<pid>` beside `path`: where a dir is written (`tmp`) or set aside (`old`) around the rename
+    that publishes it."""
+    return path.parent / f".{path.name}.{kind}-{os.getpid()}"
+
+
+def is_temp_sibling(path: Path) -> bool:
+    """A `temp_sibling` left by an interrupted write."""
+    return re.fullmatch(r"\..+\.(tmp|old)-\d+", path.name) is not None
+
+
 def step_of(path: Path) -> int | None:
     """N of a `step_<N>` dir (checkpoint, trials or details), else None."""
     name = path.name
@@ -71,37 +78,9 @@ def create_run_dir(output_dir: str | Path, run_id: str) -> RunPaths:
         root.parent.mkdir(parents=True, exist_ok=True)
         root.mkdir()
     except FileExistsError:
-        raise RunDirError(f"run dir {root} already exists: choose another run_id (runs are never overwritten)") from None
+        raise RunDirError(
+            f"run dir {root} already exists: choose another run_id (runs are never overwritten)"
+        ) from None
     except OSError as err:
         raise RunDirError(f"cannot create run dir {root}: {err.strerror}") from None
     return RunPaths(root)
-
-
-def code_commit() -> str | None:
-    """The git commit of the grpoflow checkout (with `-dirty` when it has local changes), if it is one."""
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def environment_info() -> dict:
-    versions = {}
-    for name in _TRACKED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "code_commit": code_commit(),
-        "packages": versions,
-    }

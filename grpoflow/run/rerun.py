@@ -16,26 +16,6 @@ from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import complete_steps
 
 
-def provenance_differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """One line per difference between two run.json-shaped records: code commit, package versions, Python,
-    dataset sha256, model weights sha256."""
-    out = []
-
-    def cmp(label: str, a: Any, b: Any) -> None:
-        if a != b:
-            out.append(f"{label}: {a} -> {b}")
-
-    cmp("code commit", then.get("code_commit"), now.get("code_commit"))
-    cmp("python", then.get("python"), now.get("python"))
-    pkgs_then, pkgs_now = then.get("packages") or {}, now.get("packages") or {}
-    for name in sorted(set(pkgs_then) | set(pkgs_now)):
-        cmp(f"package {name}", pkgs_then.get(name), pkgs_now.get(name))
-    cmp("dataset sha256", (then.get("dataset") or {}).get("sha256"), (now.get("dataset") or {}).get("sha256"))
-    cmp("model weights sha256", (then.get("model") or {}).get("weights_sha256"),
-        (now.get("model") or {}).get("weights_sha256"))  # fmt: skip
-    return out
-
-
 def final_weights_sha256(paths: RunPaths) -> tuple[int | None, str | None]:
     """(step, sha256 over its *.safetensors) of the run's last complete checkpoint, or (None, None)."""
     steps = complete_steps(paths)
@@ -74,8 +54,10 @@ def compare_runs(original: RunPaths, rerun: RunPaths) -> dict[str, Any]:
     return {
         "metrics_identical": diff is None,
         "metrics_first_difference": diff,
-        "final_checkpoint": {"original": {"step": step_a, "weights_sha256": hash_a},
-                             "rerun": {"step": step_b, "weights_sha256": hash_b}},  # fmt: skip
+        "final_checkpoint": {
+            "original": {"step": step_a, "weights_sha256": hash_a},
+            "rerun": {"step": step_b, "weights_sha256": hash_b},
+        },
         "weights_identical": hash_a is not None and (step_a, hash_a) == (step_b, hash_b),
     }
 
@@ -90,22 +72,30 @@ def verdict_line(report: dict[str, Any]) -> str:
         what.append(f"metrics.jsonl differs ({report['metrics_first_difference']})")
     if not report["weights_identical"]:
         fc = report["final_checkpoint"]
-        what.append(f"final weights differ (step {fc['original']['step']} {str(fc['original']['weights_sha256'])[:12]}"
-                    f" vs step {fc['rerun']['step']} {str(fc['rerun']['weights_sha256'])[:12]})")  # fmt: skip
+        what.append(
+            f"final weights differ (step {fc['original']['step']} {str(fc['original']['weights_sha256'])[:12]}"
+            f" vs step {fc['rerun']['step']} {str(fc['rerun']['weights_sha256'])[:12]})"
+        )
     return f"{head}: NOT reproduced: " + "; ".join(what)
 
 
 def report_markdown(report: dict[str, Any]) -> str:
     fc = report["final_checkpoint"]
     lines = [
-        f"# Rerun `{report['run_id']}` of `{report['rerun_of']}`", "", f"**{verdict_line(report)}**", "",
-        "| check | result |", "|---|---|",
+        f"# Rerun `{report['run_id']}` of `{report['rerun_of']}`",
+        "",
+        f"**{verdict_line(report)}**",
+        "",
+        "| check | result |",
+        "|---|---|",
         f"| metrics.jsonl | {'identical' if report['metrics_identical'] else report['metrics_first_difference']} |",
         f"| final weights (original) | step {fc['original']['step']} `{fc['original']['weights_sha256']}` |",
         f"| final weights (rerun) | step {fc['rerun']['step']} `{fc['rerun']['weights_sha256']}` |",
-        f"| deterministic engine | {report['deterministic']} |", "",
-        "## Provenance then vs now", "",
-    ]  # fmt: skip
+        f"| deterministic engine | {report['deterministic']} |",
+        "",
+        "## Provenance then vs now",
+        "",
+    ]
     lines += [f"- {d}" for d in report["provenance_differences"]] or ["- no difference"]
     if report.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]

@@ -27,8 +27,9 @@ from grpoflow.run.checkpoint import (
     OPTIMIZER_FILE,
     STEP_FILE,
 )
+from grpoflow.run.info import read_run_info
 from grpoflow.run.metrics import split_record, timings_path
-from grpoflow.run.paths import RunPaths, step_of
+from grpoflow.run.paths import RunPaths, is_temp_sibling, step_of
 
 LOCK_FILE = "run.lock"
 
@@ -43,8 +44,9 @@ def run_lock(root: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunDirError(f"{path}: another process is running this run; resume it after that process "
-                              "has ended") from None  # fmt: skip
+            raise RunDirError(
+                f"{path}: another process is running this run; resume it after that process has ended"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())  # for a person wondering who holds it
         yield
@@ -95,10 +97,10 @@ def find_resume_point(paths: RunPaths) -> ResumePoint:
     for name in ("config.json", "run.json", "prompts.jsonl"):
         if not (paths.root / name).is_file():
             raise RunDirError(f"{paths.root / name} is missing: the run never finished preparing; start a new run")
-    flow = json.loads(paths.run_info.read_text(encoding="utf-8")).get("flow", "train")
-    if flow != "train":
+    info = read_run_info(paths)
+    if not info.trains:
         raise RunDirError(
-            f"{paths.run_info}: run {paths.root.name} was made by the `{flow}` flow; only train runs resume"
+            f"{paths.run_info}: run {paths.root.name} was made by the `{info.flow}` flow; only train runs resume"
         )
     steps = complete_steps(paths)
     if not steps:
@@ -124,7 +126,7 @@ def repair_run_dir(paths: RunPaths, point: ResumePoint, steps: int | None = None
     ckpts = paths.root / "checkpoints"
     for p in sorted(ckpts.iterdir()) if ckpts.is_dir() else []:
         step = step_of(p)
-        if p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name):
+        if is_temp_sibling(p):
             shutil.rmtree(p)
             notes.append(f"removed {p.name}, left by an interrupted checkpoint write")
         elif step is not None and step > last:  # after the resume point: the step is done again

@@ -91,4 +91,3 @@ def token_logprobs(
     # masked_scatter keeps the graph connected even when M == 0
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)
     return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, ent.detach())
-

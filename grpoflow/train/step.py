@@ -81,9 +81,19 @@ def backward_minibatch(
             with torch.no_grad():
                 ref, _ = token_logprobs(state.ref_model, ids, mask, state.autocast_dtype, temperature)
         loss, m = policy_loss(
-            logp, old, advantages[idx].to(state.device), mask, cfg.eps_low, cfg.eps_high, cfg.loss_aggregation,
-            ref_logprobs=ref, kl_coef=cfg.kl_coef, entropy=ent, denominator=denom, sample_tokens=row_tokens[idx],
-        )  # fmt: skip
+            logp,
+            old,
+            advantages[idx].to(state.device),
+            mask,
+            cfg.eps_low,
+            cfg.eps_high,
+            cfg.loss_aggregation,
+            ref_logprobs=ref,
+            kl_coef=cfg.kl_coef,
+            entropy=ent,
+            denominator=denom,
+            sample_tokens=row_tokens[idx],
+        )
         loss.backward()
         sums["loss"] += loss.item()
         n = int(m.pop("n_tokens"))
@@ -103,19 +113,21 @@ def prepare_samples(samples: list[Sample], cfg: TrainConfig) -> tuple[list[Sampl
     """Advantages per group, then the zero-std filter; returns (kept samples, their advantages (K,), counts)."""
     for s in samples:
         if s.status == "FAILED" or s.reward is None:
-            raise ValueError(f"sample {s.rollout_id} (group {s.group_id}): status {s.status}, reward {s.reward}: "
-                             "FAILED / unrewarded samples must be dropped before training")  # fmt: skip
+            raise ValueError(
+                f"sample {s.rollout_id} (group {s.group_id}): status {s.status}, reward {s.reward}: "
+                "FAILED / unrewarded samples must be dropped before training"
+            )
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # (N,)
     group_ids = [s.group_id for s in samples]
     # a trial split into segments (context compaction) is one rollout: one slot in its group's statistics
     adv = group_advantages(rewards, group_ids, cfg.scale_by_std, rollout_ids=[s.rollout_id for s in samples])
     flat = set(zero_std_groups(rewards, group_ids))
-    keep = [
-        i for i, s in enumerate(samples)
-        if _n_trained(s) > 0 and not (cfg.filter_zero_std and s.group_id in flat)
-    ]  # fmt: skip
-    counts = {"n_groups": len(set(group_ids)), "zero_std_groups": len(flat),
-              "filtered_samples": len(samples) - len(keep)}
+    keep = [i for i, s in enumerate(samples) if _n_trained(s) > 0 and not (cfg.filter_zero_std and s.group_id in flat)]
+    counts = {
+        "n_groups": len(set(group_ids)),
+        "zero_std_groups": len(flat),
+        "filtered_samples": len(samples) - len(keep),
+    }
     return [samples[i] for i in keep], adv[keep], counts
 
 
@@ -149,9 +161,16 @@ def train_step(
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)
 
-    out: dict[str, float] = {"n_samples": 0, "n_tokens": 0, "n_forward_tokens": 0, "n_micro_batches": 0,
-                             "optimizer_steps": 0, "skipped_zero_advantage": 0, "skipped_nonfinite": 0,
-                             "logprob_gap_max": 0.0}  # fmt: skip
+    out: dict[str, float] = {
+        "n_samples": 0,
+        "n_tokens": 0,
+        "n_forward_tokens": 0,
+        "n_micro_batches": 0,
+        "optimizer_steps": 0,
+        "skipped_zero_advantage": 0,
+        "skipped_nonfinite": 0,
+        "logprob_gap_max": 0.0,
+    }
     # every key present even when nothing was trained (optimizer_steps 0 says so), for steady metric columns
     for k in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "logprob_gap_mean", "entropy"):
         out[k] = 0.0
@@ -198,4 +217,3 @@ def grpo_update(state: TrainerState, samples: list[Sample], cfg: RunConfig, step
     if not samples:
         return {"n_samples": 0.0, "optimizer_steps": 0.0}
     return train_step(state, samples, cfg.train, seed=step_seed(cfg.seed, step), temperature=cfg.rollout.temperature)
-

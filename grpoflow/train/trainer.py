@@ -64,4 +64,3 @@ def disable_dropout(model: torch.nn.Module) -> None:
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0
-

@@ -6,7 +6,7 @@ writes each step's column in place and exposes the filled part as a view, doubli
 scheduler rebuilds the cache only when rows join or leave.
 
 This leans on two transformers 5.x interfaces: `Cache(layers=[...])` and a layer's `keys` / `values` /
-`update` / `get_seq_length`. If a transformers upgrade breaks them, `tests/engine/test_kv_cache.py` fails.
+`update` / `get_seq_length`. If a transformers upgrade breaks them, `tests/integration/engine/test_kv_cache.py` fails.
 """
 
 from __future__ import annotations

@@ -55,9 +55,10 @@ class PackedLinear(nn.Linear):
 def pack_linears(model: nn.Module) -> int:
     """Turn every fp32 CPU `nn.Linear` of `model` into a `PackedLinear`; return how many (0 if unsupported)."""
     linears = [
-        m for m in model.modules()
+        m
+        for m in model.modules()
         if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-    ]  # fmt: skip
+    ]
     if not linears or not _supported(linears[0]):
         return 0
     for m in linears:
@@ -87,7 +88,9 @@ def _supported(probe: nn.Linear) -> bool:
         log.warning("oneDNN packed linears unavailable (%s); using F.linear", e)
         return False
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-        log.warning("oneDNN packed linears disagree with F.linear (max diff %.3g); using F.linear",
-                    (got - want).abs().max().item())  # fmt: skip
+        log.warning(
+            "oneDNN packed linears disagree with F.linear (max diff %.3g); using F.linear",
+            (got - want).abs().max().item(),
+        )
         return False
     return True

@@ -1,46 +1,11 @@
 """Continuous-batching generation over a Hugging Face causal LM on CPU. No HTTP in here.
 
-One background thread owns the model (fp32; linears on oneDNN-packed weights, see `packed_linear`). Work
-arrives in a FIFO inbox; requests join the running batch between decode steps and leave it when they finish,
-so N concurrent requests share each forward pass:
-
-- join: the prompts waiting at admission are prefilled together (one forward per group of similar length),
-  their first tokens sampled, then their KV and the batch's are left-padded to a common length and
-  concatenated along the batch dim;
-- step: one token for every active row: input (B, 1), attention mask (B, T+1), per-row position ids (B, 1);
-- leave: finished rows are dropped from the cache, and cache columns that are padding for every remaining row
-  are cut off.
-
-Layout: every layer's keys/values are (B, H_kv, T, D), row b's real tokens are the last `length_b` columns
-(left padding), and `_mask` (B, T) marks them. Positions are per row, so padding never shifts RoPE. Decode
-steps append to the cache in place (`kv_cache.BatchKVCache`); joins and leaves rebuild it. A prompt prefills
-only what its longest cached prefix does not cover (`prefix_cache.PrefixCache`: prompts after prefill,
-prompt + reply after finishing; cleared on every weight update). Prefill is not chunked: a long new prompt
-stalls the batch for its prefill (SGLang chunks it).
-
-Batched prefill: a group of B prompts runs as one (B, n) forward, n = the longest part of any of them that the
-prefix cache does not cover, on top of their cached KV. Every row runs its last n tokens, so the group is plainly
-left-padded like the decode batch: a row shorter than n is padded, a row with a longer cached prefix recomputes
-a few cached tokens (as costly as padding, and it keeps each row's tokens contiguous). Prompts are grouped so
-that padding stays small, and a prompt that shares a long prefix with an earlier waiting prompt (the samples of
-a GRPO group, tasks under one agent system prompt) waits for the next round, when that prefix is cached, rather
-than computing it again in the same forward.
-
-Determinism: each request samples with its own torch.Generator, seeded from `sampling_seed` or else from the
-engine seed and the request's arrival number, and draws one number per sampled token, so its tokens do not
-depend on which requests share its batch. They depend on the logits, which are not bit-identical between a
-batch and a lone run (different matmul shapes, padding): a seeded sample can flip where two tokens' cumulative
-probabilities straddle the drawn number within ~1e-5 — rare, not impossible. Logprobs agree with a plain
-full-sequence forward (MKL's F.linear) to ~4e-5 on SmolLM2-135M, as the packed oneDNN linears sum in another
-order (~1.5e-5 with `pack_weights=False`).
-
-A weight update is an inbox item like a request, so ordering is FIFO: it waits until every request that
-arrived before it has finished (the running batch drains), is applied between steps, and requests that
-arrived after it run on the new weights. This is SGLang's default behaviour for `/update_weights_from_disk`
-(its tokenizer manager holds a writer lock until in-flight requests end), hence `num_paused_requests` is 0.
-
-Departure from SGLang: a request whose last allowed token is a stop token finishes with "stop", not "length";
-"length" means exactly "max_new_tokens reached without a stop token".
+One background thread owns the model; work arrives in a FIFO inbox. Requests join the running batch between
+decode steps (their prompts prefilled together, on top of what the prefix cache holds) and leave it when they
+finish, so concurrent requests share each forward pass. Each request samples with its own seeded generator, so
+its tokens do not depend on its batch-mates (up to logits rounding). A weight update is an inbox item like a
+request: it waits for the requests that arrived before it, as SGLang's `/update_weights_from_disk` does.
+Layout, batched prefill, determinism and the one departure from SGLang: docs/embedded.md.
 """
 
 from __future__ import annotations
@@ -659,8 +624,7 @@ def _stack_past(hits: list[tuple[int, list | None]], width: int) -> list[tuple[t
     ref = next(kv for _, kv in hits if kv is not None)  # any row's KV, for the empty parts' shapes
     return [
         tuple(
-            torch.cat([_left_pad((kv or ref)[layer][i][:, :, :reused], width) for reused, kv in hits])
-            for i in (0, 1)
+            torch.cat([_left_pad((kv or ref)[layer][i][:, :, :reused], width) for reused, kv in hits]) for i in (0, 1)
         )
         for layer in range(len(ref))
     ]

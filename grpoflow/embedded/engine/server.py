@@ -209,8 +209,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-pack-weights", action="store_true", help="Plain F.linear (MKL) instead of oneDNN-packed linears."
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--parent-pid", type=int, default=None,
-                   help="Exit when this process is gone (the run that started the engine was killed).")  # fmt: skip
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="Exit when this process is gone (the run that started the engine was killed).",
+    )
     return p.parse_args(argv)
 
 

@@ -1,56 +1,12 @@
 """`LocalSandbox`: a Harbor environment that runs every `exec()` in a fresh bubblewrap sandbox on this machine.
 
-Select it with `EnvironmentConfig(import_path="grpoflow.embedded.sandbox.local:LocalSandbox", kwargs={...})`. No docker,
-no daemon: one trial = one temp dir on the host, and each command is one short-lived `bwrap` process over it.
-
-Filesystem (host dirs are per trial, under `<work_dir>/grpoflow-sandbox-<session>-XXXX/`):
-
-    /            <- rootfs/            (a per-trial dir; root-owned, so the sandbox cannot add top-level entries)
-    /usr, /etc   <- the host's, read-only; /bin, /lib, ... are the same symlinks (or read-only binds) as on the host
-    /proc, /dev  <- fresh procfs (the sandbox's own pid namespace) and a minimal /dev
-    /app         <- rootfs/app          workdir, pre-filled from the task's environment/app/
-    /tmp, /root  <- rootfs/tmp, rootfs/root (HOME)
-    /tests, /solution <- rootfs/tests, rootfs/solution (Harbor uploads them)
-    /logs/agent, /logs/verifier, /logs/artifacts <- Harbor's trial dirs (trial_dir/agent, trial_dir/verifier,
-                 trial_dir/artifacts/logs/artifacts), bind-mounted; Harbor therefore reads the agent logs and
-                 reward.txt in place and downloads nothing. With `auto_mounting=False` they are plain dirs under
-                 rootfs/logs/ and Harbor downloads them through `download_dir`.
-
-Nothing else of the host is visible: not /root, /home, /tmp, /work, /opt, the repo. The host's environment
-variables never reach the sandbox: bwrap is started with an explicit environment (PATH, HOME, LANG, the task's
-`[environment.env]`, the trial's env and the exec's env) instead of inheriting `os.environ`.
-
-Isolation per exec: new network (nothing but its own loopback), pid, ipc, uts and cgroup namespaces;
-`--die-with-parent`; `--new-session` (no TIOCSTI into our terminal). Limits per process via `prlimit`
-(RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, no core files). Run as root (CI), the sandbox's processes
-run under a uid of their own (unique per live sandbox, with all capabilities and the bounding set dropped), so
-RLIMIT_NPROC caps this sandbox alone, root-only host files under /etc stay unreadable, and `stop()` can sweep any
-straggler by uid (a passwd entry `sandbox` is bound over /etc/passwd for it). Run as a normal user, bwrap makes
-a user namespace and the sandbox runs as that user; RLIMIT_NPROC is then the user's current process count plus
-`max_processes` (kernels before 5.14 count all of the user's processes against it).
-
-Lifetime (`process_scope`): with "exec" (the default) each exec gets its own pid namespace, so whatever a command
-starts (`&`, `setsid`, `nohup`, a tmux server) dies when the command returns — nothing carries over between execs
-except files. With "trial" (what harnesses driving a terminal need: terminus-2 keeps a tmux server across execs, as
-in Docker or e2b) one long-lived bwrap per sandbox holds the namespaces (same binds, same unshared net, pid, ipc,
-uts, cgroup), started by `start()`: its pid 1 is a root-owned bash loop that reaps orphans and, being the
-namespace's init, ignores every signal sent from inside (`kill -9 -1` cannot end the sandbox). Each exec enters
-those namespaces with `nsenter` and runs under the same prlimit/setpriv as in "exec" mode; background processes
-then live until the agent phase ends (Harbor's `prepare_logs_for_host()`, before the verifier: they are killed
-there) or `stop()` (which SIGKILLs pid 1, and the kernel the rest). A timeout or cancellation kills the exec's
-process group (the command and whatever it did not move to a session of its own). In "exec" scope, on timeout,
-on any exception and on `asyncio.CancelledError` (Harbor cancels the exec when the agent times out) pid 1 of that
-namespace is SIGKILLed, and the kernel kills everything else in it; `stop()` kills whatever is still running and
-deletes the temp dir. If our process dies, `--die-with-parent` takes the sandboxes down (their dirs stay).
-
-Failures: bwrap missing -> `SandboxUnavailableError` (permanent). The sandbox failing to set itself up before
-the command starts -> `SandboxDiedError`; `start()` failing -> `SandboxStartError` (both transient, retried by
-the rollout layer). A command that runs and fails is a normal `ExecResult`; a command past its timeout returns
-exit code 124 (the GNU `timeout` convention Harbor's singularity environment also reports).
-
-Code: this module holds the Harbor environment itself; `grpoflow.embedded.sandbox.rootfs` the per-trial tree (building it,
-bwrap's mounts, sandbox-to-host paths, files in and out); `grpoflow.embedded.sandbox.processes` the host processes (tools,
-sandbox uids, rlimits, output capture, kills and reaping, /proc scans, the trial-scope namespace holder).
+Select it with `EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs={...})`. One trial = one temp dir
+on the host; each command is one short-lived `bwrap` process over it, with no network, the host's /usr and /etc
+read-only, its own /app, /logs, /tests, /solution, /tmp, rlimits and (as root) a uid of its own. With
+`process_scope="trial"` one bwrap per trial holds the namespaces, so a tmux server lives across execs
+(terminus-2). Failing to start or set up raises `SandboxStartError` / `SandboxDiedError` (retried); bwrap missing
+raises `SandboxUnavailableError` (not retried). The filesystem, isolation, lifetimes and failures in detail:
+docs/embedded.md. `rootfs` builds the per-trial tree, `processes` runs and reaps the host processes.
 """
 
 from __future__ import annotations
@@ -69,7 +25,6 @@ from harbor.environments.capabilities import (
 )
 
 from grpoflow.embedded.sandbox.processes import (
-    HOLDER_LOOP,
     CappedOutput,
     allocate_uid,
     drain,
@@ -89,10 +44,6 @@ from grpoflow.embedded.sandbox.processes import (
     stop_holder,
 )
 from grpoflow.embedded.sandbox.rootfs import (
-    HOST_LIB_NAMES,
-    HOST_RO_DIRS,
-    NOT_TRIAL_PATHS,
-    OWNED_DIRS,
     SANDBOX_HOME,
     build_rootfs,
     bwrap_argv,
@@ -116,21 +67,6 @@ BACKGROUND_OUTPUT_GRACE_SEC = 0.5
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TIMEOUT_EXIT_CODE = 124  # what GNU `timeout` returns; Harbor's singularity environment reports the same
 DEFAULT_WORKDIR = "/app"
-# Imported from here by tests and callers; the tree's layout lives in rootfs.py, the holder in processes.py.
-__all__ = [
-    "BACKGROUND_OUTPUT_GRACE_SEC",
-    "DEFAULT_WORKDIR",
-    "HOLDER_LOOP",
-    "HOST_LIB_NAMES",
-    "HOST_RO_DIRS",
-    "NOT_TRIAL_PATHS",
-    "OWNED_DIRS",
-    "PROCESS_SCOPES",
-    "SANDBOX_HOME",
-    "SANDBOX_PATH",
-    "TIMEOUT_EXIT_CODE",
-    "LocalSandbox",
-]
 
 
 class LocalSandbox(BaseEnvironment):

@@ -289,9 +289,14 @@ async def start_holder(
         try:
             # A plain Popen, not an asyncio process: stop() may run in another event loop than start().
             holder = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                env=env, start_new_session=True, pass_fds=(info_w, ready_w),
-            )  # fmt: skip
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+                pass_fds=(info_w, ready_w),
+            )
         finally:
             os.close(info_w)
             os.close(ready_w)

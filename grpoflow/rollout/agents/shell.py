@@ -25,6 +25,14 @@ from harbor.models.agent.context import AgentContext
 
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.protocol import SamplingParams
+from grpoflow.rollout.record import (
+    END_DONE,
+    END_MAX_TURNS,
+    END_NO_COMMAND,
+    END_TOKEN_BUDGET,
+    END_TRUNCATED,
+    TrialRecord,
+)
 from grpoflow.rollout.tokens import TokenTrajectory, is_cut_off, load_tokenizer
 
 SYSTEM_PROMPT = """You are a shell agent working in a Linux sandbox; your working directory is /app.
@@ -40,11 +48,6 @@ You will see the command's output. When the task is done, reply with the single 
 STOP_STRINGS = ["```\n"]
 _FENCE = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _DONE = re.compile(r"\bDONE\b")
-
-# Why an episode ended (recorded in metadata; evaluate maps `truncated` to status TRUNCATED).
-END_DONE, END_NO_COMMAND, END_MAX_TURNS, END_TOKEN_BUDGET, END_TRUNCATED = (
-    "done", "no_command", "max_turns", "token_budget", "truncated",
-)  # fmt: skip
 
 
 def parse_command(reply: str) -> str | None:
@@ -116,38 +119,37 @@ class ShellAgent(BaseAgent):
         tokenizer = load_tokenizer(self.tokenizer_path)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
         traj = TokenTrajectory.start(tokenizer, messages)
-        rec: dict[str, Any] = {
-            "end_reason": None, "turns": 0, "generation_time_s": 0.0, "tool_time_s": 0.0, "truncated": False,
-            "tokens_after_truncation": 0, "policy_calls": 0, "commands_run": 0, "weight_version": None,
-        }  # fmt: skip
+        rec = TrialRecord()
         client = EngineClient(self.engine_url, timeout=self.request_timeout_s, retries=self.engine_retries)
         try:
-            rec["end_reason"] = await self._loop(traj, environment, client, rec, context)
+            rec.end_reason = await self._loop(traj, environment, client, rec, context)
         finally:
             await client.aclose()
             self._record(context, traj, rec)
 
     async def _loop(self, traj, environment, client, rec, context) -> str:
         while True:
-            if rec["turns"] >= self.max_turns:
+            if rec.turns >= self.max_turns:
                 return END_MAX_TURNS
             if len(traj.tokens) + self.max_new_tokens > self.max_context_tokens:
                 return END_TOKEN_BUDGET
             params = SamplingParams(
-                max_new_tokens=self.max_new_tokens, sampling_seed=self.seed + rec["turns"], stop=STOP_STRINGS,
+                max_new_tokens=self.max_new_tokens,
+                sampling_seed=self.seed + rec.turns,
+                stop=STOP_STRINGS,
                 **self.sampling,
             )
             t0 = time.perf_counter()
             resp = await client.agenerate(traj.tokens, params, return_logprob=True)
-            rec["generation_time_s"] += time.perf_counter() - t0
-            rec["policy_calls"] += 1
-            rec["turns"] += 1
-            rec["weight_version"] = resp.meta_info.weight_version
-            if rec["truncated"]:  # only reachable with the early exit switched off (benchmarks)
-                rec["tokens_after_truncation"] += len(resp.output_ids)
+            rec.generation_time_s += time.perf_counter() - t0
+            rec.policy_calls += 1
+            rec.turns += 1
+            rec.weight_version = resp.meta_info.weight_version
+            if rec.truncated:  # only reachable with the early exit switched off (benchmarks)
+                rec.tokens_after_truncation += len(resp.output_ids)
             reply = traj.add_generated(resp.output_ids, resp.logprobs)
             if is_cut_off(resp.meta_info.finish_reason.type, resp.output_ids, traj.tokenizer.eos_token_id):
-                rec["truncated"] = True
+                rec.truncated = True
                 if self.early_truncation_exit:
                     return END_TRUNCATED
             self._record(context, traj, rec)
@@ -156,27 +158,26 @@ class ShellAgent(BaseAgent):
                 return END_DONE if _DONE.search(reply) else END_NO_COMMAND
             t0 = time.perf_counter()
             result = await environment.exec(command, cwd="/app", timeout_sec=self.command_timeout_sec)
-            rec["tool_time_s"] += time.perf_counter() - t0
-            rec["commands_run"] += 1
+            rec.tool_time_s += time.perf_counter() - t0
+            rec.commands_run += 1
             feedback = format_output(result.stdout, result.stderr, result.return_code, self.output_cap_chars)
             traj.add_user(feedback)
             if _DONE.search(reply):
                 return END_DONE
 
-    def _record(self, context: AgentContext, traj: TokenTrajectory, rec: dict[str, Any]) -> None:
+    def _record(self, context: AgentContext, traj: TokenTrajectory, rec: TrialRecord) -> None:
         gen = traj.n_generated
         context.n_input_tokens = len(traj.tokens) - gen
         context.n_output_tokens = gen
-        context.metadata = {
-            **(context.metadata or {}),
-            "grpoflow": {
-                **rec,
-                "end_reason": rec["end_reason"] if rec["end_reason"] is not None else (
-                    END_TRUNCATED if rec["truncated"] else None),
+        rec.model_copy(
+            update={
+                "end_reason": rec.end_reason
+                if rec.end_reason is not None
+                else (END_TRUNCATED if rec.truncated else None),
                 "tokens": list(traj.tokens),
                 "loss_mask": list(traj.loss_mask),
                 "rollout_logprobs": list(traj.logprobs),
                 "prompt_len": traj.prompt_len,
                 "messages": list(traj.messages),
-            },
-        }  # fmt: skip
+            }
+        ).write(context)

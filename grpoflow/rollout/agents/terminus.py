@@ -34,7 +34,7 @@ from harbor.environments.base import BaseEnvironment  # noqa: E402
 from harbor.llms.base import ContextLengthExceededError, OutputLengthExceededError  # noqa: E402
 from harbor.models.agent.context import AgentContext  # noqa: E402
 
-END_DONE, END_MAX_TURNS, END_TRUNCATED, END_TOKEN_BUDGET = "done", "max_turns", "truncated", "token_budget"
+from grpoflow.rollout.record import END_DONE, END_MAX_TURNS, END_TOKEN_BUDGET, END_TRUNCATED, TrialRecord  # noqa: E402
 
 
 class TurnTruncated(BaseException):
@@ -47,24 +47,24 @@ class GrpoTerminus2(Terminus2):
     def __init__(self, *args: Any, early_truncation_exit: bool = True, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.early_truncation_exit = early_truncation_exit
-        self._rec = _fresh_record()
+        self._rec = TrialRecord()
         inner_call = self._llm.call
 
         async def call(*call_args: Any, **call_kwargs: Any) -> Any:
             # Every policy call of terminus-2 (turns, summaries, fallbacks) goes through the LLM's `call`.
-            if self._rec["truncated"] and self.early_truncation_exit:
+            if self._rec.truncated and self.early_truncation_exit:
                 raise TurnTruncated("a previous reply was cut off at max_tokens: no further policy call")
             t0 = time.perf_counter()
             try:
                 return await inner_call(*call_args, **call_kwargs)
             except OutputLengthExceededError as err:
-                self._rec["truncated"] = True
+                self._rec.truncated = True
                 if self.early_truncation_exit:
                     raise TurnTruncated(str(err)) from err
                 raise  # benchmarks only: terminus-2's own recovery
             finally:
-                self._rec["policy_calls"] += 1
-                self._rec["generation_time_s"] += time.perf_counter() - t0
+                self._rec.policy_calls += 1
+                self._rec.generation_time_s += time.perf_counter() - t0
 
         self._llm.call = call  # type: ignore[method-assign]  # an instance attribute shadows the method
 
@@ -73,11 +73,11 @@ class GrpoTerminus2(Terminus2):
         try:
             return await super()._execute_commands(commands, session)
         finally:
-            self._rec["tool_time_s"] += time.perf_counter() - t0
-            self._rec["commands_run"] += len(commands)
+            self._rec.tool_time_s += time.perf_counter() - t0
+            self._rec.commands_run += len(commands)
 
     async def run(self, instruction: str, environment: BaseEnvironment, context: AgentContext) -> None:
-        self._rec = _fresh_record()
+        self._rec = TrialRecord()
         try:
             await super().run(instruction, environment, context)
             end = END_MAX_TURNS if self._n_episodes >= self._max_episodes else END_DONE
@@ -86,18 +86,11 @@ class GrpoTerminus2(Terminus2):
         except ContextLengthExceededError:
             end = END_TOKEN_BUDGET
         finally:
-            self._rec["turns"] = self._n_episodes
+            self._rec.turns = self._n_episodes
             self.record(context)
-        self._rec["end_reason"] = END_TRUNCATED if self._rec["truncated"] else end
+        self._rec.end_reason = END_TRUNCATED if self._rec.truncated else end
         self.record(context)
 
     def record(self, context: AgentContext) -> None:
         """Put what evaluate reads into `context.metadata["grpoflow"]` (kept on errors and timeouts too)."""
-        context.metadata = {**(context.metadata or {}), "grpoflow": dict(self._rec)}
-
-
-def _fresh_record() -> dict[str, Any]:
-    return {
-        "end_reason": None, "turns": 0, "policy_calls": 0, "commands_run": 0, "truncated": False,
-        "generation_time_s": 0.0, "tool_time_s": 0.0, "tokens_after_truncation": 0,
-    }  # fmt: skip
+        self._rec.write(context)

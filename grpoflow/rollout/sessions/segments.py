@@ -49,12 +49,18 @@ def segments(tree: SessionTree) -> list[Segment]:
                 pos += 1
         turn_ids = sorted(i for n in chain for i in ends.get(id(n), []) if tree.turns[i].end.depth <= leaf.depth)
         last = tree.turns[turn_ids[-1]] if turn_ids else None
-        out.append(Segment(
-            tokens=tokens, loss_mask=train, rollout_logprobs=logprobs,
-            prompt_len=next((i for i, m in enumerate(mask) if m), len(tokens)), turns=turn_ids,
-            messages=(last.messages + [{"role": "assistant", "content": last.reply}]) if last else [],
-            weight_version=last.weight_version if last else None, truncated=bool(last and last.truncated),
-        ))  # fmt: skip
+        out.append(
+            Segment(
+                tokens=tokens,
+                loss_mask=train,
+                rollout_logprobs=logprobs,
+                prompt_len=next((i for i, m in enumerate(mask) if m), len(tokens)),
+                turns=turn_ids,
+                messages=(last.messages + [{"role": "assistant", "content": last.reply}]) if last else [],
+                weight_version=last.weight_version if last else None,
+                truncated=bool(last and last.truncated),
+            )
+        )
     return out
 
 
@@ -72,17 +78,37 @@ def segment_samples(trial: Sample, tree: SessionTree) -> list[Sample]:
     stats = tree.stats()
     common: dict[str, Any] = {"metrics": {**trial.metrics, **stats, "segments": float(len(segs))}}
     if stats["truncated_turns"] and trial.status == "COMPLETED":
-        common.update(status="TRUNCATED", exit_status="SequenceLengthLimitExceeded",
-                      exit_reason="a turn hit the response length limit")  # fmt: skip
+        common.update(
+            status="TRUNCATED",
+            exit_status="SequenceLengthLimitExceeded",
+            exit_reason="a turn hit the response length limit",
+        )
     if not segs:
-        return [trial.model_copy(update={**common, "tokens": [], "loss_mask": [], "rollout_logprobs": [],
-                                         "prompt_len": 0, "segment_index": 0})]  # fmt: skip
+        return [
+            trial.model_copy(
+                update={
+                    **common,
+                    "tokens": [],
+                    "loss_mask": [],
+                    "rollout_logprobs": [],
+                    "prompt_len": 0,
+                    "segment_index": 0,
+                }
+            )
+        ]
     return [
-        trial.model_copy(update={
-            **common, "segment_index": i, "tokens": s.tokens, "loss_mask": s.loss_mask,
-            "rollout_logprobs": s.rollout_logprobs, "prompt_len": s.prompt_len, "messages": s.messages,
-            "weight_version": s.weight_version or trial.weight_version,
-        })  # fmt: skip
+        trial.model_copy(
+            update={
+                **common,
+                "segment_index": i,
+                "tokens": s.tokens,
+                "loss_mask": s.loss_mask,
+                "rollout_logprobs": s.rollout_logprobs,
+                "prompt_len": s.prompt_len,
+                "messages": s.messages,
+                "weight_version": s.weight_version or trial.weight_version,
+            }
+        )
         for i, s in enumerate(segs)
     ]
 

@@ -190,8 +190,9 @@ def create_app(
         if req.stream:
             raise RequestRefused("stream=true is not supported by the session server", "unsupported_parameter")
         if req.n != 1:
-            raise RequestRefused(f"n={req.n}: a session records one path per request, so n must be 1",
-                                 "unsupported_parameter")  # fmt: skip
+            raise RequestRefused(
+                f"n={req.n}: a session records one path per request, so n must be 1", "unsupported_parameter"
+            )
         session = store.get(session_id)
         if session.lock is None:
             session.lock = asyncio.Lock()
@@ -222,10 +223,19 @@ def create_app(
         truncated = is_cut_off(resp.meta_info.finish_reason.type, out_ids, tokenizer.eos_token_id)
         mismatch_at = first_difference(prompt_ids, full_ids)
         turn = tree.add_turn(
-            messages, prompt_ids, out_ids, logprobs, reply=resp.text, finish_reason="length" if truncated else "stop",
-            truncated=truncated, extends=extends, retokenize_mismatch=mismatch_at is not None,
-            first_mismatch=mismatch_at, weight_version=resp.meta_info.weight_version, generation_time_s=gen_s,
-        )  # fmt: skip
+            messages,
+            prompt_ids,
+            out_ids,
+            logprobs,
+            reply=resp.text,
+            finish_reason="length" if truncated else "stop",
+            truncated=truncated,
+            extends=extends,
+            retokenize_mismatch=mismatch_at is not None,
+            first_mismatch=mismatch_at,
+            weight_version=resp.meta_info.weight_version,
+            generation_time_s=gen_s,
+        )
         return _response(tokenizer, req, model_name, prompt_ids, turn, logprobs)
 
     return app
@@ -243,8 +253,9 @@ def _template_message(m: dict[str, Any]) -> dict[str, Any]:
             parts.append(part["text"])
         content = "".join(parts)
     elif content is not None and not isinstance(content, str):
-        raise RequestRefused(f"message content must be a string or a list of parts, got {type(content).__name__}",
-                             "invalid_content")  # fmt: skip
+        raise RequestRefused(
+            f"message content must be a string or a list of parts, got {type(content).__name__}", "invalid_content"
+        )
     if not isinstance(m.get("role"), str):
         raise RequestRefused("every message needs a string `role`", "invalid_message")
     out = {k: v for k, v in m.items() if k in ("role", "name", "tool_calls", "tool_call_id") and v is not None}
@@ -259,13 +270,15 @@ def _prompt_plan(tokenizer, tree: SessionTree, messages, tools, prev) -> tuple[l
     if prev is None:
         return full_ids, full_ids, None
     try:
-        suffix = suffix_ids(
-            tokenizer, messages, len(prev.messages) + 1, prev.reply, prev.output_ids, tools, full_text
-        )
+        suffix = suffix_ids(tokenizer, messages, len(prev.messages) + 1, prev.reply, prev.output_ids, tools, full_text)
     except TemplateError as e:
         tree.extend_failures += 1
-        log.warning("session %s: cannot extend turn %d token-exactly (%s); tokenising the whole history",
-                    tree.session_id, prev.index, e)  # fmt: skip
+        log.warning(
+            "session %s: cannot extend turn %d token-exactly (%s); tokenising the whole history",
+            tree.session_id,
+            prev.index,
+            e,
+        )
         return full_ids, full_ids, None
     base, _, _ = tree.path(prev.end)
     return base + suffix, full_ids, prev.index
@@ -277,8 +290,9 @@ def _sampling(
     if context_length is not None and prompt_len >= context_length:
         raise RequestRefused(
             f"This model's maximum context length is {context_length} tokens. However, your messages resulted in "
-            f"{prompt_len} tokens.", "context_length_exceeded",
-        )  # fmt: skip
+            f"{prompt_len} tokens.",
+            "context_length_exceeded",
+        )
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     limits = [x for x in (wanted, cap, context_length - prompt_len if context_length else None) if x is not None]
     seed = req.seed if req.seed is not None else (session.seed + turn if session.seed is not None else None)
@@ -401,9 +415,12 @@ class SessionServer:
     ):
         self.store = SessionStore()
         self._app_kwargs = dict(
-            model_name=model_name, max_new_tokens=max_new_tokens, context_length=context_length,
-            request_timeout_s=request_timeout_s, engine_retries=engine_retries,
-        )  # fmt: skip
+            model_name=model_name,
+            max_new_tokens=max_new_tokens,
+            context_length=context_length,
+            request_timeout_s=request_timeout_s,
+            engine_retries=engine_retries,
+        )
         self._engine_url, self._tokenizer_path, self._host = engine_url, tokenizer_path, host
         self.model_name = model_name
         self.url = ""

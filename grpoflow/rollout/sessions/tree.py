@@ -84,11 +84,17 @@ class Turn:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "index": self.index, "prompt_len": self.prompt_len, "n_output": len(self.output_ids),
-            "finish_reason": self.finish_reason, "truncated": self.truncated, "extends": self.extends,
-            "retokenize_mismatch": self.retokenize_mismatch, "first_mismatch": self.first_mismatch,
-            "weight_version": self.weight_version, "generation_time_s": round(self.generation_time_s, 4),
-        }  # fmt: skip
+            "index": self.index,
+            "prompt_len": self.prompt_len,
+            "n_output": len(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "truncated": self.truncated,
+            "extends": self.extends,
+            "retokenize_mismatch": self.retokenize_mismatch,
+            "first_mismatch": self.first_mismatch,
+            "weight_version": self.weight_version,
+            "generation_time_s": round(self.generation_time_s, 4),
+        }
 
 
 class SessionTree:
@@ -189,14 +195,26 @@ class SessionTree:
         if len(output_ids) != len(output_logprobs):
             raise ValueError(f"{len(output_ids)} output ids but {len(output_logprobs)} logprobs")
         self._insert(prompt_ids, [0] * len(prompt_ids), [0.0] * len(prompt_ids))
-        end = self._insert(prompt_ids + output_ids, [0] * len(prompt_ids) + [1] * len(output_ids),
-                           [0.0] * len(prompt_ids) + list(output_logprobs))  # fmt: skip
+        end = self._insert(
+            prompt_ids + output_ids,
+            [0] * len(prompt_ids) + [1] * len(output_ids),
+            [0.0] * len(prompt_ids) + list(output_logprobs),
+        )
         turn = Turn(
-            index=len(self.turns), messages=messages, reply=reply, prompt_len=len(prompt_ids),
-            output_ids=list(output_ids), finish_reason=finish_reason, truncated=truncated, extends=extends,
-            retokenize_mismatch=retokenize_mismatch, first_mismatch=first_mismatch, weight_version=weight_version,
-            generation_time_s=generation_time_s, end=end,
-        )  # fmt: skip
+            index=len(self.turns),
+            messages=messages,
+            reply=reply,
+            prompt_len=len(prompt_ids),
+            output_ids=list(output_ids),
+            finish_reason=finish_reason,
+            truncated=truncated,
+            extends=extends,
+            retokenize_mismatch=retokenize_mismatch,
+            first_mismatch=first_mismatch,
+            weight_version=weight_version,
+            generation_time_s=generation_time_s,
+            end=end,
+        )
         self.turns.append(turn)
         state = tuple(_msg_key(m) for m in messages) + (("assistant", reply),)
         self._states[state] = turn.index

@@ -1,0 +1,139 @@
+"""run.json: what a run was made from (code, packages, model, tasks) and what happened to it since (the flow that
+made it, resumes, the run it reruns).
+
+Read back as a typed `RunInfo`: a misspelt field fails where it is written, and a damaged file fails with one line
+naming it, instead of turning into a default where it is read.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from grpoflow.errors import RunDirError
+from grpoflow.fileio import write_json_atomic
+from grpoflow.prepare.dataset import Dataset
+from grpoflow.prepare.model import PreparedModel
+from grpoflow.run.paths import RunPaths
+
+_TRACKED_PACKAGES = ("grpoflow", "torch", "transformers", "tokenizers", "safetensors", "harbor", "prefect", "gguf")
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetInfo(_Record):
+    path: str
+    sha256: str  # over every file of the task dirs
+    tasks: list[str]
+
+
+class Provenance(_Record):
+    """The world a run was made in; a rerun compares it with the world now (`differences`)."""
+
+    created_at: str
+    python: str
+    platform: str
+    code_commit: str | None  # `-dirty` when the checkout had local changes
+    packages: dict[str, str | None]
+    model: PreparedModel
+    dataset: DatasetInfo
+
+    @classmethod
+    def now(cls, model: PreparedModel, dataset: Dataset) -> Provenance:
+        return cls(
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            python=platform.python_version(),
+            platform=platform.platform(),
+            code_commit=code_commit(),
+            packages={name: _version(name) for name in _TRACKED_PACKAGES},
+            model=model,
+            dataset=DatasetInfo(path=str(dataset.root), sha256=dataset.sha256, tasks=[t.name for t in dataset.tasks]),
+        )
+
+    def differences(self, now: Provenance) -> list[str]:
+        """One line per difference: code commit, Python, package versions, dataset and model weights sha256."""
+        pairs = [("code commit", self.code_commit, now.code_commit), ("python", self.python, now.python)]
+        for name in sorted(set(self.packages) | set(now.packages)):
+            pairs.append((f"package {name}", self.packages.get(name), now.packages.get(name)))
+        pairs.append(("dataset sha256", self.dataset.sha256, now.dataset.sha256))
+        pairs.append(("model weights sha256", self.model.weights_sha256, now.model.weights_sha256))
+        return [f"{label}: {a} -> {b}" for label, a, b in pairs if a != b]
+
+
+class Resume(_Record):
+    at: str
+    from_step: int
+    flow_run_id: str | None = None
+
+
+class RunInfo(Provenance):
+    run_id: str
+    flow_run_id: str | None = None
+    flow: Literal["train", "evaluate"] | None = None  # None: prepared only
+    resumes: list[Resume] = []
+    rerun_of: str | None = None
+
+    @property
+    def trains(self) -> bool:
+        """Made by the train flow (or by a prepare that a train run would have followed): resume and rerun take
+        these only."""
+        return self.flow in (None, "train")
+
+
+def read_run_info(paths: RunPaths) -> RunInfo:
+    """run.json; one line naming the file (and the field) when it is missing, not JSON or not a run record."""
+    try:
+        return RunInfo.model_validate_json(paths.run_info.read_bytes())
+    except FileNotFoundError:
+        raise RunDirError(f"{paths.run_info}: not found (the run never finished preparing)") from None
+    except OSError as err:
+        raise RunDirError(f"{paths.run_info}: unreadable: {err}") from None
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "top level"
+        raise RunDirError(f"{paths.run_info}: `{where}`: {first['msg']}") from None
+
+
+def write_run_info(paths: RunPaths, info: RunInfo) -> None:
+    write_json_atomic(paths.run_info, info.model_dump(mode="json"))
+
+
+def update_run_info(paths: RunPaths, **fields: Any) -> RunInfo:
+    """Add or replace fields of run.json (validated, atomically); returns the new record."""
+    info = RunInfo.model_validate({**read_run_info(paths).model_dump(), **fields})
+    write_run_info(paths, info)
+    return info
+
+
+def code_commit() -> str | None:
+    """The git commit of the grpoflow checkout (with `-dirty` when it has local changes), if it is one."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None

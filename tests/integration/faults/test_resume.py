@@ -1,0 +1,222 @@
+"""Kill-and-resume: a train run SIGKILLed mid-rollout, mid-train, mid-checkpoint-write, mid-append or mid-way
+through its final evaluation resumes under its run_id from its last full checkpoint, leaves no torn file, runs no
+finished trial again (steps after the full checkpoint train again on their journaled trials), and ends with the
+same metrics.jsonl bytes and final weights as a run that was never interrupted.
+
+The killed run is the real command line in a subprocess (tests/integration/faults/kill_at.py arms the kill point), talking
+to this session's Prefect test server; the resume runs in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prefect.settings import PREFECT_API_URL
+
+from flows.cli import main
+from flows.train import train_flow
+from grpoflow.config import parse_run_config
+from grpoflow.fileio import sha256_tree
+from grpoflow.run.paths import RunPaths
+from grpoflow.run.resume import complete_steps
+from tests.integration.faults.events import fresh_events_worker, run_events
+from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
+
+pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
+
+REPO = Path(__file__).resolve().parents[3]
+STEPS, TRIALS = 3, 8  # per step: 2 prompts x 4 samples
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    base = tmp_path_factory.mktemp("resume")
+    model = fence_policy(tiny_model_dir, base / "policy")
+    data = reward_tasks(base / "tasks")
+    runs = base / "runs"
+    train_flow(parse_run_config(run_config(runs, model, data, "reference", steps=STEPS)))
+    return model, data, runs
+
+
+def _final_weights(root: Path) -> tuple[int, str]:
+    last = complete_steps(RunPaths(root))[-1]
+    return last, sha256_tree(root / "checkpoints" / f"step_{last}", "*.safetensors")
+
+
+def _kill_run(
+    runs: Path, model, data, run_id: str, point: str, step: int, n: int = 1, steps: int = STEPS, evals: int = 0
+) -> subprocess.CompletedProcess:
+    cfg_file = runs.parent / f"{run_id}.json"
+    cfg_file.write_text(json.dumps(run_config(runs, model, data, run_id, steps=steps, evals=evals)))
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}  # this session's server: no second start-up
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests/integration/faults/kill_at.py"),
+            point,
+            str(step),
+            str(n),
+            "--",
+            "train",
+            "--config",
+            str(cfg_file),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == -9, f"the run was not killed at {point} (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _journal(root: Path, step: int) -> list[dict]:
+    return _journal_of(root / "details" / f"step_{step}")
+
+
+def _trial_dirs(root: Path, step: int) -> list[str]:
+    d = root / "trials" / f"step_{step}"
+    return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.exists() else []
+
+
+def _assert_resumed_like_reference(root: Path, ref: Path) -> None:
+    # no torn file: every jsonl parses line by line; no temp file or dir of an interrupted write is left
+    for path in root.rglob("*.jsonl"):
+        if "trials" not in path.parts:
+            for line in path.read_text().splitlines():
+                json.loads(line)
+    leftovers = [p for p in root.rglob(".*") if "trials" not in p.relative_to(root).parts]
+    assert leftovers == []
+    # same result as the run that was never interrupted
+    assert (root / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
+    assert _final_weights(root) == _final_weights(ref)
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["step_1", f"step_{STEPS - 1}"]
+    timings = [json.loads(x)["step"] for x in (root / "timings.jsonl").read_text().splitlines()]
+    assert timings == list(range(STEPS))
+    # every trial of every step journaled exactly once: nothing redone, nothing lost
+    for step in range(STEPS):
+        ids = [s["rollout_id"] for s in _journal(root, step)]
+        assert len(ids) == len(set(ids)) == TRIALS
+        # the step's traces: the same trials in the same order, the same tokens and rewards as the reference
+        assert _traces(root, step) == _traces(ref, step)
+
+
+def _traces(root: Path, step: int) -> list[tuple]:
+    lines = (root / "details" / f"step_{step}" / "samples.jsonl").read_text().splitlines()
+    return [(s["rollout_id"], s["tokens"], s["reward"], s["weight_version"]) for s in map(json.loads, lines)]
+
+
+def _resume(runs: Path, run_id: str, capfd, caplog) -> str:
+    fresh_events_worker()
+    caplog.clear()
+    assert main(["resume", run_id, "--output-dir", str(runs)]) == 0
+    cap = capfd.readouterr()
+    return cap.out + caplog.text  # the flow's own lines reach the console through Prefect's log handler
+
+
+def test_killed_mid_rollout_keeps_finished_trials(setup, capfd, caplog):
+    model, data, runs = setup
+    _kill_run(runs, model, data, "mid-rollout", "rollout", step=1, n=3)
+    root = runs / "mid-rollout"
+    before = {s["rollout_id"] for s in _journal(root, 1)}
+    dirs_before = _trial_dirs(root, 1)
+    assert len(before) == 3 and complete_steps(RunPaths(root)) == []  # step 0 wrote no full checkpoint
+    _resume(runs, "mid-rollout", capfd, caplog)
+    _assert_resumed_like_reference(root, runs / "reference")
+    # the 3 journaled trials ran once (one dir each, attempt a0); unfinished attempts' dirs were not reused
+    dirs = _trial_dirs(root, 1)
+    for rid in before:
+        inst, k = rid.removeprefix("step1-").rsplit("-", 1)
+        assert [d for d in dirs if d.startswith(f"{inst}__{k}__")] == [f"{inst}__{k}__a0"]
+    assert set(dirs_before) <= set(dirs) and len(dirs) == TRIALS + (len(dirs_before) - 3)
+    assert _trial_dirs(root, 0) == _trial_dirs(runs / "reference", 0)  # step 0 trained again, ran no trial
+    # the killed train flow never announced an end; the resume flow did, with the whole run's summary
+    (ev,) = run_events("mid-rollout", expect=1)
+    assert (ev.event, ev.payload["flow"], ev.payload["steps"], ev.payload["resumed_from_step"]) == (
+        "grpoflow.run.completed",
+        "resume",
+        STEPS,
+        0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("point", "step", "resumes_at"),
+    [
+        ("train", 1, 1),
+        ("metrics", 0, 1),
+        ("metrics", 1, 3),
+        ("checkpoint", 2, 3),
+        ("metrics", 2, None),
+    ],
+)
+def test_killed_after_rollout_resumes_without_rerunning_trials(setup, capfd, caplog, point, step, resumes_at):
+    """With save_interval 2 of 3 steps, steps 1 and 2 write full checkpoints and step 0 does not: a kill before
+    step 1's full checkpoint is in place resumes from the start, training step 0 (and 1) again on their
+    journaled trials; a kill after it resumes at step 3; a kill after the last one only appends the cut row."""
+    model, data, runs = setup
+    run_id = f"mid-{point}-{step}"
+    _kill_run(runs, model, data, run_id, point, step=step)
+    root = runs / run_id
+    assert len(_journal(root, step)) == TRIALS  # the step's rollout had finished
+    out = _resume(runs, run_id, capfd, caplog)
+    if resumes_at is None:
+        assert f"run {run_id} is already complete ({STEPS} of {STEPS} steps)" in out
+    else:
+        assert f"resuming run {run_id} at step {resumes_at}/{STEPS}" in out
+    if point == "metrics":
+        assert "torn last line" in out
+        assert (f"appended the row of step {step}" in out) == (step > 0)  # step 0 is done again instead
+    _assert_resumed_like_reference(root, runs / "reference")
+    for s in range(STEPS):
+        assert len(_trial_dirs(root, s)) == TRIALS  # no trial ran twice
+
+
+def test_killed_during_the_final_evaluation_resumes_it(setup, tmp_path, capfd, caplog):
+    """The evaluation after the last step has a metrics row of its own; a kill mid-way keeps its finished trials,
+    and the resume runs only the others, ending with the rows of a run that was never interrupted."""
+    model, data, _ = setup
+    runs = tmp_path / "runs"
+    train_flow(parse_run_config(run_config(runs, model, data, "evals-ref", steps=1, evals=2)))
+    _kill_run(runs, model, data, "evals-killed", "eval", step=1, n=2, steps=1, evals=2)
+    root = runs / "evals-killed"
+    assert len(_journal_of(root / "details" / "eval_1")) == 2
+    out = _resume(runs, "evals-killed", capfd, caplog)
+    assert "resuming run evals-killed at its final evaluation" in out
+    assert (root / "metrics.jsonl").read_bytes() == (runs / "evals-ref" / "metrics.jsonl").read_bytes()
+    rows = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and "eval/trained/pass_at_1" in rows[1]
+    assert len(_journal_of(root / "details" / "eval_1")) == 4  # the 2 finished trials were not run again
+
+
+def _journal_of(details: Path) -> list[dict]:
+    path = details / "journal.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_resume_of_a_complete_run_says_so(setup, capfd, caplog):
+    _, _, runs = setup
+    before = (runs / "reference" / "metrics.jsonl").read_bytes()
+    out = _resume(runs, "reference", capfd, caplog)
+    assert f"run reference is already complete ({STEPS} of {STEPS} steps): nothing to resume" in out
+    assert (runs / "reference" / "metrics.jsonl").read_bytes() == before
+
+
+def test_resume_without_config_names_the_file(tmp_path, capfd):
+    (tmp_path / "broken").mkdir()
+    assert main(["resume", "broken", "--output-dir", str(tmp_path)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()[-1]
+    assert err == f"grpoflow: error: {tmp_path / 'broken' / 'config.json'}: config file not found"
+
+
+def test_resume_refuses_a_run_id_that_is_a_path(tmp_path, capfd):
+    assert main(["resume", "../etc", "--output-dir", str(tmp_path)]) == 2
+    assert "RUN_ID '../etc': a run id is lowercase letters" in capfd.readouterr().err
+    assert main(["resume", "nope", "--output-dir", str(tmp_path)]) == 2
+    assert capfd.readouterr().err.strip() == f"grpoflow: error: run dir {tmp_path / 'nope'} does not exist"

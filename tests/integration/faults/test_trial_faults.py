@@ -1,0 +1,146 @@
+"""Faults inside a rollout step, through the real trial runner, Harbor, the shell agent and the local sandbox:
+hanging commands, a sandbox dying mid-episode, engine 5xx / timeouts / dropped connections, a crashing verifier.
+
+For each: the step completes, every trial is a sample (reward, or FAILED with an exit status and a reason)."""
+
+import shutil
+import time
+
+import pytest
+
+from grpoflow.scoring import select_trainable
+from tests.fakes.scripted_engine import Reply, ScriptedEngine
+from tests.integration.faults.helpers import accounted, collect, load_standin, prompt
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+
+SOLVE = "```bash\necho hello > /app/hello.txt\n```"
+
+
+@pytest.fixture
+def scripted(tiny_model_dir):
+    engines = []
+
+    def make(script):
+        engines.append(ScriptedEngine(str(tiny_model_dir), script))
+        return engines[-1]
+
+    yield make
+    for e in engines:
+        e.stop()
+
+
+def test_hanging_command_is_cut_at_its_timeout_and_124_fed_back(tmp_path, tiny_model_dir, scripted):
+    replies = ["```bash\nsleep 100\n```", "DONE"]
+    engine = scripted(lambda ids, i: Reply(replies[min(i, 1)]))
+    t0 = time.monotonic()
+    res, retried = collect(tmp_path, engine.url, tiny_model_dir, [prompt("hello-file")], command_timeout_sec=1)
+    elapsed = time.monotonic() - t0
+    accounted(res, 1)
+    [s] = res.samples
+    assert elapsed < 30, f"the trial took {elapsed:.0f}s: the hung command was not cut at 1s"
+    assert (s.status, s.exit_status, s.reward) == ("COMPLETED", "Submitted", 0.0)  # verified: the file is missing
+    assert s.messages[3]["role"] == "user" and s.messages[3]["content"].startswith("exit code 124")
+    assert s.metrics["tool_time_s"] < 10 and retried == []
+
+
+def test_sandbox_dying_mid_episode_is_retried_then_recorded(tmp_path, tiny_model_dir, scripted):
+    # Every sandbox dies at its 2nd exec (the agent's 2nd command): each attempt fails the same way.
+    engine = scripted(lambda ids, i: Reply("```bash\ntouch /app/a\n```"))
+    res, retried = collect(
+        tmp_path,
+        engine.url,
+        tiny_model_dir,
+        [prompt("hello-file")],
+        n_samples_per_prompt=2,
+        sandbox_retries=2,
+        sandbox_kwargs={"die_after_execs": 1},
+    )
+    accounted(res, 2)
+    assert len(retried) == 2 * 2  # each trial: first attempt + 2 retries, all in fresh sandboxes
+    for s in res.samples:
+        assert (s.status, s.exit_status, s.reward) == ("FAILED", "SandboxError", None)
+        assert "SandboxDiedError" in s.exit_reason and "after 2 retries" in s.exit_reason
+        assert s.metrics["retries"] == 2
+    assert len(list((tmp_path / "trials").iterdir())) == 2 * 3  # one trial dir per attempt
+    assert select_trainable(res.samples, "drop_group") == ([], 1)
+
+
+def test_sandbox_dying_under_the_verifier_is_retried_then_recorded(tmp_path, tiny_model_dir, scripted):
+    # The agent's one command solves the task; the sandbox dies at the next exec, the verifier's: no reward may
+    # be invented (the file *is* there), so the trial is retried and then recorded as a SandboxError.
+    replies = [SOLVE, "DONE"]
+    engine = scripted(lambda ids, i: Reply(replies[min(i % 2, 1)]))
+    res, retried = collect(
+        tmp_path,
+        engine.url,
+        tiny_model_dir,
+        [prompt("hello-file")],
+        sandbox_retries=1,
+        sandbox_kwargs={"die_after_execs": 1},
+    )
+    accounted(res, 1)
+    [s] = res.samples
+    assert s.reward is None and s.status == "FAILED" and s.exit_status == "SandboxError"
+    assert len(retried) == 1
+
+
+@pytest.mark.parametrize("fault", ["5xx", "slow", "drop"])
+def test_transient_engine_fault_is_recovered(tmp_path, tiny_model_dir, scripted, fault):
+    replies = [SOLVE, "DONE"]
+    engine = scripted(lambda ids, i: Reply(replies[0 if len(ids) < 200 else 1]))
+    Standin = load_standin()
+    with Standin(str(tiny_model_dir), upstream=engine.url) as front:
+        front.faults.inject(fault, times=2, status=503, delay_s=3.0)
+        res, retried = collect(
+            tmp_path, front.url, tiny_model_dir, [prompt("hello-file")], engine={"request_timeout_s": 1.5, "retries": 3}
+        )
+        seen = front.count("/generate")
+    accounted(res, 1)
+    [s] = res.samples
+    assert (s.status, s.exit_status, s.reward) == ("COMPLETED", "Submitted", 1.0), s.exit_reason
+    assert seen >= 4 and retried == []  # two faulted calls were retried by the client, then both turns answered
+
+
+@pytest.mark.parametrize("fault", ["5xx", "slow", "drop"])
+def test_persistent_engine_fault_fails_samples_not_the_step(tmp_path, tiny_model_dir, scripted, fault):
+    engine = scripted(lambda ids, i: Reply(SOLVE))
+    Standin = load_standin()
+    with Standin(str(tiny_model_dir), upstream=engine.url) as front:
+        front.faults.inject(fault, times=None, status=502, delay_s=2.0)
+        res, retried = collect(
+            tmp_path,
+            front.url,
+            tiny_model_dir,
+            [prompt("hello-file"), prompt("make-dir")],
+            engine={"request_timeout_s": 0.5, "retries": 1},
+        )
+    accounted(res, 2)
+    for s in res.samples:
+        assert (s.status, s.exit_status, s.reward) == ("FAILED", "AgentError", None)  # never a silent 0
+        assert "EngineError" in s.exit_reason and "failed after 2 attempts" in s.exit_reason
+        assert s.metrics["retries"] == 0  # an engine fault is not a sandbox fault: no trial retry
+    assert retried == [] and res.metrics["scored"] == 0 and res.metrics["exit/AgentError"] == 2
+    assert select_trainable(res.samples, "drop_group") == ([], 2)
+
+
+def test_crashing_verifier_is_a_verifier_error_and_its_group_dropped(tmp_path, tiny_model_dir, scripted):
+    from grpoflow.prepare.dataset import builtin_dataset_path
+
+    task = tmp_path / "tasks" / "hello-crash"
+    shutil.copytree(builtin_dataset_path() / "hello-file", task)
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\nexit 1\n")
+    replies = [SOLVE, "DONE"]
+    engine = scripted(lambda ids, i: Reply(replies[0 if len(ids) < 200 else 1]))
+    res, retried = collect(
+        tmp_path, engine.url, tiny_model_dir, [prompt(task), prompt("hello-file")], n_samples_per_prompt=2
+    )
+    accounted(res, 4)
+    crashed = [s for s in res.samples if s.instance_id == "hello-crash"]
+    fine = [s for s in res.samples if s.instance_id == "hello-file"]
+    for s in crashed:
+        assert (s.status, s.exit_status, s.reward) == ("FAILED", "VerifierError", None), s.exit_reason
+    assert [s.reward for s in fine] == [1.0, 1.0]
+    kept, dropped = select_trainable(res.samples, "drop_group")
+    assert dropped == 1 and {s.instance_id for s in kept} == {"hello-file"}
+    assert retried == []

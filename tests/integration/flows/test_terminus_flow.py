@@ -1,0 +1,123 @@
+"""terminus-2 (Harbor's own agent) in the train flow: harness chosen by config, every policy call through the
+session server, samples trained.
+
+The policy server is a stand-in at the GPU-server boundary (SGLang's HTTP API, tests/fakes/sglang_standin.py)
+whose replies are terminus-2 JSON that solves the task for odd sampling seeds and not for even ones, so each GRPO
+group of 2 has reward spread and the step really trains. Everything else is real: Harbor's terminus-2 driving
+tmux in the local sandbox, the task's verifier, the session server, and the trainer on the tiny model over the
+exact tokens the stand-in produced."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from flows.train import train_flow
+from grpoflow.config import parse_run_config
+from grpoflow.prepare.dataset import builtin_dataset_path
+from grpoflow.rollout.tokens import load_tokenizer
+from grpoflow.run.metrics import read_metrics
+from tests.fakes.scripted_openai import terminus_json
+from tests.fakes.sglang_standin import ScriptedModel, StandinServer
+
+pytestmark = [
+    pytest.mark.flow,
+    pytest.mark.skipif(shutil.which("bwrap") is None or shutil.which("tmux") is None, reason="needs bwrap and tmux"),
+]
+
+SOLVE = terminus_json(["echo hello > /app/hello.txt"], done=True)
+MISS = terminus_json(["ls /app"], done=True)
+
+
+class TerminusScript(ScriptedModel):
+    """Replies with terminus-2 JSON chosen by the request's sampling seed; logprob -0.5 per token."""
+
+    def generate(self, input_ids, sp, return_logprob, rid):
+        tok = load_tokenizer(self.model_path)
+        seed = int(sp.get("sampling_seed") or 0)
+        out = tok.encode(SOLVE if seed % 2 else MISS, add_special_tokens=False) + [tok.eos_token_id]
+        meta = {
+            "id": rid or "r",
+            "finish_reason": {"type": "stop", "matched": tok.eos_token_id},
+            "prompt_tokens": len(input_ids),
+            "completion_tokens": len(out),
+            "weight_version": self.weight_version,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[-0.5, t, None] for t in out]
+        self.calls.append({"input_ids": list(input_ids), "output_ids": out})
+        return {"text": tok.decode(out, skip_special_tokens=True), "output_ids": out, "meta_info": meta}
+
+
+@pytest.fixture
+def standin(tiny_model_dir):
+    server = StandinServer(str(tiny_model_dir))
+    base = server.model
+    server.model = TerminusScript(
+        model_path=base.model_path,
+        served_model_name=base.served_model_name,
+        vocab_size=base.vocab_size,
+        context_length=8192,
+        eos_token_id=base.eos_token_id,
+    )
+    server.model.calls = []
+    with server:
+        yield server
+
+
+def test_terminus2_trains_through_the_session_server(tmp_path, tiny_model_dir, standin):
+    tasks = tmp_path / "tasks"
+    shutil.copytree(builtin_dataset_path() / "hello-file", tasks / "hello-file")
+    cfg = parse_run_config(
+        {
+            "run_id": "t2",
+            "output_dir": str(tmp_path / "runs"),
+            "model": {"source": str(tiny_model_dir)},
+            "dataset": {"path": str(tasks)},
+            "prompts": {"eval_fraction": 0.0},
+            "engine": {"backend": "sglang", "url": standin.url},
+            "rollout": {
+                "harness": "terminus-2",
+                "prompts_per_step": 1,
+                "n_samples_per_prompt": 2,
+                "max_turns": 3,
+                "max_new_tokens": 256,
+                "max_context_tokens": 8192,
+                "temperature": 1.0,
+            },
+            "train": {"steps": 1, "learning_rate": 1e-3, "eval_samples_per_prompt": 0},
+        }
+    )
+    last = train_flow(cfg)
+
+    root = tmp_path / "runs" / "t2"
+    samples = [json.loads(line) for line in (root / "details" / "step_0" / "samples.jsonl").read_text().splitlines()]
+    rewards = sorted(s["reward"] for s in samples)
+    assert rewards == [0.0, 1.0], "one trial of the group solved the task, one did not"
+    # Token-exact: each trained span is one reply exactly as the policy generated it (ids, not re-tokenised text).
+    produced = {tuple(c["output_ids"]) for c in standin.model.calls}
+    for s in samples:
+        spans = _trained_spans(s["tokens"], s["loss_mask"])
+        assert spans and all(span in produced for span in spans)
+        assert s["metrics"]["requests"] == len(spans) and s["metrics"]["segments"] == 1
+    [m] = read_metrics(root / "metrics.jsonl")
+    assert m["rollout/session/requests"] == sum(s["metrics"]["requests"] for s in samples)
+    assert last["train/n_samples"] == 2 and last["train/optimizer_steps"] == 1
+    before = load_file(Path(tiny_model_dir) / "model.safetensors")
+    after = load_file(root / "checkpoints" / "step_0" / "model.safetensors")
+    assert any(not before[k].equal(after[k]) for k in before), "the step changed the weights"
+
+
+def _trained_spans(tokens: list[int], mask: list[int]) -> list[tuple[int, ...]]:
+    spans, cur = [], []
+    for t, m in zip(tokens, mask, strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(tuple(cur))
+            cur = []
+    return spans + ([tuple(cur)] if cur else [])

@@ -1,0 +1,79 @@
+"""The session tree on its own: token prefixes shared once, branches, closed paths, segments."""
+
+from grpoflow.rollout.sessions.segments import segments
+from grpoflow.rollout.sessions.tree import SessionTree
+
+
+def _turn(tree, prompt, out, *, truncated=False, messages=None, reply="r"):
+    return tree.add_turn(
+        messages or [{"role": "user", "content": str(prompt)}],
+        prompt,
+        out,
+        [-1.0] * len(out),
+        reply=reply,
+        finish_reason="length" if truncated else "stop",
+        truncated=truncated,
+        extends=None,
+        retokenize_mismatch=False,
+        first_mismatch=None,
+        weight_version="1",
+        generation_time_s=0.0,
+    )
+
+
+def test_paths_survive_splits_and_keep_masks():
+    tree = SessionTree("s")
+    a = _turn(tree, [1, 2, 3], [10, 11])
+    b = _turn(tree, [1, 2, 3, 10, 11, 4], [12])  # extends a
+    c = _turn(tree, [1, 2, 9], [13, 14])  # branches inside a's prompt (splits the node)
+    assert tree.path(a.end) == ([1, 2, 3, 10, 11], [0, 0, 0, 1, 1], [0.0, 0.0, 0.0, -1.0, -1.0])
+    assert tree.path(b.end)[0] == [1, 2, 3, 10, 11, 4, 12] and tree.path(b.end)[1] == [0, 0, 0, 1, 1, 0, 1]
+    assert tree.path(c.end) == ([1, 2, 9, 13, 14], [0, 0, 0, 1, 1], [0.0, 0.0, 0.0, -1.0, -1.0])
+    # a is a prefix of b: two leaves, not three
+    assert sorted(tree.path(m)[0] for m in tree.leaves()) == [[1, 2, 3, 10, 11, 4, 12], [1, 2, 9, 13, 14]]
+    assert tree.common_prefix([1, 2, 3, 10, 99])[0] == 4
+
+
+def test_shared_generated_tokens_train_once():
+    tree = SessionTree("s")
+    _turn(tree, [1, 2], [10, 11, 12])
+    _turn(tree, [1, 2, 10, 11, 12, 5], [20])  # the main loop continues
+    _turn(tree, [1, 2, 10, 11, 12, 6], [30, 31])  # a summary request continues the same history
+    segs = segments(tree)
+    assert len(segs) == 2
+    trained = [[t for t, m in zip(s.tokens, s.loss_mask, strict=True) if m] for s in segs]
+    assert sorted(trained) == sorted([[10, 11, 12, 20], [30, 31]])
+    # every generated position of the tree is trained exactly once over all segments
+    assert sum(sum(s.loss_mask) for s in segs) == 3 + 1 + 2
+
+
+def test_a_prompt_that_equals_generated_tokens_inherits_them_once():
+    tree = SessionTree("s")
+    _turn(tree, [1, 2], [10, 11])
+    # a fresh-context request whose tokens happen to run through the generated ones (same tokens, same context)
+    _turn(tree, [1, 2, 10, 11, 7], [40])
+    _turn(tree, [1, 2, 10, 8], [41])
+    segs = segments(tree)
+    assert sum(sum(s.loss_mask) for s in segs) == 2 + 1 + 1
+
+
+def test_closed_prefix_finds_requests_running_through_a_truncated_turn():
+    tree = SessionTree("s")
+    t = _turn(tree, [1, 2], [10, 11], truncated=True)
+    assert tree.closed_prefix([1, 2, 10, 11, 5]) is t
+    assert tree.closed_prefix([1, 2, 10, 11]) is t
+    assert tree.closed_prefix([1, 2]) is None  # a retry of the same prompt is not a continuation
+    assert tree.closed_prefix([1, 2, 10, 12]) is None
+    _turn(tree, [1, 2, 10, 12], [3])  # splits the truncated turn's node: its mark must still resolve
+    assert tree.closed_prefix([1, 2, 10, 11, 5]) is t
+    assert tree.closed_prefix([1, 2, 10, 12, 3]) is None
+
+
+def test_extended_turn_matches_messages_and_the_reply():
+    tree = SessionTree("s")
+    sys, u1 = {"role": "system", "content": "s"}, {"role": "user", "content": "a"}
+    t0 = _turn(tree, [1], [2], messages=[sys, u1], reply="R")
+    nxt = [sys, u1, {"role": "assistant", "content": "R"}, {"role": "user", "content": "b"}]
+    assert tree.extended_turn(nxt) is t0
+    assert tree.extended_turn([sys, u1, {"role": "assistant", "content": "R!"}, nxt[3]]) is None
+    assert tree.extended_turn([sys, {"role": "user", "content": "summary"}]) is None

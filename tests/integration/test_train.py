@@ -1,0 +1,297 @@
+"""The train step on the tiny random model: logprobs, accumulation, no-op steps, determinism, checkpoints, learning."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpoflow.config import TrainConfig
+from grpoflow.run.checkpoint import prune_checkpoints, save_checkpoint
+from grpoflow.samples import Sample
+from grpoflow.train.logprobs import token_logprobs
+from grpoflow.train.step import (
+    backward_minibatch,
+    pack_micro_batches,
+    prepare_samples,
+    train_step,
+)
+from grpoflow.train.trainer import load_trainer
+
+
+def _sample(tokens, mask, logprobs, reward, group, i=0, status="COMPLETED"):
+    return Sample(
+        run_id="t",
+        step=0,
+        instance_id=group,
+        group_id=group,
+        sample_index=i,
+        rollout_id=f"{group}-{i}",
+        tokens=tokens,
+        loss_mask=mask,
+        rollout_logprobs=logprobs,
+        prompt_len=mask.index(1) if 1 in mask else 0,
+        reward=reward,
+        status=status,
+        exit_status="Submitted",
+    )
+
+
+def _agentic_samples(model, n_groups=3, per_group=4, seed=0):
+    """prompt | turn 1 | tool output (masked) | turn 2, random tokens; rollout logprobs = the model's + noise."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    out = []
+    for g in range(n_groups):
+        for i in range(per_group):
+            p, a, t, b = rng.randint(4, 12), rng.randint(3, 20), rng.randint(2, 10), rng.randint(3, 25)
+            tokens = [rng.randrange(3, vocab) for _ in range(p + a + t + b)]
+            mask = [0] * p + [1] * a + [0] * t + [1] * b
+            out.append(_sample(tokens, mask, [0.0] * len(tokens), float(rng.random() < 0.5), f"g{g}", i))
+    # make every group's rewards vary so nothing is filtered
+    for g in range(n_groups):
+        out[g * per_group].reward, out[g * per_group + 1].reward = 1.0, 0.0
+    with torch.no_grad():
+        for s in out:
+            ids = torch.tensor([s.tokens])
+            lp, _ = token_logprobs(model, ids, torch.tensor([s.loss_mask[1:]], dtype=torch.bool))
+            noisy = lp[0] + 0.05 * torch.randn(lp.shape[1], generator=torch.Generator().manual_seed(len(s.tokens)))
+            s.rollout_logprobs = [0.0] + [v if m else 0.0 for v, m in zip(noisy.tolist(), s.loss_mask[1:])]
+    return out
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_token_logprobs_match_full_softmax(tiny_model_dir, monkeypatch):
+    import grpoflow.train.logprobs as logprobs_mod
+
+    monkeypatch.setattr(logprobs_mod, "_LOGIT_CHUNK_ELEMS", 1024 * 4)  # 4-row chunks: exercise the chunking
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.randint(3, 1000, (3, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.rand(3, 12, generator=torch.Generator().manual_seed(1)) > 0.3  # (B, L-1)
+    w = torch.randn(3, 12, generator=torch.Generator().manual_seed(2))
+
+    lp, ent = token_logprobs(model, ids, mask)
+    (lp * w).sum().backward()
+    fused_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    logits = model(ids[:, :-1]).logits.float()  # (B, L-1, V)
+    full = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1) * mask
+    (full * w).sum().backward()
+    torch.testing.assert_close(lp, full, atol=1e-5, rtol=1e-5)
+    probs = logits.softmax(-1)
+    torch.testing.assert_close(ent, -(probs * logits.log_softmax(-1)).sum(-1) * mask, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(fused_grads[n], p.grad, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_pack_micro_batches():
+    batches = pack_micro_batches([10, 40, 100, 20, 30, 5], budget=64)
+    # longest first; rows * longest <= 64; the 100-token sample alone
+    assert batches == [[2], [1], [4, 3], [0, 5]]
+    assert sorted(i for b in batches for i in b) == list(range(6))
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sample"])
+def test_micro_batching_gives_the_whole_batch_gradient(tiny_model_dir, aggregation):
+    cfg = TrainConfig(loss_aggregation=aggregation, micro_batch_tokens=100_000)
+    state = load_trainer(tiny_model_dir, cfg, seed=0)
+    samples = _agentic_samples(state.model)
+    kept, adv, _ = prepare_samples(samples, cfg)
+
+    def grads(budget):
+        state.model.zero_grad(set_to_none=True)
+        m = backward_minibatch(state, kept, adv, cfg.model_copy(update={"micro_batch_tokens": budget}))
+        return {n: p.grad.clone() for n, p in state.model.named_parameters()}, m
+
+    whole, m_whole = grads(100_000)
+    split, m_split = grads(64)
+    assert m_whole["n_micro_batches"] == 1 and m_split["n_micro_batches"] >= 6
+    assert m_whole["loss"] == pytest.approx(m_split["loss"], abs=1e-6)  # ~0: advantages sum to 0 per group
+    assert m_whole["n_tokens"] == m_split["n_tokens"]
+    for n in whole:
+        torch.testing.assert_close(split[n], whole[n], atol=1e-7, rtol=1e-4, msg=n)
+    assert max(g.abs().max().item() for g in whole.values()) > 0
+
+
+@pytest.mark.parametrize("filter_zero_std", [True, False])
+def test_all_zero_advantages_leave_weights_bitwise_unchanged(tiny_model_dir, filter_zero_std):
+    # weight decay on: an optimizer.step with zero gradients would still shrink the weights
+    cfg = TrainConfig(filter_zero_std=filter_zero_std, weight_decay=0.1, learning_rate=1e-2)
+    state = load_trainer(tiny_model_dir, cfg, seed=0)
+    samples = _agentic_samples(state.model)
+    for s in samples:
+        s.reward = 0.1 if s.group_id == "g0" else 1.0  # every group flat
+    before = _weights(state.model)
+    m = train_step(state, samples, cfg, seed=0)
+    assert m["optimizer_steps"] == 0 and m["zero_std_groups"] == 3
+    after = _weights(state.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_train_step_is_deterministic_and_moves_weights(tiny_model_dir):
+    cfg = TrainConfig(learning_rate=1e-3, global_batch_size=5, micro_batch_tokens=64, weight_decay=0.01)
+    runs = []
+    for _ in range(2):
+        state = load_trainer(tiny_model_dir, cfg, seed=3)
+        samples = _agentic_samples(state.model)
+        before = _weights(state.model)
+        m = train_step(state, samples, cfg, seed=7)
+        runs.append((_weights(state.model), m))
+    (w1, m1), (w2, m2) = runs
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert not torch.equal(w1["lm_head.weight"], before["lm_head.weight"])
+    assert m1["optimizer_steps"] == 3  # 12 samples, 5 per optimizer step
+    assert m1["n_samples"] == 12 and m1["n_tokens"] == sum(sum(s.loss_mask[1:]) for s in samples)
+    for k in (
+        "loss",
+        "grad_norm",
+        "clip_frac_low",
+        "clip_frac_high",
+        "logprob_gap_mean",
+        "logprob_gap_max",
+        "entropy",
+        "tokens_per_s",
+        "step_time_s",
+    ):
+        assert k in m1 and m1[k] == m1[k], k
+    assert 0 < m1["logprob_gap_mean"] < 0.2  # rollout logprobs are the model's + N(0, 0.05) noise
+    assert {k: v for k, v in m1.items() if "time" not in k and "per_s" not in k} == {
+        k: v for k, v in m2.items() if "time" not in k and "per_s" not in k
+    }
+
+
+def test_kl_to_reference(tiny_model_dir):
+    cfg = TrainConfig(kl_coef=0.1, learning_rate=1e-3)
+    state = load_trainer(tiny_model_dir, cfg, seed=0)
+    assert state.ref_model is not None and not any(p.requires_grad for p in state.ref_model.parameters())
+    samples = _agentic_samples(state.model)
+    m1 = train_step(state, samples, cfg, seed=0)
+    assert m1["kl"] == 0.0  # the policy is the reference before its first update
+    m2 = train_step(state, samples, cfg, seed=0)
+    assert m2["kl"] > 0.0
+
+
+def test_bf16_autocast_path_runs(tiny_model_dir):
+    # the CUDA configuration (fp32 weights, bf16 backbone, fp32 head), exercised with CPU autocast
+    cfg = TrainConfig(learning_rate=1e-3)
+    state = load_trainer(tiny_model_dir, cfg, seed=0)
+    state.autocast_dtype = torch.bfloat16
+    before = _weights(state.model)
+    m = train_step(state, _agentic_samples(state.model), cfg, seed=0)
+    assert m["optimizer_steps"] == 1 and m["logprob_gap_mean"] < 0.2  # bf16 rounding on top of the 0.05 noise
+    assert all(v.dtype == torch.float32 for v in state.model.state_dict().values())
+    assert not torch.equal(before["lm_head.weight"], state.model.lm_head.weight)
+
+
+def test_failed_or_unrewarded_samples_are_refused():
+    ok = _sample([5, 6, 7], [0, 1, 1], [0.0, -1.0, -1.0], 1.0, "g", 0)
+    failed = _sample([5, 6, 7], [0, 1, 1], [0.0, -1.0, -1.0], None, "g", 1, status="FAILED")
+    with pytest.raises(ValueError, match="g-1 .*FAILED"):
+        prepare_samples([ok, failed], TrainConfig())
+    unrewarded = ok.model_copy(update={"reward": None})  # model_copy skips validation
+    with pytest.raises(ValueError, match="reward None"):
+        prepare_samples([unrewarded], TrainConfig())
+
+
+def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
+    from grpoflow.embedded.engine.weights import load_safetensors_dir
+
+    cfg = TrainConfig(learning_rate=1e-2, gradient_checkpointing=True)
+    state = load_trainer(tiny_model_dir, cfg, seed=0)
+    train_step(state, _agentic_samples(state.model), cfg, seed=0)
+    out = save_checkpoint(state.model, state.tokenizer, tmp_path / "checkpoints" / "step_1")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["step_1"]  # no temp dir left behind
+    want = _weights(state.model)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # the engine's weight update path
+    assert load_safetensors_dir(fresh, out) > 0
+    assert all(torch.equal(fresh.state_dict()[k], want[k]) for k in want)
+    # saving the same step again (a retried step) replaces it
+    save_checkpoint(state.model, state.tokenizer, out)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["step_1"]
+
+
+def test_prune_checkpoints_keeps_full_ones_and_the_latest(tmp_path):
+    for n in [1, 2, 3, 4, 5, 6, 7, 9]:
+        (tmp_path / f"step_{n}").mkdir()
+        if n % 3 == 0:  # full checkpoints: with the optimizer state
+            (tmp_path / f"step_{n}" / "optimizer.pt").write_bytes(b"o")
+    (tmp_path / ".step_8.tmp-123").mkdir()  # an interrupted save
+    (tmp_path / "notes").mkdir()
+    removed = prune_checkpoints(tmp_path, latest=7)
+    assert sorted(p.name for p in removed) == [".step_8.tmp-123", "step_1", "step_2", "step_4", "step_5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_3", "step_6", "step_7", "step_9"]
+
+
+# --- learning: reward 1 if the completion contains a target token ---------------------------------------------
+
+
+def _sample_completions(model, prompt, n, new_tokens, gen):
+    """Plain ancestral sampling at temperature 1: (n, new_tokens) ids and their logprobs."""
+    seq = torch.tensor(prompt).repeat(n, 1)
+    lps = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logp = model(seq).logits[:, -1].float().log_softmax(-1)  # (n, V)
+            nxt = torch.multinomial(logp.exp(), 1, generator=gen)  # (n, 1)
+            lps.append(logp.gather(-1, nxt))
+            seq = torch.cat([seq, nxt], 1)
+    return seq[:, len(prompt) :], torch.cat(lps, 1)
+
+
+def test_grpo_learns_to_emit_a_target_token(tiny_model_dir):
+    cfg = TrainConfig(learning_rate=3e-3, max_grad_norm=1.0)
+    state = load_trainer(tiny_model_dir, cfg, seed=0)
+    model, tok = state.model, state.tokenizer
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "List the files."}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    new_tokens = 8
+
+    def reward_rate(target, seed=123):
+        comp, _ = _sample_completions(model, prompt, 256, new_tokens, torch.Generator().manual_seed(seed))
+        return (comp == target).any(1).float().mean().item()
+
+    # the target: the token most completions of the untrained model contain (still only ~4%: random weights
+    # are close to uniform), so each step has a few rewarded samples to learn from
+    comp, _ = _sample_completions(model, prompt, 256, new_tokens, torch.Generator().manual_seed(1))
+    rates = {t: (comp == t).any(1).float().mean().item() for t in comp.unique().tolist()}
+    target = max(rates, key=rates.get)
+    before = reward_rate(target)
+
+    gen = torch.Generator().manual_seed(2)
+    for step in range(6):
+        samples = []
+        for g in range(8):
+            comp, lps = _sample_completions(model, prompt, 8, new_tokens, gen)
+            for i in range(8):
+                toks, mask = prompt + comp[i].tolist(), [0] * len(prompt) + [1] * new_tokens
+                rollout_lp = [0.0] * len(prompt) + lps[i].tolist()
+                samples.append(_sample(toks, mask, rollout_lp, float(target in comp[i]), f"s{step}g{g}", i))
+        m = train_step(state, samples, cfg, seed=step)
+        assert m["logprob_gap_max"] < 1e-3  # the sampler and the trainer score tokens alike
+    after = reward_rate(target)
+    assert after > 0.5 and after > before + 0.4, (before, after)  # ~0.02 -> ~1.0 seen
+
+
+def test_token_logprobs_are_taken_at_the_rollout_temperature(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpoflow.train.logprobs import token_logprobs
+    from tests.fakes.tiny_model import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1]  # (5, V)
+        for t in (0.5, 1.0, 1.7):
+            got, _ = token_logprobs(model, ids, mask, temperature=t)
+            want = torch.log_softmax(logits / t, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            assert torch.allclose(got[0], want, atol=1e-5)

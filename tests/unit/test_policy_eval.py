@@ -1,0 +1,119 @@
+"""The evaluation inside a train run: fixed seeds for every evaluation, intervals that cover, paired changes."""
+
+import math
+import random
+
+import pytest
+
+from grpoflow.evaluation import (
+    base_pass_rates,
+    before_after_lines,
+    eval_metrics,
+    eval_prompts,
+    eval_specs,
+    paired_change,
+    reward_gain,
+    task_rewards,
+    wilson_interval,
+)
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.samples import Sample
+
+
+def _prompt(name: str, split: str) -> PromptRecord:
+    return PromptRecord(instance_id=name, task_path=f"/t/{name}", instruction="do it", split=split)
+
+
+def _sample(task: str, k: int, reward: float | None, exit_status: str = "Submitted") -> Sample:
+    return Sample(
+        run_id="r",
+        step=0,
+        instance_id=task,
+        group_id=f"g-{task}",
+        sample_index=k,
+        rollout_id=f"{task}-{k}",
+        tokens=[1, 2],
+        loss_mask=[0, 1],
+        rollout_logprobs=[0.0, -1.0],
+        prompt_len=1,
+        reward=reward,
+        status="FAILED" if reward is None else "COMPLETED",
+        exit_status=exit_status,
+    )
+
+
+def test_every_evaluation_runs_the_same_trials_and_none_of_the_training_ones():
+    prompts = [_prompt("a", "train"), _prompt("b", "train"), _prompt("c", "eval")]
+    splits = eval_prompts(prompts)
+    assert {k: [p.instance_id for p in v] for k, v in splits.items()} == {"trained": ["a", "b"], "heldout": ["c"]}
+    first, later = (eval_specs("trained", splits["trained"], v, 3, seed=7) for v in (0, 12))
+    assert [s.seed for s in first] == [s.seed for s in later]  # only the weights differ between them
+    assert len({s.seed for s in first}) == 6
+    assert first[0].rollout_id == "eval0-trained-a-0" and later[0].rollout_id == "eval12-trained-a-0"
+    training = {s.seed for step in range(50) for s in plan_group_trials(splits["trained"], step, 3, 7)}
+    assert not training & {s.seed for s in first}
+
+
+def test_wilson_interval_is_inside_0_1_and_covers_at_about_95_percent():
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+    lo, hi = wilson_interval(5, 10)
+    assert lo < 0.5 < hi and hi - lo < 0.6
+    rng = random.Random(0)
+    p, n, runs = 0.3, 40, 2000
+    covered = sum(
+        lo <= p <= hi for lo, hi in (wilson_interval(sum(rng.random() < p for _ in range(n)), n) for _ in range(runs))
+    )
+    assert 0.93 <= covered / runs <= 0.97
+
+
+def test_paired_change_covers_the_true_difference():
+    rng = random.Random(1)
+    hits = 0
+    for _ in range(500):
+        # each trial passes before with p 0.4; training flips a failing trial to a pass with p 0.25
+        before = [rng.random() < 0.4 for _ in range(64)]
+        after = [b or rng.random() < 0.25 for b in before]
+        mean, lo, hi = paired_change(before, after)
+        hits += lo <= 0.6 * 0.25 <= hi
+    assert 0.92 <= hits / 500 <= 0.98
+    # every pair gained: the interval excludes zero but does not collapse to a point
+    mean, lo, hi = paired_change([False] * 8, [True] * 8)
+    assert mean == 1.0 and 0.3 < lo < 1.0 and hi == 1.0
+    mean, lo, hi = paired_change([False] * 2, [True] * 2)  # two pairs prove little
+    assert mean == 1.0 and lo < 0.5
+    mean, lo, hi = paired_change([True, False] * 10, [True, False] * 10)  # nothing changed
+    assert mean == 0.0 and lo < 0.0 < hi
+
+
+def test_eval_metrics_pass_rates_exits_tasks_and_change_since_the_base():
+    base = [_sample("a", 0, 0.0), _sample("a", 1, 1.0), _sample("b", 0, 0.0), _sample("b", 1, 0.0)]
+    now = [_sample("a", 0, 1.0), _sample("a", 1, 1.0), _sample("b", 0, 1.0), _sample("b", 1, None, "SandboxError")]
+    m = eval_metrics("trained", now, base)
+    assert m["eval/trained/trials"] == 4 and m["eval/trained/scored"] == 3
+    assert m["eval/trained/pass_at_1"] == 1.0 and m["eval/trained/pass_at_k"] == 1.0
+    assert m["eval/trained/exit/Submitted"] == 3 and m["eval/trained/exit/SandboxError"] == 1
+    assert m["eval/trained/task/a"] == 1.0 and m["eval/trained/task/b"] == 1.0
+    # the failed trial is left out of the pairing: 3 pairs, changes 1, 0, 1
+    assert m["eval/trained/pass_at_1_change"] == pytest.approx(2 / 3) and m["eval/trained/paired_trials"] == 3
+    assert m["eval/trained/pass_at_1_change_ci95_low"] < 2 / 3 < m["eval/trained/pass_at_1_change_ci95_high"]
+    assert "eval/trained/pass_at_1_change" not in eval_metrics("trained", base)
+    first = eval_metrics("trained", base)
+    assert base_pass_rates(first) == {"a": 0.5, "b": 0.0}
+    [line] = before_after_lines(first, m)
+    assert line.startswith("trained tasks:") and "0.250 [" in line and "-> 1.000 [" in line and "+0.667" in line
+
+
+def test_task_rewards_are_per_task_means_of_the_scored_trials():
+    samples = [_sample("a", 0, 1.0), _sample("a", 1, 0.0), _sample("b", 0, 0.5), _sample("b", 1, None, "AgentError")]
+    assert task_rewards(samples) == {"a": 0.5, "b": 0.5}
+
+
+def test_reward_gain_takes_the_task_difficulty_out():
+    rates = {"easy": 0.75, "hard": 0.0}
+    base_like = [_sample("easy", k, float(k < 3)) for k in range(4)] + [_sample("hard", k, 0.0) for k in range(4)]
+    assert reward_gain(base_like, rates) == 0.0  # whichever tasks the step drew
+    assert reward_gain(base_like[:4], rates) == 0.0
+    better = [_sample("hard", 0, 1.0), _sample("hard", 1, 0.0)]
+    assert reward_gain(better, rates) == 0.5
+    assert math.isnan(reward_gain([_sample("unseen", 0, 1.0)], rates))

@@ -1,0 +1,132 @@
+"""What each named recipe resolves to, and how a preset layers under --config, flags and --set."""
+
+import json
+
+import pytest
+
+from flows.cli import _config_from_args, build_parser, main
+from grpoflow.config import parse_run_config
+from grpoflow.errors import ConfigError
+from grpoflow.prepare.presets import (
+    PRESETS,
+    layered_run_config,
+    load_preset,
+    merge_config,
+    preset_config,
+)
+
+
+def _dump(cfg) -> dict:
+    return cfg.model_dump(exclude={"run_id"})
+
+
+def test_the_presets():
+    assert list(PRESETS) == ["embedded-default", "terminus-2-compaction", "sglang-e2b"]
+
+
+def test_embedded_default_is_the_main_job_recipe_over_the_defaults():
+    cfg, defaults = load_preset("embedded-default"), parse_run_config({})
+    assert cfg.prompts.difficulties == ["easy"] and cfg.rollout.max_turns == 3
+    assert (cfg.train.learning_rate, cfg.train.eval_samples_per_prompt) == (5e-5, 8)
+    recipe = {
+        "prompts": ["difficulties"],
+        "rollout": ["max_turns"],
+        "train": ["learning_rate", "eval_samples_per_prompt"],
+    }
+    for section, fields in _dump(defaults).items():  # everything else is the default
+        if isinstance(fields, dict):
+            for name, value in fields.items():
+                if name not in recipe.get(section, []):
+                    assert _dump(cfg)[section][name] == value, f"{section}.{name}"
+
+
+def test_main_starts_from_the_recipe_and_train_from_the_defaults():
+    main_cfg = _config_from_args(build_parser().parse_args(["main", "--set", "train.steps=2"]))
+    train_cfg = _config_from_args(build_parser().parse_args(["train", "--set", "train.steps=2"]))
+    assert main_cfg.prompts.difficulties == ["easy"] and main_cfg.train.steps == 2
+    assert train_cfg.prompts.difficulties == [] and train_cfg.train.learning_rate == 1e-5
+    # the recipe is for the built-in model and tasks: with others, main starts from the defaults
+    for own in (["--dataset", "/data/tasks"], ["--model", "/models/qwen"]):
+        cfg = _config_from_args(build_parser().parse_args(["main", *own]))
+        assert cfg.prompts.difficulties == [] and cfg.train.learning_rate == 1e-5, own
+
+
+def test_terminus_2_compaction_resolves_to_the_recipe():
+    cfg = load_preset("terminus-2-compaction")
+    r, t, e = cfg.rollout, cfg.train, cfg.engine
+    assert (r.prompts_per_step, r.n_samples_per_prompt) == (4, 8)
+    assert t.global_batch_size == 32 == r.prompts_per_step * r.n_samples_per_prompt  # one optimizer step per step
+    assert t.steps == 100
+    assert (r.max_context_tokens, r.max_new_tokens) == (32768, 8192)
+    assert (t.eps_low, t.eps_high, t.kl_coef) == (0.2, 0.28, 0.01)
+    assert (e.backend, e.sglang_python) == ("sglang-launch", "/opt/sglang-venv/bin/python")
+    # Everything the recipe does not name stays at its default.
+    rest = parse_run_config(preset_config("terminus-2-compaction"))
+    assert _dump(rest) == _dump(cfg)
+    assert cfg.model == parse_run_config({}).model
+    assert (r.harness, r.parser, r.summarize, r.linear_history) == ("terminus-2", "xml", True, True)
+
+
+def test_terminus_2_compaction_is_runnable_and_layers_like_any_preset():
+    cfg = layered_run_config("terminus-2-compaction", None, {"rollout.summarize": False})
+    assert cfg.rollout.harness == "terminus-2" and cfg.rollout.summarize is False
+
+
+def test_sglang_e2b_attaches_to_sglang_and_runs_trials_in_e2b():
+    cfg = load_preset("sglang-e2b")
+    assert (cfg.engine.backend, cfg.engine.url) == ("sglang", "http://127.0.0.1:30000")
+    assert cfg.rollout.sandbox == "e2b"
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="preset `nope`: unknown; known presets: embedded-default, "):
+        load_preset("nope")
+
+
+def test_preset_data_is_a_copy():
+    preset_config("sglang-e2b")["engine"]["url"] = "http://elsewhere:1"
+    assert load_preset("sglang-e2b").engine.url == "http://127.0.0.1:30000"
+
+
+def test_merge_replaces_leaves_and_lists_and_merges_sections():
+    base = {"engine": {"backend": "sglang", "url": "u", "sglang_args": ["--a"]}, "seed": 1}
+    top = {"engine": {"url": "v", "sglang_args": ["--b"]}, "train": {"steps": 2}}
+    assert merge_config(base, top) == {
+        "engine": {"backend": "sglang", "url": "v", "sglang_args": ["--b"]},
+        "seed": 1,
+        "train": {"steps": 2},
+    }
+
+
+def test_cli_layers_preset_then_config_file_then_flags_then_set(tmp_path):
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps({"engine": {"url": "http://file:1"}, "seed": 5, "rollout": {"concurrency": 3}}))
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--preset",
+            "sglang-e2b",
+            "--config",
+            str(f),
+            "--seed",
+            "6",
+            "--set",
+            "rollout.concurrency=4",
+            "--run-id",
+            "layers-1",
+        ]
+    )
+    cfg = _config_from_args(args)
+    assert cfg.rollout.sandbox == "e2b"  # from the preset
+    assert cfg.engine.url == "http://file:1" and cfg.engine.backend == "sglang"  # file over preset, section merged
+    assert cfg.seed == 6 and cfg.rollout.concurrency == 4 and cfg.run_id == "layers-1"  # flags, --set over the file
+
+
+def test_cli_preset_errors_are_one_line_and_exit_2(tmp_path, capfd):
+    assert main(["prepare", "--preset", "nope", "--output-dir", str(tmp_path)]) == 2
+    assert capfd.readouterr().err.strip() == (
+        "grpoflow: error: preset `nope`: unknown; known presets: embedded-default, terminus-2-compaction, sglang-e2b"
+    )
+    assert main(["prepare", "--preset", "sglang-e2b", "--set", "engine.url=null", "--output-dir", str(tmp_path)]) == 2
+    assert "preset sglang-e2b: field `engine.url`: required" in capfd.readouterr().err
+    assert not any(tmp_path.iterdir())

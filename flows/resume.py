@@ -19,7 +19,7 @@ from flows.common import run_events
 from flows.train import evaluation_versions, train_steps
 from grpoflow.config import RUN_ID_PATTERN, RunConfig
 from grpoflow.prepare.stage import PreparedRun, reopen_run
-from grpoflow.rollout.step import read_journal
+from grpoflow.rollout.journal import read_journal
 from grpoflow.run.checkpoint import restore_training_state
 from grpoflow.run.info import Resume, read_run_info, update_run_info
 from grpoflow.run.metrics import has_row

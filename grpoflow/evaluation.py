@@ -43,6 +43,24 @@ def eval_specs(name: str, prompts: Sequence[PromptRecord], version: int, n: int,
     return plan_group_trials(prompts, EVAL_SEED_STEP, n, seed, prefix=f"eval{version}-{name}")
 
 
+def eval_plan(prompts: Sequence[PromptRecord], version: int, n: int, seed: int) -> dict[str, list[TrialSpec]]:
+    """Split name -> the trials of its evaluation of weight version `version`."""
+    return {name: eval_specs(name, ps, version, n, seed) for name, ps in eval_prompts(prompts).items()}
+
+
+def plan_metrics(
+    plan: Mapping[str, Sequence[TrialSpec]], samples: Sequence[Sample], base: Sequence[Sample] | None
+) -> dict[str, float]:
+    """The `eval/<split>/...` metrics of an evaluation's samples, each split compared with the same split of the
+    run's first evaluation (`base`, its samples; None: nothing to compare with)."""
+    metrics: dict[str, float] = {}
+    for name, group in plan.items():
+        ids = {s.rollout_id for s in group}
+        baseline = [s for s in base if s.group_id.startswith(f"eval0-{name}-")] if base is not None else None
+        metrics |= eval_metrics(name, [s for s in samples if s.rollout_id in ids], baseline)
+    return metrics
+
+
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
     """95 % score interval of a binomial proportion (sound at 0 and n successes, unlike the normal one)."""
     if n == 0:

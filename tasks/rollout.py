@@ -26,18 +26,12 @@ from prefect.concurrency.asyncio import concurrency
 from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
 from grpoflow.config import RunConfig
-from grpoflow.evaluation import eval_metrics, eval_prompts, eval_specs
+from grpoflow.evaluation import eval_plan, plan_metrics
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.credentials import export_policy_key, export_sandbox_key
-from grpoflow.rollout.step import (
-    SAMPLES,
-    StepRollout,
-    collect_step,
-    policy_access,
-    read_journal,
-    read_samples,
-    sandbox_config,
-)
+from grpoflow.rollout.journal import SAMPLES, read_journal, read_samples
+from grpoflow.rollout.policy import policy_access
+from grpoflow.rollout.step import StepRollout, collect_step, sandbox_config
 from grpoflow.rollout.trials import (
     Attempt,
     SandboxGate,
@@ -55,7 +49,7 @@ def run_trials_task(
     """Run and score one step's trials. Sync, so sync flows get a result; the trials run in their own loop."""
     specs = plan_group_trials(prompts, step, cfg.rollout.n_samples_per_prompt, cfg.seed)
     return asyncio.run(
-        _run_trials(
+        _collect_with_progress(
             cfg, step, specs, engine_url, tokenizer_path, paths.trials(step), paths.details(step), label=f"step-{step}"
         )
     )
@@ -68,13 +62,10 @@ def evaluate_policy_task(
     """Evaluate the engine's weights (version `version`: updates so far) on the train tasks and the held-out
     split, with the same trials as every other evaluation of the run; returns the `eval/...` metrics, each split
     compared with the run's first evaluation (version 0) when there is one."""
-    splits = {
-        name: eval_specs(name, ps, version, cfg.train.eval_samples_per_prompt, cfg.seed)
-        for name, ps in eval_prompts(prompts).items()
-    }
-    specs = [s for group in splits.values() for s in group]
+    plan = eval_plan(prompts, version, cfg.train.eval_samples_per_prompt, cfg.seed)
+    specs = [s for group in plan.values() for s in group]
     result = asyncio.run(
-        _run_trials(
+        _collect_with_progress(
             cfg,
             version,
             specs,
@@ -85,17 +76,12 @@ def evaluate_policy_task(
             label=f"eval-{version}",
         )
     )
-    first = paths.eval_details(0) / SAMPLES
-    base = read_samples(first.parent) if version > 0 and first.is_file() else None  # None: nothing to compare to
-    metrics: dict[str, float] = {}
-    for name, group in splits.items():
-        ids = {s.rollout_id for s in group}
-        baseline = [s for s in base if s.group_id.startswith(f"eval0-{name}-")] if base is not None else None
-        metrics |= eval_metrics(name, [s for s in result.samples if s.rollout_id in ids], baseline)
-    return metrics
+    first = paths.eval_details(0)
+    base = read_samples(first) if version > 0 and (first / SAMPLES).is_file() else None
+    return plan_metrics(plan, result.samples, base)
 
 
-async def _run_trials(
+async def _collect_with_progress(
     cfg: RunConfig,
     step: int,
     specs: list[TrialSpec],
@@ -105,6 +91,8 @@ async def _run_trials(
     details_dir: Path,
     label: str,
 ) -> StepRollout:
+    """`collect_step` on `specs`, with what Prefect shows of it: a progress bar, sandbox retries in the log, a
+    table of the trials, and sandbox starts gated by the global concurrency limit."""
     logger = get_run_logger()
     total = len(specs)
     progress = await _best_effort(

@@ -13,3 +13,13 @@ def tiny_model_dir(tmp_path_factory):
     from tests.fakes.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture
+def faulty_sandbox(monkeypatch):
+    """`rollout.sandbox=local` runs `tests.fakes.faulty_sandbox.FaultySandbox`: `rollout.sandbox_kwargs` can inject
+    sandbox faults (`fail_start_probability`, `die_after_execs`)."""
+    from tests.fakes.faulty_sandbox import FAULTY_SANDBOX_IMPORT_PATH
+
+    monkeypatch.setattr("grpoflow.rollout.step.LOCAL_SANDBOX_IMPORT_PATH", FAULTY_SANDBOX_IMPORT_PATH)
+    return FAULTY_SANDBOX_IMPORT_PATH

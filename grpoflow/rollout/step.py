@@ -6,10 +6,8 @@
 from __future__ import annotations
 
 import inspect
-import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,13 +15,12 @@ from typing import Any
 from harbor.models.environment_type import EnvironmentType
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig
 
-from grpoflow.config import EngineConfig, RolloutConfig
+from grpoflow.config import RolloutConfig
 from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
-from grpoflow.fileio import append_jsonl, write_jsonl_atomic
 from grpoflow.prepare.prompts import PromptRecord
-from grpoflow.rollout.harnesses import agent_factory, get_binding
-from grpoflow.rollout.sessions.segments import segment_samples
-from grpoflow.rollout.sessions.server import SessionServer
+from grpoflow.rollout.harnesses import get_binding
+from grpoflow.rollout.journal import append_trial, read_journal, write_samples
+from grpoflow.rollout.policy import PolicyAccess, trial_sample
 from grpoflow.rollout.trials import (
     Attempt,
     SandboxGate,
@@ -33,7 +30,7 @@ from grpoflow.rollout.trials import (
     run_trials,
 )
 from grpoflow.samples import Sample
-from grpoflow.scoring import step_metrics, to_sample
+from grpoflow.scoring import step_metrics
 
 
 @dataclass
@@ -41,59 +38,6 @@ class StepRollout:
     samples: list[Sample]
     metrics: dict[str, float]
     details_path: Path
-
-
-ToSamples = Callable[[TrialOutcome, str, int], list[Sample]]  # (outcome, run_id, step) -> the trial's samples
-
-
-def trial_sample(outcome: TrialOutcome, run_id: str, step: int) -> list[Sample]:
-    """The shell agent's trial: one sample, its exact tokens from the agent's own record."""
-    return [to_sample(outcome, run_id, step)]
-
-
-@dataclass
-class PolicyAccess:
-    """How one step's agents reach the policy, and how a finished trial becomes training samples."""
-
-    make_agent: Callable[[TrialSpec], AgentConfig]
-    to_samples: ToSamples
-    forget: Callable[[TrialSpec], None]  # drop a failed attempt's record before its retry
-
-
-@asynccontextmanager
-async def policy_access(
-    rollout: RolloutConfig, engine: EngineConfig, engine_url: str, tokenizer_path: str
-) -> AsyncIterator[PolicyAccess]:
-    """Our shell agent talks to the engine itself and keeps the exact tokens. Every OpenAI-speaking harness
-    (terminus-2, claude-code, opencode) goes through a session server for the block: it keeps the exact tokens
-    of each trial's session, and the session's segments become the trial's samples (`segment_samples`)."""
-    if not get_binding(rollout.harness).via_session_server:
-        yield PolicyAccess(agent_factory(rollout, engine, engine_url, tokenizer_path), trial_sample, lambda spec: None)
-        return
-    server = SessionServer(
-        engine_url,
-        tokenizer_path,
-        max_new_tokens=rollout.max_new_tokens,
-        context_length=rollout.max_context_tokens,
-        request_timeout_s=engine.request_timeout_s,
-        engine_retries=engine.retries,
-    )
-    async with server:
-
-        def to_samples(outcome: TrialOutcome, run_id: str, step: int) -> list[Sample]:
-            return segment_samples(to_sample(outcome, run_id, step), server.pop_session(outcome.spec.rollout_id))
-
-        yield PolicyAccess(
-            agent_factory(
-                rollout,
-                engine,
-                engine_url,
-                tokenizer_path,
-                api_base_for=lambda spec: server.session_url(spec.rollout_id, seed=spec.seed),
-            ),
-            to_samples,
-            lambda spec: server.pop_session(spec.rollout_id),
-        )
 
 
 def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
@@ -109,37 +53,6 @@ def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
         merged = {**get_binding(rollout.harness).local_sandbox_kwargs, **merged}
         return EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs=merged)
     return EnvironmentConfig(type=EnvironmentType(rollout.sandbox), kwargs=merged)
-
-
-JOURNAL = "journal.jsonl"  # details/step_<N>/: one Sample per finished trial, appended as each one finishes
-SAMPLES = "samples.jsonl"  # details/step_<N>/: every sample of the finished step, in plan order
-
-
-def read_samples(details_dir: Path) -> list[Sample]:
-    """The samples of a finished step (or evaluation), as `collect_step` wrote them."""
-    path = Path(details_dir) / SAMPLES
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [Sample.model_validate(json.loads(line)) for line in lines if line]  # json reads -Infinity back
-
-
-def read_journal(details_dir: Path) -> dict[str, list[Sample]]:
-    """Finished trials of a step that was interrupted: rollout_id -> the trial's samples (one line per trial, so
-    a trial's segments are journaled together or not at all; a torn last line is skipped)."""
-    path = Path(details_dir) / JOURNAL
-    if not path.exists():
-        return {}
-    lines = path.read_text(encoding="utf-8").splitlines()
-    out: dict[str, list[Sample]] = {}
-    for i, line in enumerate(lines):
-        try:
-            record = json.loads(line)  # json, as written: it reads -Infinity back
-            samples = [Sample.model_validate(s) for s in record["samples"]]
-        except (ValueError, KeyError, TypeError):
-            if i == len(lines) - 1:  # a crash mid-append; the next append cuts it off
-                continue
-            raise ValueError(f"{path}:{i + 1}: not a valid trial record") from None
-        out[record["rollout_id"]] = samples
-    return out
 
 
 async def collect_step(
@@ -167,14 +80,13 @@ async def collect_step(
         policy = PolicyAccess(policy, trial_sample, lambda spec: None)
     if specs is None:
         specs = plan_group_trials(prompts, step, rollout.n_samples_per_prompt, seed)
-    journal = Path(details_dir) / JOURNAL
     done = read_journal(details_dir)
     pending = [s for s in specs if s.rollout_id not in done]
 
     async def finished(outcome: TrialOutcome) -> None:
         samples = policy.to_samples(outcome, run_id, step)
         rollout_id = outcome.spec.rollout_id
-        append_jsonl(journal, {"rollout_id": rollout_id, "samples": [x.model_dump(mode="json") for x in samples]})
+        append_trial(details_dir, rollout_id, samples)
         done[rollout_id] = samples
         if on_done and inspect.isawaitable(ack := on_done(outcome)):
             await ack
@@ -199,9 +111,7 @@ async def collect_step(
     )
     wall = time.perf_counter() - t0
     samples = [x for s in specs for x in done[s.rollout_id]]
-    details = details_dir / SAMPLES
-    write_jsonl_atomic(details, (s.model_dump(mode="json") for s in samples))
-    return StepRollout(samples, step_metrics(samples, wall), details)
+    return StepRollout(samples, step_metrics(samples, wall), write_samples(details_dir, samples))
 
 
 def select_step_prompts(

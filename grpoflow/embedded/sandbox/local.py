@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -87,9 +86,6 @@ class LocalSandbox(BaseEnvironment):
         max_file_size_mb: int = 1024,
         max_output_bytes: int = 1_000_000,
         work_dir: str | None = None,
-        fail_start_probability: float = 0.0,
-        fail_start_seed: int | None = None,
-        die_after_execs: int | None = None,
         process_scope: str = "exec",
         **kwargs: Any,
     ):
@@ -102,11 +98,6 @@ class LocalSandbox(BaseEnvironment):
         max_file_size_mb: largest file a process may write (RLIMIT_FSIZE). Disk use as a whole is not capped.
         max_output_bytes: stdout and stderr of one exec are each cut to this many bytes (head and tail kept).
         work_dir: where the per-trial temp dirs go (default: the system temp dir).
-        fail_start_probability, fail_start_seed: fault injection for tests: `start()` raises
-            `SandboxStartError` with this probability. With a seed the draw is a function of (seed, session_id),
-            so a retry (a new trial name) draws again while a rerun of the same trial repeats its fate.
-        die_after_execs: fault injection: after this many execs the sandbox "dies": every later exec raises
-            `SandboxDiedError` (Harbor's own execs, e.g. the verifier's, count too).
         process_scope: "exec" (processes die with their exec) or "trial" (they live until stop(); see module doc).
         Any other kwarg goes to Harbor's `BaseEnvironment` (`auto_mounting` defaults to True here).
         """
@@ -119,21 +110,14 @@ class LocalSandbox(BaseEnvironment):
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LocalSandbox: {name} must be a positive integer, got {value!r}")
-        if not 0.0 <= fail_start_probability <= 1.0:
-            raise ValueError(f"LocalSandbox: fail_start_probability must be in [0, 1], got {fail_start_probability}")
         if process_scope not in PROCESS_SCOPES:
             raise ValueError(f"LocalSandbox: process_scope must be one of {PROCESS_SCOPES}, got {process_scope!r}")
-        if die_after_execs is not None and die_after_execs < 0:
-            raise ValueError(f"LocalSandbox: die_after_execs must be >= 0, got {die_after_execs}")
         self.cpu_time_sec = cpu_time_sec
         self.memory_mb = memory_mb
         self.max_processes = max_processes
         self.max_file_size_mb = max_file_size_mb
         self.max_output_bytes = max_output_bytes
         self.work_dir = work_dir
-        self.fail_start_probability = fail_start_probability
-        self.fail_start_seed = fail_start_seed
-        self.die_after_execs = die_after_execs
         self.process_scope = process_scope
         # Log dirs bound from the trial dir, so Harbor reads them in place (as with Docker's bind mounts).
         kwargs.setdefault("auto_mounting", True)
@@ -155,7 +139,6 @@ class LocalSandbox(BaseEnvironment):
         self._holder: subprocess.Popen[bytes] | None = None  # process_scope="trial": the namespaces' bwrap
         self._enter_prefix: list[str] = []  # process_scope="trial": nsenter into the holder's namespaces
         self._procs: set[asyncio.subprocess.Process] = set()
-        self._exec_count = 0
         self._dead_reason: str | None = None
 
     # ---- Harbor's environment interface -------------------------------------------------------------------
@@ -185,7 +168,6 @@ class LocalSandbox(BaseEnvironment):
         return None
 
     async def start(self, force_build: bool) -> None:
-        self._maybe_inject_start_fault()
         tools = require_tools()
         try:
             await asyncio.to_thread(self._make_root, tools)
@@ -195,8 +177,7 @@ class LocalSandbox(BaseEnvironment):
             # The bwrap that holds the trial's namespaces; every exec then enters them with nsenter.
             self._holder, holder_pid = await start_holder(self._argv_prefix, self._exec_env(None), self.session_id)
             self._enter_prefix = enter_argv(tools["nsenter"], holder_pid)
-        # One real command: proves bwrap can create its namespaces here before Harbor starts the agent. Not
-        # counted as an exec (die_after_execs counts the trial's own commands).
+        # One real command: proves bwrap can create its namespaces here before Harbor starts the agent.
         try:
             probe = await self._run("true", self._workdir, None, 60)
         except SandboxDiedError as exc:
@@ -252,10 +233,6 @@ class LocalSandbox(BaseEnvironment):
             raise SandboxDiedError(
                 f"sandbox {self.session_id}: {self._dead_reason or 'not started'}; cannot run {command[:80]!r}"
             )
-        self._exec_count += 1
-        if self.die_after_execs is not None and self._exec_count > self.die_after_execs:
-            self._dead_reason = f"injected fault: died after {self.die_after_execs} execs"
-            raise SandboxDiedError(f"sandbox {self.session_id}: {self._dead_reason}")
         return await self._run(command, cwd or self._workdir, env, timeout_sec)
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
@@ -388,16 +365,6 @@ class LocalSandbox(BaseEnvironment):
         return {**base, **(self._merge_env(env) or {})}
 
     # ---- start: the per-trial tree ------------------------------------------------------------------------
-
-    def _maybe_inject_start_fault(self) -> None:
-        if self.fail_start_probability <= 0.0:
-            return
-        rng = random.Random(f"{self.fail_start_seed}/{self.session_id}") if self.fail_start_seed is not None else random
-        if rng.random() < self.fail_start_probability:
-            raise SandboxStartError(
-                f"injected fault: sandbox {self.session_id} failed to start "
-                f"(fail_start_probability={self.fail_start_probability})"
-            )
 
     def _make_root(self, tools: dict[str, str]) -> None:
         root = make_trial_dir(self.work_dir, self.session_id)

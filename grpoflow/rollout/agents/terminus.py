@@ -21,13 +21,12 @@ Tokens are not: terminus-2 speaks chat text; the exact tokens come from the sess
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
-# LiteLLM fetches its model price map from GitHub when imported (seconds of retries offline); ours is unknown to it
-# anyway (terminus-2 gets `model_info`), so the bundled copy is enough.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+from grpoflow.offline import apply_offline_env
+
+apply_offline_env()  # before Harbor imports LiteLLM: ours is unknown to its price map anyway (terminus-2 gets `model_info`)
 
 from harbor.agents.terminus_2 import Terminus2  # noqa: E402
 from harbor.environments.base import BaseEnvironment  # noqa: E402

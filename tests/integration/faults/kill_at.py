@@ -43,9 +43,9 @@ def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
 
 def arm(point: str, step: int, n: int) -> None:
     if point in ("rollout", "eval"):
-        import grpoflow.rollout.step as collect
+        import grpoflow.rollout.journal as journal
 
-        real, count = collect.append_jsonl, [0]
+        real, count = journal.append_jsonl, [0]
         where = f"{'step' if point == 'rollout' else 'eval'}_{step}"
 
         def append(path, record):
@@ -57,7 +57,7 @@ def arm(point: str, step: int, n: int) -> None:
                         _wait_for(Path(path).parents[2] / "checkpoints" / f"step_{step - 1}" / "optimizer.pt")
                     die()
 
-        collect.append_jsonl = append
+        journal.append_jsonl = append
     elif point == "train":
         import grpoflow.train.step as train_step_mod
 

@@ -39,7 +39,7 @@ def _samples(root, step):
     return [json.loads(x) for x in (root / "details" / f"step_{step}" / "samples.jsonl").read_text().splitlines()]
 
 
-def test_flaky_sandbox_creation_through_the_train_flow(tmp_path, tiny_model_dir):
+def test_flaky_sandbox_creation_through_the_train_flow(tmp_path, tiny_model_dir, faulty_sandbox):
     cfg = _cfg(
         tmp_path,
         tiny_model_dir,

@@ -44,7 +44,7 @@ def test_hanging_command_is_cut_at_its_timeout_and_124_fed_back(tmp_path, tiny_m
     assert s.metrics["tool_time_s"] < 10 and retried == []
 
 
-def test_sandbox_dying_mid_episode_is_retried_then_recorded(tmp_path, tiny_model_dir, scripted):
+def test_sandbox_dying_mid_episode_is_retried_then_recorded(tmp_path, tiny_model_dir, scripted, faulty_sandbox):
     # Every sandbox dies at its 2nd exec (the agent's 2nd command): each attempt fails the same way.
     engine = scripted(lambda ids, i: Reply("```bash\ntouch /app/a\n```"))
     res, retried = collect(
@@ -66,7 +66,7 @@ def test_sandbox_dying_mid_episode_is_retried_then_recorded(tmp_path, tiny_model
     assert select_trainable(res.samples, "drop_group") == ([], 1)
 
 
-def test_sandbox_dying_under_the_verifier_is_retried_then_recorded(tmp_path, tiny_model_dir, scripted):
+def test_sandbox_dying_under_the_verifier_is_retried_then_recorded(tmp_path, tiny_model_dir, scripted, faulty_sandbox):
     # The agent's one command solves the task; the sandbox dies at the next exec, the verifier's: no reward may
     # be invented (the file *is* there), so the trial is retried and then recorded as a SandboxError.
     replies = [SOLVE, "DONE"]

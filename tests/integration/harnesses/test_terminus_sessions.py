@@ -11,7 +11,8 @@ import pytest
 from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
-from grpoflow.rollout.step import collect_step, policy_access, sandbox_config
+from grpoflow.rollout.policy import policy_access
+from grpoflow.rollout.step import collect_step, sandbox_config
 from tests.fakes.scripted_engine import Reply, ScriptedEngine
 from tests.fakes.scripted_openai import terminus_json
 

@@ -12,7 +12,10 @@ from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.step import collect_step, sandbox_config
 from grpoflow.scoring import select_trainable
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
+    pytest.mark.usefixtures("faulty_sandbox"),
+]
 
 
 def _prompts(*names):

@@ -36,19 +36,20 @@ def sandbox_dirs(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def make_sandbox(bwrap: str, tmp_path: Path, sandbox_dirs: Path) -> Iterator[Callable[..., LocalSandbox]]:
-    """make_sandbox(task_name="copy-file", **kwargs) -> a LocalSandbox constructed as Harbor would (not started).
+    """make_sandbox(task_name="copy-file", cls=LocalSandbox, **kwargs) -> a sandbox constructed as Harbor would (not
+    started).
 
     Every sandbox made here is stopped (deleted) at teardown, even when the test failed half-way.
     """
     made: list[LocalSandbox] = []
     tasks = load_dataset("builtin")
 
-    def make(task_name: str = "copy-file", **kwargs: Any) -> LocalSandbox:
+    def make(task_name: str = "copy-file", cls: type[LocalSandbox] = LocalSandbox, **kwargs: Any) -> LocalSandbox:
         task = Task(tasks.by_name(task_name).path)
         trial_paths = TrialPaths(tmp_path / f"trial-{len(made)}")
         trial_paths.mkdir()
         kwargs.setdefault("work_dir", str(sandbox_dirs))
-        env = LocalSandbox(
+        env = cls(
             environment_dir=task.paths.environment_dir,
             environment_name=task_name,
             session_id=f"{task_name}__test{len(made)}__env",

@@ -24,10 +24,11 @@ from grpoflow.rollout.environments import (
     SandboxUnavailableError,
     is_sandbox_failure_type,
 )
+from tests.fakes.faulty_sandbox import FaultySandbox
 
 
 def test_fail_start_probability_one_always_fails(make_sandbox: Callable[..., LocalSandbox], sandbox_dirs: Path) -> None:
-    env = make_sandbox(fail_start_probability=1.0)
+    env = make_sandbox(cls=FaultySandbox, fail_start_probability=1.0)
     with pytest.raises(SandboxStartError, match="injected") as caught:
         asyncio.run(env.start(force_build=False))
     assert is_sandbox_failure_type(type(caught.value).__name__)
@@ -36,10 +37,10 @@ def test_fail_start_probability_one_always_fails(make_sandbox: Callable[..., Loc
 
 def test_seeded_start_faults_hit_the_rate_and_repeat_per_session(make_sandbox: Callable[..., LocalSandbox]) -> None:
     def fails(session: int, seed: int) -> bool:
-        env = make_sandbox(fail_start_probability=0.5, fail_start_seed=seed)
+        env = make_sandbox(cls=FaultySandbox, fail_start_probability=0.5, fail_start_seed=seed)
         env.session_id = f"trial-{session}__env"
         try:
-            env._maybe_inject_start_fault()
+            env.maybe_fail_start()
         except SandboxStartError:
             return True
         return False
@@ -52,7 +53,7 @@ def test_seeded_start_faults_hit_the_rate_and_repeat_per_session(make_sandbox: C
 
 def test_die_after_execs(make_sandbox: Callable[..., LocalSandbox]) -> None:
     async def main() -> list[str]:
-        env = make_sandbox(die_after_execs=2)
+        env = make_sandbox(cls=FaultySandbox, die_after_execs=2)
         await env.start(force_build=False)  # start's own probe is not counted
         seen = [(await env.exec("echo ok")).stdout.strip() for _ in range(2)]
         for _ in range(2):  # a dead sandbox stays dead

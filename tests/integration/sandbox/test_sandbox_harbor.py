@@ -19,18 +19,25 @@ from harbor.trial.trial import Trial
 from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.prepare.dataset import load_dataset
 from grpoflow.rollout.environments import is_sandbox_failure_type
+from tests.fakes.faulty_sandbox import FAULTY_SANDBOX_IMPORT_PATH
 from tests.integration.sandbox.sandbox_helpers import new_marker, wait_gone
 
 TASKS = load_dataset("builtin").tasks
 CONCURRENCY = 8  # 2 cores here; each trial is mostly waiting on short bwrap processes
 
 
-def _config(task_path: Path, agent: AgentConfig, trials_dir: Path, **env_kwargs: Any) -> TrialConfig:
+def _config(
+    task_path: Path,
+    agent: AgentConfig,
+    trials_dir: Path,
+    import_path: str = LOCAL_SANDBOX_IMPORT_PATH,
+    **env_kwargs: Any,
+) -> TrialConfig:
     return TrialConfig(
         task=TaskConfig(path=task_path),
         agent=agent,
         trials_dir=trials_dir,
-        environment=EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs=env_kwargs),
+        environment=EnvironmentConfig(import_path=import_path, kwargs=env_kwargs),
     )
 
 
@@ -71,7 +78,13 @@ def test_oracle_scores_one_and_nop_zero_on_every_builtin_task(bwrap: str, tmp_pa
 
 def test_injected_start_fault_is_a_sandbox_failure_in_the_trial_result(bwrap: str, tmp_path: Path) -> None:
     task = TASKS[0]
-    result = asyncio.run(_run(_config(task.path, AgentConfig(name="oracle"), tmp_path, fail_start_probability=1.0)))
+    result = asyncio.run(
+        _run(
+            _config(
+                task.path, AgentConfig(name="oracle"), tmp_path, FAULTY_SANDBOX_IMPORT_PATH, fail_start_probability=1.0
+            )
+        )
+    )
     assert result.exception_info is not None
     assert result.exception_info.exception_type == "SandboxStartError"
     assert is_sandbox_failure_type(result.exception_info.exception_type)
@@ -80,7 +93,9 @@ def test_injected_start_fault_is_a_sandbox_failure_in_the_trial_result(bwrap: st
 
 def test_sandbox_dying_mid_episode_is_a_sandbox_failure(bwrap: str, tmp_path: Path) -> None:
     task = TASKS[0]
-    result = asyncio.run(_run(_config(task.path, AgentConfig(name="oracle"), tmp_path, die_after_execs=0)))
+    result = asyncio.run(
+        _run(_config(task.path, AgentConfig(name="oracle"), tmp_path, FAULTY_SANDBOX_IMPORT_PATH, die_after_execs=0))
+    )
     assert result.exception_info is not None
     assert result.exception_info.exception_type == "SandboxDiedError"
     assert is_sandbox_failure_type(result.exception_info.exception_type)

@@ -1,0 +1,67 @@
+"""`FaultySandbox`: the local sandbox with injected faults, for tests of retries and failure records.
+
+`fail_start_probability` (with `fail_start_seed`, a function of (seed, session id): a retry draws again, a rerun of
+the same trial repeats its fate) makes `start()` raise `SandboxStartError`; `die_after_execs` makes the sandbox
+"die" after that many execs (Harbor's own, the verifier's among them, count too): every later exec raises
+`SandboxDiedError`. The `faulty_sandbox` fixture (tests/conftest.py) puts it where a run's `rollout.sandbox=local`
+goes, so `rollout.sandbox_kwargs` reach it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from grpoflow.embedded.sandbox.local import LocalSandbox
+from grpoflow.rollout.environments import SandboxDiedError, SandboxStartError
+
+FAULTY_SANDBOX_IMPORT_PATH = "tests.fakes.faulty_sandbox:FaultySandbox"
+
+
+class FaultySandbox(LocalSandbox):
+    def __init__(
+        self,
+        *args: Any,
+        fail_start_probability: float = 0.0,
+        fail_start_seed: int | None = None,
+        die_after_execs: int | None = None,
+        **kwargs: Any,
+    ):
+        if not 0.0 <= fail_start_probability <= 1.0:
+            raise ValueError(f"FaultySandbox: fail_start_probability must be in [0, 1], got {fail_start_probability}")
+        if die_after_execs is not None and die_after_execs < 0:
+            raise ValueError(f"FaultySandbox: die_after_execs must be >= 0, got {die_after_execs}")
+        super().__init__(*args, **kwargs)
+        self.fail_start_probability = fail_start_probability
+        self.fail_start_seed = fail_start_seed
+        self.die_after_execs = die_after_execs
+        self._execs = 0
+
+    def maybe_fail_start(self) -> None:
+        if self.fail_start_probability <= 0.0:
+            return
+        rng = random.Random(f"{self.fail_start_seed}/{self.session_id}") if self.fail_start_seed is not None else random
+        if rng.random() < self.fail_start_probability:
+            raise SandboxStartError(
+                f"injected fault: sandbox {self.session_id} failed to start "
+                f"(fail_start_probability={self.fail_start_probability})"
+            )
+
+    async def start(self, force_build: bool) -> None:
+        self.maybe_fail_start()
+        await super().start(force_build)
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: float | None = None,
+        user: str | int | None = None,
+    ):
+        if self._root is not None and self._dead_reason is None:
+            self._execs += 1
+            if self.die_after_execs is not None and self._execs > self.die_after_execs:
+                self._dead_reason = f"injected fault: died after {self.die_after_execs} execs"
+                raise SandboxDiedError(f"sandbox {self.session_id}: {self._dead_reason}")
+        return await super().exec(command, cwd, env, timeout_sec, user)

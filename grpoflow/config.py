@@ -308,6 +308,30 @@ class TrainConfig(_Section):
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip range above 1 (ratio <= 1 + eps_high).")
     kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of the k3 KL penalty to the reference model.")
+    old_logprobs: Literal["rollout", "recompute"] = Field(
+        "rollout",
+        description="The PPO ratio's old policy: the engine's logprobs from the rollout, or the trainer's, "
+        "recomputed before the update (one more forward pass); then the engine-vs-trainer mismatch is corrected "
+        "apart (`tis_cap`, `mismatch_band`).",
+    )
+    dual_clip: float | None = Field(
+        3.0,
+        gt=1.0,
+        description="Dual-clip for negative advantages: past this ratio a token keeps no gradient, so no "
+        "mismatched token can set the step's direction. Empty: off.",
+    )
+    tis_cap: float | None = Field(
+        2.0,
+        gt=0.0,
+        description="With recomputed old logprobs: each token's loss is weighted by its trainer/engine probability "
+        "ratio, capped here (truncated importance sampling). Empty: no weight.",
+    )
+    mismatch_band: float | None = Field(
+        None,
+        gt=1.0,
+        description="With recomputed old logprobs: tokens whose trainer/engine probability ratio is outside "
+        "[1/band, band] are left out of the loss (counted). Empty: none are.",
+    )
     scale_by_std: bool = Field(True, description="Divide group advantages by the group's reward std (off = Dr.GRPO).")
     loss_aggregation: Literal["token", "sample"] = Field(
         "token", description="Average the loss over all tokens of the batch, or per sample then over samples."

@@ -5,7 +5,12 @@ Textbook GRPO (DeepSeekMath) with these choices:
   variance exactly and a group of one is defined (advantage 0). TRL and verl use the sample std, which makes
   their advantages smaller by sqrt((G - 1) / G) (0.87 for G = 4): only the scale differs.
 - the clip range is asymmetric (DAPO's clip-higher: `eps_high` > `eps_low`).
-- the "old" logprobs are the inference engine's, so the ratio also carries the rollout-vs-train mismatch.
+- the "old" logprobs are the inference engine's (the behaviour policy), so the ratio also carries the
+  engine-vs-trainer mismatch; or, with `behaviour_logprobs`, the trainer's own recomputed before the update,
+  and the mismatch is corrected apart: tokens whose trainer/engine ratio leaves a band are masked (IcePop) and
+  the rest weighted by that ratio, capped (truncated importance sampling).
+- dual-clip bounds the loss of a negative advantage (verl's `clip_ratio_c`): past ratio `dual_clip` the token
+  keeps no gradient, so one mismatched token cannot set the step's direction.
 - the optional KL penalty to a reference is the k3 estimator (Schulman), added to the per-token loss.
 - `denominator` lets a caller that splits a batch into micro-batches normalise every micro-batch by the
   global count, so the accumulated gradients equal those of the whole batch.
@@ -13,6 +18,7 @@ Textbook GRPO (DeepSeekMath) with these choices:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
@@ -87,6 +93,10 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     denominator: float | None = None,
     sample_tokens: torch.Tensor | None = None,
+    dual_clip: float | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    mismatch_band: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clipped GRPO loss; returns (scalar loss, detached metrics).
 
@@ -97,20 +107,38 @@ def policy_loss(
     the masked tokens of the row's whole rollout when a rollout is split into segments, so that a rollout
     weighs as one sample (pass the number of rollouts as `denominator`).
     Masked-out positions never reach the loss or its gradient, whatever their values.
+
+    Off-policy correction: `dual_clip` (> 1) caps the loss of a token with a negative advantage at
+    `-dual_clip * A`. `behaviour_logprobs` (B, T) are the engine's when `old_logprobs` are the trainer's: the
+    per-token behaviour weight w = exp(old - behaviour) masks the token when it leaves
+    [1 / mismatch_band, mismatch_band] and, capped at `tis_cap`, multiplies its policy-gradient loss (detached).
     """
     mask = loss_mask.bool()  # (B, T)
     adv = advantages.float()[:, None]  # (B, 1)
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    behaviour_log_w = None
+    if behaviour_logprobs is not None:  # (B, T): log(old / behaviour), the engine-vs-trainer mismatch
+        behaviour_log_w = torch.where(mask, old_logprobs - behaviour_logprobs, 0.0).clamp(
+            -_MAX_LOG_RATIO, _MAX_LOG_RATIO
+        )
+    in_band = mask
+    if behaviour_log_w is not None and mismatch_band is not None:
+        in_band = mask & (behaviour_log_w.abs() <= math.log(mismatch_band))
+    trained = in_band  # (B, T): the tokens that reach the loss
+    log_ratio = torch.where(trained, logprobs - old_logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = log_ratio.exp()  # (B, T)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    if dual_clip is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
+    if behaviour_log_w is not None and tis_cap is not None:
+        per_token = per_token * behaviour_log_w.exp().clamp(max=tis_cap).detach()
     if ref_logprobs is not None and kl_coef > 0:
         d = torch.where(mask, ref_logprobs - logprobs, 0.0)
         kl = d.exp() - d - 1  # k3: unbiased, always >= 0, low variance
         per_token = per_token + kl_coef * kl
-    per_token = torch.where(mask, per_token, 0.0)
+    per_token = torch.where(trained, per_token, 0.0)
 
-    n_tok = mask.sum(-1)  # (B,)
+    n_tok = trained.sum(-1)  # (B,)
     if aggregation == "token":
         total = per_token.sum()
         count = n_tok.sum().clamp(min=1)
@@ -124,14 +152,27 @@ def policy_loss(
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
-        gap = (logprobs - old_logprobs).abs()[mask]  # (M,)
+        # the engine-vs-trainer mismatch: log(trainer / engine) on every token of the mask
+        mismatch = (
+            (logprobs - old_logprobs) if behaviour_logprobs is None else (old_logprobs - behaviour_logprobs)
+        ).detach()
+        gap = mismatch.abs()[mask]  # (M,)
+        mismatch_ratio = mismatch.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
         metrics = {
-            "n_tokens": mask.sum(),
+            "n_tokens": trained.sum(),
             # tokens whose gradient the clip removed: ratio past the bound on the side the advantage pushes to
-            "clip_frac_low": ((ratio < 1 - eps_low) & (adv < 0) & mask).sum() / n,
-            "clip_frac_high": ((ratio > 1 + eps_high) & (adv > 0) & mask).sum() / n,
+            "clip_frac_low": ((ratio < 1 - eps_low) & (adv < 0) & trained).sum() / n,
+            "clip_frac_high": ((ratio > 1 + eps_high) & (adv > 0) & trained).sum() / n,
+            "dual_clip_frac": ((ratio > (dual_clip or math.inf)) & (adv < 0) & trained).sum() / n,
             "logprob_gap_mean": gap.sum() / n,
             "logprob_gap_max": gap.max() if gap.numel() else gap.new_zeros(()),
+            # k3 estimate of KL(engine || trainer) over the engine's own samples
+            "mismatch_kl": torch.where(
+                mask, mismatch_ratio - 1 - mismatch.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0
+            ).sum()
+            / n,
+            "mismatch_ratio_max": mismatch_ratio[mask].max() if gap.numel() else gap.new_zeros(()),
+            "mismatch_masked_frac": (mask & ~trained).sum() / n,
         }
         if ref_logprobs is not None and kl_coef > 0:
             metrics["kl"] = torch.where(mask, kl, 0.0).sum() / n

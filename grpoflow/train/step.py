@@ -38,18 +38,39 @@ def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def _collate(samples: list[Sample], device: torch.device):
-    """Right-padded (B, L) ids and the (B, L - 1) train mask / rollout logprobs, shifted to score tokens[1:]."""
+def _collate(samples: list[Sample], device: torch.device, old: list[torch.Tensor] | None = None):
+    """Right-padded (B, L) ids, and the (B, L - 1) train mask, rollout (engine) logprobs and "old" logprobs,
+    shifted to score tokens[1:]. `old` (one (len - 1,) tensor per sample) are the trainer's recomputed logprobs;
+    without them the old logprobs are the rollout's."""
     L = max(len(s.tokens) for s in samples)
     ids = torch.zeros(len(samples), L, dtype=torch.long)  # pad id 0: never attended to by real tokens, never trained
     mask = torch.zeros(len(samples), L - 1, dtype=torch.bool)
-    old = torch.zeros(len(samples), L - 1, dtype=torch.float32)
+    behaviour = torch.zeros(len(samples), L - 1, dtype=torch.float32)
+    recomputed = torch.zeros(len(samples), L - 1, dtype=torch.float32) if old is not None else None
     for i, s in enumerate(samples):
         n = len(s.tokens)
         ids[i, :n] = torch.tensor(s.tokens)
         mask[i, : n - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.bool)
-        old[i, : n - 1] = torch.tensor(s.rollout_logprobs[1:])
-    return ids.to(device), mask.to(device), old.to(device)
+        behaviour[i, : n - 1] = torch.tensor(s.rollout_logprobs[1:])
+        if recomputed is not None:
+            recomputed[i, : n - 1] = old[i]
+    behaviour = behaviour.to(device)
+    return ids.to(device), mask.to(device), behaviour, (recomputed.to(device) if recomputed is not None else behaviour)
+
+
+@torch.no_grad()
+def recompute_old_logprobs(
+    state: TrainerState, samples: list[Sample], cfg: TrainConfig, temperature: float = 1.0
+) -> list[torch.Tensor]:
+    """The trainer's logprobs of each sample's tokens before the update (len - 1 each, zero off the loss mask):
+    the "old" policy of the PPO ratio when `train.old_logprobs` is `recompute`."""
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for idx in pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens):
+        ids, mask, _, _ = _collate([samples[i] for i in idx], state.device)
+        logp, _ = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)  # (B, L-1)
+        for row, i in enumerate(idx):
+            out[i] = logp[row, : len(samples[i].tokens) - 1].float().cpu()
+    return out  # type: ignore[return-value]
 
 
 def _n_trained(s: Sample) -> int:
@@ -57,7 +78,12 @@ def _n_trained(s: Sample) -> int:
 
 
 def backward_minibatch(
-    state: TrainerState, samples: list[Sample], advantages: torch.Tensor, cfg: TrainConfig, temperature: float = 1.0
+    state: TrainerState,
+    samples: list[Sample],
+    advantages: torch.Tensor,
+    cfg: TrainConfig,
+    temperature: float = 1.0,
+    old: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Forward/backward one optimizer minibatch in micro-batches, accumulating into `.grad` (no optimizer step).
 
@@ -65,16 +91,19 @@ def backward_minibatch(
     accumulated gradient is that of the aggregation over the whole minibatch. The segments of one rollout
     (same `rollout_id`) count as one sample under `sample` aggregation: each is divided by the rollout's trained
     tokens and the count is of rollouts. (Under `token` aggregation nothing changes: tokens shared between
-    segments are loss-masked in all but one, so every trained token counts once.)
+    segments are loss-masked in all but one, so every trained token counts once.) `old`: the samples' recomputed
+    logprobs (`recompute_old_logprobs`), with the rollout's as the behaviour policy to correct for.
     """
     rollout_tokens: dict[str, int] = {}
     for s in samples:
         rollout_tokens[s.rollout_id] = rollout_tokens.get(s.rollout_id, 0) + _n_trained(s)
     row_tokens = torch.tensor([rollout_tokens[s.rollout_id] for s in samples])  # (N,)
     denom = sum(map(_n_trained, samples)) if cfg.loss_aggregation == "token" else len(rollout_tokens)
-    sums: dict[str, float] = {"loss": 0.0, "n_tokens": 0, "logprob_gap_max": 0.0}
+    sums: dict[str, float] = {"loss": 0.0, "n_tokens": 0, "n_mask_tokens": 0, **dict.fromkeys(_MAX_KEYS, 0.0)}
     for idx in pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens):
-        ids, mask, old = _collate([samples[i] for i in idx], state.device)
+        ids, mask, behaviour, old_lp = _collate(
+            [samples[i] for i in idx], state.device, [old[i] for i in idx] if old is not None else None
+        )
         logp, ent = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)  # (B, L-1)
         ref = None
         if state.ref_model is not None:
@@ -82,7 +111,7 @@ def backward_minibatch(
                 ref, _ = token_logprobs(state.ref_model, ids, mask, state.autocast_dtype, temperature)
         loss, m = policy_loss(
             logp,
-            old,
+            old_lp,
             advantages[idx].to(state.device),
             mask,
             cfg.eps_low,
@@ -93,20 +122,38 @@ def backward_minibatch(
             entropy=ent,
             denominator=denom,
             sample_tokens=row_tokens[idx],
+            dual_clip=cfg.dual_clip,
+            behaviour_logprobs=behaviour if old is not None else None,
+            tis_cap=cfg.tis_cap,
+            mismatch_band=cfg.mismatch_band,
         )
         loss.backward()
         sums["loss"] += loss.item()
-        n = int(m.pop("n_tokens"))
-        sums["n_tokens"] += n
-        sums["logprob_gap_max"] = max(sums["logprob_gap_max"], m.pop("logprob_gap_max").item())
-        for k, v in m.items():  # token-weighted means across micro-batches
+        sums["n_tokens"] += int(m.pop("n_tokens"))
+        n = int(mask.sum())
+        sums["n_mask_tokens"] += n
+        for k in _MAX_KEYS:
+            sums[k] = max(sums[k], m.pop(k).item())
+        for k, v in m.items():  # means over the loss-mask tokens across micro-batches
             sums[k] = sums.get(k, 0.0) + v.item() * n
         sums["n_forward_tokens"] = sums.get("n_forward_tokens", 0) + sum(len(samples[i].tokens) - 1 for i in idx)
         sums["n_micro_batches"] = sums.get("n_micro_batches", 0) + 1
-    for k in ("clip_frac_low", "clip_frac_high", "logprob_gap_mean", "kl", "entropy"):
+    for k in _MEAN_KEYS + ("kl", "entropy"):
         if k in sums:
-            sums[k] /= max(sums["n_tokens"], 1)
+            sums[k] /= max(sums["n_mask_tokens"], 1)
+    del sums["n_mask_tokens"]
     return sums
+
+
+_MAX_KEYS = ("logprob_gap_max", "mismatch_ratio_max")  # maxima over the step, not means
+_MEAN_KEYS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "dual_clip_frac",
+    "logprob_gap_mean",
+    "mismatch_kl",
+    "mismatch_masked_frac",
+)
 
 
 def prepare_samples(samples: list[Sample], cfg: TrainConfig) -> tuple[list[Sample], torch.Tensor, dict[str, int]]:
@@ -157,6 +204,7 @@ def train_step(
     torch.manual_seed(seed)
     kept, adv, counts = prepare_samples(samples, cfg)
     minibatches = _rollout_minibatches(kept, cfg.global_batch_size, seed)
+    old = recompute_old_logprobs(state, kept, cfg, temperature) if cfg.old_logprobs == "recompute" and kept else None
     params = [p for p in state.model.parameters() if p.requires_grad]
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)
@@ -169,10 +217,10 @@ def train_step(
         "optimizer_steps": 0,
         "skipped_zero_advantage": 0,
         "skipped_nonfinite": 0,
-        "logprob_gap_max": 0.0,
+        **dict.fromkeys(_MAX_KEYS, 0.0),
     }
     # every key present even when nothing was trained (optimizer_steps 0 says so), for steady metric columns
-    for k in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "logprob_gap_mean", "entropy"):
+    for k in ("loss", "grad_norm", *_MEAN_KEYS, "entropy"):
         out[k] = 0.0
     means: dict[str, list[float]] = {}
     for idx in minibatches:
@@ -180,7 +228,9 @@ def train_step(
             out["skipped_zero_advantage"] += 1
             continue
         state.optimizer.zero_grad(set_to_none=True)
-        m = backward_minibatch(state, [kept[i] for i in idx], adv[idx], cfg, temperature)
+        m = backward_minibatch(
+            state, [kept[i] for i in idx], adv[idx], cfg, temperature, [old[i] for i in idx] if old else None
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
         if not math.isfinite(grad_norm):
             out["skipped_nonfinite"] += 1
@@ -193,7 +243,8 @@ def train_step(
         out["n_tokens"] += m.pop("n_tokens")
         out["n_forward_tokens"] += m.pop("n_forward_tokens")
         out["n_micro_batches"] += m.pop("n_micro_batches")
-        out["logprob_gap_max"] = max(out["logprob_gap_max"], m.pop("logprob_gap_max"))
+        for k in _MAX_KEYS:
+            out[k] = max(out[k], m.pop(k))
         m["grad_norm"] = grad_norm
         for k, v in m.items():
             means.setdefault(k, []).append(v)

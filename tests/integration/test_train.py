@@ -295,3 +295,23 @@ def test_token_logprobs_are_taken_at_the_rollout_temperature(tmp_path):
             got, _ = token_logprobs(model, ids, mask, temperature=t)
             want = torch.log_softmax(logits / t, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
             assert torch.allclose(got[0], want, atol=1e-5)
+
+
+def test_recomputed_old_logprobs_make_the_first_ratio_exactly_one_and_report_the_mismatch(tiny_model_dir):
+    """With the engine's logprobs as the old policy the noise of the engine is in every ratio (clipped tokens);
+    recomputed by the trainer before the update, the first minibatch's ratio is 1 and the mismatch is measured
+    (and corrected) apart."""
+    results = {}
+    for mode in ("rollout", "recompute"):
+        cfg = TrainConfig(learning_rate=1e-3, micro_batch_tokens=64, old_logprobs=mode)
+        state = load_trainer(tiny_model_dir, cfg, seed=3)
+        samples = _agentic_samples(state.model)
+        for s in samples:  # an engine far off the trainer: N(0, 0.5) on every trained logprob
+            noise = torch.randn(len(s.tokens), generator=torch.Generator().manual_seed(len(s.tokens))) * 0.5
+            s.rollout_logprobs = [v + float(e) if m else 0.0 for v, e, m in zip(s.rollout_logprobs, noise, s.loss_mask)]
+        results[mode] = train_step(state, samples, cfg, seed=7)
+    rollout, recompute = results["rollout"], results["recompute"]
+    assert rollout["clip_frac_low"] + rollout["clip_frac_high"] > 0.05
+    assert recompute["clip_frac_low"] == recompute["clip_frac_high"] == 0.0  # one update: old == current
+    assert recompute["mismatch_kl"] > 0.05 and recompute["mismatch_ratio_max"] > 2.0
+    assert recompute["optimizer_steps"] == 1 and recompute["n_tokens"] == rollout["n_tokens"]

@@ -111,3 +111,40 @@ def test_k3_kl_value():
     # and 0 when the policy is the reference
     _, m0 = _loss(lp, lp.clone(), torch.zeros(1), torch.ones(1, 1), ref_logprobs=lp.clone(), kl_coef=0.5)
     assert m0["kl"].item() == 0.0
+
+
+def _grad(lp, old, adv, **kw):
+    lp = lp.clone().requires_grad_(True)
+    loss, m = _loss(lp, old, adv, torch.ones_like(lp, dtype=torch.bool), **kw)
+    loss.backward()
+    return lp.grad, m
+
+
+def test_one_mismatched_token_with_a_negative_advantage_cannot_set_the_step_direction():
+    # token 0: the engine gave it logprob -10 where the trainer says 0 (ratio e^10); A = -1
+    lp, old, adv = torch.tensor([[0.0, -1.0]]), torch.tensor([[-10.0, -1.0]]), torch.tensor([-1.0])
+    unbounded, _ = _grad(lp, old, adv)
+    assert unbounded[0, 0].item() == pytest.approx(math.exp(10) / 2)  # |A| r / tokens: the whole step's direction
+    bounded, m = _grad(lp, old, adv, dual_clip=3.0)
+    assert bounded[0, 0].item() == 0.0 and bounded[0, 1].item() == pytest.approx(0.5)  # the other token trains
+    assert m["dual_clip_frac"].item() == 0.5 and m["mismatch_ratio_max"].item() == pytest.approx(math.exp(10))
+    # a positive advantage is untouched by the dual clip (the PPO clip already bounds it)
+    pos, _ = _grad(torch.tensor([[0.0]]), torch.tensor([[-0.1]]), torch.tensor([1.0]), dual_clip=3.0)
+    assert pos[0, 0].item() == pytest.approx(-math.exp(0.1))
+
+
+def test_recomputed_old_logprobs_weight_each_token_by_its_capped_behaviour_ratio():
+    # the trainer's old = current (ratio 1); the engine sampled token 0 at logprob -3 and token 1 at -1.2
+    lp, behaviour, adv = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-3.0, -1.2]]), torch.tensor([1.0])
+    g, m = _grad(lp, lp.clone(), adv, behaviour_logprobs=behaviour, tis_cap=2.0)
+    torch.testing.assert_close(g, torch.tensor([[-2.0 / 2, -math.exp(0.2) / 2]]))  # weights min(e^2, 2), e^0.2
+    assert m["mismatch_ratio_max"].item() == pytest.approx(math.exp(2.0))
+    d = torch.tensor([2.0, 0.2])
+    assert m["mismatch_kl"].item() == pytest.approx(((d.exp() - 1 - d).sum() / 2).item())
+
+
+def test_tokens_outside_the_mismatch_band_leave_the_loss_and_are_counted():
+    lp, behaviour, adv = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-3.0, -1.2]]), torch.tensor([1.0])
+    g, m = _grad(lp, lp.clone(), adv, behaviour_logprobs=behaviour, mismatch_band=2.0)
+    assert g[0, 0].item() == 0.0 and g[0, 1].item() == pytest.approx(-1.0)  # the kept token is the whole mean
+    assert m["mismatch_masked_frac"].item() == 0.5 and m["n_tokens"].item() == 1

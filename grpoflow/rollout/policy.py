@@ -53,6 +53,7 @@ async def policy_access(
         tokenizer_path,
         max_new_tokens=rollout.max_new_tokens,
         context_length=rollout.max_context_tokens,
+        sampling={"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k},
         request_timeout_s=engine.request_timeout_s,
         engine_retries=engine.retries,
     )

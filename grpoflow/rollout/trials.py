@@ -15,6 +15,7 @@ being created, booted and set up — the phase providers rate-limit.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
 import random
@@ -87,6 +88,14 @@ def plan_group_trials(
             seed = (base_seed * 1_000_003 + step * 10_007 + p_idx * 101 + k) % (2**31)
             specs.append(TrialSpec(p.instance_id, p.task_path, group, k, f"{group}-{k}", seed))
     return specs
+
+
+def turn_seed(trial_seed: int, turn: int) -> int:
+    """The sampling seed of a trial's turn (a policy call): distinct across the turns of a trial and across
+    trials, whose seeds are neighbours (a group's samples differ by 1, so `seed + turn` would give trial k's
+    second turn the noise of trial k + 1's first). Below 2**31, like the trial seeds."""
+    digest = hashlib.sha256(f"{trial_seed}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % (2**31)
 
 
 AgentFactory = Callable[[TrialSpec], AgentConfig]

@@ -34,6 +34,7 @@ from grpoflow.rollout.record import (
     TrialRecord,
 )
 from grpoflow.rollout.tokens import TokenTrajectory, is_cut_off, load_tokenizer
+from grpoflow.rollout.trials import turn_seed
 
 SYSTEM_PROMPT = """You are a shell agent working in a Linux sandbox; your working directory is /app.
 Reply with exactly one bash command in a fenced code block, like this:
@@ -135,7 +136,7 @@ class ShellAgent(BaseAgent):
                 return END_TOKEN_BUDGET
             params = SamplingParams(
                 max_new_tokens=self.max_new_tokens,
-                sampling_seed=self.seed + rec.turns,
+                sampling_seed=turn_seed(self.seed, rec.turns),
                 stop=STOP_STRINGS,
                 **self.sampling,
             )

@@ -28,6 +28,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from grpoflow.rollout.tokens import (
     render,
     suffix_ids,
 )
+from grpoflow.rollout.trials import turn_seed
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +138,12 @@ def create_app(
     context_length: int | None = None,
     request_timeout_s: float = 600.0,
     engine_retries: int = 3,
+    sampling: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The session server app. `max_new_tokens` caps every turn (the training config's limit wins over the
-    harness's `max_tokens`); `context_length` (default: the engine's `/get_server_info`) bounds prompt + output."""
+    harness's `max_tokens`); `context_length` (default: the engine's `/get_server_info`) bounds prompt + output.
+    `sampling` (`temperature`, `top_p`, `top_k`) pins what every turn samples with, whatever the harness sends:
+    the trainer scores the tokens under the run's sampling, so the engine must sample under it too."""
     tokenizer = load_tokenizer(str(tokenizer_path))
     # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
     # does all tokenising, off the event loop.
@@ -213,7 +218,9 @@ def create_app(
         if closed is not None:
             tree.refused += 1
             raise _closed(tree.session_id, closed.index)
-        params = _sampling(req, len(prompt_ids), max_new_tokens, await _context_length(), session, len(tree.turns))
+        params = _sampling(
+            req, len(prompt_ids), max_new_tokens, await _context_length(), session, len(tree.turns), sampling or {}
+        )
         t0 = time.perf_counter()
         resp = await engine.agenerate(prompt_ids, params, return_logprob=True)
         gen_s = time.perf_counter() - t0
@@ -233,6 +240,7 @@ def create_app(
             extends=extends,
             retokenize_mismatch=mismatch_at is not None,
             first_mismatch=mismatch_at,
+            sampling=params.model_dump(include={"temperature", "top_p", "top_k", "sampling_seed"}),
             weight_version=resp.meta_info.weight_version,
             generation_time_s=gen_s,
         )
@@ -285,8 +293,16 @@ def _prompt_plan(tokenizer, tree: SessionTree, messages, tools, prev) -> tuple[l
 
 
 def _sampling(
-    req: ChatRequest, prompt_len: int, cap: int | None, context_length: int | None, session: _Session, turn: int
+    req: ChatRequest,
+    prompt_len: int,
+    cap: int | None,
+    context_length: int | None,
+    session: _Session,
+    turn: int,
+    pinned: Mapping[str, Any],
 ) -> SamplingParams:
+    """The turn's sampling: the pinned parameters over the request's, and a seed of the session's (trial seed,
+    turn) when the session has one: a harness sending one `seed` on every call would replay one noise stream."""
     if context_length is not None and prompt_len >= context_length:
         raise RequestRefused(
             f"This model's maximum context length is {context_length} tokens. However, your messages resulted in "
@@ -295,13 +311,15 @@ def _sampling(
         )
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     limits = [x for x in (wanted, cap, context_length - prompt_len if context_length else None) if x is not None]
-    seed = req.seed if req.seed is not None else (session.seed + turn if session.seed is not None else None)
+    seed = turn_seed(session.seed, turn) if session.seed is not None else req.seed
+    asked = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+    chosen = {k: pinned.get(k, v) for k, v in asked.items()}
     try:
         return SamplingParams(
             max_new_tokens=min(limits) if limits else SamplingParams().max_new_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
+            temperature=1.0 if chosen["temperature"] is None else chosen["temperature"],
+            top_p=1.0 if chosen["top_p"] is None else chosen["top_p"],
+            top_k=-1 if chosen["top_k"] is None else chosen["top_k"],
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             sampling_seed=seed,
@@ -412,6 +430,7 @@ class SessionServer:
         host: str = "127.0.0.1",
         request_timeout_s: float = 600.0,
         engine_retries: int = 3,
+        sampling: Mapping[str, Any] | None = None,
     ):
         self.store = SessionStore()
         self._app_kwargs = dict(
@@ -420,6 +439,7 @@ class SessionServer:
             context_length=context_length,
             request_timeout_s=request_timeout_s,
             engine_retries=engine_retries,
+            sampling=sampling,
         )
         self._engine_url, self._tokenizer_path, self._host = engine_url, tokenizer_path, host
         self.model_name = model_name
@@ -464,8 +484,9 @@ class SessionServer:
         self._server = self._thread = self._sock = None
 
     def session_url(self, session_id: str, seed: int | None = None) -> str:
-        """The OpenAI `api_base` for one session (ends in /v1). With `seed`, a request without its own `seed`
-        samples with `seed + turn index`, so a trial's generations are a function of its seed."""
+        """The OpenAI `api_base` for one session (ends in /v1). With `seed` (the trial's), every turn samples
+        with `turn_seed(seed, turn)`, whatever seed the request sends, so a trial's generations are a function of
+        its seed."""
         if not _SESSION_ID.match(session_id):
             raise ValueError(f"session id {session_id!r}: 1 to 400 characters, no whitespace, `?` or `#`")
         if seed is not None:

@@ -81,6 +81,7 @@ class Turn:
     weight_version: str | None
     generation_time_s: float
     end: Mark = field(repr=False)  # the end of prompt + output in the tree
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, sampling_seed used
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -94,6 +95,7 @@ class Turn:
             "first_mismatch": self.first_mismatch,
             "weight_version": self.weight_version,
             "generation_time_s": round(self.generation_time_s, 4),
+            "sampling": self.sampling,
         }
 
 
@@ -191,6 +193,7 @@ class SessionTree:
         first_mismatch: int | None,
         weight_version: str | None,
         generation_time_s: float,
+        sampling: dict[str, Any] | None = None,
     ) -> Turn:
         if len(output_ids) != len(output_logprobs):
             raise ValueError(f"{len(output_ids)} output ids but {len(output_logprobs)} logprobs")
@@ -214,6 +217,7 @@ class SessionTree:
             weight_version=weight_version,
             generation_time_s=generation_time_s,
             end=end,
+            sampling=dict(sampling or {}),
         )
         self.turns.append(turn)
         state = tuple(_msg_key(m) for m in messages) + (("assistant", reply),)

@@ -12,6 +12,7 @@ import pytest
 
 from grpoflow.config import TrainConfig
 from grpoflow.rollout.sessions.segments import segment_samples
+from grpoflow.rollout.trials import turn_seed
 from grpoflow.samples import Sample
 from grpoflow.train.step import prepare_samples
 from tests.integration.sessions.conftest import Out
@@ -284,8 +285,11 @@ def test_seed_cap_and_context_limit(scripted, tok):
     h2 = h + [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "y"}]
     client.chat.completions.create(model="policy", messages=h2, max_tokens=4, seed=5)
     p0, p1 = engine.calls[0].sampling_params, engine.calls[1].sampling_params
-    assert (p0.sampling_seed, p0.max_new_tokens, p0.temperature, p0.top_p) == (100, 16, 0.7, 0.9)
-    assert (p1.sampling_seed, p1.max_new_tokens) == (5, 4)  # the request's own seed wins
+    assert (p0.sampling_seed, p0.max_new_tokens, p0.temperature, p0.top_p) == (turn_seed(100, 0), 16, 0.7, 0.9)
+    # The trial's seed wins over the request's: terminus-2 sends one `seed` on every call, which would replay one
+    # noise stream on every turn.
+    assert (p1.sampling_seed, p1.max_new_tokens) == (turn_seed(100, 1), 4)
+    assert p0.sampling_seed != p1.sampling_seed
     long = [SYS, {"role": "user", "content": "word " * 200}]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="policy", messages=long, max_tokens=4)
@@ -316,3 +320,21 @@ def test_runner_works_from_async_code(tiny_model_dir, tok):
         engine.stop()
     with pytest.raises(httpx.ConnectError):  # stopped on leaving the block
         httpx.get(srv.url + "/health", timeout=2)
+
+
+def test_the_run_pins_sampling_whatever_the_harness_sends_and_each_turn_records_it(scripted, tok):
+    pinned = {"temperature": 0.6, "top_p": 1.0, "top_k": -1}
+    engine, server = scripted(lambda ids, i: Out([7, tok.eos_token_id]), sampling=pinned)
+    client = _client(server, "pinned", seed=3)
+    h = [SYS, {"role": "user", "content": "x"}]
+    _chat(client, h, temperature=1.3, top_p=0.5, extra_body={"top_k": 20})
+    p = engine.calls[0].sampling_params
+    assert (p.temperature, p.top_p, p.top_k, p.sampling_seed) == (0.6, 1.0, -1, turn_seed(3, 0))
+    tree = server.pop_session("pinned")
+    assert tree.turns[0].sampling == {"temperature": 0.6, "top_p": 1.0, "top_k": -1, "sampling_seed": turn_seed(3, 0)}
+
+
+def test_turn_seeds_of_neighbouring_trials_do_not_collide():
+    # a group's trial seeds are neighbours: `seed + turn` gave trial k's second turn trial k+1's first seed
+    seeds = {turn_seed(trial, turn) for trial in range(1000, 1016) for turn in range(8)}
+    assert len(seeds) == 16 * 8

@@ -24,7 +24,50 @@ def load_tokenizer(path: str):
 
 
 class TemplateError(ValueError):
-    """The chat template cannot be extended token-exactly (it does not close assistant turns with EOS)."""
+    """The chat template cannot be extended token-exactly (it does not close assistant turns with a special
+    token, or renders earlier turns differently once new ones follow)."""
+
+
+_PROBE = "grpoflow-probe-reply"
+
+
+@lru_cache(maxsize=8)
+def turn_end(tokenizer: Any) -> tuple[str, int]:
+    """The special token the chat template closes an assistant turn with, and its id: found by rendering a probe
+    conversation, not assumed to be the tokenizer's EOS (ChatML on a base model's tokenizer closes turns with
+    `<|im_end|>` while its EOS is `<|endoftext|>`)."""
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _PROBE}]
+    text = render(tokenizer, messages, None, generation_prompt=False)
+    at = text.rfind(_PROBE)
+    if at < 0:
+        raise TemplateError("the chat template does not render the assistant's reply as given")
+    after = text[at + len(_PROBE) :]
+    specials = {
+        *tokenizer.all_special_tokens,
+        *(t.content for t in tokenizer.added_tokens_decoder.values() if t.special),
+    }
+    for token in sorted(specials, key=len, reverse=True):
+        if token and after.startswith(token):
+            return token, tokenizer.convert_tokens_to_ids(token)
+    raise TemplateError(
+        f"the chat template does not close assistant turns with a special token (it writes {after[:20]!r})"
+    )
+
+
+def stop_ids(tokenizer: Any) -> frozenset[int]:
+    """Token ids that end a turn by themselves: the template's turn end and the tokenizer's EOS."""
+    return frozenset(i for i in (turn_end(tokenizer)[1], tokenizer.eos_token_id) if i is not None)
+
+
+def check_chat_template(tokenizer: Any) -> None:
+    """Raise `TemplateError` unless the template extends a conversation token-exactly turn after turn, as
+    multi-turn training needs (a template that cannot would fail every multi-turn trial of a run)."""
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": _PROBE},
+        {"role": "user", "content": "r"},
+    ]
+    suffix_ids(tokenizer, messages, 2, _PROBE, [], None, render(tokenizer, messages, None, generation_prompt=True))
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, generation_prompt: bool) -> str:
@@ -50,28 +93,26 @@ def suffix_ids(
 
     `messages[:n_prefix]` is the earlier turn's history ending with its assistant reply `reply`; `full_text` is
     `messages` rendered with the generation prompt. The earlier turn's output ends at the template's end of
-    the assistant message (reply + EOS); everything after that is tokenised on its own. An output that stopped
-    without EOS (a stop string or stop token) gets the EOS the template writes there (a prompt token, not
-    trained). Raises `TemplateError` when the template does not end assistant turns with EOS or renders the
-    earlier turns differently once new messages follow.
+    the assistant message (reply + the template's turn end, `turn_end`); everything after that is tokenised on
+    its own. An output that stopped without it (a stop string, the EOS) gets the turn end the template writes
+    there (a prompt token, not trained). Raises `TemplateError` when the template does not end assistant turns
+    with a special token or renders the earlier turns differently once new messages follow.
     """
-    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
-    if eos is None or eos_id is None:
-        raise TemplateError("the tokenizer has no EOS token to end assistant turns with")
+    end_token, end_id = turn_end(tokenizer)
     prefix_text = render(tokenizer, messages[:n_prefix], tools, generation_prompt=False)
     for text in dict.fromkeys((reply, reply.strip())):  # templates that trim the content
-        marker = text + eos
+        marker = text + end_token
         at = prefix_text.rfind(marker)
         if at >= 0:
             break
     else:
-        raise TemplateError("the chat template does not end assistant turns with the EOS token")
+        raise TemplateError(f"the chat template does not end assistant turns with {end_token}")
     end = at + len(marker)
     if full_text[:end] != prefix_text[:end]:
         raise TemplateError("the chat template renders earlier turns differently once new messages follow")
     ids = encode(tokenizer, full_text[end:])
-    if not output_ids or output_ids[-1] != eos_id:
-        ids = [eos_id] + ids
+    if not output_ids or output_ids[-1] != end_id:
+        ids = [end_id] + ids
     return ids
 
 
@@ -123,8 +164,8 @@ class TokenTrajectory:
         return sum(self.loss_mask)
 
 
-def is_cut_off(finish_reason: str, output_ids: list[int], eos_token_id: int | None) -> bool:
-    """Was a turn cut off at its token limit? SGLang reports `length` even when the last allowed token was EOS:
-    that turn ended by itself."""
-    ended = bool(output_ids) and output_ids[-1] == eos_token_id
+def is_cut_off(finish_reason: str, output_ids: list[int], stop: frozenset[int]) -> bool:
+    """Was a turn cut off at its token limit? SGLang reports `length` even when the last allowed token was a stop
+    token (`stop_ids`): that turn ended by itself."""
+    ended = bool(output_ids) and output_ids[-1] in stop
     return finish_reason == "length" and not ended

@@ -33,7 +33,7 @@ from grpoflow.rollout.record import (
     END_TRUNCATED,
     TrialRecord,
 )
-from grpoflow.rollout.tokens import TokenTrajectory, is_cut_off, load_tokenizer
+from grpoflow.rollout.tokens import TokenTrajectory, is_cut_off, load_tokenizer, stop_ids
 from grpoflow.rollout.trials import turn_seed
 
 SYSTEM_PROMPT = """You are a shell agent working in a Linux sandbox; your working directory is /app.
@@ -138,6 +138,7 @@ class ShellAgent(BaseAgent):
                 max_new_tokens=self.max_new_tokens,
                 sampling_seed=turn_seed(self.seed, rec.turns),
                 stop=STOP_STRINGS,
+                stop_token_ids=sorted(stop_ids(traj.tokenizer)),  # the turn end, where it is not the engine's EOS
                 **self.sampling,
             )
             t0 = time.perf_counter()
@@ -149,7 +150,7 @@ class ShellAgent(BaseAgent):
             if rec.truncated:  # only reachable with the early exit switched off (benchmarks)
                 rec.tokens_after_truncation += len(resp.output_ids)
             reply = traj.add_generated(resp.output_ids, resp.logprobs)
-            if is_cut_off(resp.meta_info.finish_reason.type, resp.output_ids, traj.tokenizer.eos_token_id):
+            if is_cut_off(resp.meta_info.finish_reason.type, resp.output_ids, stop_ids(traj.tokenizer)):
                 rec.truncated = True
                 if self.early_truncation_exit:
                     return END_TRUNCATED

@@ -50,6 +50,7 @@ from grpoflow.rollout.tokens import (
     is_cut_off,
     load_tokenizer,
     render,
+    stop_ids,
     suffix_ids,
 )
 from grpoflow.rollout.trials import turn_seed
@@ -221,13 +222,14 @@ def create_app(
         params = _sampling(
             req, len(prompt_ids), max_new_tokens, await _context_length(), session, len(tree.turns), sampling or {}
         )
+        params.stop_token_ids = sorted({*(params.stop_token_ids or []), *stop_ids(tokenizer)})  # the turn end too
         t0 = time.perf_counter()
         resp = await engine.agenerate(prompt_ids, params, return_logprob=True)
         gen_s = time.perf_counter() - t0
         out_ids, logprobs = list(resp.output_ids), resp.logprobs
         if len(logprobs) != len(out_ids):
             raise EngineError(f"/generate: {len(out_ids)} output ids but {len(logprobs)} logprobs")
-        truncated = is_cut_off(resp.meta_info.finish_reason.type, out_ids, tokenizer.eos_token_id)
+        truncated = is_cut_off(resp.meta_info.finish_reason.type, out_ids, stop_ids(tokenizer))
         mismatch_at = first_difference(prompt_ids, full_ids)
         turn = tree.add_turn(
             messages,

@@ -1,0 +1,55 @@
+"""The chat template decides where a turn ends: exact-token multi-turn works whatever the tokenizer's EOS, and a
+template that cannot be extended token-exactly fails at prepare, naming the model dir."""
+
+import json
+import shutil
+
+import pytest
+from transformers import AutoTokenizer
+
+from grpoflow.errors import ModelError
+from grpoflow.prepare.model import prepare_model
+from grpoflow.rollout.tokens import TokenTrajectory, is_cut_off, stop_ids, turn_end
+
+
+def _base_layout(tiny_model_dir):
+    """The tiny ChatML tokenizer as a base model ships it (Qwen2.5 base): EOS `<|endoftext|>`, turns still closed
+    with `<|im_end|>`."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.eos_token = "<|endoftext|>"
+    return tok
+
+
+def test_a_turn_end_that_is_not_the_eos_still_extends_the_chat_token_exactly(tiny_model_dir):
+    tok = _base_layout(tiny_model_dir)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert turn_end(tok) == ("<|im_end|>", im_end) and im_end != tok.eos_token_id
+    traj = TokenTrajectory.start(tok, [{"role": "user", "content": "list files"}])
+    reply = tok.encode("ls", add_special_tokens=False) + [im_end]
+    traj.add_generated(reply, [-0.5] * len(reply))
+    traj.add_user("a.txt")  # raised TemplateError when the turn end was taken to be the EOS
+    rendered = tok.apply_chat_template(traj.messages, add_generation_prompt=True, tokenize=False)
+    assert traj.tokens == tok.encode(rendered, add_special_tokens=False)
+    assert traj.loss_mask[traj.prompt_len : traj.prompt_len + len(reply)] == [1] * len(reply)
+
+
+def test_a_turn_ended_by_either_stop_token_was_not_cut_off(tiny_model_dir):
+    tok = _base_layout(tiny_model_dir)
+    stop = stop_ids(tok)
+    assert stop == {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+    for last in stop:
+        assert not is_cut_off("length", [5, last], stop)
+    assert is_cut_off("length", [5, 6], stop) and not is_cut_off("stop", [5, 6], stop)
+
+
+def test_a_template_that_does_not_close_turns_with_a_special_token_fails_at_prepare(tiny_model_dir, tmp_path):
+    bad = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    config = bad / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    with pytest.raises(ModelError, match=rf"model dir {bad}: the chat template does not close assistant turns"):
+        prepare_model(str(bad))

@@ -48,7 +48,7 @@ from grpoflow.run.metrics import (
     training_rows,
 )
 from grpoflow.run.resume import run_lock
-from grpoflow.scoring import select_trainable
+from grpoflow.scoring import FailedSteps, select_trainable
 from grpoflow.train.trainer import TrainerState, load_trainer
 from tasks.rollout import evaluate_policy_task, run_trials_task
 from tasks.train import grpo_step_task, save_step_task, sync_weights_task
@@ -79,6 +79,7 @@ def train_steps(
     log = MetricsLog(paths.metrics, paths.tb)
     commits = StepCommits(paths, log)
     evals = evaluation_versions(cfg.train)
+    failed_steps = FailedSteps(cfg.train.max_failed_steps)
     record: dict = {}
     try:
         with serving_engine(cfg, run) as engine:
@@ -96,6 +97,7 @@ def train_steps(
                 step_prompts = select_step_prompts(prompts, step, cfg.rollout.prompts_per_step)
                 rollout = run_trials_task(cfg, step, step_prompts, engine.url, model.path, paths)
                 trainable, dropped = select_trainable(rollout.samples, cfg.rollout.on_retries_exhausted)
+                failed_steps.record(step, rollout.samples, trainable)
                 t1 = time.perf_counter()
                 train_m = grpo_step_task(trainer, trainable, cfg, step)
                 version = str(step + 1)  # number of GRPO updates in the weights; rollout samples carry it

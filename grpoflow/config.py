@@ -348,6 +348,12 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Token budget of one forward/backward micro-batch (gradients accumulate)."
     )
+    max_failed_steps: int = Field(
+        3,
+        ge=1,
+        description="Steps in a row with nothing to train because their trials failed, before the run stops with "
+        "the most common reasons (instead of committing unchanged weights).",
+    )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")

@@ -23,3 +23,7 @@ class EngineError(GrpoflowError):
 
 class RunDirError(GrpoflowError):
     """A run directory cannot be created or would be overwritten."""
+
+
+class RolloutError(GrpoflowError):
+    """Rollouts keep producing nothing to train on (every trial of several steps in a row failed)."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
+from grpoflow.errors import RolloutError
 from grpoflow.rollout.environments import is_sandbox_failure_type
 from grpoflow.rollout.record import END_TRUNCATED, TrialRecord
 from grpoflow.rollout.trials import TrialOutcome
@@ -154,6 +156,31 @@ def select_trainable(
     if policy == "drop_group":
         return [s for s in samples if s.group_id not in failed_groups], len(failed_groups)
     return [s for s in samples if s.status != "FAILED"], 0
+
+
+@dataclass
+class FailedSteps:
+    """Counts the steps in a row that left nothing to train because their trials failed. A run whose sandboxes,
+    agent or template fail every trial would otherwise commit checkpoints of unchanged weights and "succeed";
+    after `limit` such steps it stops, naming the most common reasons."""
+
+    limit: int
+    streak: int = 0
+
+    def record(self, step: int, samples: Sequence[Sample], trainable: Sequence[Sample]) -> None:
+        if trainable or not any(s.status == "FAILED" for s in samples):
+            self.streak = 0
+            return
+        self.streak += 1
+        if self.streak >= self.limit:
+            reasons = Counter(
+                f"{s.exit_status}: {(s.exit_reason or '')[:120]}" for s in samples if s.status == "FAILED"
+            )
+            top = "; ".join(f"{n}x {r}" for r, n in reasons.most_common(3))
+            raise RolloutError(
+                f"steps {step - self.streak + 1}..{step}: every group had a failed trial, nothing was trained "
+                f"(train.max_failed_steps={self.limit}); most common: {top}"
+            )
 
 
 def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshold: float = 1.0) -> dict[str, float]:

@@ -163,3 +163,19 @@ def test_the_trial_record_is_typed_both_ways():
     assert TrialRecord.of(result) == TrialRecord(turns=2, truncated=True, tokens=[5, 6])
     assert context.metadata["harbor"] == 1
     assert TrialRecord.of(SimpleNamespace(agent_result=None)) == TrialRecord()  # an installed CLI keeps none
+
+
+def test_steps_whose_every_trial_failed_stop_the_run_after_the_limit_with_the_reasons():
+    from grpoflow.errors import RolloutError
+    from grpoflow.scoring import FailedSteps
+
+    failed = [to_sample(_outcome(reward=None, group=g, exc="SandboxStartError"), "r", 0) for g in ("a", "b")]
+    ok = [to_sample(_outcome(reward=1.0, group="c"), "r", 0)]
+    guard = FailedSteps(limit=2)
+    guard.record(0, failed, [])
+    guard.record(1, failed + ok, ok)  # something trained: the streak starts again
+    guard.record(2, failed, [])
+    with pytest.raises(RolloutError, match=r"steps 2\.\.3: every group had a failed trial.*2x SandboxError"):
+        guard.record(3, failed, [])
+    guard = FailedSteps(limit=1)
+    guard.record(0, ok[:0], [])  # no trial failed (zero-std groups filtered later): not a failed step

@@ -348,6 +348,15 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Token budget of one forward/backward micro-batch (gradients accumulate)."
     )
+    truncated: Literal["train", "mask", "penalize"] = Field(
+        "train",
+        description="Over-long samples (a turn cut off, or the context window full): `train` them as any other, "
+        "`mask` their loss (their reward still counts in the group's statistics), or `penalize` every sample "
+        "DAPO-style: a turn longer than max_new_tokens - overlong_cache loses reward linearly, -1 at the limit.",
+    )
+    overlong_cache: int | None = Field(
+        None, ge=1, description="The soft band of `penalize`, in tokens. Empty: a quarter of rollout.max_new_tokens."
+    )
     max_failed_steps: int = Field(
         3,
         ge=1,

@@ -15,7 +15,7 @@ from typing import Literal
 
 from grpoflow.errors import RolloutError
 from grpoflow.rollout.environments import is_sandbox_failure_type
-from grpoflow.rollout.record import END_TRUNCATED, TrialRecord
+from grpoflow.rollout.record import END_TOKEN_BUDGET, END_TRUNCATED, TrialRecord
 from grpoflow.rollout.trials import TrialOutcome
 from grpoflow.samples import ExitStatus, Sample, SampleStatus
 
@@ -110,6 +110,9 @@ def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | N
     # A cut-off turn makes the sample TRUNCATED even when the early exit was off and the episode went on.
     if truncated:
         return "SequenceLengthLimitExceeded", "TRUNCATED", reward, "a turn hit the response length limit"
+    # A full context window is over-long too: the episode did not end by itself.
+    if rec.end_reason == END_TOKEN_BUDGET:
+        return "SequenceLengthLimitExceeded", "TRUNCATED", reward, "the context window is full"
     return "Submitted", "COMPLETED", reward, rec.end_reason
 
 

@@ -262,9 +262,48 @@ def step_seed(run_seed: int, step: int) -> int:
     return run_seed * 1_000_003 + step
 
 
+def _turn_lengths(s: Sample) -> list[int]:
+    """Lengths of the generated runs of a sample (its turns' outputs)."""
+    runs, n = [], 0
+    for m in s.loss_mask:
+        if m:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs + ([n] if n else [])
+
+
+def overlong_penalty(s: Sample, max_new_tokens: int, cache: int) -> float:
+    """DAPO's soft overlong penalty on the longest turn: 0 up to max_new_tokens - cache, then down linearly to
+    -1 at max_new_tokens."""
+    longest = max(_turn_lengths(s), default=0)
+    return -min(max(longest - (max_new_tokens - cache), 0), cache) / cache
+
+
+def shape_overlong(samples: list[Sample], cfg: RunConfig) -> tuple[list[Sample], dict[str, float]]:
+    """`train.truncated` applied to a step's trainable samples (copies; the journaled samples stay as they were):
+    `mask` zeroes the loss mask of TRUNCATED ones, `penalize` adds `overlong_penalty` to every reward."""
+    mode = cfg.train.truncated
+    if mode == "mask":
+        out = [
+            s.model_copy(update={"loss_mask": [0] * len(s.loss_mask)}) if s.status == "TRUNCATED" else s
+            for s in samples
+        ]
+        return out, {"truncated_masked": float(sum(s.status == "TRUNCATED" for s in samples))}
+    if mode == "penalize":
+        cache = cfg.train.overlong_cache or max(cfg.rollout.max_new_tokens // 4, 1)
+        penalties = [overlong_penalty(s, cfg.rollout.max_new_tokens, cache) for s in samples]
+        out = [s.model_copy(update={"reward": s.reward + p}) if p else s for s, p in zip(samples, penalties)]
+        return out, {"overlong_penalty_mean": sum(penalties) / max(len(penalties), 1)}
+    return samples, {}
+
+
 def grpo_update(state: TrainerState, samples: list[Sample], cfg: RunConfig, step: int) -> dict[str, float]:
     """Step `step`'s GRPO update on its trainable samples. With none (every group dropped) the weights stay as
     they are and the metrics say so (`n_samples` 0)."""
     if not samples:
         return {"n_samples": 0.0, "optimizer_steps": 0.0}
-    return train_step(state, samples, cfg.train, seed=step_seed(cfg.seed, step), temperature=cfg.rollout.temperature)
+    samples, shaped = shape_overlong(samples, cfg)
+    metrics = train_step(state, samples, cfg.train, seed=step_seed(cfg.seed, step), temperature=cfg.rollout.temperature)
+    return metrics | shaped

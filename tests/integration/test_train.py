@@ -315,3 +315,34 @@ def test_recomputed_old_logprobs_make_the_first_ratio_exactly_one_and_report_the
     assert recompute["clip_frac_low"] == recompute["clip_frac_high"] == 0.0  # one update: old == current
     assert recompute["mismatch_kl"] > 0.05 and recompute["mismatch_ratio_max"] > 2.0
     assert recompute["optimizer_steps"] == 1 and recompute["n_tokens"] == rollout["n_tokens"]
+
+
+def _turns(*lengths, reward=0.0, status="COMPLETED", group="g", i=0):
+    mask = [0] * 3
+    for n in lengths:
+        mask += [1] * n + [0] * 2
+    return _sample(list(range(3, 3 + len(mask))), mask, [-0.5 * m for m in mask], reward, group, i, status)
+
+
+def test_over_long_samples_are_trained_masked_or_penalized_as_configured():
+    from grpoflow.config import parse_run_config
+    from grpoflow.train.step import prepare_samples, shape_overlong
+
+    cut = _turns(5, 16, status="TRUNCATED", i=0)  # its second turn hit max_new_tokens = 16
+    near = _turns(14, reward=1.0, i=1)  # 2 tokens into the soft band of 4
+    short = _turns(6, reward=1.0, i=2)
+    cfg = lambda mode: parse_run_config({"rollout": {"max_new_tokens": 16}, "train": {"truncated": mode}})  # noqa: E731
+    same, extra = shape_overlong([cut, near, short], cfg("train"))
+    assert same == [cut, near, short] and extra == {}
+
+    masked, extra = shape_overlong([cut, near, short], cfg("mask"))
+    assert sum(masked[0].loss_mask) == 0 and masked[1:] == [near, short] and extra == {"truncated_masked": 1.0}
+    assert sum(cut.loss_mask) > 0  # a copy: the journaled sample keeps its mask
+    kept, adv, _ = prepare_samples(masked, cfg("mask").train)
+    assert [s.sample_index for s in kept] == [1, 2]  # not trained, but its reward 0 still counts in the group
+    # (1 - 2/3) / std(0, 1, 1) = 1/sqrt(2); without the masked reward the group (1, 1) would carry no signal
+    assert adv.tolist() == pytest.approx([2**-0.5] * 2, rel=1e-4)
+
+    penalized, extra = shape_overlong([cut, near, short], cfg("penalize"))
+    assert [s.reward for s in penalized] == [-1.0, 0.5, 1.0]  # cache 16 // 4 = 4: 16 -> -1, 14 -> -0.5
+    assert extra["overlong_penalty_mean"] == pytest.approx(-0.5)

@@ -179,3 +179,9 @@ def test_steps_whose_every_trial_failed_stop_the_run_after_the_limit_with_the_re
         guard.record(3, failed, [])
     guard = FailedSteps(limit=1)
     guard.record(0, ok[:0], [])  # no trial failed (zero-std groups filtered later): not a failed step
+
+
+def test_a_full_context_window_is_an_over_long_ending():
+    s = to_sample(_outcome(reward=0.0, end_reason="token_budget"), "r", 0)
+    assert (s.exit_status, s.status, s.reward) == ("SequenceLengthLimitExceeded", "TRUNCATED", 0.0)
+    assert s.exit_reason == "the context window is full"

@@ -51,7 +51,7 @@ from grpoflow.run.resume import run_lock
 from grpoflow.scoring import FailedSteps, select_trainable
 from grpoflow.train.trainer import TrainerState, load_trainer
 from tasks.rollout import evaluate_policy_task, run_trials_task
-from tasks.train import grpo_step_task, save_step_task, sync_weights_task
+from tasks.train import grpo_step_task, probe_task, save_step_task, sync_weights_task
 
 
 @flow(name="train", flow_run_name=flow_run_name("train"), log_prints=True)
@@ -85,6 +85,7 @@ def train_steps(
         with serving_engine(cfg, run) as engine:
             if weights is not None:
                 sync_weights_task(weights, engine.url, cfg, str(start_step))
+            probe_task(trainer, engine.url, cfg)
             earlier = read_metrics(paths.metrics) if start_step > 0 else []
             base = base_pass_rates(earlier[0]) if earlier else {}
             for step in range(start_step, cfg.train.steps):

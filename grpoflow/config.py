@@ -357,6 +357,13 @@ class TrainConfig(_Section):
     overlong_cache: int | None = Field(
         None, ge=1, description="The soft band of `penalize`, in tokens. Empty: a quarter of rollout.max_new_tokens."
     )
+    max_probe_logprob_gap: float | None = Field(
+        0.05,
+        gt=0.0,
+        description="Before the first step the engine samples a short probe reply and the trainer scores it: a mean "
+        "|engine - trainer| logprob beyond this (nats) fails the run, since every PPO ratio would be noise. "
+        "Empty: no probe.",
+    )
     max_failed_steps: int = Field(
         3,
         ge=1,

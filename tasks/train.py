@@ -17,6 +17,7 @@ from grpoflow.engine.client import EngineClient
 from grpoflow.run.commit import save_step
 from grpoflow.run.paths import RunPaths
 from grpoflow.samples import Sample
+from grpoflow.train.probe import check_logprob_agreement
 from grpoflow.train.step import grpo_update
 from grpoflow.train.trainer import TrainerState
 
@@ -41,3 +42,19 @@ def sync_weights_task(ckpt: Path, engine_url: str, cfg: RunConfig, version: str)
     with EngineClient(engine_url, timeout=cfg.engine.request_timeout_s, retries=cfg.engine.retries) as client:
         client.update_weights_from_disk(str(ckpt), weight_version=version)
     return version
+
+
+@task(name="probe-logprobs", cache_policy=NO_CACHE)
+def probe_task(trainer: TrainerState, engine_url: str, cfg: RunConfig) -> dict[str, float]:
+    """Engine and trainer score a probe reply alike (`grpoflow.train.probe`), or the run fails here."""
+    if cfg.train.max_probe_logprob_gap is None:
+        return {}
+    with EngineClient(engine_url, timeout=cfg.engine.request_timeout_s, retries=cfg.engine.retries) as client:
+        gap = check_logprob_agreement(client, trainer, cfg)
+    get_run_logger().info(
+        "engine vs trainer on a %d-token probe: mean |logprob gap| %.2e, max %.2e",
+        gap["tokens"],
+        gap["mean"],
+        gap["max"],
+    )
+    return gap

@@ -15,7 +15,7 @@ from grpoflow.run.metrics import read_metrics, read_step_records
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
 
 
-def _cfg(tmp_path, model, run_id, rollout=None, **over):
+def _cfg(tmp_path, model, run_id, rollout=None, train=None, **over):
     return parse_run_config(
         {
             "run_id": run_id,
@@ -29,7 +29,13 @@ def _cfg(tmp_path, model, run_id, rollout=None, **over):
                 "temperature": 1.0,
                 **(rollout or {}),
             },
-            "train": {"steps": 2, "learning_rate": 1e-3, "save_interval": 1, "eval_samples_per_prompt": 0},
+            "train": {
+                "steps": 2,
+                "learning_rate": 1e-3,
+                "save_interval": 1,
+                "eval_samples_per_prompt": 0,
+                **(train or {}),
+            },
             **over,
         }
     )
@@ -130,6 +136,9 @@ def test_engine_down_for_generation_the_steps_and_run_go_on(tmp_path, tiny_model
             tiny_model_dir,
             "engine-down",
             engine={"backend": "sglang", "url": front.url, "retries": 1, "request_timeout_s": 5},
+            # the probe would stop this run before its first step (the engine is down from the start); the trials'
+            # failure records are what is tested here
+            train={"max_probe_logprob_gap": None},
         )
         last = train_flow(cfg)
         n_generate = front.count("/generate")

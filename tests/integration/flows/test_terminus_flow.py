@@ -89,7 +89,8 @@ def test_terminus2_trains_through_the_session_server(tmp_path, tiny_model_dir, s
                 "max_context_tokens": 8192,
                 "temperature": 1.0,
             },
-            "train": {"steps": 1, "learning_rate": 1e-3, "eval_samples_per_prompt": 0},
+            # the stand-in scripts terminus-2's replies: its logprobs are not the model's, so no agreement probe
+            "train": {"steps": 1, "learning_rate": 1e-3, "eval_samples_per_prompt": 0, "max_probe_logprob_gap": None},
         }
     )
     last = train_flow(cfg)

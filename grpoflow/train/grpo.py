@@ -27,6 +27,7 @@ import torch
 # |log ratio| beyond this is clipped anyway (exp(20) >> 1 + eps); the clamp keeps exp() finite, so a token
 # with a wild rollout logprob cannot turn the loss into inf * 0 = nan.
 _MAX_LOG_RATIO = 20.0
+_MAX_K3 = 10.0
 
 
 def _group_rows(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
@@ -133,8 +134,9 @@ def policy_loss(
     if behaviour_log_w is not None and tis_cap is not None:
         per_token = per_token * behaviour_log_w.exp().clamp(max=tis_cap).detach()
     if ref_logprobs is not None and kl_coef > 0:
-        d = torch.where(mask, ref_logprobs - logprobs, 0.0)
-        kl = d.exp() - d - 1  # k3: unbiased, always >= 0, low variance
+        d = torch.where(mask, ref_logprobs - logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        # k3: unbiased, always >= 0, low variance; capped (as verl does) so one far token cannot dominate the loss
+        kl = (d.exp() - d - 1).clamp(max=_MAX_K3)
         per_token = per_token + kl_coef * kl
     per_token = torch.where(trained, per_token, 0.0)
 

@@ -91,3 +91,22 @@ def token_logprobs(
     # masked_scatter keeps the graph connected even when M == 0
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)
     return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, ent.detach())
+
+
+@torch.no_grad()
+def check_logprob_path(model: PreTrainedModel, n_tokens: int = 16, atol: float = 1e-3) -> None:
+    """Raise `NotImplementedError` unless `token_logprobs` (the backbone's last hidden state through the LM head)
+    gives the model's own log-softmax: a model that transforms its logits in a way the attribute check above does
+    not know (a multiplier, a soft cap, a bias) would otherwise train on other logprobs than it samples with."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, n_tokens), generator=torch.Generator().manual_seed(0)).to(model.device)
+    mask = torch.ones(1, n_tokens - 1, dtype=torch.bool, device=model.device)
+    ours, _ = token_logprobs(model, ids, mask)
+    full = model(input_ids=ids[:, :-1], use_cache=False).logits.float().log_softmax(-1)  # (1, n - 1, V)
+    theirs = full.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    gap = (ours - theirs).abs().max().item()
+    if gap > atol:
+        raise NotImplementedError(
+            f"{type(model).__name__}: its logits are not the LM head of its last hidden state (logprobs {gap:.3g} "
+            "apart on a probe): a logit transform grpoflow does not apply"
+        )

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from grpoflow.config import TrainConfig
+from grpoflow.train.logprobs import check_logprob_path
 
 
 @dataclass
@@ -44,8 +45,10 @@ def load_trainer(model_path: str | Path, cfg: TrainConfig, seed: int = 0, device
         model.activation_checkpointing_enable()
     ref = None
     if cfg.kl_coef > 0:
-        ref_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # frozen: bf16 weights lose nothing
-        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=ref_dtype).to(dev).eval().requires_grad_(False)
+        # fp32 like the policy, under the same autocast: at step 0 the two score alike and the KL is exactly 0
+        # (bf16 reference weights would put a rounding-sized KL in every step's loss).
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(dev).eval().requires_grad_(False)
+    check_logprob_path(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     return TrainerState(
         model=model,

@@ -346,3 +346,18 @@ def test_over_long_samples_are_trained_masked_or_penalized_as_configured():
     penalized, extra = shape_overlong([cut, near, short], cfg("penalize"))
     assert [s.reward for s in penalized] == [-1.0, 0.5, 1.0]  # cache 16 // 4 = 4: 16 -> -1, 14 -> -0.5
     assert extra["overlong_penalty_mean"] == pytest.approx(-0.5)
+
+
+def test_a_model_whose_logits_are_not_its_lm_head_is_refused_at_load(tiny_model_dir, monkeypatch):
+    from grpoflow.train import trainer as trainer_mod
+
+    real = trainer_mod.AutoModelForCausalLM.from_pretrained
+
+    def scaled(*args, **kwargs):  # a logit multiplier the attribute check does not know
+        model = real(*args, **kwargs)
+        model.register_forward_hook(lambda mod, inp, out: out.__setitem__("logits", out["logits"] * 1.5) or out)
+        return model
+
+    monkeypatch.setattr(trainer_mod.AutoModelForCausalLM, "from_pretrained", scaled)
+    with pytest.raises(NotImplementedError, match=r"its logits are not the LM head of its last hidden state"):
+        load_trainer(tiny_model_dir, TrainConfig(), seed=0)

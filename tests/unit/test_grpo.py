@@ -148,3 +148,14 @@ def test_tokens_outside_the_mismatch_band_leave_the_loss_and_are_counted():
     g, m = _grad(lp, lp.clone(), adv, behaviour_logprobs=behaviour, mismatch_band=2.0)
     assert g[0, 0].item() == 0.0 and g[0, 1].item() == pytest.approx(-1.0)  # the kept token is the whole mean
     assert m["mismatch_masked_frac"].item() == 0.5 and m["n_tokens"].item() == 1
+
+
+def test_a_reference_far_from_the_policy_gives_a_finite_bounded_kl():
+    lp = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[100.0, -1.0]])  # exp(100) is inf in fp32: the uncapped k3 made the loss inf
+    loss, m = _loss(
+        lp, lp.detach().clone(), torch.tensor([0.0]), torch.ones(1, 2, dtype=torch.bool), ref_logprobs=ref, kl_coef=0.1
+    )
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(lp.grad).all()
+    assert m["kl"].item() == pytest.approx(10.0 / 2)  # capped at 10 per token, averaged over 2

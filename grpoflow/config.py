@@ -332,7 +332,11 @@ class TrainConfig(_Section):
         description="With recomputed old logprobs: tokens whose trainer/engine probability ratio is outside "
         "[1/band, band] are left out of the loss (counted). Empty: none are.",
     )
-    scale_by_std: bool = Field(True, description="Divide group advantages by the group's reward std (off = Dr.GRPO).")
+    scale_by_std: bool = Field(
+        True,
+        description="Divide group advantages by the group's reward std. Off is Dr.GRPO's advantage; Dr.GRPO also "
+        "divides the loss by a constant, not by token counts, which neither loss_aggregation does.",
+    )
     loss_aggregation: Literal["token", "sample"] = Field(
         "token", description="Average the loss over all tokens of the batch, or per sample then over samples."
     )

@@ -362,7 +362,7 @@ class TrainConfig(_Section):
         None, ge=1, description="The soft band of `penalize`, in tokens. Empty: a quarter of rollout.max_new_tokens."
     )
     max_probe_logprob_gap: float | None = Field(
-        0.05,
+        0.1,
         gt=0.0,
         description="Before the first step the engine samples a short probe reply and the trainer scores it: a mean "
         "|engine - trainer| logprob beyond this (nats) fails the run, since every PPO ratio would be noise. "
@@ -371,8 +371,8 @@ class TrainConfig(_Section):
     max_failed_steps: int = Field(
         3,
         ge=1,
-        description="Steps in a row with nothing to train because their trials failed, before the run stops with "
-        "the most common reasons (instead of committing unchanged weights).",
+        description="Steps in a row whose every trial failed, before the run stops with the most common reasons "
+        "(instead of committing unchanged weights).",
     )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")

@@ -163,7 +163,7 @@ def select_trainable(
 
 @dataclass
 class FailedSteps:
-    """Counts the steps in a row that left nothing to train because their trials failed. A run whose sandboxes,
+    """Counts the steps in a row whose every trial failed (nothing was scored). A run whose sandboxes,
     agent or template fail every trial would otherwise commit checkpoints of unchanged weights and "succeed";
     after `limit` such steps it stops, naming the most common reasons."""
 
@@ -171,7 +171,7 @@ class FailedSteps:
     streak: int = 0
 
     def record(self, step: int, samples: Sequence[Sample], trainable: Sequence[Sample]) -> None:
-        if trainable or not any(s.status == "FAILED" for s in samples):
+        if trainable or not samples or any(s.status != "FAILED" for s in samples):
             self.streak = 0
             return
         self.streak += 1
@@ -181,7 +181,7 @@ class FailedSteps:
             )
             top = "; ".join(f"{n}x {r}" for r, n in reasons.most_common(3))
             raise RolloutError(
-                f"steps {step - self.streak + 1}..{step}: every group had a failed trial, nothing was trained "
+                f"steps {step - self.streak + 1}..{step}: every trial failed, nothing was trained "
                 f"(train.max_failed_steps={self.limit}); most common: {top}"
             )
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from grpoflow.errors import ModelError
 from grpoflow.fileio import sha256_file, sha256_tree, write_json_atomic
-from grpoflow.rollout.tokens import TemplateError, check_chat_template
+from grpoflow.rollout.tokens import TemplateError, turn_end
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,9 @@ def _inspect(path: Path) -> dict:
     if not tok.chat_template:
         raise ModelError(f"model dir {path}: tokenizer has no chat_template (agents need a chat model)")
     try:
-        check_chat_template(tok)
+        turn_end(tok)  # what every harness stops a turn at
     except TemplateError as err:
-        raise ModelError(f"model dir {path}: {err}: multi-turn trials cannot keep their exact tokens") from None
+        raise ModelError(f"model dir {path}: {err}") from None
     vocab = int(getattr(cfg, "vocab_size", 0) or 0)
     if len(tok) > vocab:
         raise ModelError(f"model dir {path}: tokenizer has {len(tok)} tokens but the model's vocab_size is {vocab}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.config import RunConfig
-from grpoflow.errors import RunDirError
+from grpoflow.errors import ModelError, RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.prepare.dataset import Dataset, load_dataset
 from grpoflow.prepare.model import PreparedModel, prepare_model
@@ -20,6 +20,7 @@ from grpoflow.prepare.prompts import (
     load_prompts,
     write_prompts,
 )
+from grpoflow.rollout.tokens import TemplateError, check_chat_template, load_tokenizer
 from grpoflow.run.info import Provenance, RunInfo, read_run_info, write_run_info
 from grpoflow.run.paths import RunPaths, create_run_dir
 
@@ -45,6 +46,11 @@ def record_run(
     cfg: RunConfig, model: PreparedModel, dataset: Dataset, prompts: list[PromptRecord], flow_run_id: str | None = None
 ) -> PreparedRun:
     """Create runs/<run_id>/ and write config.json, run.json (provenance) and prompts.jsonl."""
+    if cfg.rollout.harness == "shell":  # it extends the chat token by token; the session server can re-tokenise
+        try:
+            check_chat_template(load_tokenizer(model.path))
+        except TemplateError as err:
+            raise ModelError(f"model {model.path}: {err}: the shell agent cannot keep a chat's exact tokens") from None
     paths = create_run_dir(cfg.output_dir, cfg.run_id)
     write_json_atomic(paths.config, cfg.model_dump(mode="json"))
     provenance = Provenance.now(model, dataset)

@@ -19,7 +19,7 @@ from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.trainer import TrainerState
 
 PROBE_MESSAGES = [{"role": "user", "content": "Write one bash command that lists the files in /app."}]
-PROBE_TOKENS = 32
+PROBE_TOKENS = 64
 
 
 def logprob_gap(client: EngineClient, state: TrainerState, cfg: RunConfig, seed: int = 0) -> dict[str, float]:

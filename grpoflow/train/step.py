@@ -292,10 +292,17 @@ def shape_overlong(samples: list[Sample], cfg: RunConfig) -> tuple[list[Sample],
         ]
         return out, {"truncated_masked": float(sum(s.status == "TRUNCATED" for s in samples))}
     if mode == "penalize":
-        cache = cfg.train.overlong_cache or max(cfg.rollout.max_new_tokens // 4, 1)
-        penalties = [overlong_penalty(s, cfg.rollout.max_new_tokens, cache) for s in samples]
-        out = [s.model_copy(update={"reward": s.reward + p}) if p else s for s, p in zip(samples, penalties)]
-        return out, {"overlong_penalty_mean": sum(penalties) / max(len(penalties), 1)}
+        limit = cfg.rollout.max_new_tokens
+        cache = min(cfg.train.overlong_cache or max(limit // 4, 1), limit)
+        # one penalty per rollout (its longest turn in any segment): the segments of a rollout share one reward
+        per_rollout: dict[str, float] = {}
+        for s in samples:
+            per_rollout[s.rollout_id] = min(per_rollout.get(s.rollout_id, 0.0), overlong_penalty(s, limit, cache))
+        out = [
+            s.model_copy(update={"reward": s.reward + per_rollout[s.rollout_id]}) if per_rollout[s.rollout_id] else s
+            for s in samples
+        ]
+        return out, {"overlong_penalty_mean": sum(per_rollout.values()) / max(len(per_rollout), 1)}
     return samples, {}
 
 

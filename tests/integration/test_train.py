@@ -361,3 +361,16 @@ def test_a_model_whose_logits_are_not_its_lm_head_is_refused_at_load(tiny_model_
     monkeypatch.setattr(trainer_mod.AutoModelForCausalLM, "from_pretrained", scaled)
     with pytest.raises(NotImplementedError, match=r"its logits are not the LM head of its last hidden state"):
         load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+
+
+def test_the_segments_of_a_rollout_share_one_overlong_penalty():
+    from grpoflow.config import parse_run_config
+    from grpoflow.train.step import prepare_samples, shape_overlong
+
+    first = _turns(16, 4, i=0)  # a compacted trial: its segments train different turns, one of them hit the limit
+    second = _turns(4, i=0).model_copy(update={"segment_index": 1})
+    other = _turns(4, reward=1.0, i=1)
+    cfg = parse_run_config({"rollout": {"max_new_tokens": 16}, "train": {"truncated": "penalize"}})
+    shaped, extra = shape_overlong([first, second, other], cfg)
+    assert [s.reward for s in shaped] == [-1.0, -1.0, 1.0] and extra["overlong_penalty_mean"] == -0.5
+    prepare_samples(shaped, cfg.train)  # one reward per rollout: its segments' rewards agree

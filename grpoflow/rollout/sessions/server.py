@@ -146,6 +146,7 @@ def create_app(
     `sampling` (`temperature`, `top_p`, `top_k`) pins what every turn samples with, whatever the harness sends:
     the trainer scores the tokens under the run's sampling, so the engine must sample under it too."""
     tokenizer = load_tokenizer(str(tokenizer_path))
+    stop = stop_ids(tokenizer)  # the template's turn end and the EOS; a template without one fails here, at start
     # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
     # does all tokenising, off the event loop.
     tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-tokenizer")
@@ -222,14 +223,14 @@ def create_app(
         params = _sampling(
             req, len(prompt_ids), max_new_tokens, await _context_length(), session, len(tree.turns), sampling or {}
         )
-        params.stop_token_ids = sorted({*(params.stop_token_ids or []), *stop_ids(tokenizer)})  # the turn end too
+        params.stop_token_ids = sorted({*(params.stop_token_ids or []), *stop})  # the turn end too
         t0 = time.perf_counter()
         resp = await engine.agenerate(prompt_ids, params, return_logprob=True)
         gen_s = time.perf_counter() - t0
         out_ids, logprobs = list(resp.output_ids), resp.logprobs
         if len(logprobs) != len(out_ids):
             raise EngineError(f"/generate: {len(out_ids)} output ids but {len(logprobs)} logprobs")
-        truncated = is_cut_off(resp.meta_info.finish_reason.type, out_ids, stop_ids(tokenizer))
+        truncated = is_cut_off(resp.meta_info.finish_reason.type, out_ids, stop)
         mismatch_at = first_difference(prompt_ids, full_ids)
         turn = tree.add_turn(
             messages,

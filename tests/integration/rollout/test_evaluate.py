@@ -175,10 +175,11 @@ def test_steps_whose_every_trial_failed_stop_the_run_after_the_limit_with_the_re
     guard.record(0, failed, [])
     guard.record(1, failed + ok, ok)  # something trained: the streak starts again
     guard.record(2, failed, [])
-    with pytest.raises(RolloutError, match=r"steps 2\.\.3: every group had a failed trial.*2x SandboxError"):
+    with pytest.raises(RolloutError, match=r"steps 2\.\.3: every trial failed.*2x SandboxError"):
         guard.record(3, failed, [])
     guard = FailedSteps(limit=1)
-    guard.record(0, ok[:0], [])  # no trial failed (zero-std groups filtered later): not a failed step
+    guard.record(0, failed + ok, [])  # a group with a failure dropped the rest, but a trial was scored: not counted
+    guard.record(1, [], [])  # nothing ran: not counted either
 
 
 def test_a_full_context_window_is_an_over_long_ending():

@@ -53,3 +53,32 @@ def test_a_template_that_does_not_close_turns_with_a_special_token_fails_at_prep
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
     with pytest.raises(ModelError, match=rf"model dir {bad}: the chat template does not close assistant turns"):
         prepare_model(str(bad))
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_for_the_shell_agent_only(tiny_model_dir, tmp_path):
+    from grpoflow.config import parse_run_config
+    from grpoflow.prepare.dataset import load_dataset
+    from grpoflow.prepare.stage import make_prompts, record_run
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    # ChatML that shows an earlier assistant turn as "..." once a new message follows (as Qwen3 drops thinking)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    config = model_dir / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    model = prepare_model(str(model_dir))  # it closes turns with <|im_end|>: fine for the session server
+    dataset = load_dataset("builtin")
+    for harness, refused in (("shell", True), ("terminus-2", False)):
+        cfg = parse_run_config(
+            {"run_id": harness, "output_dir": str(tmp_path / "runs"), "rollout": {"harness": harness}}
+        )
+        if refused:
+            with pytest.raises(ModelError, match=r"renders earlier turns differently.*the shell agent cannot keep"):
+                record_run(cfg, model, dataset, make_prompts(cfg, dataset))
+            assert not (tmp_path / "runs" / harness).exists()  # refused before anything was written
+        else:
+            assert record_run(cfg, model, dataset, make_prompts(cfg, dataset)).paths.root.is_dir()

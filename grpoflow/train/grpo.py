@@ -159,7 +159,8 @@ def policy_loss(
             (logprobs - old_logprobs) if behaviour_logprobs is None else (old_logprobs - behaviour_logprobs)
         ).detach()
         gap = mismatch.abs()[mask]  # (M,)
-        mismatch_ratio = mismatch.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        log_r = mismatch.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        mismatch_ratio = log_r.exp()
         metrics = {
             "n_tokens": trained.sum(),
             # tokens whose gradient the clip removed: ratio past the bound on the side the advantage pushes to
@@ -169,10 +170,7 @@ def policy_loss(
             "logprob_gap_mean": gap.sum() / n,
             "logprob_gap_max": gap.max() if gap.numel() else gap.new_zeros(()),
             # k3 estimate of KL(engine || trainer) over the engine's own samples
-            "mismatch_kl": torch.where(
-                mask, mismatch_ratio - 1 - mismatch.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0
-            ).sum()
-            / n,
+            "mismatch_kl": torch.where(mask, mismatch_ratio - 1 - log_r, 0.0).sum() / n,
             "mismatch_ratio_max": mismatch_ratio[mask].max() if gap.numel() else gap.new_zeros(()),
             "mismatch_masked_frac": (mask & ~trained).sum() / n,
         }

@@ -76,6 +76,7 @@ def train_steps(
     holds the run's lock."""
     model, paths = run.model, run.paths
     prompts = load_prompts(paths.prompts)
+    pool = [p for p in prompts if p.split == "train"]  # what dynamic sampling draws new groups from
     log = MetricsLog(paths.metrics, paths.tb)
     commits = StepCommits(paths, log)
     evals = evaluation_versions(cfg.train)
@@ -96,7 +97,7 @@ def train_steps(
                     base = base or base_pass_rates(record)
                 t_rollout = time.perf_counter()
                 step_prompts = select_step_prompts(prompts, step, cfg.rollout.prompts_per_step)
-                rollout = run_trials_task(cfg, step, step_prompts, engine.url, model.path, paths)
+                rollout = run_trials_task(cfg, step, step_prompts, engine.url, model.path, paths, pool=pool)
                 trainable, dropped = select_trainable(rollout.samples, cfg.rollout.on_retries_exhausted)
                 failed_steps.record(step, rollout.samples, trainable)
                 t1 = time.perf_counter()

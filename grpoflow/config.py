@@ -225,6 +225,14 @@ class RolloutConfig(_Section):
     n_samples_per_prompt: int = Field(
         4, ge=1, le=256, description="Trials per prompt; together they form one GRPO group."
     )
+    refill_rounds: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Dynamic sampling (DAPO): at most this many extra rounds per training step, each running the "
+        "groups of new prompts in place of the groups that carry no GRPO signal (equal rewards, or a failed trial "
+        "under `drop_group`), until the step has `prompts_per_step` informative groups. 0: off.",
+    )
     max_turns: int = Field(4, ge=0, le=1000, description="Most policy turns in one episode (0: none).")
     max_new_tokens: int = Field(
         64, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."

@@ -161,6 +161,15 @@ def select_trainable(
     return [s for s in samples if s.status != "FAILED"], 0
 
 
+def informative_groups(samples: Sequence[Sample], policy: Literal["drop_group", "keep_group"]) -> set[str]:
+    """The groups that give the trainer a GRPO signal: trainable under `policy` (`select_trainable`), with at
+    least two scored trials whose rewards differ."""
+    rewards: dict[str, set[float]] = defaultdict(set)
+    for s in select_trainable(samples, policy)[0]:
+        rewards[s.group_id].add(s.reward)
+    return {g for g, r in rewards.items() if len(r) > 1}
+
+
 @dataclass
 class FailedSteps:
     """Counts the steps in a row whose every trial failed (nothing was scored). A run whose sandboxes,

@@ -31,7 +31,7 @@ from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.credentials import export_policy_key, export_sandbox_key
 from grpoflow.rollout.journal import SAMPLES, read_journal, read_samples
 from grpoflow.rollout.policy import policy_access
-from grpoflow.rollout.step import StepRollout, collect_step, sandbox_config
+from grpoflow.rollout.step import GroupRefill, StepRollout, collect_step, sandbox_config
 from grpoflow.rollout.trials import (
     Attempt,
     SandboxGate,
@@ -44,13 +44,41 @@ from grpoflow.run.paths import RunPaths
 
 @task(name="run-trials", cache_policy=NO_CACHE, task_run_name="run-trials-step-{step}")
 def run_trials_task(
-    cfg: RunConfig, step: int, prompts: list[PromptRecord], engine_url: str, tokenizer_path: str, paths: RunPaths
+    cfg: RunConfig,
+    step: int,
+    prompts: list[PromptRecord],
+    engine_url: str,
+    tokenizer_path: str,
+    paths: RunPaths,
+    pool: list[PromptRecord] | None = None,
 ) -> StepRollout:
-    """Run and score one step's trials. Sync, so sync flows get a result; the trials run in their own loop."""
-    specs = plan_group_trials(prompts, step, cfg.rollout.n_samples_per_prompt, cfg.seed)
+    """Run and score one step's trials. Sync, so sync flows get a result; the trials run in their own loop.
+    `pool`: the prompts dynamic sampling (`rollout.refill_rounds`) draws new groups from."""
+    r = cfg.rollout
+    specs = plan_group_trials(prompts, step, r.n_samples_per_prompt, cfg.seed)
+    refill = None
+    if r.refill_rounds and pool:
+        refill = GroupRefill(
+            pool=pool,
+            used=list(prompts),
+            target=len(prompts),
+            max_rounds=r.refill_rounds,
+            n_samples=r.n_samples_per_prompt,
+            seed=cfg.seed,
+            step=step,
+            on_retries_exhausted=r.on_retries_exhausted,
+        )
     return asyncio.run(
         _collect_with_progress(
-            cfg, step, specs, engine_url, tokenizer_path, paths.trials(step), paths.details(step), label=f"step-{step}"
+            cfg,
+            step,
+            specs,
+            engine_url,
+            tokenizer_path,
+            paths.trials(step),
+            paths.details(step),
+            label=f"step-{step}",
+            refill=refill,
         )
     )
 
@@ -90,11 +118,12 @@ async def _collect_with_progress(
     trials_dir: Path,
     details_dir: Path,
     label: str,
+    refill: GroupRefill | None = None,
 ) -> StepRollout:
     """`collect_step` on `specs`, with what Prefect shows of it: a progress bar, sandbox retries in the log, a
     table of the trials, and sandbox starts gated by the global concurrency limit."""
     logger = get_run_logger()
-    total = len(specs)
+    total = len(specs)  # dynamic sampling may add trials: the bar then tops out at 100 %
     progress = await _best_effort(
         logger,
         acreate_progress_artifact,
@@ -108,7 +137,7 @@ async def _collect_with_progress(
         nonlocal done
         done += 1
         if progress is not None:
-            await _best_effort(logger, aupdate_progress_artifact, progress, 100.0 * done / total)
+            await _best_effort(logger, aupdate_progress_artifact, progress, min(100.0, 100.0 * done / total))
 
     def on_retry(spec: TrialSpec, attempt: Attempt) -> None:
         logger.warning(
@@ -135,6 +164,7 @@ async def _collect_with_progress(
             on_retry=on_retry,
             sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
             specs=specs,
+            refill=refill,
         )
     await _best_effort(
         logger,
@@ -161,7 +191,7 @@ async def _collect_with_progress(
     logger.info(
         "%s: %d trials, reward %.3f, pass@k %.2f, truncated %.2f, retries %d, %.1fs",
         label,
-        total,
+        m["trials"],
         m["reward_mean"],
         m["pass_at_k"],
         m["truncated_ratio"],

@@ -1,0 +1,134 @@
+"""Dynamic sampling (DAPO): groups without a GRPO signal are replaced by new prompts' groups, bounded, counted,
+through the real trial runner, Harbor and the local sandbox. Harbor's oracle agent solves a task, its nop agent
+does nothing (reward 0), so which groups carry a signal is chosen per prompt."""
+
+import asyncio
+import shutil
+
+import pytest
+from harbor.models.trial.config import AgentConfig
+
+from grpoflow.config import parse_run_config
+from grpoflow.prepare.dataset import builtin_dataset_path, load_task
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.step import GroupRefill, collect_step, sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.samples import Sample
+from grpoflow.scoring import informative_groups
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+
+FLAT = {"hello-file", "make-dir", "copy-file", "touch-done"}  # every trial solved: rewards all 1, no signal
+
+
+def _prompts(*names):
+    return [
+        PromptRecord(
+            instance_id=n,
+            task_path=str(builtin_dataset_path() / n),
+            instruction=load_task(builtin_dataset_path() / n).instruction,
+        )
+        for n in names
+    ]
+
+
+def _agent(spec):
+    # sample 0 of every group solves its task; the others solve only FLAT tasks
+    return AgentConfig(name="oracle" if spec.instance_id in FLAT or spec.sample_index == 0 else "nop")
+
+
+def _collect(tmp_path, step_prompts, pool, rounds):
+    cfg = parse_run_config({"rollout": {"n_samples_per_prompt": 2, "concurrency": 8, "refill_rounds": rounds}})
+    refill = GroupRefill(
+        pool=pool,
+        used=list(step_prompts),
+        target=len(step_prompts),
+        max_rounds=rounds,
+        n_samples=2,
+        seed=5,
+        step=3,
+    )
+    (tmp_path / "sb").mkdir(parents=True, exist_ok=True)
+    res = asyncio.run(
+        collect_step(
+            "t",
+            3,
+            step_prompts,
+            cfg.rollout,
+            5,
+            _agent,
+            sandbox_config(cfg.rollout, work_dir=str(tmp_path / "sb")),
+            tmp_path / "trials",
+            tmp_path / "details",
+            refill=refill,
+        )
+    )
+    return res, refill
+
+
+@needs_bwrap
+def test_flat_groups_are_refilled_from_new_prompts_until_the_step_has_its_informative_groups(tmp_path):
+    step_prompts = _prompts("hello-file", "answer-42")  # one flat group, one with a signal
+    pool = _prompts("hello-file", "answer-42", "make-dir", "count-lines", "sort-lines")
+    res, refill = _collect(tmp_path, step_prompts, pool, rounds=4)
+    groups = {s.group_id for s in res.samples}
+    assert informative_groups(res.samples, "drop_group") and res.metrics["informative_groups"] == 2.0
+    # one prompt was missing: each round asks for exactly the missing number, so a flat draw (make-dir) takes
+    # another round; the step never trains more groups than it asked for
+    assert res.metrics["refill_groups"] == res.metrics["refill_rounds"] == len(groups) - 2 >= 1
+    assert len(res.samples) == 2 * len(groups) and res.metrics["trials"] == len(res.samples)
+    assert len({s.rollout_id for s in res.samples}) == len(res.samples)  # no refill trial collides
+
+    # the same step again (a resume): the journal gives back every trial, none runs again
+    before = sorted(p.name for p in (tmp_path / "trials").iterdir())
+    again, _ = _collect(tmp_path, step_prompts, pool, rounds=4)
+    assert sorted(p.name for p in (tmp_path / "trials").iterdir()) == before
+    assert [s.rollout_id for s in again.samples] == [s.rollout_id for s in res.samples]
+
+
+@needs_bwrap
+def test_refill_stops_after_its_rounds_and_when_the_pool_runs_out(tmp_path):
+    step_prompts = _prompts("hello-file")
+    res, refill = _collect(tmp_path / "a", step_prompts, _prompts(*sorted(FLAT)), rounds=2)
+    assert (res.metrics["refill_rounds"], res.metrics["informative_groups"], len(res.samples)) == (2.0, 0.0, 6)
+
+    res, _ = _collect(tmp_path / "b", step_prompts, _prompts("hello-file", "make-dir"), rounds=5)
+    assert (res.metrics["refill_rounds"], res.metrics["refill_groups"], len(res.samples)) == (1.0, 1.0, 4)
+
+
+def _sample(group, k, reward, status="COMPLETED"):
+    return Sample(
+        run_id="r",
+        step=0,
+        instance_id=group,
+        group_id=group,
+        sample_index=k,
+        rollout_id=f"{group}-{k}",
+        tokens=[1, 2],
+        loss_mask=[0, 1],
+        rollout_logprobs=[0.0, -1.0],
+        prompt_len=1,
+        reward=reward,
+        status=status,
+        exit_status="Submitted" if status != "FAILED" else "SandboxError",
+    )
+
+
+def test_a_group_with_a_failed_trial_is_informative_only_when_it_is_kept():
+    samples = [_sample("g", 0, 1.0), _sample("g", 1, 0.0), _sample("g", 2, None, "FAILED"), _sample("h", 0, 1.0)]
+    assert informative_groups(samples, "drop_group") == set()
+    assert informative_groups(samples, "keep_group") == {"g"}
+
+
+def test_refill_plans_are_seeded_and_continue_the_step_plan():
+    pool = _prompts("hello-file", "answer-42", "make-dir", "count-lines", "sort-lines", "copy-file")
+    plans = []
+    for _ in range(2):
+        r = GroupRefill(pool=pool, used=pool[:2], target=2, max_rounds=3, n_samples=2, seed=1, step=0)
+        plans.append(r([_sample("step0-hello-file", 0, 1.0), _sample("step0-hello-file", 1, 1.0)]))
+    assert [s.rollout_id for s in plans[0]] == [s.rollout_id for s in plans[1]]  # same draw each time
+    assert len(plans[0]) == 2 * 2  # nothing informative yet: both groups are replaced
+    assert {s.instance_id for s in plans[0]}.isdisjoint({"hello-file", "answer-42"})
+    assert all(s.group_id.startswith("step0-") for s in plans[0])
+    step_seeds = {s.seed for s in plan_group_trials(pool[:2], 0, 2, 1)}
+    assert step_seeds.isdisjoint(s.seed for s in plans[0]) and len({s.seed for s in plans[0]}) == 4

@@ -91,6 +91,22 @@ class EngineClient:
     async def aserver_info(self) -> dict[str, Any]:
         return await self._acall("GET", "/get_server_info", None, dict)
 
+    async def acontext_length(self) -> int | None:
+        """The model's context length as the engine enforces it: `max_model_len` of `/v1/models` (SGLang's
+        `model_config.context_len`), else `context_length` of `/get_server_info` (SGLang's is the
+        `--context-length` flag, None unless given); None when neither says."""
+        for path, read in (
+            ("/v1/models", lambda body: (body.get("data") or [{}])[0].get("max_model_len")),
+            ("/get_server_info", lambda body: body.get("context_length")),
+        ):
+            try:
+                value = read(await self._acall("GET", path, None, dict))
+            except EngineError:
+                continue
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
     def chat_completions(self, messages: list[dict], **params: Any) -> ChatCompletionResponse:
         """OpenAI chat completion; `params` go into the body as given (max_tokens, temperature, seed, ...)."""
         return self._call("POST", "/v1/chat/completions", {"messages": messages, **params}, ChatCompletionResponse)

@@ -7,6 +7,7 @@ trial's samples. A retried trial's failed attempt is forgotten (`PolicyAccess.fo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -14,12 +15,15 @@ from dataclasses import dataclass
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
+from grpoflow.engine.client import EngineClient
 from grpoflow.rollout.harnesses import agent_factory, get_binding
 from grpoflow.rollout.sessions.segments import segment_samples
 from grpoflow.rollout.sessions.server import SessionServer
 from grpoflow.rollout.trials import TrialOutcome, TrialSpec
 from grpoflow.samples import Sample
 from grpoflow.scoring import to_sample
+
+log = logging.getLogger(__name__)
 
 ToSamples = Callable[[TrialOutcome, str, int], list[Sample]]  # (outcome, run_id, step) -> the trial's samples
 
@@ -38,13 +42,38 @@ class PolicyAccess:
     forget: Callable[[TrialSpec], None]  # drop a failed attempt's record before its retry
 
 
+async def fit_to_engine(rollout: RolloutConfig, engine: EngineConfig, engine_url: str) -> RolloutConfig:
+    """`rollout` with `max_context_tokens` lowered to what the engine accepts, when it is not already below.
+
+    SGLang refuses (400, which no client retries) a request whose prompt + max_new_tokens reaches the model's
+    context length, so an episode budget at or past it would turn the last turn of long episodes into failed
+    trials, and their groups would be dropped. Within the engine's bound such an episode ends by its token budget
+    (TRUNCATED) instead."""
+    client = EngineClient(engine_url, timeout=engine.request_timeout_s, retries=engine.retries)
+    try:
+        context = await client.acontext_length()
+    finally:
+        await client.aclose()
+    if context is None or rollout.max_context_tokens < context:
+        return rollout
+    log.warning(
+        "rollout.max_context_tokens=%d is not below the engine's context length %d: episodes are bounded by %d",
+        rollout.max_context_tokens,
+        context,
+        context - 1,
+    )
+    return rollout.model_copy(update={"max_context_tokens": context - 1})
+
+
 @asynccontextmanager
 async def policy_access(
     rollout: RolloutConfig, engine: EngineConfig, engine_url: str, tokenizer_path: str
 ) -> AsyncIterator[PolicyAccess]:
     """Our shell agent talks to the engine itself and keeps the exact tokens. Every OpenAI-speaking harness
     (terminus-2, claude-code, opencode) goes through a session server for the block: it keeps the exact tokens
-    of each trial's session, and the session's segments become the trial's samples (`segment_samples`)."""
+    of each trial's session, and the session's segments become the trial's samples (`segment_samples`).
+    Episodes are bounded by `rollout.max_context_tokens` or the engine's context, whichever is smaller."""
+    rollout = await fit_to_engine(rollout, engine, engine_url)
     if not get_binding(rollout.harness).via_session_server:
         yield PolicyAccess(agent_factory(rollout, engine, engine_url, tokenizer_path), trial_sample, lambda spec: None)
         return

@@ -161,7 +161,14 @@ class ScriptedModel:
                 f"The input ({len(input_ids)} tokens) is longer than the model's context length "
                 f"({self.context_length} tokens)."
             )
-        max_new = min(int(sp.get("max_new_tokens", 128)), self.context_length - len(input_ids))
+        max_new = int(sp.get("max_new_tokens", 128))
+        if max_new + len(input_ids) >= self.context_length:  # TokenizerManager._validate_one_request: no clamp
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                f"tokens. You requested a total of {max_new + len(input_ids)} tokens: {len(input_ids)} tokens "
+                f"from the input messages and {max_new} tokens for the completion. Please reduce the number of "
+                "tokens in the input messages or the completion to fit within the limit."
+            )
         temperature = float(sp.get("temperature", 1.0))
         seed_key: Any = "greedy" if temperature < 1e-6 else sp.get("sampling_seed")
         if seed_key is None:
@@ -426,7 +433,7 @@ class StandinServer:
                 "model_path": m.model_path,
                 "tokenizer_path": m.model_path,
                 "served_model_name": m.served_model_name,
-                "context_length": m.context_length,
+                "context_length": None,  # ServerArgs.context_length: the --context-length flag, None unless given
                 **self.server_args,
                 "weight_version": m.weight_version,
                 "internal_states": [{"last_gen_throughput": 0.0}],
@@ -558,6 +565,7 @@ def main(argv: list[str] | None = None) -> None:
         "port": args.port,
         "tp_size": args.tp_size,
         "mem_fraction_static": args.mem_fraction_static,
+        "context_length": args.context_length,
         "standin_pid": os.getpid(),
         "standin_child_pid": child.pid,
     }

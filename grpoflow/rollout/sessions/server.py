@@ -142,7 +142,7 @@ def create_app(
     sampling: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The session server app. `max_new_tokens` caps every turn (the training config's limit wins over the
-    harness's `max_tokens`); `context_length` (default: the engine's `/get_server_info`) bounds prompt + output.
+    harness's `max_tokens`); `context_length` bounds prompt + output (default: one less than the engine's, `EngineClient.acontext_length`).
     `sampling` (`temperature`, `top_p`, `top_k`) pins what every turn samples with, whatever the harness sends:
     the trainer scores the tokens under the run's sampling, so the engine must sample under it too."""
     tokenizer = load_tokenizer(str(tokenizer_path))
@@ -166,12 +166,10 @@ def create_app(
 
     async def _context_length() -> int | None:
         if limits["context_length"] is None:
-            try:
-                value = (await engine.aserver_info()).get("context_length")
-            except EngineError as e:  # an engine without /get_server_info: no bound but the turn cap
-                log.warning("context length unknown (%s); prompts are not bounded here", e)
-                value = None
-            limits["context_length"] = value if isinstance(value, int) and value > 0 else 0
+            value = await engine.acontext_length()
+            if value is None:
+                log.warning("the engine does not say its context length; prompts are not bounded here")
+            limits["context_length"] = max(value - 1, 0) if value else 0  # SGLang refuses prompt + output == it
         return limits["context_length"] or None
 
     def _card() -> dict:

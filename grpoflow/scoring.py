@@ -239,6 +239,7 @@ def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshol
         m["session/requests"] = requests
         m["session/segments"] = sum(s.metrics.get("segments", 1.0) for s in samples)
         m["session/refused_requests"] = sum(s.metrics.get("refused_requests", 0.0) for s in samples)
+        m["session/abandoned_turns"] = sum(s.metrics.get("abandoned_turns", 0.0) for s in samples)
         # how often tokenising the re-sent history would NOT have given the tokens the policy produced
         m["session/retokenize_mismatch_rate"] = (
             sum(s.metrics.get("retokenize_mismatches", 0.0) for s in samples) / requests if requests else 0.0

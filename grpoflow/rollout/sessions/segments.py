@@ -4,7 +4,8 @@ Every segment of a trial is the same rollout: it carries the trial's `rollout_id
 (copied from the trial's own sample, as `grpoflow.scoring.to_sample` built it), and `group_advantages` counts the
 rollout once in its GRPO group. A token position that several segments share (a common prefix that holds
 generated tokens, e.g. the history a summarisation request and the main loop both continue) is trained in the
-first segment that holds it and loss-masked in the others, so it trains once.
+first segment that holds it and loss-masked in the others, so it trains once. A path whose end only abandoned
+turns reached (replies the harness never used) is no segment.
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ def segments(tree: SessionTree) -> list[Segment]:
     out = []
     ends = _turn_ends(tree)
     for leaf in tree.leaves():
-        tokens, mask, logprobs = tree.path(leaf)
         chain = _chain(leaf)
+        turn_ids = sorted(
+            i
+            for n in chain
+            for i in ends.get(id(n), [])
+            if tree.turns[i].end.depth <= leaf.depth and not tree.turns[i].abandoned
+        )
+        if not turn_ids or max(tree.turns[i].end.depth for i in turn_ids) < leaf.depth:
+            continue  # the path goes on past its last used turn: only abandoned replies made it
+        tokens, mask, logprobs = tree.path(leaf)
         train = list(mask)
         pos = 0
         for node in chain:  # root-first
@@ -47,8 +56,7 @@ def segments(tree: SessionTree) -> list[Segment]:
                     else:
                         owned.add(key)
                 pos += 1
-        turn_ids = sorted(i for n in chain for i in ends.get(id(n), []) if tree.turns[i].end.depth <= leaf.depth)
-        last = tree.turns[turn_ids[-1]] if turn_ids else None
+        last = tree.turns[turn_ids[-1]]
         out.append(
             Segment(
                 tokens=tokens,
@@ -56,9 +64,9 @@ def segments(tree: SessionTree) -> list[Segment]:
                 rollout_logprobs=logprobs,
                 prompt_len=next((i for i, m in enumerate(mask) if m), len(tokens)),
                 turns=turn_ids,
-                messages=(last.messages + [{"role": "assistant", "content": last.reply}]) if last else [],
-                weight_version=last.weight_version if last else None,
-                truncated=bool(last and last.truncated),
+                messages=last.messages + [{"role": "assistant", "content": last.reply}],
+                weight_version=last.weight_version,
+                truncated=last.truncated,
             )
         )
     return out

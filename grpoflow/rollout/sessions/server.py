@@ -43,7 +43,7 @@ from pydantic import Field
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError
-from grpoflow.rollout.sessions.tree import SessionTree
+from grpoflow.rollout.sessions.tree import SessionTree, Turn
 from grpoflow.rollout.tokens import (
     TemplateError,
     encode,
@@ -142,7 +142,8 @@ def create_app(
     sampling: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The session server app. `max_new_tokens` caps every turn (the training config's limit wins over the
-    harness's `max_tokens`); `context_length` bounds prompt + output (default: one less than the engine's, `EngineClient.acontext_length`).
+    harness's `max_tokens`); `context_length` bounds prompt + output (default: one less than the engine's
+    context, `EngineClient.acontext_length`).
     `sampling` (`temperature`, `top_p`, `top_k`) pins what every turn samples with, whatever the harness sends:
     the trainer scores the tokens under the run's sampling, so the engine must sample under it too."""
     tokenizer = load_tokenizer(str(tokenizer_path))
@@ -189,7 +190,7 @@ def create_app(
         return {"object": "list", "data": [_card()]}
 
     @app.post("/sessions/{session_id:path}/v1/chat/completions")
-    async def chat(session_id: str, req: ChatRequest) -> dict:
+    async def chat(session_id: str, req: ChatRequest, request: Request) -> dict:
         if not _SESSION_ID.match(session_id):
             raise RequestRefused(f"invalid session id {session_id[:80]!r}", "invalid_session_id")
         if req.stream:
@@ -202,9 +203,12 @@ def create_app(
         if session.lock is None:
             session.lock = asyncio.Lock()
         async with session.lock:  # a session's requests are sequential; keep them so if a harness misbehaves
-            return await _turn(session, req)
+            turn, response = await _turn(session, req)
+            if await request.is_disconnected():  # the harness gave up on this request: it never sees the reply
+                session.tree.abandon(turn)
+            return response
 
-    async def _turn(session: _Session, req: ChatRequest) -> dict:
+    async def _turn(session: _Session, req: ChatRequest) -> tuple[Turn, dict]:
         tree = session.tree
         loop = asyncio.get_running_loop()
         messages = [_template_message(m) for m in req.messages]
@@ -245,7 +249,7 @@ def create_app(
             weight_version=resp.meta_info.weight_version,
             generation_time_s=gen_s,
         )
-        return _response(tokenizer, req, model_name, prompt_ids, turn, logprobs)
+        return turn, _response(tokenizer, req, model_name, prompt_ids, turn, logprobs)
 
     return app
 

@@ -9,7 +9,9 @@ common token prefix) and branches there. Each token position exists once in the 
 paths into training samples, training every position once.
 
 A turn that ended with finish_reason `length` (cut off, not ended by EOS) closes its path: the server refuses
-any request whose tokens run through the end of that turn.
+any request whose tokens run through the end of that turn. A turn whose reply the harness never used (it sent
+the same messages again, or hung up before the reply) is abandoned: a path that ends only in abandoned turns is
+not trained.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Turn:
     generation_time_s: float
     end: Mark = field(repr=False)  # the end of prompt + output in the tree
     sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, sampling_seed used
+    abandoned: bool = False  # the harness never used the reply (it asked again, or hung up): never trained
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -96,6 +99,7 @@ class Turn:
             "weight_version": self.weight_version,
             "generation_time_s": round(self.generation_time_s, 4),
             "sampling": self.sampling,
+            "abandoned": self.abandoned,
         }
 
 
@@ -108,6 +112,8 @@ class SessionTree:
         self.turns: list[Turn] = []
         # message-prefix key (the turn's messages + its reply) -> turn index, to find the turn a request extends
         self._states: dict[tuple, int] = {}
+        self._asked: dict[tuple, list[int]] = {}  # a request's messages key -> the turns that answered it
+        self._continued: set[int] = set()  # turns a later request continued (their reply was used)
         self.refused = 0  # requests refused because they extended a closed (truncated) path
         self.extend_failures = 0  # requests that continued a turn the template could not extend token-exactly
 
@@ -197,6 +203,14 @@ class SessionTree:
     ) -> Turn:
         if len(output_ids) != len(output_logprobs):
             raise ValueError(f"{len(output_ids)} output ids but {len(output_logprobs)} logprobs")
+        # A request that repeats an earlier one's messages is a retry (a client timeout, a re-ask): the reply
+        # the harness did not go on from was never used.
+        asked = tuple(_msg_key(m) for m in messages)
+        for i in self._asked.get(asked, []):
+            if i not in self._continued:
+                self.turns[i].abandoned = True
+        if (prev := self.extended_turn(messages)) is not None:
+            self._continued.add(prev.index)
         self._insert(prompt_ids, [0] * len(prompt_ids), [0.0] * len(prompt_ids))
         end = self._insert(
             prompt_ids + output_ids,
@@ -220,9 +234,13 @@ class SessionTree:
             sampling=dict(sampling or {}),
         )
         self.turns.append(turn)
-        state = tuple(_msg_key(m) for m in messages) + (("assistant", reply),)
-        self._states[state] = turn.index
+        self._asked.setdefault(asked, []).append(turn.index)
+        self._states[asked + (("assistant", reply),)] = turn.index
         return turn
+
+    def abandon(self, turn: Turn) -> None:
+        """The harness hung up before it got `turn`'s reply: the reply is never trained."""
+        turn.abandoned = True
 
     def _insert(self, ids: list[int], mask: list[int], logprobs: list[float]) -> Mark:
         """Walk/extend the tree with `ids`. Positions the tree already holds keep their tokens; a generated
@@ -262,7 +280,8 @@ class SessionTree:
             "requests_extended": float(sum(t.extends is not None for t in self.turns)),
             "retokenize_mismatches": float(sum(t.retokenize_mismatch for t in self.turns)),
             "retokenize_mismatch_rate": self.mismatch_rate,
-            "truncated_turns": float(sum(t.truncated for t in self.turns)),
+            "truncated_turns": float(sum(t.truncated and not t.abandoned for t in self.turns)),
+            "abandoned_turns": float(sum(t.abandoned for t in self.turns)),
             "refused_requests": float(self.refused),
             "extend_failures": float(self.extend_failures),
             "generation_time_s": sum(t.generation_time_s for t in self.turns),

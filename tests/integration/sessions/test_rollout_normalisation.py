@@ -106,7 +106,7 @@ def test_train_step_trains_each_generated_token_of_a_segmented_rollout_once(tiny
     ]
     for prompt, out in turns:
         tree.add_turn(
-            [],
+            [{"role": "user", "content": str(prompt)}],
             prompt,
             out,
             [-2.0] * len(out),

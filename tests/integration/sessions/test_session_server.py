@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 import openai
@@ -338,3 +339,50 @@ def test_turn_seeds_of_neighbouring_trials_do_not_collide():
     # a group's trial seeds are neighbours: `seed + turn` gave trial k's second turn trial k+1's first seed
     seeds = {turn_seed(trial, turn) for trial in range(1000, 1016) for turn in range(8)}
     assert len(seeds) == 16 * 8
+
+
+def test_replies_the_harness_never_used_are_not_trained(scripted, tok):
+    """A client that times out and retries (the OpenAI client's own retry) sends the same messages twice; the
+    first reply reached no one. Only the reply the harness went on with trains."""
+    eos = tok.eos_token_id
+    slow, used, follow = (tok.encode(t, add_special_tokens=False) + [eos] for t in ("ls /", "ls /app", "cat a"))
+
+    def script(ids, i):
+        if i == 0:
+            time.sleep(1.5)  # past the client's timeout: it hangs up and asks again
+        return Out([slow, used, follow][i])
+
+    engine, server = scripted(script)
+    client = openai.OpenAI(base_url=server.session_url("t-0"), api_key=KEY, max_retries=1, timeout=1.0)
+    m1 = [SYS, {"role": "user", "content": "list the files"}]
+    r1 = _chat(client, m1)
+    assert r1.choices[0].message.content == "ls /app"
+    _chat(client, [*m1, {"role": "assistant", "content": "ls /app"}, {"role": "user", "content": "a b"}])
+    tree = server.pop_session("t-0")
+    assert [t.abandoned for t in tree.turns] == [True, False, False]
+    [sample] = segment_samples(_trial("t-0"), tree)
+    trained = [t for t, m in zip(sample.tokens, sample.loss_mask, strict=True) if m]
+    assert trained == used + follow and sample.metrics["abandoned_turns"] == 1.0
+
+
+def test_a_reply_after_the_harness_hung_up_is_not_trained(scripted, tok):
+    eos = tok.eos_token_id
+
+    def script(ids, i):
+        time.sleep(1.0)
+        return Out(tok.encode("echo late", add_special_tokens=False) + [eos])
+
+    engine, server = scripted(script)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            server.session_url("t-1") + "/chat/completions",
+            json={"model": "policy", "messages": [SYS, {"role": "user", "content": "hi"}], "max_tokens": 8},
+            timeout=0.3,
+        )
+    turns, deadline = server.store.get("t-1").tree.turns, time.monotonic() + 10
+    while not (turns and turns[0].abandoned) and time.monotonic() < deadline:  # the engine is still answering
+        time.sleep(0.05)
+    tree = server.pop_session("t-1")
+    assert len(tree.turns) == 1 and tree.turns[0].abandoned
+    [sample] = segment_samples(_trial("t-1"), tree)
+    assert sum(sample.loss_mask) == 0

@@ -77,3 +77,31 @@ def test_extended_turn_matches_messages_and_the_reply():
     assert tree.extended_turn(nxt) is t0
     assert tree.extended_turn([sys, u1, {"role": "assistant", "content": "R!"}, nxt[3]]) is None
     assert tree.extended_turn([sys, {"role": "user", "content": "summary"}]) is None
+
+
+def test_a_reply_the_harness_asked_again_for_is_abandoned_and_never_trained():
+    tree = SessionTree("s")
+    first = _turn(tree, [1, 2, 3], [10, 11])  # a client timeout: the harness never saw this reply
+    retry = _turn(tree, [1, 2, 3], [12, 13])  # the same messages again
+    assert first.abandoned and not retry.abandoned
+    follow = _turn(tree, [1, 2, 3, 12, 13, 4], [14], messages=[*retry.messages, {"role": "assistant", "content": "r"}])
+    segs = segments(tree)
+    assert [s.tokens for s in segs] == [[1, 2, 3, 12, 13, 4, 14]] and segs[0].loss_mask == [0, 0, 0, 1, 1, 0, 1]
+    assert segs[0].turns == [retry.index, follow.index]
+    assert tree.stats()["abandoned_turns"] == 1.0
+
+
+def test_a_continued_reply_stays_used_when_its_messages_are_asked_again():
+    tree = SessionTree("s")
+    a = _turn(tree, [1, 2], [10], reply="x")
+    _turn(tree, [1, 2, 10, 3], [11], messages=[*a.messages, {"role": "assistant", "content": "x"}, {"role": "user"}])
+    again = _turn(tree, [1, 2], [12])  # a sub-agent asking the same first question: its own branch, both used
+    assert not a.abandoned and not again.abandoned
+    assert sorted(s.tokens for s in segments(tree)) == [[1, 2, 10, 3, 11], [1, 2, 12]]
+
+
+def test_a_reply_the_harness_hung_up_on_is_not_trained_nor_counted_as_truncated():
+    tree = SessionTree("s")
+    cut = _turn(tree, [1, 2], [10, 11], truncated=True)
+    tree.abandon(cut)
+    assert segments(tree) == [] and tree.stats()["truncated_turns"] == 0.0

@@ -244,8 +244,15 @@ class RolloutConfig(_Section):
         description="Sampling temperature (0 = greedy). The trainer scores tokens at the same temperature. "
         "0.5 suits the 135M default model (at 1.0 it rarely writes a usable command).",
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling threshold. Engine and trainer both score tokens under the unfiltered "
+        "softmax(logits / temperature), SGLang's default, so below 1 the tokens come from a narrower distribution "
+        "than the one the PPO ratio assumes.",
+    )
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off); scored like `top_p`, unfiltered.")
     max_context_tokens: int = Field(
         2048, ge=64, le=1_048_576, description="Token budget of a whole episode (prompt, turns, tool output)."
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpoflow.embedded.engine.sampling import sample_next_tokens
@@ -25,10 +26,14 @@ def test_greedy_is_argmax_and_logprob_is_raw_log_softmax():
     assert torch.allclose(torch.tensor(lps), expected)
 
 
-def test_logprob_is_taken_at_the_temperature_before_top_k():
+@pytest.mark.parametrize("filters", [{"top_k": 4}, {"top_p": 0.5}, {"top_k": 6, "top_p": 0.8}])
+def test_logprob_is_taken_at_the_temperature_before_top_k_and_top_p(filters):
+    # SGLang's /generate default (SGLANG_RETURN_ORIGINAL_LOGPROB unset): log_softmax(logits / T) before the
+    # filters, which is what the trainer recomputes at the rollout temperature
     logits = _logits(rows=1)
-    tokens, lps = sample_next_tokens(logits, [SamplingParams(temperature=0.3, top_k=4)], [_gen(1)])
-    assert abs(lps[0] - torch.log_softmax(logits[0] / 0.3, -1)[tokens[0]].item()) < 1e-5
+    for seed in range(5):
+        tokens, lps = sample_next_tokens(logits, [SamplingParams(temperature=0.3, **filters)], [_gen(seed)])
+        assert abs(lps[0] - torch.log_softmax(logits[0] / 0.3, -1)[tokens[0]].item()) < 1e-5
 
 
 def test_top_k_only_picks_among_the_k_best():

@@ -6,7 +6,8 @@ Layout: a `Sample`'s `tokens`, `loss_mask` and `rollout_logprobs` are aligned (l
 
 An optimizer minibatch whose advantages are all zero is skipped (no forward, no `optimizer.step`): AdamW would
 still move the weights through weight decay and momentum. A KL term alone does not justify a step either. A
-minibatch whose gradient norm is not finite is skipped too (counted).
+minibatch whose gradient norm is not finite, or whose every token fell outside `train.mismatch_band`, is skipped
+too (counted).
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ def train_step(
         "optimizer_steps": 0,
         "skipped_zero_advantage": 0,
         "skipped_nonfinite": 0,
+        "skipped_masked": 0,
         **dict.fromkeys(_MAX_KEYS, 0.0),
     }
     # every key present even when nothing was trained (optimizer_steps 0 says so), for steady metric columns
@@ -234,6 +236,8 @@ def train_step(
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
         if not math.isfinite(grad_norm):
             out["skipped_nonfinite"] += 1
+        elif m["n_tokens"] == 0:  # every token outside the mismatch band: no gradient, and no decay/momentum step
+            out["skipped_masked"] += 1
         else:
             state.optimizer.step()
             state.optimizer_steps += 1

@@ -317,6 +317,19 @@ def test_recomputed_old_logprobs_make_the_first_ratio_exactly_one_and_report_the
     assert recompute["optimizer_steps"] == 1 and recompute["n_tokens"] == rollout["n_tokens"]
 
 
+def test_a_minibatch_whose_every_token_left_the_mismatch_band_does_not_step(tiny_model_dir):
+    # weight decay on: a step on the zero gradient would still shrink the weights
+    cfg = TrainConfig(old_logprobs="recompute", mismatch_band=1.5, weight_decay=0.1, learning_rate=1e-2)
+    state = load_trainer(tiny_model_dir, cfg, seed=0)
+    samples = _agentic_samples(state.model)
+    for s in samples:  # an engine 1 nat off on every trained token: exp(1) > 1.5, all outside the band
+        s.rollout_logprobs = [v - 1.0 if m else 0.0 for v, m in zip(s.rollout_logprobs, s.loss_mask, strict=True)]
+    before = _weights(state.model)
+    m = train_step(state, samples, cfg, seed=0)
+    assert (m["optimizer_steps"], m["skipped_masked"], m["mismatch_masked_frac"]) == (0, 1, 1.0)
+    assert all(torch.equal(before[k], v) for k, v in _weights(state.model).items())
+
+
 def _turns(*lengths, reward=0.0, status="COMPLETED", group="g", i=0):
     mask = [0] * 3
     for n in lengths:

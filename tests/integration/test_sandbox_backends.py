@@ -23,8 +23,6 @@ from grpoflow.config import parse_run_config
 from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.errors import ConfigError
 from grpoflow.preflight import missing_extra_packages
-from grpoflow.prepare.dataset import builtin_dataset_path, load_task
-from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.credentials import (
     PROVIDERS,
     CredentialError,
@@ -34,6 +32,7 @@ from grpoflow.rollout.credentials import (
 )
 from grpoflow.rollout.environments import PROVIDER_SANDBOX_FAILURES, is_sandbox_failure_type
 from grpoflow.rollout.step import collect_step, sandbox_config
+from tests.fakes.prompts import builtin_prompts
 from tests.integration.test_preflight import StandIn
 
 KEY = "e2b_planted_0123456789abcdef"  # what the leak checks look for
@@ -41,17 +40,6 @@ KEY = "e2b_planted_0123456789abcdef"  # what the leak checks look for
 needs_e2b_extra = pytest.mark.skipif(
     bool(missing_extra_packages("e2b")), reason="harbor[e2b] is not fully installed: pip install 'harbor[e2b]==0.25.0'"
 )
-
-
-def _prompts(*names):
-    return [
-        PromptRecord(
-            instance_id=n,
-            task_path=str(builtin_dataset_path() / n),
-            instruction=load_task(builtin_dataset_path() / n).instruction,
-        )
-        for n in names
-    ]
 
 
 def _files_containing(root, needle: str) -> list[str]:
@@ -272,7 +260,7 @@ def _collect(tmp_path, rollout):
         collect_step(
             "leak",
             0,
-            _prompts("hello-file"),
+            builtin_prompts("hello-file"),
             rollout,
             0,
             lambda spec: AgentConfig(name="oracle"),
@@ -355,7 +343,7 @@ def test_gate_bounds_sandbox_starts_but_not_the_trials(tmp_path):
         collect_step(
             "g",
             0,
-            _prompts("hello-file", "make-dir"),
+            builtin_prompts("hello-file", "make-dir"),
             cfg.rollout,
             0,
             lambda spec: AgentConfig(
@@ -390,7 +378,7 @@ def test_a_failing_gate_fails_the_trial_without_retry(tmp_path):
         collect_step(
             "g",
             0,
-            _prompts("hello-file"),
+            builtin_prompts("hello-file"),
             cfg.rollout,
             0,
             lambda spec: AgentConfig(name="oracle"),

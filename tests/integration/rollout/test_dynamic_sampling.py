@@ -9,27 +9,15 @@ import pytest
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import parse_run_config
-from grpoflow.prepare.dataset import builtin_dataset_path, load_task
-from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.step import GroupRefill, collect_step, sandbox_config
 from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.samples import Sample
 from grpoflow.scoring import informative_groups
+from tests.fakes.prompts import builtin_prompts
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 
 FLAT = {"hello-file", "make-dir", "copy-file", "touch-done"}  # every trial solved: rewards all 1, no signal
-
-
-def _prompts(*names):
-    return [
-        PromptRecord(
-            instance_id=n,
-            task_path=str(builtin_dataset_path() / n),
-            instruction=load_task(builtin_dataset_path() / n).instruction,
-        )
-        for n in names
-    ]
 
 
 def _agent(spec):
@@ -68,8 +56,8 @@ def _collect(tmp_path, step_prompts, pool, rounds):
 
 @needs_bwrap
 def test_flat_groups_are_refilled_from_new_prompts_until_the_step_has_its_informative_groups(tmp_path):
-    step_prompts = _prompts("hello-file", "answer-42")  # one flat group, one with a signal
-    pool = _prompts("hello-file", "answer-42", "make-dir", "count-lines", "sort-lines")
+    step_prompts = builtin_prompts("hello-file", "answer-42")  # one flat group, one with a signal
+    pool = builtin_prompts("hello-file", "answer-42", "make-dir", "count-lines", "sort-lines")
     res, refill = _collect(tmp_path, step_prompts, pool, rounds=4)
     groups = {s.group_id for s in res.samples}
     assert informative_groups(res.samples, "drop_group") and res.metrics["informative_groups"] == 2.0
@@ -88,11 +76,11 @@ def test_flat_groups_are_refilled_from_new_prompts_until_the_step_has_its_inform
 
 @needs_bwrap
 def test_refill_stops_after_its_rounds_and_when_the_pool_runs_out(tmp_path):
-    step_prompts = _prompts("hello-file")
-    res, refill = _collect(tmp_path / "a", step_prompts, _prompts(*sorted(FLAT)), rounds=2)
+    step_prompts = builtin_prompts("hello-file")
+    res, refill = _collect(tmp_path / "a", step_prompts, builtin_prompts(*sorted(FLAT)), rounds=2)
     assert (res.metrics["refill_rounds"], res.metrics["informative_groups"], len(res.samples)) == (2.0, 0.0, 6)
 
-    res, _ = _collect(tmp_path / "b", step_prompts, _prompts("hello-file", "make-dir"), rounds=5)
+    res, _ = _collect(tmp_path / "b", step_prompts, builtin_prompts("hello-file", "make-dir"), rounds=5)
     assert (res.metrics["refill_rounds"], res.metrics["refill_groups"], len(res.samples)) == (1.0, 1.0, 4)
 
 
@@ -121,7 +109,7 @@ def test_a_group_with_a_failed_trial_is_informative_only_when_it_is_kept():
 
 
 def test_refill_plans_are_seeded_and_continue_the_step_plan():
-    pool = _prompts("hello-file", "answer-42", "make-dir", "count-lines", "sort-lines", "copy-file")
+    pool = builtin_prompts("hello-file", "answer-42", "make-dir", "count-lines", "sort-lines", "copy-file")
     plans = []
     for _ in range(2):
         r = GroupRefill(pool=pool, used=pool[:2], target=2, max_rounds=3, n_samples=2, seed=1, step=0)

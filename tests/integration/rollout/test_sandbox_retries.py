@@ -7,26 +7,14 @@ import pytest
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import parse_run_config
-from grpoflow.prepare.dataset import builtin_dataset_path, load_task
-from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.step import collect_step, sandbox_config
 from grpoflow.scoring import select_trainable
+from tests.fakes.prompts import builtin_prompts
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
     pytest.mark.usefixtures("faulty_sandbox"),
 ]
-
-
-def _prompts(*names):
-    return [
-        PromptRecord(
-            instance_id=n,
-            task_path=str(builtin_dataset_path() / n),
-            instruction=load_task(builtin_dataset_path() / n).instruction,
-        )
-        for n in names
-    ]
 
 
 def _collect(tmp_path, prompts, retries, **sandbox_kwargs):
@@ -55,7 +43,7 @@ def test_flaky_sandbox_start_is_retried_until_every_trial_finishes(tmp_path):
     (tmp_path / "sb").mkdir()
     res, retried = _collect(
         tmp_path,
-        _prompts("hello-file", "make-dir", "copy-file", "count-lines"),
+        builtin_prompts("hello-file", "make-dir", "copy-file", "count-lines"),
         retries=8,
         fail_start_probability=0.3,
         fail_start_seed=11,
@@ -70,7 +58,7 @@ def test_flaky_sandbox_start_is_retried_until_every_trial_finishes(tmp_path):
 
 def test_permanent_sandbox_failure_is_recorded_and_its_group_dropped(tmp_path):
     (tmp_path / "sb").mkdir()
-    res, retried = _collect(tmp_path, _prompts("hello-file"), retries=2, fail_start_probability=1.0)
+    res, retried = _collect(tmp_path, builtin_prompts("hello-file"), retries=2, fail_start_probability=1.0)
     assert len(res.samples) == 4 and len(retried) == 4 * 2
     for s in res.samples:
         assert (s.status, s.exit_status, s.reward) == ("FAILED", "SandboxError", None)

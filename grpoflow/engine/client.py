@@ -23,14 +23,20 @@ from grpoflow.engine.protocol import (
     ChatCompletionResponse,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     ModelInfo,
     SamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightsFromDistributedRequest,
+    WeightsUpdateGroupResponse,
 )
 from grpoflow.errors import EngineError
 
 M = TypeVar("M", bound=BaseModel)
+U = TypeVar("U", UpdateWeightsFromDiskResponse, WeightsUpdateGroupResponse)
+# Endpoints that answer a failure with 400 and a {"success": false, "message"} body
+_WEIGHT_UPDATES = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed")
 
 _BACKOFF_CAP_S = 10.0
 
@@ -77,6 +83,42 @@ class EngineClient:
         body = _update_body(model_path, weight_version, flush_cache)
         resp = await self._acall("POST", "/update_weights_from_disk", body, UpdateWeightsFromDiskResponse)
         return _checked_update(resp)
+
+    # The two calls of an in-memory weight sync are never retried: each pairs with collective calls on the
+    # trainer's side, and a re-sent request would wait for a broadcast that never comes.
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> WeightsUpdateGroupResponse:
+        body = InitWeightsUpdateGroupRequest(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        ).model_dump()
+        path = "/init_weights_update_group"
+        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> WeightsUpdateGroupResponse:
+        body = UpdateWeightsFromDistributedRequest(
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+        ).model_dump(exclude_none=True)
+        path = "/update_weights_from_distributed"
+        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
 
     def model_info(self) -> ModelInfo:
         return self._call("GET", "/model_info", None, ModelInfo)
@@ -162,18 +204,21 @@ class EngineClient:
             self._aclient_loop = loop
         return self._aclient
 
-    def _call(self, method: str, path: str, body: dict | None, model: type[M] | type[dict]) -> M:
+    def _call(
+        self, method: str, path: str, body: dict | None, model: type[M] | type[dict], retries: int | None = None
+    ) -> M:
         url = self.base_url + path
+        retries = self.retries if retries is None else retries
         last: BaseException | None = None
-        for attempt in range(self.retries + 1):
+        for attempt in range(retries + 1):
             try:
                 resp = self._sync_client().request(method, url, json=body)
                 return _parse(resp, path, model)
             except (_Retryable, httpx.TransportError) as e:
                 last = e
-            if attempt < self.retries:
+            if attempt < retries:
                 time.sleep(self._delay(attempt))
-        raise EngineError(f"{method} {url} failed after {self.retries + 1} attempts: {_describe(last)}")
+        raise EngineError(f"{method} {url} failed after {retries + 1} attempts: {_describe(last)}")
 
     async def _acall(self, method: str, path: str, body: dict | None, model: type[M] | type[dict]) -> M:
         url = self.base_url + path
@@ -210,7 +255,7 @@ def _parse(resp: httpx.Response, path: str, model: type[M] | type[dict]) -> M:
         raise _Retryable(f"HTTP {resp.status_code}: {_error_text(resp)}")
     # SGLang answers a failed weight update with 400 and a normal {"success": false, ...} body: parse it and
     # let _checked_update raise with the server's message.
-    failed_update = path == "/update_weights_from_disk" and resp.status_code == 400 and '"success"' in resp.text
+    failed_update = path in _WEIGHT_UPDATES and resp.status_code == 400 and '"success"' in resp.text
     if resp.status_code >= 400 and not failed_update:
         raise EngineError(f"{path}: HTTP {resp.status_code} from {resp.request.url}: {_error_text(resp)}")
     try:
@@ -236,9 +281,9 @@ def _checked_generate(resp: GenerateResponse) -> GenerateResponse:
     return resp
 
 
-def _checked_update(resp: UpdateWeightsFromDiskResponse) -> UpdateWeightsFromDiskResponse:
+def _checked_update(resp: U, path: str = "/update_weights_from_disk") -> U:
     if not resp.success:
-        raise EngineError(f"/update_weights_from_disk: failed: {resp.message}")
+        raise EngineError(f"{path}: failed: {resp.message}")
     return resp
 
 

@@ -10,6 +10,12 @@ Where each name comes from (sgl-project/sglang, read at commits 001067ff / 00c17
   - `UpdateWeightFromDiskReqInput`: `model_path`, `weight_version: Optional[str]`, `flush_cache: bool = True`
     (also load_format, abort_all_requests, is_async, ..., which we do not send).
   - `UpdateWeightFromDiskReqOutput`: `success`, `message`, `num_paused_requests: int = 0`.
+  - `InitWeightsUpdateGroupReqInput`: `master_address`, `master_port`, `rank_offset`, `world_size`,
+    `group_name` ("weight_update_group"), `backend` ("nccl"); `UpdateWeightsFromDistributedReqInput`: `names`,
+    `dtypes`, `shapes`, `group_name`, `flush_cache`, `weight_version` (and more we do not send); both answer
+    `{"success", "message"}`, 200 or 400. The engine joins the trainer's group with a TCP store at
+    `master_address:master_port`, keys under `<group_name>/` (`init_custom_process_group`), and receives each
+    named tensor by a broadcast from rank 0, in the order of `names`.
 - `python/sglang/srt/sampling/sampling_params.py` `SamplingParams`: `max_new_tokens` (default 128),
   `temperature` (default 1.0; below 1e-6 means greedy), `top_p` (1.0), `top_k` (default all; -1 = disabled),
   `stop` (str | list[str]), `stop_token_ids`, `ignore_eos`, `sampling_seed` (per-request seed).
@@ -117,6 +123,34 @@ class UpdateWeightsFromDiskResponse(_Response):
     success: bool
     message: str
     num_paused_requests: int = 0
+
+
+class InitWeightsUpdateGroupRequest(_Request):
+    """Join the trainer's weight-update process group: the trainer is rank 0, the engine's workers are ranks
+    `rank_offset` .. `rank_offset + workers - 1` of `world_size`."""
+
+    master_address: str = Field(..., min_length=1, description="The trainer's address (it hosts the group's store).")
+    master_port: int = Field(..., ge=1, le=65535)
+    rank_offset: int = Field(..., ge=1)
+    world_size: int = Field(..., ge=2)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: str = Field("nccl", description="`nccl` between GPUs, `gloo` on CPU.")
+
+
+class UpdateWeightsFromDistributedRequest(_Request):
+    """Receive the named tensors the trainer broadcasts (rank 0) over the group, in this order, then serve them."""
+
+    names: list[str] = Field(..., min_length=1)
+    dtypes: list[str] = Field(..., description="torch dtype names without `torch.`: `bfloat16`, `float32`, ...")
+    shapes: list[list[int]]
+    group_name: str = Field("weight_update_group", min_length=1)
+    flush_cache: bool = True
+    weight_version: str | None = Field(None, description="Version label to report from now on.")
+
+
+class WeightsUpdateGroupResponse(_Response):
+    success: bool
+    message: str
 
 
 class ModelInfo(_Response):

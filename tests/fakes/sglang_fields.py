@@ -88,5 +88,27 @@ SGLANG_UPDATE_WEIGHT_FROM_DISK_REQ_INPUT = {
 }
 SGLANG_UPDATE_WEIGHT_FROM_DISK_REQ_OUTPUT = {"success", "message", "num_paused_requests"}
 
+# io_struct.py: InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput and their outputs
+SGLANG_INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT = {
+    "master_address",
+    "master_port",
+    "rank_offset",
+    "world_size",
+    "group_name",
+    "backend",
+}
+SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT = {
+    "names",
+    "dtypes",
+    "shapes",
+    "group_name",
+    "flush_cache",
+    "abort_all_requests",
+    "weight_version",
+    "load_format",
+    "torch_empty_cache",
+}
+SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT = {"success", "message"}  # both outputs
+
 # sampling_params.py defaults (top_k: TOP_K_ALL internally; -1 is its documented "disabled" input)
 SGLANG_SAMPLING_DEFAULTS = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False}

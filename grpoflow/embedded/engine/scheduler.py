@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,11 +33,14 @@ from grpoflow.embedded.engine.kv_cache import BatchKVCache, kv_tensors
 from grpoflow.embedded.engine.packed_linear import pack_linears, repack_linears
 from grpoflow.embedded.engine.prefix_cache import PrefixCache
 from grpoflow.embedded.engine.sampling import sample_next_tokens
-from grpoflow.embedded.engine.weights import load_safetensors_dir
+from grpoflow.embedded.engine.weights import load_named_tensors, read_safetensors_dir
 from grpoflow.engine.protocol import SamplingParams
+from grpoflow.engine.update_group import join_update_group, leave_update_group, receive_tensors, torch_dtype
 from grpoflow.errors import EngineError, GrpoflowError, ModelError
 
 log = logging.getLogger(__name__)
+
+UPDATE_GROUP_TIMEOUT_S = 1800.0  # a broadcast waits this long for the other side (a trainer step can be long)
 
 _STOP_STRING_SLACK = 8  # extra tail tokens decoded when looking for a stop string (partial UTF-8, specials)
 # Padded (or recomputed) tokens a prefill group may carry beyond a quarter of its real tokens, and the least
@@ -104,7 +107,8 @@ class _Job:
 
 @dataclass(eq=False)
 class _Update:
-    model_path: str
+    load: Callable[[], dict[str, torch.Tensor]]  # the new weights by name (read from disk, or received)
+    source: str  # where they come from, for messages
     weight_version: str | None
     future: Future
 
@@ -149,6 +153,9 @@ class Scheduler:
         self.seed = seed
         self.max_batch_size = max_batch_size  # read at every admission; the bench changes it between runs
         self.weight_version = weight_version
+        self.update_groups: dict[
+            str, torch.distributed.ProcessGroup
+        ] = {}  # weight-update process groups joined, by name
         self.stats = SchedulerStats()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)  # touched by the scheduler thread only
 
@@ -201,14 +208,54 @@ class Scheduler:
         """Blocking `submit`."""
         return self.submit(input_ids, params, **kw).result()
 
-    def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> Future:
-        """Queue a weight load; the future resolves to a `WeightUpdateResult` once earlier requests finished."""
-        upd = _Update(model_path=str(model_path), weight_version=weight_version, future=Future())
+    def update_weights(
+        self, load: Callable[[], dict[str, torch.Tensor]], source: str, weight_version: str | None = None
+    ) -> Future:
+        """Queue a weight update: once earlier requests finished, `load()` (in the scheduler's thread) gives the
+        new tensors by name and they replace the model's; the future resolves to a `WeightUpdateResult`."""
+        upd = _Update(load=load, source=source, weight_version=weight_version, future=Future())
         with self._lock:
             if self._closed:
                 raise EngineError("engine is shut down; cannot update weights")
             self._inbox.put(upd)
         return upd.future
+
+    def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> Future:
+        return self.update_weights(lambda: read_safetensors_dir(model_path), str(model_path), weight_version)
+
+    def init_weights_update_group(
+        self, address: str, port: int, rank: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """Join the trainer's weight-update group (blocks until every rank joined); gloo only (no GPU here)."""
+        if backend != "gloo":
+            raise InvalidRequest(f"backend {backend!r}: the embedded engine runs on the CPU, so only `gloo`")
+        if group_name in self.update_groups:
+            raise InvalidRequest(f"weight update group {group_name!r} exists already")
+        group = join_update_group(address, port, rank, world_size, group_name, backend, UPDATE_GROUP_TIMEOUT_S)
+        self.update_groups[group_name] = group
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+    ) -> Future:
+        """Queue an update whose tensors the trainer broadcasts over `group_name` (received in order)."""
+        group = self.update_groups.get(group_name)
+        if group is None:
+            raise InvalidRequest(f"no weight update group {group_name!r}: POST /init_weights_update_group first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise InvalidRequest(f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes")
+        for d in dtypes:
+            try:
+                torch_dtype(d)
+            except ValueError as e:  # refused before anything is received
+                raise InvalidRequest(f"dtypes: {e}") from e
+        return self.update_weights(
+            lambda: receive_tensors(group, names, dtypes, shapes), f"group {group_name}", weight_version
+        )
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (at the scheduler's next step; it owns the cache)."""
@@ -226,6 +273,9 @@ class Scheduler:
             self._closed = True
             self._inbox.put(_Shutdown())
         self._thread.join(timeout)
+        for group in self.update_groups.values():
+            leave_update_group(group)
+        self.update_groups.clear()
 
     def __enter__(self) -> Scheduler:
         return self
@@ -562,13 +612,13 @@ class Scheduler:
 
     def _apply_update(self, upd: _Update) -> None:
         try:
-            n = load_safetensors_dir(self.model, upd.model_path)
+            n = load_named_tensors(self.model, upd.load(), upd.source)
             repack_linears(self.model)  # the packed copies are snapshots of the weights
         except GrpoflowError as e:  # raised before anything was written
             upd.future.set_result(WeightUpdateResult(False, f"weights not updated: {e}", self.weight_version))
             return
         except Exception as e:  # noqa: BLE001 - report any load failure to the caller, keep serving
-            log.exception("weight update from %s failed", upd.model_path)
+            log.exception("weight update from %s failed", upd.source)
             with contextlib.suppress(Exception):
                 repack_linears(self.model)  # serve what the parameters now hold, as F.linear would
             msg = f"weights not updated: {type(e).__name__}: {e} (model may be partially updated)"
@@ -577,7 +627,7 @@ class Scheduler:
         self.prefix_cache.clear()  # always, whatever flush_cache says: cached KV came from the old weights
         self.weight_version = upd.weight_version or _next_version(self.weight_version)
         self.stats.weight_updates += 1
-        msg = f"loaded {n} tensors from {upd.model_path}; weight_version={self.weight_version}"
+        msg = f"loaded {n} tensors from {upd.source}; weight_version={self.weight_version}"
         log.info(msg)
         upd.future.set_result(WeightUpdateResult(True, msg, self.weight_version))
 

@@ -8,7 +8,8 @@ With `--port 0` the server binds a free port itself and hands the bound socket t
 picking and binding), writes the port to `--port-file` atomically and prints
 `grpoflow-engine listening on http://HOST:PORT`.
 
-Endpoints: POST /generate, POST /update_weights_from_disk, GET /health, GET /model_info,
+Endpoints: POST /generate, POST /update_weights_from_disk, POST /init_weights_update_group (gloo),
+POST /update_weights_from_distributed, GET /health, GET /model_info,
 GET /get_server_info, POST /flush_cache, POST /v1/chat/completions, GET /v1/models. A bad request gets 400 with a
 one-line message; an engine failure 500 with a message, never a traceback. Error bodies use SGLang's OpenAI-style shape
 `{"object": "error", "message", "type", "param", "code"}`.
@@ -43,9 +44,12 @@ from grpoflow.engine.protocol import (
     ChatCompletionRequest,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     ModelInfo,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightsFromDistributedRequest,
+    WeightsUpdateGroupResponse,
 )
 from grpoflow.errors import EngineError
 from grpoflow.fileio import write_text_atomic
@@ -122,6 +126,30 @@ def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> Fa
         body = UpdateWeightsFromDiskResponse(
             success=res.success, message=res.message, num_paused_requests=res.num_paused_requests
         ).model_dump()
+        return JSONResponse(body, status_code=200 if res.success else 400)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(req: InitWeightsUpdateGroupRequest) -> JSONResponse:
+        # Joining blocks until the trainer joins too: off the event loop, so /health and others keep answering.
+        await asyncio.get_running_loop().run_in_executor(
+            None,
+            scheduler.init_weights_update_group,
+            req.master_address,
+            req.master_port,
+            req.rank_offset,
+            req.world_size,
+            req.group_name,
+            req.backend,
+        )
+        return JSONResponse(WeightsUpdateGroupResponse(success=True, message="joined").model_dump())
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
+        fut = scheduler.update_weights_from_distributed(
+            req.names, req.dtypes, req.shapes, req.group_name, req.weight_version
+        )
+        res = await asyncio.wrap_future(fut)
+        body = WeightsUpdateGroupResponse(success=res.success, message=res.message).model_dump()
         return JSONResponse(body, status_code=200 if res.success else 400)
 
     @app.post("/v1/chat/completions")

@@ -49,6 +49,8 @@ from grpoflow.run.metrics import (
 )
 from grpoflow.run.resume import run_lock
 from grpoflow.scoring import FailedSteps, select_trainable
+from grpoflow.train.probe import SyncProbe
+from grpoflow.train.sync import open_weight_sync
 from grpoflow.train.trainer import TrainerState, load_trainer
 from tasks.rollout import evaluate_policy_task, run_trials_task
 from tasks.train import grpo_step_task, probe_task, save_step_task, sync_weights_task
@@ -83,10 +85,12 @@ def train_steps(
     failed_steps = FailedSteps(cfg.train.max_failed_steps)
     record: dict = {}
     try:
-        with serving_engine(cfg, run) as engine:
-            if weights is not None:
-                sync_weights_task(weights, engine.url, cfg, str(start_step))
-            probe_task(trainer, engine.url, cfg)
+        limit = cfg.train.max_probe_logprob_gap
+        sync_probe = SyncProbe(limit) if limit is not None else None
+        with serving_engine(cfg, run) as engine, open_weight_sync(cfg.engine, engine.url, trainer) as sync:
+            if weights is not None:  # the trainer holds the resumed checkpoint's weights
+                sync_weights_task(sync, trainer, weights, str(start_step), None)
+            probe_task(trainer, engine.url, cfg, sync_probe)
             earlier = read_metrics(paths.metrics) if start_step > 0 else []
             base = base_pass_rates(earlier[0]) if earlier else {}
             for step in range(start_step, cfg.train.steps):
@@ -117,11 +121,12 @@ def train_steps(
                 }
                 t2 = time.perf_counter()
                 commits.flush()  # the previous full checkpoint is durable (it had the whole step to finish)
-                ckpt = save_step_task(trainer, paths, step, record)
-                t3 = time.perf_counter()
-                sync_weights_task(ckpt, engine.url, cfg, version)
-                record |= {"time/commit_s": t3 - t2, "time/sync_s": time.perf_counter() - t3}
                 full = is_full_checkpoint(step, cfg.train.steps, cfg.train.save_interval)
+                # an in-memory sync needs no dir: only full checkpoints are written then
+                ckpt = save_step_task(trainer, paths, step, record) if full or sync.needs_dir else None
+                t3 = time.perf_counter()
+                record |= sync_weights_task(sync, trainer, ckpt, version, sync_probe)
+                record |= {"time/commit_s": t3 - t2, "time/sync_s": time.perf_counter() - t3}
                 commits.finish(trainer, ckpt, step, record, full)
                 print(
                     f"step {step + 1}/{cfg.train.steps}: reward {record['rollout/reward_mean']:.3f} "

@@ -113,6 +113,24 @@ class EngineConfig(_Section):
         "cost of batching. The embedded engine decodes each request alone with the prefix cache off; a launched "
         "SGLang gets `--enable-deterministic-inference`, an attached one must have been started with it.",
     )
+    weight_sync: Literal["disk", "distributed"] = Field(
+        "disk",
+        description="How each step's weights reach the engine. `disk`: the step writes its weights to "
+        "`checkpoints/step_<N>/` and the engine loads them (`/update_weights_from_disk`). `distributed`: in "
+        "memory, the trainer broadcasts them over a process group the engine joins at the start (SGLang's "
+        "`/init_weights_update_group`, `/update_weights_from_distributed`; NCCL on a GPU, gloo on the CPU), and "
+        "only full checkpoints (`train.save_interval`) are written.",
+    )
+    weight_sync_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="The dtype weights are sent to the engine in (`distributed`). `auto`: float32 for the "
+        "embedded engine (it serves in float32), bfloat16 for SGLang.",
+    )
+    weight_sync_address: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="The address the engine reaches the trainer's weight-update group at (`distributed`).",
+    )
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one engine request, in seconds.")
     retries: int = Field(
         3,

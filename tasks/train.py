@@ -1,4 +1,4 @@
-"""Prefect tasks of the train stage: the GRPO update, the step's checkpoint and the weight sync.
+"""Prefect tasks of the train stage: the GRPO update, the step's checkpoint, the weight sync and the probes.
 
 The trainer state (model, optimizer) lives in the flow's process and is handed to these tasks in memory; results
 are not cached or persisted by Prefect — the checkpoint on disk is the durable record.
@@ -17,8 +17,9 @@ from grpoflow.engine.client import EngineClient
 from grpoflow.run.commit import save_step
 from grpoflow.run.paths import RunPaths
 from grpoflow.samples import Sample
-from grpoflow.train.probe import check_logprob_agreement
+from grpoflow.train.probe import SyncProbe, check_logprob_agreement
 from grpoflow.train.step import grpo_update
+from grpoflow.train.sync import WeightSync
 from grpoflow.train.trainer import TrainerState
 
 
@@ -37,20 +38,29 @@ def save_step_task(trainer: TrainerState, paths: RunPaths, step: int, record: di
 
 
 @task(name="sync-weights", cache_policy=NO_CACHE, task_run_name="sync-weights-{version}")
-def sync_weights_task(ckpt: Path, engine_url: str, cfg: RunConfig, version: str) -> str:
-    """Load a checkpoint into the engine as weight version `version` (the number of GRPO updates in it)."""
-    with EngineClient(engine_url, timeout=cfg.engine.request_timeout_s, retries=cfg.engine.retries) as client:
-        client.update_weights_from_disk(str(ckpt), weight_version=version)
-    return version
+def sync_weights_task(
+    sync: WeightSync, trainer: TrainerState, ckpt: Path | None, version: str, probe: SyncProbe | None
+) -> dict[str, float]:
+    """The trainer's weights into the engine as weight version `version` (the number of GRPO updates in them),
+    from the step's checkpoint dir or in memory (`engine.weight_sync`); then, with `probe`, proof that the engine
+    serves them. Returns the `sync/...` metrics."""
+    moved = sync.push(trainer, version, ckpt)
+    checked = probe.check(sync.client, trainer, version) if probe is not None else {}
+    return {"sync/bytes": moved["bytes"], **{f"sync/{k}": v for k, v in checked.items()}}
 
 
 @task(name="probe-logprobs", cache_policy=NO_CACHE)
-def probe_task(trainer: TrainerState, engine_url: str, cfg: RunConfig) -> dict[str, float]:
-    """Engine and trainer score a probe reply alike (`grpoflow.train.probe`), or the run fails here."""
+def probe_task(
+    trainer: TrainerState, engine_url: str, cfg: RunConfig, sync_probe: SyncProbe | None
+) -> dict[str, float]:
+    """Engine and trainer score a probe reply alike (`grpoflow.train.probe`), or the run fails here; the sync
+    probe takes its first reading."""
     if cfg.train.max_probe_logprob_gap is None:
         return {}
     with EngineClient(engine_url, timeout=cfg.engine.request_timeout_s, retries=cfg.engine.retries) as client:
         gap = check_logprob_agreement(client, trainer, cfg)
+        if sync_probe is not None:
+            sync_probe.check(client, trainer, "start")
     get_run_logger().info(
         "engine vs trainer on a %d-token probe: mean |logprob gap| %.2e, max %.2e",
         gap["tokens"],

@@ -61,7 +61,7 @@ class StepCommits:
         self._error: BaseException | None = None
         self._pending: tuple[int, dict[str, Any]] | None = None
 
-    def finish(self, trainer: TrainerState, ckpt: Path, step: int, record: dict[str, Any], full: bool) -> None:
+    def finish(self, trainer: TrainerState, ckpt: Path | None, step: int, record: dict[str, Any], full: bool) -> None:
         self.flush()
         if not full:
             log_step(self.paths, step, record, self.log)

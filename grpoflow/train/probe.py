@@ -9,6 +9,8 @@ are noise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from grpoflow.config import RunConfig
@@ -22,25 +24,78 @@ PROBE_MESSAGES = [{"role": "user", "content": "Write one bash command that lists
 PROBE_TOKENS = 64
 
 
-def logprob_gap(client: EngineClient, state: TrainerState, cfg: RunConfig, seed: int = 0) -> dict[str, float]:
-    """{mean, max} of |engine - trainer| logprob over a probe reply the engine samples."""
-    r = cfg.rollout
+def _probe_reply(
+    client: EngineClient, state: TrainerState, params: SamplingParams, temperature: float
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The engine's reply to the probe prompt under `params`: (reply ids, the engine's logprobs of them, the
+    trainer's logprobs of them under softmax(logits / temperature)), logprobs (n,) on the CPU."""
     text = state.tokenizer.apply_chat_template(PROBE_MESSAGES, add_generation_prompt=True, tokenize=False)
     prompt = state.tokenizer.encode(text, add_special_tokens=False)
-    params = SamplingParams(
-        max_new_tokens=PROBE_TOKENS, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, sampling_seed=seed
-    )
     resp = client.generate(prompt, params, return_logprob=True)
     out = list(resp.output_ids)
     if not out:
-        return {"mean": 0.0, "max": 0.0, "tokens": 0.0}
+        return [], torch.zeros(0), torch.zeros(0)
     ids = torch.tensor([prompt + out], device=state.device)  # (1, L)
     mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool, device=state.device)
     mask[0, len(prompt) - 1 :] = True  # position t scores token t + 1: the reply's tokens
     with torch.no_grad():
-        trainer, _ = token_logprobs(state.model, ids, mask, state.autocast_dtype, r.temperature)
-    gap = (trainer[mask].float().cpu() - torch.tensor(resp.logprobs)).abs()
+        trainer, _ = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)
+    return out, torch.tensor(resp.logprobs, dtype=torch.float32), trainer[mask].float().cpu()
+
+
+def logprob_gap(client: EngineClient, state: TrainerState, cfg: RunConfig, seed: int = 0) -> dict[str, float]:
+    """{mean, max} of |engine - trainer| logprob over a probe reply the engine samples."""
+    r = cfg.rollout
+    params = SamplingParams(
+        max_new_tokens=PROBE_TOKENS, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, sampling_seed=seed
+    )
+    out, engine, trainer = _probe_reply(client, state, params, r.temperature)
+    if not out:
+        return {"mean": 0.0, "max": 0.0, "tokens": 0.0}
+    gap = (trainer - engine).abs()
     return {"mean": gap.mean().item(), "max": gap.max().item(), "tokens": float(len(out))}
+
+
+SYNC_PROBE_TOKENS = 16
+
+
+@dataclass
+class SyncProbe:
+    """After every weight sync: proof that the engine serves the trainer's new weights, or the run fails.
+
+    The engine answers the probe prompt greedily (logprobs at T = 1) and the trainer scores the same tokens. The
+    engine must be within `limit` nats (mean) of the trainer's current weights; and when the trainer has moved
+    since the last sync and the reply is the same tokens as then, the engine must not be clearly closer (half
+    the distance or less) to the trainer's previous logprobs than to its current ones: that is an engine still
+    serving the old weights (a sync it acknowledged but ignored). An engine whose own noise hides one step's
+    change passes the second test either way; the first still bounds it.
+    """
+
+    limit: float
+    _last: tuple[list[int], torch.Tensor] | None = None  # (reply ids, the trainer's logprobs of them then)
+    _last_steps: int = -1  # the trainer's optimizer steps at the last check
+
+    def check(self, client: EngineClient, state: TrainerState, version: str) -> dict[str, float]:
+        params = SamplingParams(max_new_tokens=SYNC_PROBE_TOKENS, temperature=0.0)
+        ids, engine, trainer = _probe_reply(client, state, params, 1.0)
+        gap = (engine - trainer).abs().mean().item() if ids else 0.0
+        moved = self._last_steps >= 0 and state.optimizer_steps != self._last_steps
+        if moved and self._last is not None and self._last[0] == ids and ids:
+            to_old = (engine - self._last[1]).abs().mean().item()
+            if to_old * 2 < gap:
+                raise EngineError(
+                    f"the engine still serves the old weights after the sync to version {version}: its logprobs "
+                    f"of a probe reply are {to_old:.2e} nats from the trainer's before the update and {gap:.2e} "
+                    "from its current ones (the engine acknowledged a sync it did not apply)"
+                )
+        if gap > self.limit:
+            raise EngineError(
+                f"after the sync to version {version} the engine's logprobs of a probe reply are {gap:.3f} nats "
+                f"from the trainer's on average (train.max_probe_logprob_gap={self.limit}): the engine does not "
+                "serve the trainer's weights"
+            )
+        self._last, self._last_steps = (ids, trainer), state.optimizer_steps
+        return {"probe_gap": gap}
 
 
 def check_logprob_agreement(client: EngineClient, state: TrainerState, cfg: RunConfig) -> dict[str, float]:

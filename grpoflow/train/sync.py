@@ -1,0 +1,143 @@
+"""The weight sync: each step's new weights into the engine, by `engine.weight_sync`.
+
+- `disk`: the step's checkpoint dir (written by the commit, `grpoflow.run.commit.save_step`) is loaded with
+  `/update_weights_from_disk`.
+- `distributed`: in memory. At the start the trainer hosts a process group (rank 0) that the engine joins
+  (`/init_weights_update_group`); each sync announces every tensor (name, dtype, shape) with
+  `/update_weights_from_distributed` and broadcasts them in that order, in the engine's dtype. Nothing is written
+  for the sync; full checkpoints are still written every `train.save_interval` steps.
+
+Both say what they moved (`bytes`), so the step's record shows the cost of the sync.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from grpoflow.config import EngineConfig
+from grpoflow.engine.client import EngineClient
+from grpoflow.engine.update_group import (
+    broadcast_tensors,
+    dtype_name,
+    host_update_store,
+    join_update_group,
+    leave_update_group,
+)
+from grpoflow.errors import EngineError
+from grpoflow.train.trainer import TrainerState
+
+# How long the engine's validation may take to refuse an update before the broadcast starts: a refused request
+# would leave the broadcast waiting for a receiver that never comes.
+_REFUSAL_WINDOW_S = 0.2
+
+
+class DiskSync:
+    """The engine loads the step's checkpoint dir."""
+
+    needs_dir = True
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    def push(self, trainer: TrainerState, version: str, ckpt: Path | None) -> dict[str, float]:
+        if ckpt is None:
+            raise ValueError("a disk weight sync needs the step's checkpoint dir")
+        self.client.update_weights_from_disk(str(ckpt), weight_version=version)
+        return {"bytes": float(sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors")))}
+
+
+class DistributedSync:
+    """The trainer broadcasts its weights to the engine over a process group they share (see the module doc)."""
+
+    needs_dir = False
+
+    def __init__(self, client: EngineClient, cfg: EngineConfig, device: torch.device):
+        self.client = client
+        self.dtype = sync_dtype(cfg)
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.device = device if self.backend == "nccl" else torch.device("cpu")
+        # A name of its own: torch keeps group names per process, and an engine may outlive one run's sync.
+        self.group_name = f"grpoflow-{uuid.uuid4().hex[:12]}"
+        address, timeout = cfg.weight_sync_address, cfg.request_timeout_s
+        store = host_update_store(address, 2, timeout)
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(
+                self.client.init_weights_update_group, address, store.port, 1, 2, self.group_name, self.backend
+            )
+            _refused_early(joined)
+            self.group = join_update_group(address, store.port, 0, 2, self.group_name, self.backend, timeout, store)
+            joined.result()
+
+    def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
+        named = engine_tensors(trainer.model)
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(
+                self.client.update_weights_from_distributed,
+                list(named),
+                [dtype_name(self.dtype)] * len(named),
+                [list(t.shape) for t in named.values()],
+                self.group_name,
+                version,
+            )
+            _refused_early(received)
+            with torch.no_grad():
+                sent = broadcast_tensors(self.group, (t.to(self.device, self.dtype) for t in named.values()))
+            received.result()
+        return {"bytes": float(sent)}
+
+    def close(self) -> None:
+        leave_update_group(self.group)
+
+
+def engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors as a checkpoint holds them: the state dict, each shared tensor once (a tied
+    `lm_head.weight` is left to its embedding, as `save_pretrained` does)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out
+
+
+def sync_dtype(cfg: EngineConfig) -> torch.dtype:
+    if cfg.weight_sync_dtype != "auto":
+        return getattr(torch, cfg.weight_sync_dtype)
+    return torch.float32 if cfg.backend == "embedded" else torch.bfloat16
+
+
+def _refused_early(call: Future) -> None:
+    """Raise what the engine answered if it already answered (a refusal), before any collective call."""
+    time.sleep(_REFUSAL_WINDOW_S)
+    if call.done():
+        call.result()  # raises EngineError when refused
+        raise EngineError("the engine answered before the weights were sent")
+
+
+WeightSync = DiskSync | DistributedSync
+
+
+@contextmanager
+def open_weight_sync(cfg: EngineConfig, engine_url: str, trainer: TrainerState) -> Iterator[WeightSync]:
+    """The run's weight sync to the engine at `engine_url`, for the block."""
+    client = EngineClient(engine_url, timeout=cfg.request_timeout_s, retries=cfg.retries)
+    try:
+        if cfg.weight_sync == "disk":
+            yield DiskSync(client)
+            return
+        sync = DistributedSync(client, cfg, trainer.device)
+        try:
+            yield sync
+        finally:
+            sync.close()
+    finally:
+        client.close()

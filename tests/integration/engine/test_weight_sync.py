@@ -1,0 +1,128 @@
+"""In-memory weight sync (`engine.weight_sync=distributed`) against the embedded engine in its own process, over
+gloo: the protocol SGLang speaks (`/init_weights_update_group`, `/update_weights_from_distributed`), with the
+request fields pinned to SGLang's, and the engine serving exactly the trainer's new weights afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpoflow.config import EngineConfig, TrainConfig
+from grpoflow.engine.client import EngineClient
+from grpoflow.engine.launch import start_embedded_engine
+from grpoflow.engine.protocol import (
+    InitWeightsUpdateGroupRequest,
+    SamplingParams,
+    UpdateWeightsFromDistributedRequest,
+    WeightsUpdateGroupResponse,
+)
+from grpoflow.errors import EngineError
+from grpoflow.train.logprobs import token_logprobs
+from grpoflow.train.probe import SyncProbe
+from grpoflow.train.sync import DiskSync, DistributedSync, engine_tensors, open_weight_sync
+from grpoflow.train.trainer import load_trainer
+from tests.fakes.sglang_fields import (
+    SGLANG_INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
+    SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT,
+    SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT,
+)
+
+PROMPT = [1, 5, 9, 14, 3, 7]
+
+
+def test_the_requests_use_sglang_field_names():
+    assert set(InitWeightsUpdateGroupRequest.model_fields) == SGLANG_INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT
+    assert set(UpdateWeightsFromDistributedRequest.model_fields) <= SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT
+    assert set(WeightsUpdateGroupResponse.model_fields) == SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    with start_embedded_engine(tiny_model_dir, log_path=tmp_path_factory.mktemp("engine") / "engine.log") as e:
+        yield e
+
+
+def _engine_logprobs(client: EngineClient) -> tuple[list[int], list[float]]:
+    out = client.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.0), return_logprob=True)
+    return out.output_ids, out.logprobs
+
+
+def _trainer_logprobs(trainer, ids: list[int]) -> list[float]:
+    seq = torch.tensor([PROMPT + ids])
+    mask = torch.zeros(1, seq.shape[1] - 1, dtype=torch.bool)
+    mask[0, len(PROMPT) - 1 :] = True
+    with torch.no_grad():
+        lp, _ = token_logprobs(trainer.model, seq, mask, None, 1.0)
+    return lp[0, len(PROMPT) - 1 :].tolist()
+
+
+def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, tiny_model_dir):
+    trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    with torch.no_grad():  # new weights the engine cannot have: every parameter moved
+        for p in trainer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    client = engine.client
+    before = _engine_logprobs(client)
+    cfg = EngineConfig(weight_sync="distributed")
+    with open_weight_sync(cfg, engine.url, trainer) as sync:
+        assert isinstance(sync, DistributedSync) and not sync.needs_dir
+        moved = sync.push(trainer, "7")
+        ids, lps = _engine_logprobs(client)
+        assert client.model_info().weight_version == "7"
+        # fp32 both sides: the engine's logprobs of its own greedy reply are the trainer's, to rounding
+        assert lps != before[1]
+        assert max(abs(a - b) for a, b in zip(lps, _trainer_logprobs(trainer, ids), strict=True)) < 1e-4
+        n_bytes = sum(t.numel() * 4 for t in engine_tensors(trainer.model).values())
+        assert moved["bytes"] == n_bytes
+        with torch.no_grad():  # a second sync over the same group
+            for p in trainer.model.parameters():
+                p.mul_(0.9)
+        sync.push(trainer, "8")
+        ids, lps = _engine_logprobs(client)
+        assert max(abs(a - b) for a, b in zip(lps, _trainer_logprobs(trainer, ids), strict=True)) < 1e-4
+
+
+def test_a_refused_update_fails_at_once_with_the_engines_reason(engine, tiny_model_dir):
+    trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    with open_weight_sync(EngineConfig(weight_sync="distributed"), engine.url, trainer) as sync:
+        sync.group_name = "no-such-group"  # the engine refuses before any tensor is sent
+        with pytest.raises(EngineError, match="no weight update group 'no-such-group'"):
+            sync.push(trainer, "9")
+    with pytest.raises(EngineError, match="only `gloo`"):
+        engine.client.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", "nccl")
+
+
+def test_disk_sync_loads_the_step_dir(engine, tiny_model_dir, tmp_path):
+    trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    trainer.model.save_pretrained(tmp_path / "step_0")
+    with open_weight_sync(EngineConfig(), engine.url, trainer) as sync:
+        assert isinstance(sync, DiskSync) and sync.needs_dir
+        assert sync.push(trainer, "10", tmp_path / "step_0")["bytes"] > 0
+    assert engine.client.model_info().weight_version == "10"
+
+
+def test_the_sync_probe_fails_when_the_engine_did_not_apply_a_sync(engine, tiny_model_dir):
+    trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    probe = SyncProbe(limit=0.1)
+    with open_weight_sync(EngineConfig(weight_sync="distributed"), engine.url, trainer) as sync:
+        sync.push(trainer, "20")
+        assert probe.check(engine.client, trainer, "20")["probe_gap"] < 1e-4
+        with torch.no_grad():  # an update the engine never receives, as if it acknowledged a sync and ignored it
+            for p in trainer.model.parameters():
+                p.mul_(1.02)
+        trainer.optimizer_steps += 1
+        with pytest.raises(EngineError, match="still serves the old weights after the sync to version 21"):
+            probe.check(engine.client, trainer, "21")
+        sync.push(trainer, "21")  # applied: the probe passes, and the next one compares with these weights
+        assert probe.check(engine.client, trainer, "21")["probe_gap"] < 1e-4
+
+
+def test_the_sync_probe_bounds_the_gap_to_the_trainer(engine, tiny_model_dir):
+    trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    with open_weight_sync(EngineConfig(weight_sync="distributed"), engine.url, trainer) as sync:
+        sync.push(trainer, "30")
+        with torch.no_grad():  # far from what the engine serves, at the first check (nothing to compare with)
+            for p in trainer.model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.2)
+        with pytest.raises(EngineError, match=r"nats from the trainer's on average .*does not serve"):
+            SyncProbe(limit=0.1).check(engine.client, trainer, "31")

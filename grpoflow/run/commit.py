@@ -21,6 +21,7 @@ import torch
 
 from grpoflow.run.checkpoint import (
     OPTIMIZER_FILE,
+    STEP_FILE,
     TRAINER_FILE,
     fsync_files,
     fsync_path,
@@ -71,16 +72,25 @@ class StepCommits:
         counters = {"step": step, "optimizer_steps": trainer.optimizer_steps}
         record["time/commit_s"] = record.get("time/commit_s", 0.0) + time.perf_counter() - t0  # the caller's too
         self._pending = (step, record)
+        metrics, timings = split_record(record)
+        final = {"step": step, "metrics": metrics, "timings": timings}  # with what the sync added to the record
         self._thread = threading.Thread(
-            target=self._complete, args=(Path(ckpt), state, counters), name=f"full-checkpoint-{step}", daemon=True
+            target=self._complete,
+            args=(Path(ckpt), state, counters, final),
+            name=f"full-checkpoint-{step}",
+            daemon=True,
         )
         self._thread.start()
 
-    def _complete(self, ckpt: Path, state: dict[str, Any], counters: dict[str, Any]) -> None:
+    def _complete(self, ckpt: Path, state: dict[str, Any], counters: dict[str, Any], final: dict[str, Any]) -> None:
         try:
             tmp = ckpt / f".{OPTIMIZER_FILE}.tmp"
             torch.save(state, tmp)
             (ckpt / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
+            # the step's whole record: the one save_step wrote was taken before the weight sync
+            record_tmp = ckpt / f".{STEP_FILE}.tmp"
+            record_tmp.write_text(json.dumps(final) + "\n", encoding="utf-8")
+            record_tmp.rename(ckpt / STEP_FILE)
             fsync_files(ckpt)  # the publishing rename is only as durable as the bytes it points at
             tmp.rename(ckpt / OPTIMIZER_FILE)
             fsync_path(ckpt)

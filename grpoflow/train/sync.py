@@ -12,12 +12,12 @@ Both say what they moved (`bytes`), so the step's record shows the cost of the s
 
 from __future__ import annotations
 
-import time
+import threading
 import uuid
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,9 +33,7 @@ from grpoflow.engine.update_group import (
 from grpoflow.errors import EngineError
 from grpoflow.train.trainer import TrainerState
 
-# How long the engine's validation may take to refuse an update before the broadcast starts: a refused request
-# would leave the broadcast waiting for a receiver that never comes.
-_REFUSAL_WINDOW_S = 0.2
+T = TypeVar("T")
 
 
 class DiskSync:
@@ -65,35 +63,62 @@ class DistributedSync:
         self.device = device if self.backend == "nccl" else torch.device("cpu")
         # A name of its own: torch keeps group names per process, and an engine may outlive one run's sync.
         self.group_name = f"grpoflow-{uuid.uuid4().hex[:12]}"
+        self.broken = False  # a refused request left our side of a collective waiting: the group is unusable
         address, timeout = cfg.weight_sync_address, cfg.request_timeout_s
         store = host_update_store(address, 2, timeout)
-        with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(
-                self.client.init_weights_update_group, address, store.port, 1, 2, self.group_name, self.backend
-            )
-            _refused_early(joined)
-            self.group = join_update_group(address, store.port, 0, 2, self.group_name, self.backend, timeout, store)
-            joined.result()
+        self.group = self._paired(
+            lambda: join_update_group(address, store.port, 0, 2, self.group_name, self.backend, timeout, store),
+            lambda: self.client.init_weights_update_group(address, store.port, 1, 2, self.group_name, self.backend),
+        )
 
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
+        if self.broken:
+            raise EngineError("the weight update group is unusable after an earlier refused update")
         named = engine_tensors(trainer.model)
-        with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(
-                self.client.update_weights_from_distributed,
+
+        def send() -> int:
+            with torch.no_grad():
+                return broadcast_tensors(self.group, (t.to(self.device, self.dtype) for t in named.values()))
+
+        sent = self._paired(
+            send,
+            lambda: self.client.update_weights_from_distributed(
                 list(named),
                 [dtype_name(self.dtype)] * len(named),
                 [list(t.shape) for t in named.values()],
                 self.group_name,
                 version,
-            )
-            _refused_early(received)
-            with torch.no_grad():
-                sent = broadcast_tensors(self.group, (t.to(self.device, self.dtype) for t in named.values()))
-            received.result()
+            ),
+        )
         return {"bytes": float(sent)}
 
+    def _paired(self, ours: Callable[[], T], engines: Callable[[], object]) -> T:
+        """Our side of a collective (in a thread) while the engine does its side of it behind one request, which
+        it answers once its side is done. A refusal raises at once; our side is then left waiting (until the
+        group's timeout) and the group is marked unusable."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = ours()
+            except BaseException as e:  # noqa: BLE001  (raised below, in the caller's thread)
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="weight-sync", daemon=True)
+        thread.start()
+        try:
+            engines()
+        except BaseException:
+            self.broken = True
+            raise
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
     def close(self) -> None:
-        leave_update_group(self.group)
+        if not self.broken:
+            leave_update_group(self.group)
 
 
 def engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -113,14 +138,6 @@ def sync_dtype(cfg: EngineConfig) -> torch.dtype:
     if cfg.weight_sync_dtype != "auto":
         return getattr(torch, cfg.weight_sync_dtype)
     return torch.float32 if cfg.backend == "embedded" else torch.bfloat16
-
-
-def _refused_early(call: Future) -> None:
-    """Raise what the engine answered if it already answered (a refusal), before any collective call."""
-    time.sleep(_REFUSAL_WINDOW_S)
-    if call.done():
-        call.result()  # raises EngineError when refused
-        raise EngineError("the engine answered before the weights were sent")
 
 
 WeightSync = DiskSync | DistributedSync

@@ -123,7 +123,10 @@ def train_steps(
                 commits.flush()  # the previous full checkpoint is durable (it had the whole step to finish)
                 full = is_full_checkpoint(step, cfg.train.steps, cfg.train.save_interval)
                 # an in-memory sync needs no dir: only full checkpoints are written then
-                ckpt = save_step_task(trainer, paths, step, record) if full or sync.needs_dir else None
+                # a LoRA run's full checkpoints hold its adapter; the merged model only where the engine loads
+                # it, and at the end (the run's plain HF export)
+                merged = sync.needs_dir or step == cfg.train.steps - 1
+                ckpt = save_step_task(trainer, paths, step, record, merged) if full or sync.needs_dir else None
                 t3 = time.perf_counter()
                 record |= sync_weights_task(sync, trainer, ckpt, version, sync_probe)
                 record |= {"time/commit_s": t3 - t2, "time/sync_s": time.perf_counter() - t3}

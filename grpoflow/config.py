@@ -335,6 +335,16 @@ class RolloutConfig(_Section):
         return self
 
 
+class LoraSettings(_Section):
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r: the adapter's inner dimension.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Names (last part) of the linear layers that get an adapter.",
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(16, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
@@ -410,6 +420,11 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lora: LoraSettings | None = Field(
+        None,
+        description="Train LoRA adapters (PEFT) instead of all weights: only the adapters are trained and "
+        "checkpointed; the engine serves the base model with the adapters merged in. Empty: full training.",
+    )
     save_interval: int = Field(
         10,
         ge=1,

@@ -32,9 +32,11 @@ def grpo_step_task(trainer: TrainerState, samples: list[Sample], cfg: RunConfig,
 
 
 @task(name="save-step", cache_policy=NO_CACHE, task_run_name="save-step-{step}")
-def save_step_task(trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any]) -> Path:
+def save_step_task(
+    trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], weights: bool = True
+) -> Path:
     """`checkpoints/step_<step>` (atomic): the weights the engine loads next and step.json."""
-    return save_step(trainer, paths, step, record)
+    return save_step(trainer, paths, step, record, weights)
 
 
 @task(name="sync-weights", cache_policy=NO_CACHE, task_run_name="sync-weights-{version}")

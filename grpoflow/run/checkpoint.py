@@ -1,4 +1,4 @@
-"""Checkpoint files: an HF dir written atomically, optionally with the AdamW state, trainer counters and the
+"""Checkpoint files: an HF dir written atomically (a LoRA run's: its adapter, and the merged model when asked), optionally with the AdamW state, trainer counters and the
 step's record (then it is a full checkpoint, a resume point), and pruning of the ones nothing resumes from."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from grpoflow.run.paths import is_temp_sibling, step_of, temp_sibling
+from grpoflow.train.lora import has_lora, load_adapter, save_adapter, serving_tensors
 from grpoflow.train.trainer import TrainerState
 
 OPTIMIZER_FILE = "optimizer.pt"  # AdamW state: a resumed run continues the same moments
@@ -29,6 +30,7 @@ def save_checkpoint(
     counters: dict[str, Any] | None = None,
     step_record: dict[str, Any] | None = None,
     durable: bool = True,
+    weights: bool = True,
 ) -> Path:
     """Write an HF dir (safetensors, config, tokenizer) atomically: a temp sibling renamed into place.
 
@@ -37,13 +39,21 @@ def save_checkpoint(
     crash leaves either no checkpoint of the step or a complete one. Readers (the engine's weight update globs
     `*.safetensors`) never see a half-written dir. An existing `out_dir` (a retried step) is replaced.
     `durable` fsyncs the files before the rename (a power loss keeps them); off for checkpoints nothing resumes
-    from.
+    from. A LoRA model (`grpoflow.train.lora`) writes its adapter (`adapter/`) and, with `weights`, the merged
+    model the engine serves; without, only its config (the adapter is its whole trained state).
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    if has_lora(model):
+        save_adapter(model, tmp)
+        if weights:
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=serving_tensors(model))
+        else:
+            model.config.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if optimizer is not None:
@@ -72,6 +82,9 @@ def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, A
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt)
+    if has_lora(state.model):
+        load_adapter(state.model, ckpt)
+        return _restore_optimizer(state, ckpt)
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(ckpt.glob("*.safetensors")):
         weights.update(load_file(f, device=str(state.device)))
@@ -85,6 +98,10 @@ def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, A
             f"{ckpt}: weights do not match the model (missing {sorted(untied)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]})"
         )
+    return _restore_optimizer(state, ckpt)
+
+
+def _restore_optimizer(state: TrainerState, ckpt: Path) -> dict[str, Any]:
     state.optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, map_location=state.device, weights_only=True))
     counters = json.loads((ckpt / TRAINER_FILE).read_text(encoding="utf-8"))
     state.optimizer_steps = int(counters.get("optimizer_steps", 0))

@@ -39,12 +39,15 @@ def is_full_checkpoint(step: int, steps: int, save_interval: int) -> bool:
     return (step + 1) % save_interval == 0 or step == steps - 1
 
 
-def save_step(trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any]) -> Path:
+def save_step(trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], weights: bool = True) -> Path:
     """`checkpoints/step_<step>/`, atomically: the weights the engine loads next and step.json (not fsynced:
-    nothing resumes from it unless `StepCommits` makes it a full checkpoint)."""
+    nothing resumes from it unless `StepCommits` makes it a full checkpoint). `weights` False: a LoRA run whose
+    engine does not load this dir writes its adapter alone (see `save_checkpoint`)."""
     metrics, timings = split_record(record)
     record = {"step": step, "metrics": metrics, "timings": timings}
-    return save_checkpoint(trainer.model, trainer.tokenizer, paths.checkpoint(step), step_record=record, durable=False)
+    return save_checkpoint(
+        trainer.model, trainer.tokenizer, paths.checkpoint(step), step_record=record, durable=False, weights=weights
+    )
 
 
 class StepCommits:

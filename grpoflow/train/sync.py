@@ -31,6 +31,7 @@ from grpoflow.engine.update_group import (
     leave_update_group,
 )
 from grpoflow.errors import EngineError
+from grpoflow.train.lora import has_lora, serving_tensors
 from grpoflow.train.trainer import TrainerState
 
 T = TypeVar("T")
@@ -122,11 +123,13 @@ class DistributedSync:
 
 
 def engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors as a checkpoint holds them: the state dict, each shared tensor once (a tied
-    `lm_head.weight` is left to its embedding, as `save_pretrained` does)."""
+    """The model's tensors as a checkpoint holds them: the state dict (a LoRA model's merged, under the base
+    model's names), each shared tensor once (a tied `lm_head.weight` is left to its embedding, as
+    `save_pretrained` does)."""
     seen: set[int] = set()
     out = {}
-    for name, t in model.state_dict().items():
+    tensors = serving_tensors(model) if has_lora(model) else model.state_dict()
+    for name, t in tensors.items():
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from grpoflow.config import TrainConfig
 from grpoflow.train.logprobs import check_logprob_path
+from grpoflow.train.lora import add_lora
 
 
 @dataclass
@@ -41,6 +42,8 @@ def load_trainer(model_path: str | Path, cfg: TrainConfig, seed: int = 0, device
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(dev)
     disable_dropout(model)
     model.train()  # activation checkpointing only runs in training mode; dropout is off anyway
+    if cfg.lora is not None:
+        model = add_lora(model, cfg.lora)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
     ref = None
@@ -49,7 +52,8 @@ def load_trainer(model_path: str | Path, cfg: TrainConfig, seed: int = 0, device
         # (bf16 reference weights would put a rounding-sized KL in every step's loss).
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(dev).eval().requires_grad_(False)
     check_logprob_path(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # the adapters alone under LoRA
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     return TrainerState(
         model=model,
         tokenizer=AutoTokenizer.from_pretrained(model_path),

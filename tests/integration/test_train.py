@@ -216,6 +216,43 @@ def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == ["step_1"]
 
 
+def test_a_lora_checkpoint_holds_the_adapter_and_the_merged_model_the_engine_serves(tiny_model_dir, tmp_path):
+    from grpoflow.embedded.engine.weights import load_safetensors_dir
+    from grpoflow.run.checkpoint import restore_training_state
+    from grpoflow.train.lora import has_lora
+
+    cfg = TrainConfig(learning_rate=1e-2, lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    state = load_trainer(tiny_model_dir, cfg, seed=0)
+    trainable = [n for n, p in state.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)  # only the adapters train
+    frozen = {k: v.clone() for k, v in _weights(state.model).items() if ".lora_" not in k}
+    samples = _agentic_samples(state.model)
+    assert train_step(state, samples, cfg, seed=0)["optimizer_steps"] == 1
+    assert all(torch.equal(frozen[k], v) for k, v in _weights(state.model).items() if k in frozen)
+
+    adapter_only = save_checkpoint(
+        state.model, state.tokenizer, tmp_path / "step_0", optimizer=state.optimizer, counters={}, weights=False
+    )
+    assert not list(adapter_only.glob("*.safetensors")) and (adapter_only / "adapter" / "adapter_config.json").is_file()
+    size = sum(f.stat().st_size for f in adapter_only.rglob("*") if f.is_file())
+    merged = save_checkpoint(state.model, state.tokenizer, tmp_path / "step_1")
+    assert size * 20 < sum(f.stat().st_size for f in merged.rglob("*") if f.is_file())
+
+    ids = torch.tensor([samples[0].tokens])
+    mask = torch.ones(1, ids.shape[1] - 1, dtype=torch.bool)
+    with torch.no_grad():
+        want, _ = token_logprobs(state.model, ids, mask)
+        # the engine's path: the merged model, loaded into a plain HF model under the base model's names
+        plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        assert load_safetensors_dir(plain, merged) > 0 and not has_lora(plain)
+        torch.testing.assert_close(token_logprobs(plain, ids, mask)[0], want, atol=1e-5, rtol=0)
+        # a resumed trainer: base weights from the model dir, the adapter and its optimizer state from the checkpoint
+        fresh = load_trainer(tiny_model_dir, cfg, seed=1)
+        restore_training_state(fresh, adapter_only)
+        torch.testing.assert_close(token_logprobs(fresh.model, ids, mask)[0], want, atol=1e-6, rtol=0)
+    assert fresh.optimizer.state_dict()["state"].keys() == state.optimizer.state_dict()["state"].keys()
+
+
 def test_prune_checkpoints_keeps_full_ones_and_the_latest(tmp_path):
     for n in [1, 2, 3, 4, 5, 6, 7, 9]:
         (tmp_path / f"step_{n}").mkdir()
@@ -244,8 +281,16 @@ def _sample_completions(model, prompt, n, new_tokens, gen):
     return seq[:, len(prompt) :], torch.cat(lps, 1)
 
 
-def test_grpo_learns_to_emit_a_target_token(tiny_model_dir):
-    cfg = TrainConfig(learning_rate=3e-3, max_grad_norm=1.0)
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"learning_rate": 3e-3},
+        {"learning_rate": 3e-2, "lora": {"rank": 8, "alpha": 16}},  # adapters alone: a larger step size
+    ],
+    ids=["full", "lora"],
+)
+def test_grpo_learns_to_emit_a_target_token(tiny_model_dir, variant):
+    cfg = TrainConfig(max_grad_norm=1.0, **variant)
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     model, tok = state.model, state.tokenizer
     text = tok.apply_chat_template(

@@ -1,0 +1,91 @@
+"""LoRA training (`train.lora`): PEFT adapters injected into the policy in place, the only weights trained.
+
+The model stays the HF model (PEFT's `inject_adapter_in_model`), so the logprob path, the checkpoint code and
+the engine see the same modules as without LoRA. What the engine serves is the merged model: every adapted
+linear's base weight plus its LoRA delta, under the base model's own tensor names (`serving_tensors`), synced like
+full weights. What is trained, checkpointed and restored is the adapter alone (`adapter_tensors`), in PEFT's
+format (`<checkpoint>/adapter/`: `adapter_model.safetensors` + `adapter_config.json`, loadable with
+`peft.PeftModel.from_pretrained(base, dir)`), with the optimizer state of the adapter's parameters only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, save_file
+
+from grpoflow.config import LoraSettings
+
+ADAPTER_DIR = "adapter"  # inside a checkpoint dir: PEFT's adapter_model.safetensors + adapter_config.json
+_ADAPTER_FILE = "adapter_model.safetensors"
+_BASE = ".base_layer."  # PEFT's name part for the wrapped linear of an adapted module
+
+
+def add_lora(model: torch.nn.Module, cfg: LoraSettings) -> torch.nn.Module:
+    """Inject LoRA adapters into `model` (in place) and freeze every other weight. B starts at zero, so the
+    adapted model is the base model until the first update."""
+    config = _peft_config(cfg)
+    model = inject_adapter_in_model(config, model)
+    model.grpoflow_lora = config  # what a checkpoint's adapter_config.json says
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def serving_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The merged model's tensors under the base model's names (what an engine loads): each adapted linear's
+    weight is base + scaling * B @ A; the adapter's own tensors are left out."""
+    deltas = {
+        f"{name}{_BASE}weight": module.get_delta_weight("default")
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    out = {}
+    for name, t in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        merged = t + deltas[name].to(t.dtype) if name in deltas else t
+        out[name.replace(_BASE, ".")] = merged
+    return out
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return get_peft_model_state_dict(model)
+
+
+def save_adapter(model: torch.nn.Module, ckpt_dir: Path) -> None:
+    """`<ckpt_dir>/adapter/` in PEFT's format."""
+    out = Path(ckpt_dir) / ADAPTER_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_tensors(model).items()}
+    save_file(tensors, out / _ADAPTER_FILE)
+    model.grpoflow_lora.save_pretrained(out)
+
+
+def load_adapter(model: torch.nn.Module, ckpt_dir: Path) -> None:
+    """Load `<ckpt_dir>/adapter/` into `model`'s adapters; a ValueError names a missing or mismatched file."""
+    path = Path(ckpt_dir) / ADAPTER_DIR / _ADAPTER_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: no LoRA adapter in this checkpoint (was the run trained with train.lora?)")
+    result = set_peft_model_state_dict(model, load_file(path, device=str(next(model.parameters()).device)))
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"{path}: tensors the model's adapters do not have, e.g. {sorted(unexpected)[:3]}")
+
+
+def _peft_config(cfg: LoraSettings) -> LoraConfig:
+    # No dropout: train-time logprobs must match the engine's.
+    return LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        target_modules=list(cfg.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+    )

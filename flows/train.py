@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 from prefect import flow
 from prefect.artifacts import (
     create_link_artifact,
@@ -50,7 +51,7 @@ from grpoflow.run.metrics import (
 from grpoflow.run.resume import run_lock
 from grpoflow.scoring import FailedSteps, select_trainable
 from grpoflow.train.probe import SyncProbe
-from grpoflow.train.sync import open_weight_sync
+from grpoflow.train.sync import open_weight_sync, sync_dtype
 from grpoflow.train.trainer import TrainerState, load_trainer
 from tasks.rollout import evaluate_policy_task, run_trials_task
 from tasks.train import grpo_step_task, probe_task, save_step_task, sync_weights_task
@@ -126,7 +127,9 @@ def train_steps(
                 # a LoRA run's full checkpoints hold its adapter; the merged model only where the engine loads
                 # it, and at the end (the run's plain HF export)
                 merged = sync.needs_dir or step == cfg.train.steps - 1
-                ckpt = save_step_task(trainer, paths, step, record, merged) if full or sync.needs_dir else None
+                # a dir only the engine reads holds the weights in the dtype it serves (bf16 for SGLang)
+                dtype = None if full or sync_dtype(cfg.engine) == torch.float32 else sync_dtype(cfg.engine)
+                ckpt = save_step_task(trainer, paths, step, record, merged, dtype) if full or sync.needs_dir else None
                 t3 = time.perf_counter()
                 record |= sync_weights_task(sync, trainer, ckpt, version, sync_probe)
                 record |= {"time/commit_s": t3 - t2, "time/sync_s": time.perf_counter() - t3}

@@ -123,8 +123,9 @@ class EngineConfig(_Section):
     )
     weight_sync_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="The dtype weights are sent to the engine in (`distributed`). `auto`: float32 for the "
-        "embedded engine (it serves in float32), bfloat16 for SGLang.",
+        description="The dtype the engine gets the weights in: broadcast (`distributed`), or written to the step "
+        "dirs that are no full checkpoints (`disk`; full ones keep the float32 master weights). `auto`: float32 "
+        "for the embedded engine (it serves in float32), bfloat16 for SGLang.",
     )
     weight_sync_address: str = Field(
         "127.0.0.1",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -33,10 +34,15 @@ def grpo_step_task(trainer: TrainerState, samples: list[Sample], cfg: RunConfig,
 
 @task(name="save-step", cache_policy=NO_CACHE, task_run_name="save-step-{step}")
 def save_step_task(
-    trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], weights: bool = True
+    trainer: TrainerState,
+    paths: RunPaths,
+    step: int,
+    record: dict[str, Any],
+    weights: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """`checkpoints/step_<step>` (atomic): the weights the engine loads next and step.json."""
-    return save_step(trainer, paths, step, record, weights)
+    return save_step(trainer, paths, step, record, weights, dtype)
 
 
 @task(name="sync-weights", cache_policy=NO_CACHE, task_run_name="sync-weights-{version}")

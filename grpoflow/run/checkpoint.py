@@ -31,6 +31,7 @@ def save_checkpoint(
     step_record: dict[str, Any] | None = None,
     durable: bool = True,
     weights: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write an HF dir (safetensors, config, tokenizer) atomically: a temp sibling renamed into place.
 
@@ -40,7 +41,8 @@ def save_checkpoint(
     `*.safetensors`) never see a half-written dir. An existing `out_dir` (a retried step) is replaced.
     `durable` fsyncs the files before the rename (a power loss keeps them); off for checkpoints nothing resumes
     from. A LoRA model (`grpoflow.train.lora`) writes its adapter (`adapter/`) and, with `weights`, the merged
-    model the engine serves; without, only its config (the adapter is its whole trained state).
+    model the engine serves; without, only its config (the adapter is its whole trained state). `dtype`: the
+    weights in that dtype (a dir only an engine reads, in the dtype it serves); the model's own otherwise.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -48,12 +50,13 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     if has_lora(model):
         save_adapter(model, tmp)
-        if weights:
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=serving_tensors(model))
-        else:
-            model.config.save_pretrained(tmp)
+    if weights:
+        tensors = serving_tensors(model) if has_lora(model) else None  # None: the model's own state dict
+        if dtype is not None:
+            tensors = {k: v.to(dtype) for k, v in (tensors or model.state_dict()).items()}
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=tensors)
     else:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if optimizer is not None:

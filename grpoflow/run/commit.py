@@ -39,14 +39,28 @@ def is_full_checkpoint(step: int, steps: int, save_interval: int) -> bool:
     return (step + 1) % save_interval == 0 or step == steps - 1
 
 
-def save_step(trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], weights: bool = True) -> Path:
+def save_step(
+    trainer: TrainerState,
+    paths: RunPaths,
+    step: int,
+    record: dict[str, Any],
+    weights: bool = True,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """`checkpoints/step_<step>/`, atomically: the weights the engine loads next and step.json (not fsynced:
     nothing resumes from it unless `StepCommits` makes it a full checkpoint). `weights` False: a LoRA run whose
-    engine does not load this dir writes its adapter alone (see `save_checkpoint`)."""
+    engine does not load this dir writes its adapter alone (see `save_checkpoint`). `dtype`: the weights in the
+    engine's dtype, for a step that is no full checkpoint (only the engine reads it)."""
     metrics, timings = split_record(record)
     record = {"step": step, "metrics": metrics, "timings": timings}
     return save_checkpoint(
-        trainer.model, trainer.tokenizer, paths.checkpoint(step), step_record=record, durable=False, weights=weights
+        trainer.model,
+        trainer.tokenizer,
+        paths.checkpoint(step),
+        step_record=record,
+        durable=False,
+        weights=weights,
+        dtype=dtype,
     )
 
 

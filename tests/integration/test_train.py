@@ -214,6 +214,11 @@ def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
     # saving the same step again (a retried step) replaces it
     save_checkpoint(state.model, state.tokenizer, out)
     assert sorted(p.name for p in out.parent.iterdir()) == ["step_1"]
+    # a dir only an engine reads, in the engine's dtype: half the bytes, the weights rounded
+    half = save_checkpoint(state.model, None, tmp_path / "sync", durable=False, dtype=torch.bfloat16)
+    assert (half / "model.safetensors").stat().st_size < 0.6 * (out / "model.safetensors").stat().st_size
+    assert load_safetensors_dir(fresh, half) > 0
+    assert all(torch.equal(fresh.state_dict()[k], want[k].to(torch.bfloat16).float()) for k in want)
 
 
 def test_a_lora_checkpoint_holds_the_adapter_and_the_merged_model_the_engine_serves(tiny_model_dir, tmp_path):

@@ -4,8 +4,8 @@ Every segment of a trial is the same rollout: it carries the trial's `rollout_id
 (copied from the trial's own sample, as `grpoflow.scoring.to_sample` built it), and `group_advantages` counts the
 rollout once in its GRPO group. A token position that several segments share (a common prefix that holds
 generated tokens, e.g. the history a summarisation request and the main loop both continue) is trained in the
-first segment that holds it and loss-masked in the others, so it trains once. A path whose end only abandoned
-turns reached (replies the harness never used) is no segment.
+first segment that holds it and loss-masked in the others, so it trains once. A path is trained only up to its last
+used turn: a reply the harness never used (an abandoned turn) at its end is cut off.
 """
 
 from __future__ import annotations
@@ -34,21 +34,29 @@ def segments(tree: SessionTree) -> list[Segment]:
     owned: set[tuple[int, int]] = set()  # (id(node), offset) positions already trained by an earlier segment
     out = []
     ends = _turn_ends(tree)
+    emitted: set[tuple[int, int]] = set()  # (id(node), depth) of the segment ends so far
     for leaf in tree.leaves():
-        chain = _chain(leaf)
         turn_ids = sorted(
             i
-            for n in chain
+            for n in _chain(leaf)
             for i in ends.get(id(n), [])
             if tree.turns[i].end.depth <= leaf.depth and not tree.turns[i].abandoned
         )
-        if not turn_ids or max(tree.turns[i].end.depth for i in turn_ids) < leaf.depth:
-            continue  # the path goes on past its last used turn: only abandoned replies made it
-        tokens, mask, logprobs = tree.path(leaf)
+        if not turn_ids:
+            continue  # only abandoned replies made this path
+        # a path that goes on past its last used turn (an abandoned reply at its end) is cut there
+        deepest = max(turn_ids, key=lambda i: tree.turns[i].end.depth)
+        end = leaf if tree.turns[deepest].end.depth == leaf.depth else tree.turns[deepest].end
+        key = (id(end.resolve()), end.depth)
+        if key in emitted:
+            continue
+        emitted.add(key)
+        chain = _chain(end)
+        tokens, mask, logprobs = tree.path(end)
         train = list(mask)
         pos = 0
         for node in chain:  # root-first
-            for off in range(len(node.tokens)):
+            for off in range(min(len(node.tokens), len(tokens) - node.start)):
                 if node.mask[off]:
                     key = (id(node), off)
                     if key in owned:

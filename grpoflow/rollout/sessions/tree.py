@@ -9,9 +9,9 @@ common token prefix) and branches there. Each token position exists once in the 
 paths into training samples, training every position once.
 
 A turn that ended with finish_reason `length` (cut off, not ended by EOS) closes its path: the server refuses
-any request whose tokens run through the end of that turn. A turn whose reply the harness never used (it sent
-the same messages again, or hung up before the reply) is abandoned: a path that ends only in abandoned turns is
-not trained.
+any request whose tokens run through the end of that turn. A turn whose reply the harness never used (its next request
+repeated the same messages, or it hung up before the reply) is abandoned: a path is trained only up to its last
+used turn.
 """
 
 from __future__ import annotations
@@ -203,14 +203,16 @@ class SessionTree:
     ) -> Turn:
         if len(output_ids) != len(output_logprobs):
             raise ValueError(f"{len(output_ids)} output ids but {len(output_logprobs)} logprobs")
-        # A request that repeats an earlier one's messages is a retry (a client timeout, a re-ask): the reply
-        # the harness did not go on from was never used.
+        # A request that repeats the previous request's messages is a retry (a client timeout, a re-ask): the
+        # reply it never went on from was not used. (An earlier turn asked again later, after other requests, is
+        # a harness re-sending a state, not a retry.) A turn a request continues was used, whatever else said so.
         asked = tuple(_msg_key(m) for m in messages)
-        for i in self._asked.get(asked, []):
-            if i not in self._continued:
-                self.turns[i].abandoned = True
+        last = len(self.turns) - 1
+        if last in self._asked.get(asked, []) and last not in self._continued:
+            self.turns[last].abandoned = True
         if (prev := self.extended_turn(messages)) is not None:
             self._continued.add(prev.index)
+            prev.abandoned = False
         self._insert(prompt_ids, [0] * len(prompt_ids), [0.0] * len(prompt_ids))
         end = self._insert(
             prompt_ids + output_ids,

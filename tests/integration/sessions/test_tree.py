@@ -105,3 +105,21 @@ def test_a_reply_the_harness_hung_up_on_is_not_trained_nor_counted_as_truncated(
     cut = _turn(tree, [1, 2], [10, 11], truncated=True)
     tree.abandon(cut)
     assert segments(tree) == [] and tree.stats()["truncated_turns"] == 0.0
+
+
+def test_a_hang_up_on_the_last_request_keeps_the_turns_before_it():
+    tree = SessionTree("s")
+    a = _turn(tree, [1, 2], [10, 11], reply="x")
+    last = _turn(tree, [1, 2, 10, 11, 3], [12], messages=[*a.messages, {"role": "assistant", "content": "x"}, {}])
+    tree.abandon(last)  # the agent timed out on its final call
+    [seg] = segments(tree)
+    assert seg.tokens == [1, 2, 10, 11] and seg.loss_mask == [0, 0, 1, 1] and seg.turns == [a.index]
+
+
+def test_messages_asked_again_after_other_requests_are_no_retry():
+    tree = SessionTree("s")
+    first = _turn(tree, [1, 2], [10])  # a harness that re-sends a state prompt between other requests
+    _turn(tree, [5, 6], [11])
+    again = _turn(tree, [1, 2], [12])
+    assert not first.abandoned and not again.abandoned
+    assert sorted(s.tokens for s in segments(tree)) == [[1, 2, 10], [1, 2, 12], [5, 6, 11]]

@@ -237,6 +237,14 @@ class EngineClient:
         return min(_BACKOFF_CAP_S, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.5)
 
 
+def token_budget(context_length: int) -> int:
+    """The most tokens (prompt + output) one request may hold on an engine of `context_length` without SGLang
+    refusing it: its TokenizerManager refuses prompt + max_new_tokens reaching the context length (400), and its
+    scheduler aborts a prompt of context_length - 6 tokens or more (max_req_len - 5, max_req_len = context - 1).
+    So prompt + output <= context - 7 keeps both a prompt and at least one output token within bounds."""
+    return max(context_length - 7, 1)
+
+
 def _generate_body(input_ids: list[int], params: SamplingParams | None, return_logprob: bool) -> dict:
     req = GenerateRequest(
         input_ids=input_ids, sampling_params=params or SamplingParams(), return_logprob=return_logprob

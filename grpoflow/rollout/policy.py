@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import EngineClient, token_budget
 from grpoflow.rollout.harnesses import agent_factory, get_binding
 from grpoflow.rollout.sessions.segments import segment_samples
 from grpoflow.rollout.sessions.server import SessionServer
@@ -46,23 +46,23 @@ async def fit_to_engine(rollout: RolloutConfig, engine: EngineConfig, engine_url
     """`rollout` with `max_context_tokens` lowered to what the engine accepts, when it is not already below.
 
     SGLang refuses (400, which no client retries) a request whose prompt + max_new_tokens reaches the model's
-    context length, so an episode budget at or past it would turn the last turn of long episodes into failed
-    trials, and their groups would be dropped. Within the engine's bound such an episode ends by its token budget
-    (TRUNCATED) instead."""
+    context length, and aborts one whose prompt comes within 6 tokens of it (`token_budget`), so an episode
+    budget past that would turn the last turn of long episodes into failed trials, and their groups would be
+    dropped. Within the engine's bound such an episode ends by its token budget (TRUNCATED) instead."""
     client = EngineClient(engine_url, timeout=engine.request_timeout_s, retries=engine.retries)
     try:
         context = await client.acontext_length()
     finally:
         await client.aclose()
-    if context is None or rollout.max_context_tokens < context:
+    if context is None or rollout.max_context_tokens <= token_budget(context):
         return rollout
     log.warning(
-        "rollout.max_context_tokens=%d is not below the engine's context length %d: episodes are bounded by %d",
+        "rollout.max_context_tokens=%d does not fit the engine's context length %d: episodes are bounded by %d",
         rollout.max_context_tokens,
         context,
-        context - 1,
+        token_budget(context),
     )
-    return rollout.model_copy(update={"max_context_tokens": context - 1})
+    return rollout.model_copy(update={"max_context_tokens": token_budget(context)})
 
 
 @asynccontextmanager

@@ -169,6 +169,14 @@ class ScriptedModel:
                 f"from the input messages and {max_new} tokens for the completion. Please reduce the number of "
                 "tokens in the input messages or the completion to fit within the limit."
             )
+        max_req_input_len = self.context_length - 1 - 5  # Scheduler: max_req_len - 5, max_req_len = context - 1
+        if len(input_ids) >= max_req_input_len:  # Scheduler validate_input_length: the request is aborted
+            message = (
+                f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length ({max_req_input_len} "
+                "tokens). Use a shorter input or enable --allow-auto-truncate."
+            )
+            meta = {"id": rid or uuid.uuid4().hex, "finish_reason": {"type": "abort", "message": message}}
+            return {"text": "", "output_ids": [], "meta_info": meta | {"prompt_tokens": len(input_ids)}}
         temperature = float(sp.get("temperature", 1.0))
         seed_key: Any = "greedy" if temperature < 1e-6 else sp.get("sampling_seed")
         if seed_key is None:

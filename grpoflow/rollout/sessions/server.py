@@ -40,7 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import EngineClient, token_budget
 from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError
 from grpoflow.rollout.sessions.tree import SessionTree, Turn
@@ -142,8 +142,8 @@ def create_app(
     sampling: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The session server app. `max_new_tokens` caps every turn (the training config's limit wins over the
-    harness's `max_tokens`); `context_length` bounds prompt + output (default: one less than the engine's
-    context, `EngineClient.acontext_length`).
+    harness's `max_tokens`); `context_length` bounds prompt + output (default: what the engine's context
+    allows, `grpoflow.engine.client.token_budget`).
     `sampling` (`temperature`, `top_p`, `top_k`) pins what every turn samples with, whatever the harness sends:
     the trainer scores the tokens under the run's sampling, so the engine must sample under it too."""
     tokenizer = load_tokenizer(str(tokenizer_path))
@@ -170,7 +170,7 @@ def create_app(
             value = await engine.acontext_length()
             if value is None:
                 log.warning("the engine does not say its context length; prompts are not bounded here")
-            limits["context_length"] = max(value - 1, 0) if value else 0  # SGLang refuses prompt + output == it
+            limits["context_length"] = token_budget(value) if value else 0
         return limits["context_length"] or None
 
     def _card() -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harbor.models.environment_type import EnvironmentType
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from grpoflow.errors import ConfigError
 from grpoflow.rollout.credentials import sandbox_key_var
@@ -113,9 +113,10 @@ class EngineConfig(_Section):
         "cost of batching. The embedded engine decodes each request alone with the prefix cache off; a launched "
         "SGLang gets `--enable-deterministic-inference`, an attached one must have been started with it.",
     )
-    weight_sync: Literal["disk", "distributed"] = Field(
-        "disk",
-        description="How each step's weights reach the engine. `disk`: the step writes its weights to "
+    weight_sync: Literal["auto", "disk", "distributed"] = Field(
+        "auto",
+        description="How each step's weights reach the engine. `auto`: `distributed` for the embedded engine, "
+        "`disk` for SGLang (whose GPUs must reach the trainer for `distributed`). `disk`: the step writes its weights to "
         "`checkpoints/step_<N>/` and the engine loads them (`/update_weights_from_disk`). `distributed`: in "
         "memory, the trainer broadcasts them over a process group the engine joins at the start (SGLang's "
         "`/init_weights_update_group`, `/update_weights_from_distributed`; NCCL on a GPU, gloo on the CPU), and "
@@ -342,8 +343,17 @@ class LoraSettings(_Section):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1,
-        description="Names (last part) of the linear layers that get an adapter.",
+        description="Names (last part) of the linear layers of the blocks that get an adapter.",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _block_linears(cls, v: list[str]) -> list[str]:
+        # tied to each other in most small models, and an engine skips a tied head when it loads weights
+        tied = sorted(set(v) & {"lm_head", "embed_tokens"})
+        if tied:
+            raise ValueError(f"{', '.join(tied)}: adapters go on the linear layers of the blocks only")
+        return v
 
 
 class TrainConfig(_Section):

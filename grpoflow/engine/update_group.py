@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
+# How long one end of a collective waits for the other: a sync waits for the engine to finish the requests in
+# flight before it receives, so this is generous.
+UPDATE_GROUP_TIMEOUT_S = 1800.0
+
 
 def host_update_store(address: str, world_size: int, timeout_s: float) -> dist.TCPStore:
     """The group's store, hosted by rank 0 on a free port of `address` (`.port`)."""
@@ -40,6 +44,9 @@ def join_update_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    # SGLang's init_custom_process_group prefixes the rendezvous store with the group name (and torch's helper
+    # adds `<group_name>/` again): both ends must, or their keys never meet.
+    store = dist.PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group ranks are global ranks here
     return group

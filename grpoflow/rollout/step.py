@@ -62,7 +62,8 @@ class GroupRefill:
     of those that carry no GRPO signal, until `target` groups are informative (`informative_groups`), for at most
     `max_rounds` rounds or until the pool runs out.
 
-    A round asks for exactly the missing number of groups, so a step never trains more than `target` groups.
+    A round asks for exactly the missing number of groups, so a step never has more than `target` informative
+    groups (the others stay, and `train.filter_zero_std` leaves out the flat ones).
     New prompts are drawn without replacement from the pool, less the step's own, seeded by (seed, step, round):
     a resumed step plans the same refill trials as long as the trials it reuses scored as before. Their groups
     and seeds continue the step's plan (`plan_group_trials` over all the step's prompts), so none collides.

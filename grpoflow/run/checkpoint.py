@@ -41,19 +41,21 @@ def save_checkpoint(
     `*.safetensors`) never see a half-written dir. An existing `out_dir` (a retried step) is replaced.
     `durable` fsyncs the files before the rename (a power loss keeps them); off for checkpoints nothing resumes
     from. A LoRA model (`grpoflow.train.lora`) writes its adapter (`adapter/`) and, with `weights`, the merged
-    model the engine serves; without, only its config (the adapter is its whole trained state). `dtype`: the
+    model the engine serves; without, only its config (the adapter is its whole trained state). A model without
+    adapters always writes its weights. `dtype`: the
     weights in that dtype (a dir only an engine reads, in the dtype it serves); the model's own otherwise.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if has_lora(model):
+    lora = has_lora(model)
+    if lora:
         save_adapter(model, tmp)
-    if weights:
-        tensors = serving_tensors(model) if has_lora(model) else None  # None: the model's own state dict
+    if weights or not lora:  # a model without adapters always writes its weights: they are its trained state
+        tensors = serving_tensors(model) if lora or dtype is not None else None  # None: save_pretrained's own
         if dtype is not None:
-            tensors = {k: v.to(dtype) for k, v in (tensors or model.state_dict()).items()}
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         model.save_pretrained(tmp, safe_serialization=True, state_dict=tensors)
     else:
         model.config.save_pretrained(tmp)
@@ -112,8 +114,12 @@ def _restore_optimizer(state: TrainerState, ckpt: Path) -> dict[str, Any]:
 
 
 def fsync_files(folder: Path) -> None:
-    for f in Path(folder).iterdir():
-        fsync_path(f)
+    """Every file below `folder` and every folder inside it (a LoRA checkpoint keeps its adapter in `adapter/`)."""
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            fsync_path(Path(root) / name)
+        for name in dirs:
+            fsync_path(Path(root) / name)
 
 
 def fsync_path(path: Path) -> None:

@@ -39,20 +39,24 @@ def has_lora(model: torch.nn.Module) -> bool:
     return any(isinstance(m, LoraLayer) for m in model.modules())
 
 
+@torch.no_grad()
 def serving_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The merged model's tensors under the base model's names (what an engine loads): each adapted linear's
-    weight is base + scaling * B @ A; the adapter's own tensors are left out."""
+    """The tensors an engine loads, as a checkpoint holds them: the state dict, each shared tensor once (a tied
+    `lm_head.weight` is left to its embedding, as `save_pretrained` does). A LoRA model's are the merged model's
+    under the base model's names: each adapted linear's weight is base + scaling * B @ A, and the adapter's own
+    tensors are left out."""
     deltas = {
         f"{name}{_BASE}weight": module.get_delta_weight("default")
         for name, module in model.named_modules()
         if isinstance(module, LoraLayer)
     }
+    seen: set[int] = set()
     out = {}
     for name, t in model.state_dict().items():
-        if ".lora_" in name:
+        if ".lora_" in name or t.data_ptr() in seen:
             continue
-        merged = t + deltas[name].to(t.dtype) if name in deltas else t
-        out[name.replace(_BASE, ".")] = merged
+        seen.add(t.data_ptr())
+        out[name.replace(_BASE, ".")] = t + deltas[name].to(t.dtype) if name in deltas else t
     return out
 
 
@@ -74,10 +78,15 @@ def load_adapter(model: torch.nn.Module, ckpt_dir: Path) -> None:
     path = Path(ckpt_dir) / ADAPTER_DIR / _ADAPTER_FILE
     if not path.is_file():
         raise ValueError(f"{path}: no LoRA adapter in this checkpoint (was the run trained with train.lora?)")
-    result = set_peft_model_state_dict(model, load_file(path, device=str(next(model.parameters()).device)))
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise ValueError(f"{path}: tensors the model's adapters do not have, e.g. {sorted(unexpected)[:3]}")
+    tensors = load_file(path, device=str(next(model.parameters()).device))
+    wanted = set(adapter_tensors(model))
+    if set(tensors) != wanted:
+        extra, missing = sorted(set(tensors) - wanted), sorted(wanted - set(tensors))
+        raise ValueError(
+            f"{path}: the adapter does not match the model's (train.lora changed?): "
+            f"{len(missing)} missing, e.g. {missing[:2]}; {len(extra)} unexpected, e.g. {extra[:2]}"
+        )
+    set_peft_model_state_dict(model, tensors)
 
 
 def _peft_config(cfg: LoraSettings) -> LoraConfig:

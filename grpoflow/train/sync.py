@@ -24,6 +24,7 @@ import torch
 from grpoflow.config import EngineConfig
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.update_group import (
+    UPDATE_GROUP_TIMEOUT_S,
     broadcast_tensors,
     dtype_name,
     host_update_store,
@@ -31,7 +32,7 @@ from grpoflow.engine.update_group import (
     leave_update_group,
 )
 from grpoflow.errors import EngineError
-from grpoflow.train.lora import has_lora, serving_tensors
+from grpoflow.train.lora import serving_tensors
 from grpoflow.train.trainer import TrainerState
 
 T = TypeVar("T")
@@ -65,17 +66,18 @@ class DistributedSync:
         # A name of its own: torch keeps group names per process, and an engine may outlive one run's sync.
         self.group_name = f"grpoflow-{uuid.uuid4().hex[:12]}"
         self.broken = False  # a refused request left our side of a collective waiting: the group is unusable
-        address, timeout = cfg.weight_sync_address, cfg.request_timeout_s
-        store = host_update_store(address, 2, timeout)
+        address, timeout = cfg.weight_sync_address, UPDATE_GROUP_TIMEOUT_S
+        world = 1 + cfg.tp_size  # the trainer (rank 0), then the engine's workers (ranks 1 .. tp_size)
+        store = host_update_store(address, world, timeout)
         self.group = self._paired(
-            lambda: join_update_group(address, store.port, 0, 2, self.group_name, self.backend, timeout, store),
-            lambda: self.client.init_weights_update_group(address, store.port, 1, 2, self.group_name, self.backend),
+            lambda: join_update_group(address, store.port, 0, world, self.group_name, self.backend, timeout, store),
+            lambda: self.client.init_weights_update_group(address, store.port, 1, world, self.group_name, self.backend),
         )
 
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
         if self.broken:
             raise EngineError("the weight update group is unusable after an earlier refused update")
-        named = engine_tensors(trainer.model)
+        named = serving_tensors(trainer.model)
 
         def send() -> int:
             with torch.no_grad():
@@ -122,19 +124,12 @@ class DistributedSync:
             leave_update_group(self.group)
 
 
-def engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors as a checkpoint holds them: the state dict (a LoRA model's merged, under the base
-    model's names), each shared tensor once (a tied `lm_head.weight` is left to its embedding, as
-    `save_pretrained` does)."""
-    seen: set[int] = set()
-    out = {}
-    tensors = serving_tensors(model) if has_lora(model) else model.state_dict()
-    for name, t in tensors.items():
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        out[name] = t
-    return out
+def sync_mode(cfg: EngineConfig) -> str:
+    """`engine.weight_sync`, `auto` resolved: in memory to the embedded engine (it runs beside the trainer);
+    through the run dir to SGLang, which may not reach the trainer."""
+    if cfg.weight_sync != "auto":
+        return cfg.weight_sync
+    return "distributed" if cfg.backend == "embedded" else "disk"
 
 
 def sync_dtype(cfg: EngineConfig) -> torch.dtype:
@@ -151,7 +146,7 @@ def open_weight_sync(cfg: EngineConfig, engine_url: str, trainer: TrainerState) 
     """The run's weight sync to the engine at `engine_url`, for the block."""
     client = EngineClient(engine_url, timeout=cfg.request_timeout_s, retries=cfg.retries)
     try:
-        if cfg.weight_sync == "disk":
+        if sync_mode(cfg) == "disk":
             yield DiskSync(client)
             return
         sync = DistributedSync(client, cfg, trainer.device)

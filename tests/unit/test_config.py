@@ -91,3 +91,10 @@ def test_config_file_errors_name_the_file(tmp_path):
     bad.write_text(json.dumps({"train": {"steps": -3}}))
     with pytest.raises(ConfigError, match=r"bad.json: field `train.steps`"):
         load_run_config(bad)
+
+
+def test_lora_adapters_go_on_the_blocks_linears_only():
+    cfg = parse_run_config({"train": {"lora": {"rank": 8}}})
+    assert cfg.train.lora.rank == 8 and "q_proj" in cfg.train.lora.target_modules
+    with pytest.raises(ConfigError, match="train.lora.target_modules.*embed_tokens: adapters go on the linear"):
+        parse_run_config({"train": {"lora": {"target_modules": ["q_proj", "embed_tokens"]}}})

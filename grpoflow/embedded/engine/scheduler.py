@@ -35,12 +35,16 @@ from grpoflow.embedded.engine.prefix_cache import PrefixCache
 from grpoflow.embedded.engine.sampling import sample_next_tokens
 from grpoflow.embedded.engine.weights import load_named_tensors, read_safetensors_dir
 from grpoflow.engine.protocol import SamplingParams
-from grpoflow.engine.update_group import join_update_group, leave_update_group, receive_tensors, torch_dtype
+from grpoflow.engine.update_group import (
+    UPDATE_GROUP_TIMEOUT_S,
+    join_update_group,
+    leave_update_group,
+    receive_tensors,
+    torch_dtype,
+)
 from grpoflow.errors import EngineError, GrpoflowError, ModelError
 
 log = logging.getLogger(__name__)
-
-UPDATE_GROUP_TIMEOUT_S = 1800.0  # a broadcast waits this long for the other side (a trainer step can be long)
 
 _STOP_STRING_SLACK = 8  # extra tail tokens decoded when looking for a stop string (partial UTF-8, specials)
 # Padded (or recomputed) tokens a prefill group may carry beyond a quarter of its real tokens, and the least

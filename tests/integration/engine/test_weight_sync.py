@@ -18,8 +18,9 @@ from grpoflow.engine.protocol import (
 )
 from grpoflow.errors import EngineError
 from grpoflow.train.logprobs import token_logprobs
+from grpoflow.train.lora import serving_tensors
 from grpoflow.train.probe import SyncProbe
-from grpoflow.train.sync import DiskSync, DistributedSync, engine_tensors, open_weight_sync
+from grpoflow.train.sync import DiskSync, DistributedSync, open_weight_sync
 from grpoflow.train.trainer import load_trainer
 from tests.fakes.sglang_fields import (
     SGLANG_INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
@@ -72,7 +73,7 @@ def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, 
         # fp32 both sides: the engine's logprobs of its own greedy reply are the trainer's, to rounding
         assert lps != before[1]
         assert max(abs(a - b) for a, b in zip(lps, _trainer_logprobs(trainer, ids), strict=True)) < 1e-4
-        n_bytes = sum(t.numel() * 4 for t in engine_tensors(trainer.model).values())
+        n_bytes = sum(t.numel() * 4 for t in serving_tensors(trainer.model).values())
         assert moved["bytes"] == n_bytes
         with torch.no_grad():  # a second sync over the same group
             for p in trainer.model.parameters():
@@ -95,7 +96,7 @@ def test_a_refused_update_fails_at_once_with_the_engines_reason(engine, tiny_mod
 def test_disk_sync_loads_the_step_dir(engine, tiny_model_dir, tmp_path):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     trainer.model.save_pretrained(tmp_path / "step_0")
-    with open_weight_sync(EngineConfig(), engine.url, trainer) as sync:
+    with open_weight_sync(EngineConfig(weight_sync="disk"), engine.url, trainer) as sync:
         assert isinstance(sync, DiskSync) and sync.needs_dir
         assert sync.push(trainer, "10", tmp_path / "step_0")["bytes"] > 0
     assert engine.client.model_info().weight_version == "10"

@@ -24,11 +24,15 @@ from grpoflow.engine.protocol import (
     GenerateRequest,
     GenerateResponse,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterRequest,
+    LoRAUpdateResponse,
     ModelInfo,
     SamplingParams,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightVersionRequest,
     WeightsUpdateGroupResponse,
 )
 from grpoflow.errors import EngineError
@@ -36,7 +40,13 @@ from grpoflow.errors import EngineError
 M = TypeVar("M", bound=BaseModel)
 U = TypeVar("U", UpdateWeightsFromDiskResponse, WeightsUpdateGroupResponse)
 # Endpoints that answer a failure with 400 and a {"success": false, "message"} body
-_WEIGHT_UPDATES = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed")
+_WEIGHT_UPDATES = (
+    "/update_weights_from_disk",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+)
 
 _BACKOFF_CAP_S = 10.0
 
@@ -48,11 +58,19 @@ class _Retryable(Exception):
 class EngineClient:
     """Sync and async access to one SGLang-compatible server at `base_url`."""
 
-    def __init__(self, base_url: str, timeout: float = 600.0, retries: int = 3, backoff_s: float = 0.5):
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        lora_path: str | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
+        self.lora_path = lora_path  # the LoRA adapter every generation names (a LoRA run's served adapter)
         self._client: httpx.Client | None = None
         self._aclient: httpx.AsyncClient | None = None
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
@@ -62,13 +80,13 @@ class EngineClient:
     def generate(
         self, input_ids: list[int], sampling_params: SamplingParams | None = None, *, return_logprob: bool = True
     ) -> GenerateResponse:
-        body = _generate_body(input_ids, sampling_params, return_logprob)
+        body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
         return _checked_generate(self._call("POST", "/generate", body, GenerateResponse))
 
     async def agenerate(
         self, input_ids: list[int], sampling_params: SamplingParams | None = None, *, return_logprob: bool = True
     ) -> GenerateResponse:
-        body = _generate_body(input_ids, sampling_params, return_logprob)
+        body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
         return _checked_generate(await self._acall("POST", "/generate", body, GenerateResponse))
 
     def update_weights_from_disk(
@@ -119,6 +137,19 @@ class EngineClient:
         ).model_dump(exclude_none=True)
         path = "/update_weights_from_distributed"
         return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+
+    def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateResponse:
+        body = LoadLoRAAdapterRequest(lora_name=name, lora_path=path).model_dump()
+        return _checked_lora(self._call("POST", "/load_lora_adapter", body, LoRAUpdateResponse), "/load_lora_adapter")
+
+    def unload_lora_adapter(self, name: str) -> LoRAUpdateResponse:
+        body = UnloadLoRAAdapterRequest(lora_name=name).model_dump()
+        resp = self._call("POST", "/unload_lora_adapter", body, LoRAUpdateResponse)
+        return _checked_lora(resp, "/unload_lora_adapter")
+
+    def update_weight_version(self, version: str) -> None:
+        body = UpdateWeightVersionRequest(new_version=version).model_dump()
+        self._call("POST", "/update_weight_version", body, dict)
 
     def model_info(self) -> ModelInfo:
         return self._call("GET", "/model_info", None, ModelInfo)
@@ -245,9 +276,14 @@ def token_budget(context_length: int) -> int:
     return max(context_length - 7, 1)
 
 
-def _generate_body(input_ids: list[int], params: SamplingParams | None, return_logprob: bool) -> dict:
+def _generate_body(
+    input_ids: list[int], params: SamplingParams | None, return_logprob: bool, lora_path: str | None = None
+) -> dict:
     req = GenerateRequest(
-        input_ids=input_ids, sampling_params=params or SamplingParams(), return_logprob=return_logprob
+        input_ids=input_ids,
+        sampling_params=params or SamplingParams(),
+        return_logprob=return_logprob,
+        lora_path=lora_path,
     )
     # Unset optionals stay off the wire: SGLang reads a missing field as its default.
     return req.model_dump(exclude_none=True)
@@ -292,6 +328,12 @@ def _checked_generate(resp: GenerateResponse) -> GenerateResponse:
 def _checked_update(resp: U, path: str = "/update_weights_from_disk") -> U:
     if not resp.success:
         raise EngineError(f"{path}: failed: {resp.message}")
+    return resp
+
+
+def _checked_lora(resp: LoRAUpdateResponse, path: str) -> LoRAUpdateResponse:
+    if not resp.success:
+        raise EngineError(f"{path}: failed: {resp.error_message}")
     return resp
 
 

@@ -16,6 +16,10 @@ Where each name comes from (sgl-project/sglang, read at commits 001067ff / 00c17
     `{"success", "message"}`, 200 or 400. The engine joins the trainer's group with a TCP store at
     `master_address:master_port`, keys under `<group_name>/` (`init_custom_process_group`), and receives each
     named tensor by a broadcast from rank 0, in the order of `names`.
+  - `LoadLoRAAdapterReqInput`: `lora_name`, `lora_path`, `pinned`; `UnloadLoRAAdapterReqInput`: `lora_name`; both
+    answer `LoRAUpdateOutput` `{"success", "error_message", "loaded_adapters"}` (400 on failure). A request names
+    its adapter in `GenerateReqInput.lora_path`. `UpdateWeightVersionReqInput`: `new_version`,
+    `abort_all_requests` (`POST /update_weight_version`).
 - `python/sglang/srt/sampling/sampling_params.py` `SamplingParams`: `max_new_tokens` (default 128),
   `temperature` (default 1.0; below 1e-6 means greedy), `top_p` (1.0), `top_k` (default all; -1 = disabled),
   `stop` (str | list[str]), `stop_token_ids`, `ignore_eos`, `sampling_seed` (per-request seed).
@@ -84,6 +88,7 @@ class GenerateRequest(_Request):
     return_logprob: bool = Field(False, description="Return `output_token_logprobs` in meta_info.")
     rid: str | None = Field(None, description="Request id, echoed as meta_info.id.")
     stream: Literal[False] = Field(False, description="Streaming is not used by grpoflow.")
+    lora_path: str | None = Field(None, description="The loaded LoRA adapter (its name) to generate with.")
 
 
 class FinishReason(_Response):
@@ -146,6 +151,26 @@ class UpdateWeightsFromDistributedRequest(_Request):
     group_name: str = Field("weight_update_group", min_length=1)
     flush_cache: bool = True
     weight_version: str | None = Field(None, description="Version label to report from now on.")
+
+
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: str = Field(..., min_length=1, description="The name requests give as `lora_path`.")
+    lora_path: str = Field(..., min_length=1, description="PEFT's adapter dir (adapter_config.json, weights).")
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str = Field(..., min_length=1)
+
+
+class LoRAUpdateResponse(_Response):
+    success: bool
+    error_message: str | None = None
+
+
+class UpdateWeightVersionRequest(_Request):
+    new_version: str = Field(..., min_length=1)
+    abort_all_requests: bool = False
 
 
 class WeightsUpdateGroupResponse(_Response):

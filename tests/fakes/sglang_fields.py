@@ -110,5 +110,12 @@ SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT = {
 }
 SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT = {"success", "message"}  # both outputs
 
+# io_struct.py: LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, LoRAUpdateOutput (both answers),
+# UpdateWeightVersionReqInput
+SGLANG_LOAD_LORA_ADAPTER_REQ_INPUT = {"lora_name", "lora_path", "pinned", "lora_id"}
+SGLANG_UNLOAD_LORA_ADAPTER_REQ_INPUT = {"lora_name", "lora_id"}
+SGLANG_LORA_UPDATE_OUTPUT = {"success", "error_message", "loaded_adapters"}
+SGLANG_UPDATE_WEIGHT_VERSION_REQ_INPUT = {"new_version", "abort_all_requests"}
+
 # sampling_params.py defaults (top_k: TOP_K_ALL internally; -1 is its documented "disabled" input)
 SGLANG_SAMPLING_DEFAULTS = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False}

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from grpoflow.embedded.engine.kv_cache import BatchKVCache, kv_tensors
+from grpoflow.embedded.engine.lora import AdapterSlot
 from grpoflow.embedded.engine.packed_linear import pack_linears, repack_linears
 from grpoflow.embedded.engine.prefix_cache import PrefixCache
 from grpoflow.embedded.engine.sampling import sample_next_tokens
@@ -99,6 +100,7 @@ class _Job:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool
+    lora_path: str | None
     future: Future
     generator: torch.Generator
     max_new_tokens: int
@@ -111,10 +113,15 @@ class _Job:
 
 @dataclass(eq=False)
 class _Update:
-    load: Callable[[], dict[str, torch.Tensor]]  # the new weights by name (read from disk, or received)
-    source: str  # where they come from, for messages
-    weight_version: str | None
+    """A change to what the engine serves, applied between batches in the queue's order: new weights, an
+    adapter loaded or unloaded, or a new version label."""
+
+    apply: Callable[[], str]  # makes the change (nothing changed if it raises); returns what it did
+    source: str  # where it comes from, for messages
+    weight_version: str | None  # the version to report from now on (None: the next number, with `bump`)
     future: Future
+    bump: bool = True  # a new weight version: the weights changed, or the label was set
+    touches_weights: bool = True  # the packed copies and the prefix cache are stale after it
 
 
 class _Shutdown:
@@ -157,9 +164,9 @@ class Scheduler:
         self.seed = seed
         self.max_batch_size = max_batch_size  # read at every admission; the bench changes it between runs
         self.weight_version = weight_version
-        self.update_groups: dict[
-            str, torch.distributed.ProcessGroup
-        ] = {}  # weight-update process groups joined, by name
+        # weight-update process groups joined, by name
+        self.update_groups: dict[str, torch.distributed.ProcessGroup] = {}
+        self.adapter = AdapterSlot(self.model)  # the LoRA adapter merged into the served weights, if any
         self.stats = SchedulerStats()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)  # touched by the scheduler thread only
 
@@ -184,8 +191,10 @@ class Scheduler:
         *,
         return_logprob: bool = False,
         rid: str | None = None,
+        lora_path: str | None = None,
     ) -> Future:
-        """Queue one generation; the future resolves to a `GenerationResult`. Raises `InvalidRequest`."""
+        """Queue one generation; the future resolves to a `GenerationResult`. Raises `InvalidRequest`.
+        `lora_path`: the adapter the request asks for (SGLang's name); it must be the one loaded, if any."""
         params = params or SamplingParams()
         self._validate(input_ids)
         job = _Job(
@@ -193,6 +202,7 @@ class Scheduler:
             input_ids=list(input_ids),
             params=params,
             return_logprob=return_logprob,
+            lora_path=lora_path,
             future=Future(),
             generator=torch.Generator(),
             max_new_tokens=min(params.max_new_tokens, self.context_length - len(input_ids)),
@@ -217,7 +227,32 @@ class Scheduler:
     ) -> Future:
         """Queue a weight update: once earlier requests finished, `load()` (in the scheduler's thread) gives the
         new tensors by name and they replace the model's; the future resolves to a `WeightUpdateResult`."""
-        upd = _Update(load=load, source=source, weight_version=weight_version, future=Future())
+
+        def apply() -> str:
+            if self.adapter.name is not None:  # the merged adapter would be lost under new base weights
+                raise ModelError(f"adapter {self.adapter.name!r} is loaded: unload it before new base weights")
+            return f"loaded {load_named_tensors(self.model, load(), source)} tensors from {source}"
+
+        return self._queue(_Update(apply, source, weight_version, Future()))
+
+    def load_lora_adapter(self, name: str, path: str) -> Future:
+        """Merge PEFT's adapter at `path` into the served weights as `name` (`grpoflow.embedded.engine.lora`)."""
+
+        def apply() -> str:
+            return f"loaded adapter {name!r} ({self.adapter.load(name, path)} linears)"
+
+        return self._queue(_Update(apply, path, None, Future(), bump=False))
+
+    def unload_lora_adapter(self, name: str) -> Future:
+        return self._queue(
+            _Update(lambda: self.adapter.unload(name) or f"unloaded adapter {name!r}", name, None, Future(), bump=False)
+        )
+
+    def update_weight_version(self, version: str) -> Future:
+        """Report `version` from now on (SGLang's /update_weight_version): after an adapter load, say which."""
+        return self._queue(_Update(lambda: "weight version set", version, version, Future(), touches_weights=False))
+
+    def _queue(self, upd: _Update) -> Future:
         with self._lock:
             if self._closed:
                 raise EngineError("engine is shut down; cannot update weights")
@@ -370,6 +405,12 @@ class Scheduler:
             self._waiting.popleft()
             if not head.future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
+            if head.lora_path != self.adapter.name:  # checked here: the updates queued before it have run
+                served = f"adapter {self.adapter.name!r} merged into the base" if self.adapter.name else "the base"
+                head.future.set_exception(
+                    InvalidRequest(f"lora_path {head.lora_path!r}: this engine serves {served} model now")
+                )
+                continue
             head.weight_version = self.weight_version
             if head.max_new_tokens <= 0:
                 self._complete(head, {"type": "length", "length": 0})
@@ -616,8 +657,9 @@ class Scheduler:
 
     def _apply_update(self, upd: _Update) -> None:
         try:
-            n = load_named_tensors(self.model, upd.load(), upd.source)
-            repack_linears(self.model)  # the packed copies are snapshots of the weights
+            done = upd.apply()
+            if upd.touches_weights:
+                repack_linears(self.model)  # the packed copies are snapshots of the weights
         except GrpoflowError as e:  # raised before anything was written
             upd.future.set_result(WeightUpdateResult(False, f"weights not updated: {e}", self.weight_version))
             return
@@ -628,10 +670,12 @@ class Scheduler:
             msg = f"weights not updated: {type(e).__name__}: {e} (model may be partially updated)"
             upd.future.set_result(WeightUpdateResult(False, msg, self.weight_version))
             return
-        self.prefix_cache.clear()  # always, whatever flush_cache says: cached KV came from the old weights
-        self.weight_version = upd.weight_version or _next_version(self.weight_version)
-        self.stats.weight_updates += 1
-        msg = f"loaded {n} tensors from {upd.source}; weight_version={self.weight_version}"
+        if upd.touches_weights:
+            self.prefix_cache.clear()  # always, whatever flush_cache says: cached KV came from the old weights
+            self.stats.weight_updates += 1
+        if upd.bump:
+            self.weight_version = upd.weight_version or _next_version(self.weight_version)
+        msg = f"{done}; weight_version={self.weight_version}"
         log.info(msg)
         upd.future.set_result(WeightUpdateResult(True, msg, self.weight_version))
 

@@ -9,7 +9,8 @@ picking and binding), writes the port to `--port-file` atomically and prints
 `grpoflow-engine listening on http://HOST:PORT`.
 
 Endpoints: POST /generate, POST /update_weights_from_disk, POST /init_weights_update_group (gloo),
-POST /update_weights_from_distributed, GET /health, GET /model_info,
+POST /update_weights_from_distributed, POST /load_lora_adapter, POST /unload_lora_adapter (one adapter, merged),
+POST /update_weight_version, GET /health, GET /model_info,
 GET /get_server_info, POST /flush_cache, POST /v1/chat/completions, GET /v1/models. A bad request gets 400 with a
 one-line message; an engine failure 500 with a message, never a traceback. Error bodies use SGLang's OpenAI-style shape
 `{"object": "error", "message", "type", "param", "code"}`.
@@ -45,10 +46,14 @@ from grpoflow.engine.protocol import (
     GenerateRequest,
     GenerateResponse,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterRequest,
+    LoRAUpdateResponse,
     ModelInfo,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightVersionRequest,
     WeightsUpdateGroupResponse,
 )
 from grpoflow.errors import EngineError
@@ -115,7 +120,9 @@ def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> Fa
 
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> dict:
-        fut = scheduler.submit(req.input_ids, req.sampling_params, return_logprob=req.return_logprob, rid=req.rid)
+        fut = scheduler.submit(
+            req.input_ids, req.sampling_params, return_logprob=req.return_logprob, rid=req.rid, lora_path=req.lora_path
+        )
         result: GenerationResult = await asyncio.wrap_future(fut)
         # exclude_none: SGLang leaves out what does not apply (finish_reason.matched on "length", logprobs).
         return _generate_response(result, req.return_logprob).model_dump(exclude_none=True)
@@ -151,6 +158,23 @@ def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> Fa
         res = await asyncio.wrap_future(fut)
         body = WeightsUpdateGroupResponse(success=res.success, message=res.message).model_dump()
         return JSONResponse(body, status_code=200 if res.success else 400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> JSONResponse:
+        return _lora_answer(await asyncio.wrap_future(scheduler.load_lora_adapter(req.lora_name, req.lora_path)))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> JSONResponse:
+        return _lora_answer(await asyncio.wrap_future(scheduler.unload_lora_adapter(req.lora_name)))
+
+    def _lora_answer(res) -> JSONResponse:
+        body = LoRAUpdateResponse(success=res.success, error_message=None if res.success else res.message)
+        return JSONResponse(body.model_dump(), status_code=200 if res.success else 400)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(req: UpdateWeightVersionRequest) -> JSONResponse:
+        res = await asyncio.wrap_future(scheduler.update_weight_version(req.new_version))
+        return JSONResponse({"success": res.success, "message": res.message})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> dict:

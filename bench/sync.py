@@ -10,8 +10,9 @@ the last writes the full checkpoint) of each path, side by side:
   checkpoint at the end of the interval.
 - `distributed (gloo)`: `engine.weight_sync=distributed`: the weights broadcast in memory; the full checkpoint at
   the end of the interval.
-- `LoRA r16 (distributed)`: `train.lora` (rank 16 on every linear of the blocks): the merged weights broadcast
-  in memory; full checkpoints hold the adapter and its optimizer state.
+- `LoRA r16, merged (distributed)`: `train.lora` (rank 16 on every linear of the blocks), the merged weights
+  broadcast in memory; full checkpoints hold the adapter and its optimizer state.
+- `LoRA r16, adapter`: the adapter alone, written and loaded with `/load_lora_adapter` (the LoRA default).
 Printed per path: bytes written per step (full checkpoints spread over the interval), seconds per step of commit +
 sync in the step's own time, the sync alone, and sync ÷ save-alone (the sync against writing the same weights to
 disk once, unsynced), beside a baseline (HF `generate` tokens/s on one thread) since this machine's speed varies.
@@ -32,7 +33,7 @@ from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()  # "Writing model shards" and "Loading weights" on every save and load
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpoflow.config import EngineConfig, LoraSettings, TrainConfig  # noqa: E402
+from grpoflow.config import LoraSettings, TrainConfig, parse_run_config  # noqa: E402
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.run.checkpoint import save_checkpoint  # noqa: E402
@@ -60,7 +61,8 @@ def baseline(model_dir: str) -> float:
 def nudge(trainer) -> None:
     """A real AdamW step on a random gradient: the weights change and the optimizer state is full-size."""
     for p in trainer.model.parameters():
-        p.grad = torch.randn_like(p) * 1e-3
+        if p.requires_grad:  # a LoRA run's adapters alone
+            p.grad = torch.randn_like(p) * 1e-3
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.optimizer_steps += 1
@@ -68,8 +70,10 @@ def nudge(trainer) -> None:
 
 def run_path(name: str, trainer, engine_url: str, root: Path, steps: int) -> dict:
     written, foreground, sync_s = 0, 0.0, 0.0
-    mode = "distributed" if name.startswith("distributed") else "disk"
-    with open_weight_sync(EngineConfig(weight_sync=mode), engine_url, trainer) as sync:
+    mode = name.split()[0] if name.split()[0] in ("distributed", "adapter") else "disk"
+    lora = {"lora": {}} if "LoRA" in name else {}
+    cfg = parse_run_config({"engine": {"weight_sync": mode}, "train": lora})
+    with open_weight_sync(cfg, engine_url, trainer, root / "sync") as sync:
         for step in range(steps):
             nudge(trainer)
             full = name.startswith("every step") or step == steps - 1
@@ -89,9 +93,10 @@ def run_path(name: str, trainer, engine_url: str, root: Path, steps: int) -> dic
             elif sync.needs_dir:
                 save_checkpoint(trainer.model, trainer.tokenizer, ckpt, step_record={"step": step}, durable=False)
             t1 = time.perf_counter()
-            sync.push(trainer, f"{name}-{step}", ckpt if ckpt.exists() else None)
+            moved = sync.push(trainer, f"{name.split()[0]}-{step}", ckpt if ckpt.exists() else None)
             t2 = time.perf_counter()
             written += dir_bytes(ckpt) if ckpt.exists() else 0
+            written += moved["bytes"] if mode == "adapter" else 0  # the adapter it wrote for the engine
             foreground += t2 - t0
             sync_s += t2 - t1
             shutil.rmtree(ckpt, ignore_errors=True)
@@ -129,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("every step a full checkpoint", "disk", "distributed (gloo)")
         }
         lora = load_trainer(model_dir, TrainConfig(lora=LoraSettings()), seed=0)
-        results["LoRA r16 (distributed)"] = run_path("distributed LoRA", lora, engine.url, root, args.steps)
+        results["LoRA r16, merged (distributed)"] = run_path("distributed LoRA", lora, engine.url, root, args.steps)
+        results["LoRA r16, adapter"] = run_path("adapter LoRA", lora, engine.url, root, args.steps)
     today = results["every step a full checkpoint"]
     print(f"{n_params / 1e6:.0f}M parameters; writing the fp32 weights alone (unsynced): {alone:.2f} s\n")
     print(

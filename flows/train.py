@@ -88,7 +88,10 @@ def train_steps(
     try:
         limit = cfg.train.max_probe_logprob_gap
         sync_probe = SyncProbe(limit) if limit is not None else None
-        with serving_engine(cfg, run) as engine, open_weight_sync(cfg.engine, engine.url, trainer) as sync:
+        with (
+            serving_engine(cfg, run) as engine,
+            open_weight_sync(cfg, engine.url, trainer, paths.root / "sync") as sync,
+        ):
             if weights is not None:  # the trainer holds the resumed checkpoint's weights
                 sync_weights_task(sync, trainer, weights, str(start_step), None)
             probe_task(trainer, engine.url, cfg, sync_probe)

@@ -113,10 +113,13 @@ class EngineConfig(_Section):
         "cost of batching. The embedded engine decodes each request alone with the prefix cache off; a launched "
         "SGLang gets `--enable-deterministic-inference`, an attached one must have been started with it.",
     )
-    weight_sync: Literal["auto", "disk", "distributed"] = Field(
+    weight_sync: Literal["auto", "disk", "distributed", "adapter"] = Field(
         "auto",
-        description="How each step's weights reach the engine. `auto`: `distributed` for the embedded engine, "
-        "`disk` for SGLang (whose GPUs must reach the trainer for `distributed`). `disk`: the step writes its weights to "
+        description="How each step's weights reach the engine. `auto`: `distributed` for the embedded engine "
+        "(`adapter` with train.lora), `disk` for SGLang (whose GPUs must reach the trainer for `distributed`). "
+        "`adapter` (LoRA runs): the adapter alone, written to the run's `sync/` dir and loaded with SGLang's "
+        "`/load_lora_adapter` (SGLang started with --enable-lora); every request names it. "
+        "`disk`: the step writes its weights to "
         "`checkpoints/step_<N>/` and the engine loads them (`/update_weights_from_disk`). `distributed`: in "
         "memory, the trainer broadcasts them over a process group the engine joins at the start (SGLang's "
         "`/init_weights_update_group`, `/update_weights_from_distributed`; NCCL on a GPU, gloo on the CPU), and "
@@ -483,6 +486,29 @@ class RunConfig(_Section):
         if self.run_id is None:
             raise ConfigError("run config: field `run_id` is not resolved yet (call parse_run_config)")
         return Path(self.output_dir) / self.run_id
+
+    @model_validator(mode="after")
+    def _adapter_sync_needs_lora(self) -> RunConfig:
+        if self.engine.weight_sync == "adapter" and self.train.lora is None:
+            raise ValueError("`engine.weight_sync`: `adapter` syncs a LoRA adapter; set train.lora, or another sync")
+        return self
+
+    def weight_sync_mode(self) -> Literal["disk", "distributed", "adapter"]:
+        """`engine.weight_sync` with `auto` resolved: to the embedded engine in memory (a LoRA run's adapter
+        alone); to SGLang through the run dir."""
+        if self.engine.weight_sync != "auto":
+            return self.engine.weight_sync
+        if self.engine.backend != "embedded":
+            return "disk"
+        return "adapter" if self.train.lora is not None else "distributed"
+
+    def served_adapter(self) -> str | None:
+        """The name every generation request gives (`lora_path`) when the engine serves the run's adapter."""
+        return SERVED_ADAPTER if self.weight_sync_mode() == "adapter" else None
+
+
+# The name a LoRA run's adapter is loaded under in the engine (one per engine: each sync replaces it).
+SERVED_ADAPTER = "grpoflow-policy"
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:

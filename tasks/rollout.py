@@ -149,7 +149,7 @@ async def _collect_with_progress(
 
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
     export_policy_key(cfg.rollout.policy_api_key_file)
-    async with policy_access(cfg.rollout, cfg.engine, engine_url, tokenizer_path) as policy:
+    async with policy_access(cfg.rollout, cfg.engine, engine_url, tokenizer_path, cfg.served_adapter()) as policy:
         result = await collect_step(
             cfg.run_id,
             step,

@@ -65,7 +65,8 @@ def probe_task(
     probe takes its first reading."""
     if cfg.train.max_probe_logprob_gap is None:
         return {}
-    with EngineClient(engine_url, timeout=cfg.engine.request_timeout_s, retries=cfg.engine.retries) as client:
+    e = cfg.engine
+    with EngineClient(engine_url, e.request_timeout_s, e.retries, lora_path=cfg.served_adapter()) as client:
         gap = check_logprob_agreement(client, trainer, cfg)
         if sync_probe is not None:
             sync_probe.check(client, trainer, "start")

@@ -57,6 +57,7 @@ class BindingInput:
     endpoint: TrialEndpoint
     engine_url: str
     tokenizer_path: str
+    lora_path: str | None = None  # the adapter our shell agent's generations name (a LoRA run's)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ def _shell(b: BindingInput) -> AgentConfig:
             "early_truncation_exit": r.early_truncation_exit,
             "request_timeout_s": b.engine.request_timeout_s,
             "engine_retries": b.engine.retries,
+            **({"lora_path": b.lora_path} if b.lora_path else {}),
         },
     )
 
@@ -222,6 +224,7 @@ def agent_factory(
     *,
     model: str | None = None,
     api_base_for: Callable[[TrialSpec], str] | None = None,
+    lora_path: str | None = None,
 ) -> Callable[[TrialSpec], AgentConfig]:
     """The per-trial `AgentConfig` factory of `rollout.harness`. Raises `ConfigError` before any trial starts when
     the harness is unknown or cannot run in `rollout.sandbox`.
@@ -242,7 +245,7 @@ def agent_factory(
 
     def make(spec: TrialSpec) -> AgentConfig:
         endpoint = TrialEndpoint(api_base=url_of(spec), model=served, key_from_env=key_from_env)
-        return binding.build(BindingInput(rollout, engine, spec, endpoint, engine_url, tokenizer_path))
+        return binding.build(BindingInput(rollout, engine, spec, endpoint, engine_url, tokenizer_path, lora_path))
 
     return make
 

@@ -67,15 +67,17 @@ async def fit_to_engine(rollout: RolloutConfig, engine: EngineConfig, engine_url
 
 @asynccontextmanager
 async def policy_access(
-    rollout: RolloutConfig, engine: EngineConfig, engine_url: str, tokenizer_path: str
+    rollout: RolloutConfig, engine: EngineConfig, engine_url: str, tokenizer_path: str, lora_path: str | None = None
 ) -> AsyncIterator[PolicyAccess]:
     """Our shell agent talks to the engine itself and keeps the exact tokens. Every OpenAI-speaking harness
     (terminus-2, claude-code, opencode) goes through a session server for the block: it keeps the exact tokens
     of each trial's session, and the session's segments become the trial's samples (`segment_samples`).
-    Episodes are bounded by `rollout.max_context_tokens` or the engine's context, whichever is smaller."""
+    Episodes are bounded by `rollout.max_context_tokens` or the engine's context, whichever is smaller.
+    `lora_path`: the adapter every generation names (a LoRA run's, `RunConfig.served_adapter`)."""
     rollout = await fit_to_engine(rollout, engine, engine_url)
     if not get_binding(rollout.harness).via_session_server:
-        yield PolicyAccess(agent_factory(rollout, engine, engine_url, tokenizer_path), trial_sample, lambda spec: None)
+        make = agent_factory(rollout, engine, engine_url, tokenizer_path, lora_path=lora_path)
+        yield PolicyAccess(make, trial_sample, lambda spec: None)
         return
     server = SessionServer(
         engine_url,
@@ -85,6 +87,7 @@ async def policy_access(
         sampling={"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k},
         request_timeout_s=engine.request_timeout_s,
         engine_retries=engine.retries,
+        lora_path=lora_path,
     )
     async with server:
 

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from grpoflow.run.paths import is_temp_sibling, step_of, temp_sibling
-from grpoflow.train.lora import has_lora, load_adapter, save_adapter, serving_tensors
+from grpoflow.train.lora import ADAPTER_DIR, has_lora, load_adapter, save_adapter, serving_tensors
 from grpoflow.train.trainer import TrainerState
 
 OPTIMIZER_FILE = "optimizer.pt"  # AdamW state: a resumed run continues the same moments
@@ -51,7 +51,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     lora = has_lora(model)
     if lora:
-        save_adapter(model, tmp)
+        save_adapter(model, tmp / ADAPTER_DIR)
     if weights or not lora:  # a model without adapters always writes its weights: they are its trained state
         tensors = serving_tensors(model) if lora or dtype is not None else None  # None: save_pretrained's own
         if dtype is not None:

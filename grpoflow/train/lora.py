@@ -64,9 +64,9 @@ def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(model)
 
 
-def save_adapter(model: torch.nn.Module, ckpt_dir: Path) -> None:
-    """`<ckpt_dir>/adapter/` in PEFT's format."""
-    out = Path(ckpt_dir) / ADAPTER_DIR
+def save_adapter(model: torch.nn.Module, out: Path) -> None:
+    """The adapter in PEFT's format, in `out` (a checkpoint's is `<checkpoint>/adapter/`)."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_tensors(model).items()}
     save_file(tensors, out / _ADAPTER_FILE)

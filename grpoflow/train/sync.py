@@ -2,6 +2,7 @@
 
 - `disk`: the step's checkpoint dir (written by the commit, `grpoflow.run.commit.save_step`) is loaded with
   `/update_weights_from_disk`.
+- `adapter` (LoRA runs): the adapter alone, loaded with `/load_lora_adapter` (`AdapterSync`).
 - `distributed`: in memory. At the start the trainer hosts a process group (rank 0) that the engine joins
   (`/init_weights_update_group`); each sync announces every tensor (name, dtype, shape) with
   `/update_weights_from_distributed` and broadcasts them in that order, in the engine's dtype. Nothing is written
@@ -12,6 +13,8 @@ Both say what they moved (`bytes`), so the step's record shows the cost of the s
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from grpoflow.config import EngineConfig
+from grpoflow.config import SERVED_ADAPTER, EngineConfig, RunConfig
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.update_group import (
     UPDATE_GROUP_TIMEOUT_S,
@@ -32,7 +35,7 @@ from grpoflow.engine.update_group import (
     leave_update_group,
 )
 from grpoflow.errors import EngineError
-from grpoflow.train.lora import serving_tensors
+from grpoflow.train.lora import save_adapter, serving_tensors
 from grpoflow.train.trainer import TrainerState
 
 T = TypeVar("T")
@@ -124,32 +127,66 @@ class DistributedSync:
             leave_update_group(self.group)
 
 
-def sync_mode(cfg: EngineConfig) -> str:
-    """`engine.weight_sync`, `auto` resolved: in memory to the embedded engine (it runs beside the trainer);
-    through the run dir to SGLang, which may not reach the trainer."""
-    if cfg.weight_sync != "auto":
-        return cfg.weight_sync
-    return "distributed" if cfg.backend == "embedded" else "disk"
-
-
 def sync_dtype(cfg: EngineConfig) -> torch.dtype:
     if cfg.weight_sync_dtype != "auto":
         return getattr(torch, cfg.weight_sync_dtype)
     return torch.float32 if cfg.backend == "embedded" else torch.bfloat16
 
 
-WeightSync = DiskSync | DistributedSync
+class AdapterSync:
+    """A LoRA run's adapter alone: written to `sync_dir` in PEFT's format and loaded into the engine under one
+    name (`SERVED_ADAPTER`: each sync replaces the one before), which every generation request names; then the
+    engine's weight version is set. From the start the engine serves the run's adapter (B = 0 at first: the base
+    model), so every request of the run can name it."""
+
+    needs_dir = False
+
+    def __init__(self, client: EngineClient, sync_dir: Path, trainer: TrainerState):
+        self.client, self.dir = client, Path(sync_dir)
+        self._current: Path | None = None
+        self.push(trainer, None)
+
+    def push(self, trainer: TrainerState, version: str | None, ckpt: Path | None = None) -> dict[str, float]:
+        out = self.dir / f"adapter-{version or 'start'}"
+        tmp = out.with_name(f".{out.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_adapter(trainer.model, tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        if self._current is not None:
+            self.client.unload_lora_adapter(SERVED_ADAPTER)
+        self.client.load_lora_adapter(SERVED_ADAPTER, str(out.resolve()))
+        if version is not None:
+            self.client.update_weight_version(version)
+        previous, self._current = self._current, out
+        if previous is not None and previous != out:
+            shutil.rmtree(previous, ignore_errors=True)  # loaded into the engine's memory: the files are spent
+        return {"bytes": float(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))}
+
+    def close(self) -> None:
+        pass
+
+
+WeightSync = DiskSync | DistributedSync | AdapterSync
 
 
 @contextmanager
-def open_weight_sync(cfg: EngineConfig, engine_url: str, trainer: TrainerState) -> Iterator[WeightSync]:
-    """The run's weight sync to the engine at `engine_url`, for the block."""
-    client = EngineClient(engine_url, timeout=cfg.request_timeout_s, retries=cfg.retries)
+def open_weight_sync(
+    cfg: RunConfig, engine_url: str, trainer: TrainerState, sync_dir: Path | None = None
+) -> Iterator[WeightSync]:
+    """The run's weight sync to the engine at `engine_url` (`RunConfig.weight_sync_mode`), for the block.
+    `sync_dir`: where an adapter sync writes the adapter (the run's `sync/`)."""
+    e = cfg.engine
+    client = EngineClient(engine_url, timeout=e.request_timeout_s, retries=e.retries, lora_path=cfg.served_adapter())
     try:
-        if sync_mode(cfg) == "disk":
+        mode = cfg.weight_sync_mode()
+        if mode == "disk":
             yield DiskSync(client)
             return
-        sync = DistributedSync(client, cfg, trainer.device)
+        if mode == "adapter":
+            sync: WeightSync = AdapterSync(client, sync_dir or Path(tempfile.mkdtemp(prefix="grpoflow-sync-")), trainer)
+        else:
+            sync = DistributedSync(client, e, trainer.device)
         try:
             yield sync
         finally:

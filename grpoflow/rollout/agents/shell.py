@@ -87,6 +87,7 @@ class ShellAgent(BaseAgent):
         early_truncation_exit: bool = True,
         request_timeout_s: float = 300.0,
         engine_retries: int = 3,
+        lora_path: str | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -102,6 +103,7 @@ class ShellAgent(BaseAgent):
         self.early_truncation_exit = early_truncation_exit
         self.request_timeout_s = request_timeout_s
         self.engine_retries = engine_retries
+        self.lora_path = lora_path  # the LoRA adapter the engine serves the policy as, if any
 
     @staticmethod
     def name() -> str:
@@ -121,7 +123,9 @@ class ShellAgent(BaseAgent):
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
         traj = TokenTrajectory.start(tokenizer, messages)
         rec = TrialRecord()
-        client = EngineClient(self.engine_url, timeout=self.request_timeout_s, retries=self.engine_retries)
+        client = EngineClient(
+            self.engine_url, timeout=self.request_timeout_s, retries=self.engine_retries, lora_path=self.lora_path
+        )
         try:
             rec.end_reason = await self._loop(traj, environment, client, rec, context)
         finally:

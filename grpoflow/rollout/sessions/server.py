@@ -140,18 +140,20 @@ def create_app(
     request_timeout_s: float = 600.0,
     engine_retries: int = 3,
     sampling: Mapping[str, Any] | None = None,
+    lora_path: str | None = None,
 ) -> FastAPI:
     """The session server app. `max_new_tokens` caps every turn (the training config's limit wins over the
     harness's `max_tokens`); `context_length` bounds prompt + output (default: what the engine's context
     allows, `grpoflow.engine.client.token_budget`).
     `sampling` (`temperature`, `top_p`, `top_k`) pins what every turn samples with, whatever the harness sends:
-    the trainer scores the tokens under the run's sampling, so the engine must sample under it too."""
+    the trainer scores the tokens under the run's sampling, so the engine must sample under it too.
+    `lora_path`: the adapter every generation names (a LoRA run's, `RunConfig.served_adapter`)."""
     tokenizer = load_tokenizer(str(tokenizer_path))
     stop = stop_ids(tokenizer)  # the template's turn end and the EOS; a template without one fails here, at start
     # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
     # does all tokenising, off the event loop.
     tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-tokenizer")
-    engine = EngineClient(engine_url, timeout=request_timeout_s, retries=engine_retries)
+    engine = EngineClient(engine_url, timeout=request_timeout_s, retries=engine_retries, lora_path=lora_path)
     limits: dict[str, int | None] = {"context_length": context_length}
 
     @asynccontextmanager
@@ -436,6 +438,7 @@ class SessionServer:
         request_timeout_s: float = 600.0,
         engine_retries: int = 3,
         sampling: Mapping[str, Any] | None = None,
+        lora_path: str | None = None,
     ):
         self.store = SessionStore()
         self._app_kwargs = dict(
@@ -445,6 +448,7 @@ class SessionServer:
             request_timeout_s=request_timeout_s,
             engine_retries=engine_retries,
             sampling=sampling,
+            lora_path=lora_path,
         )
         self._engine_url, self._tokenizer_path, self._host = engine_url, tokenizer_path, host
         self.model_name = model_name

@@ -7,23 +7,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpoflow.config import EngineConfig, TrainConfig
+from grpoflow.config import SERVED_ADAPTER, TrainConfig, parse_run_config
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import (
+    GenerateRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterRequest,
+    LoRAUpdateResponse,
     SamplingParams,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightVersionRequest,
     WeightsUpdateGroupResponse,
 )
 from grpoflow.errors import EngineError
 from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.lora import serving_tensors
 from grpoflow.train.probe import SyncProbe
-from grpoflow.train.sync import DiskSync, DistributedSync, open_weight_sync
+from grpoflow.train.sync import AdapterSync, DiskSync, DistributedSync, open_weight_sync
 from grpoflow.train.trainer import load_trainer
 from tests.fakes.sglang_fields import (
+    SGLANG_GENERATE_REQ_INPUT,
     SGLANG_INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
+    SGLANG_LOAD_LORA_ADAPTER_REQ_INPUT,
+    SGLANG_LORA_UPDATE_OUTPUT,
+    SGLANG_UNLOAD_LORA_ADAPTER_REQ_INPUT,
+    SGLANG_UPDATE_WEIGHT_VERSION_REQ_INPUT,
     SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT,
     SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT,
 )
@@ -64,7 +74,7 @@ def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, 
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     client = engine.client
     before = _engine_logprobs(client)
-    cfg = EngineConfig(weight_sync="distributed")
+    cfg = parse_run_config({"engine": {"weight_sync": "distributed"}})
     with open_weight_sync(cfg, engine.url, trainer) as sync:
         assert isinstance(sync, DistributedSync) and not sync.needs_dir
         moved = sync.push(trainer, "7")
@@ -85,7 +95,7 @@ def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, 
 
 def test_a_refused_update_fails_at_once_with_the_engines_reason(engine, tiny_model_dir):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
-    with open_weight_sync(EngineConfig(weight_sync="distributed"), engine.url, trainer) as sync:
+    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
         sync.group_name = "no-such-group"  # the engine refuses before any tensor is sent
         with pytest.raises(EngineError, match="no weight update group 'no-such-group'"):
             sync.push(trainer, "9")
@@ -96,7 +106,7 @@ def test_a_refused_update_fails_at_once_with_the_engines_reason(engine, tiny_mod
 def test_disk_sync_loads_the_step_dir(engine, tiny_model_dir, tmp_path):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     trainer.model.save_pretrained(tmp_path / "step_0")
-    with open_weight_sync(EngineConfig(weight_sync="disk"), engine.url, trainer) as sync:
+    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "disk"}}), engine.url, trainer) as sync:
         assert isinstance(sync, DiskSync) and sync.needs_dir
         assert sync.push(trainer, "10", tmp_path / "step_0")["bytes"] > 0
     assert engine.client.model_info().weight_version == "10"
@@ -105,7 +115,7 @@ def test_disk_sync_loads_the_step_dir(engine, tiny_model_dir, tmp_path):
 def test_the_sync_probe_fails_when_the_engine_did_not_apply_a_sync(engine, tiny_model_dir):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     probe = SyncProbe(limit=0.1)
-    with open_weight_sync(EngineConfig(weight_sync="distributed"), engine.url, trainer) as sync:
+    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
         sync.push(trainer, "20")
         assert probe.check(engine.client, trainer, "20")["probe_gap"] < 1e-4
         with torch.no_grad():  # an update the engine never receives, as if it acknowledged a sync and ignored it
@@ -120,10 +130,61 @@ def test_the_sync_probe_fails_when_the_engine_did_not_apply_a_sync(engine, tiny_
 
 def test_the_sync_probe_bounds_the_gap_to_the_trainer(engine, tiny_model_dir):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
-    with open_weight_sync(EngineConfig(weight_sync="distributed"), engine.url, trainer) as sync:
+    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
         sync.push(trainer, "30")
         with torch.no_grad():  # far from what the engine serves, at the first check (nothing to compare with)
             for p in trainer.model.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.2)
         with pytest.raises(EngineError, match=r"nats from the trainer's on average .*does not serve"):
             SyncProbe(limit=0.1).check(engine.client, trainer, "31")
+
+
+def test_the_lora_requests_use_sglang_field_names():
+    assert set(LoadLoRAAdapterRequest.model_fields) <= SGLANG_LOAD_LORA_ADAPTER_REQ_INPUT
+    assert set(UnloadLoRAAdapterRequest.model_fields) <= SGLANG_UNLOAD_LORA_ADAPTER_REQ_INPUT
+    assert set(LoRAUpdateResponse.model_fields) <= SGLANG_LORA_UPDATE_OUTPUT
+    assert set(UpdateWeightVersionRequest.model_fields) == SGLANG_UPDATE_WEIGHT_VERSION_REQ_INPUT
+    assert "lora_path" in GenerateRequest.model_fields and "lora_path" in SGLANG_GENERATE_REQ_INPUT
+
+
+def _lora_trainer(tiny_model_dir):
+    cfg = TrainConfig(lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    trainer = load_trainer(tiny_model_dir, cfg, seed=0)
+    with torch.no_grad():  # adapters that change the model (B starts at zero)
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    return trainer
+
+
+def test_an_adapter_sync_serves_base_plus_adapter_and_only_to_requests_that_name_it(engine, tiny_model_dir, tmp_path):
+    base = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "disk"}}), engine.url, base) as sync:
+        base.model.save_pretrained(tmp_path / "base")
+        sync.push(base, "40", tmp_path / "base")  # the engine serves the plain base model
+    trainer = _lora_trainer(tiny_model_dir)
+    cfg = parse_run_config({"train": {"lora": {"rank": 4}}})
+    assert cfg.weight_sync_mode() == "adapter" and cfg.served_adapter() == SERVED_ADAPTER
+    with open_weight_sync(cfg, engine.url, trainer, tmp_path / "sync") as sync:
+        assert isinstance(sync, AdapterSync) and sync.client.lora_path == SERVED_ADAPTER
+        moved = sync.push(trainer, "41")
+        model_bytes = sum(t.numel() * 4 for t in serving_tensors(base.model).values())
+        assert 0 < moved["bytes"] < model_bytes / 20  # the adapter alone
+        assert [p.name for p in (tmp_path / "sync").iterdir()] == ["adapter-41"]  # the one before is spent
+        ids, lps = _engine_logprobs(sync.client)
+        assert sync.client.model_info().weight_version == "41"
+        assert max(abs(a - b) for a, b in zip(lps, _trainer_logprobs(trainer, ids), strict=True)) < 1e-4
+        probe = SyncProbe(limit=0.1)
+        assert probe.check(sync.client, trainer, "41")["probe_gap"] < 1e-4
+        # a request for the base model (or another adapter) is refused while the adapter is merged in
+        with pytest.raises(EngineError, match="lora_path None: this engine serves adapter 'grpoflow-policy'"):
+            _engine_logprobs(engine.client)
+        with pytest.raises(EngineError, match="unload it before new base weights"):
+            engine.client.update_weights_from_disk(str(tmp_path / "base"))
+        with pytest.raises(EngineError, match="'grpoflow-policy' is loaded: unload it first"):
+            engine.client.load_lora_adapter("other", str(tmp_path / "sync" / "adapter-41"))
+    engine.client.unload_lora_adapter(SERVED_ADAPTER)  # the base model again
+    ids, lps = _engine_logprobs(engine.client)
+    assert max(abs(a - b) for a, b in zip(lps, _trainer_logprobs(base, ids), strict=True)) < 1e-4
+    with pytest.raises(EngineError, match="no adapter_config.json"):
+        engine.client.load_lora_adapter("other", str(tmp_path / "base"))

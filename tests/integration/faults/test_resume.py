@@ -58,12 +58,10 @@ def _kill_run(
     n: int = 1,
     steps: int = STEPS,
     evals: int = 0,
-    sync: str | None = None,
+    overrides: dict | None = None,
 ) -> subprocess.CompletedProcess:
     cfg_file = runs.parent / f"{run_id}.json"
-    cfg = run_config(runs, model, data, run_id, steps=steps, evals=evals)
-    if sync is not None:
-        cfg["engine"]["weight_sync"] = sync
+    cfg = _with(run_config(runs, model, data, run_id, steps=steps, evals=evals), overrides)
     cfg_file.write_text(json.dumps(cfg))
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}  # this session's server: no second start-up
     proc = subprocess.run(
@@ -86,6 +84,17 @@ def _kill_run(
     )
     assert proc.returncode == -9, f"the run was not killed at {point} (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     return proc
+
+
+def _with(cfg: dict, overrides: dict | None) -> dict:
+    """`cfg` with the sections of `overrides` merged in."""
+    for section, values in (overrides or {}).items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return cfg
+
+
+DISK = {"engine": {"weight_sync": "disk"}}
+LORA = {"train": {"learning_rate": 3e-2, "lora": {"rank": 4, "alpha": 8}}}
 
 
 def _journal(root: Path, step: int) -> list[dict]:
@@ -193,9 +202,7 @@ def test_killed_after_rollout_resumes_without_rerunning_trials(setup, capfd, cap
 @pytest.fixture(scope="module")
 def disk_reference(setup):
     model, data, runs = setup
-    cfg = run_config(runs, model, data, "disk-reference", steps=STEPS)
-    cfg["engine"]["weight_sync"] = "disk"
-    train_flow(parse_run_config(cfg))
+    train_flow(parse_run_config(_with(run_config(runs, model, data, "disk-reference", steps=STEPS), DISK)))
     return runs / "disk-reference"
 
 
@@ -209,7 +216,7 @@ def test_killed_with_a_disk_sync_resumes_like_its_reference(setup, disk_referenc
     since train again on their journaled trials, and the run ends as one never interrupted."""
     model, data, runs = setup
     run_id = f"disk-killed-{step}"
-    _kill_run(runs, model, data, run_id, "train", step=step, sync="disk")
+    _kill_run(runs, model, data, run_id, "train", step=step, overrides=DISK)
     root = runs / run_id
     full = sorted(p.name for p in (root / "checkpoints").glob("step_*") if (p / "optimizer.pt").is_file())
     assert full == (["step_1"] if step == 2 else [])
@@ -218,6 +225,21 @@ def test_killed_with_a_disk_sync_resumes_like_its_reference(setup, disk_referenc
     _assert_resumed_like_reference(root, disk_reference)
     for s in range(STEPS):
         assert len(_trial_dirs(root, s)) == TRIALS  # no trial ran twice
+
+
+def test_a_killed_lora_run_resumes_from_its_adapter_checkpoint(setup, capfd, caplog):
+    """train.lora (synced as the adapter alone): killed in step 2's update, the run resumes from step 1's full
+    checkpoint, which holds the adapter and its optimizer state only; the adapter reaches the engine again and
+    the run ends as one never interrupted, merged export included."""
+    model, data, runs = setup
+    train_flow(parse_run_config(_with(run_config(runs, model, data, "lora-reference", steps=STEPS), LORA)))
+    _kill_run(runs, model, data, "lora-killed", "train", step=2, overrides=LORA)
+    root = runs / "lora-killed"
+    mid = root / "checkpoints" / "step_1"
+    assert (mid / "adapter" / "adapter_model.safetensors").is_file() and not list(mid.glob("*.safetensors"))
+    out = _resume(runs, "lora-killed", capfd, caplog)
+    assert "resuming run lora-killed at step 3/3 (checkpoint step_1" in out
+    _assert_resumed_like_reference(root, runs / "lora-reference")
 
 
 def test_killed_during_the_final_evaluation_resumes_it(setup, tmp_path, capfd, caplog):

@@ -94,18 +94,21 @@ def train_steps(
         ):
             if weights is not None:  # the trainer holds the resumed checkpoint's weights
                 sync_weights_task(sync, trainer, weights, str(start_step), None)
-            probe_task(trainer, engine.url, cfg, sync_probe)
+            lora = sync.client.lora_path  # the adapter the engine serves the policy as, when only it is synced
+            probe_task(trainer, engine.url, cfg, sync_probe, lora)
             earlier = read_metrics(paths.metrics) if start_step > 0 else []
             base = base_pass_rates(earlier[0]) if earlier else {}
             for step in range(start_step, cfg.train.steps):
                 t0 = time.perf_counter()
                 record = {}
                 if step in evals:
-                    record |= _evaluate(cfg, step, prompts, engine.url, model.path, paths)
+                    record |= _evaluate(cfg, step, prompts, engine.url, model.path, paths, lora)
                     base = base or base_pass_rates(record)
                 t_rollout = time.perf_counter()
                 step_prompts = select_step_prompts(prompts, step, cfg.rollout.prompts_per_step)
-                rollout = run_trials_task(cfg, step, step_prompts, engine.url, model.path, paths, pool=pool)
+                rollout = run_trials_task(
+                    cfg, step, step_prompts, engine.url, model.path, paths, pool=pool, lora_path=lora
+                )
                 trainable, dropped = select_trainable(rollout.samples, cfg.rollout.on_retries_exhausted)
                 failed_steps.record(step, rollout.samples, trainable)
                 t1 = time.perf_counter()
@@ -145,7 +148,8 @@ def train_steps(
             final = cfg.train.steps
             if final in evals and not has_row(paths.metrics, final):
                 t0 = time.perf_counter()
-                row = {"weight_version": str(final), **_evaluate(cfg, final, prompts, engine.url, model.path, paths)}
+                evaluation = _evaluate(cfg, final, prompts, engine.url, model.path, paths, lora)
+                row = {"weight_version": str(final), **evaluation}
                 commits.flush()  # the last step's row comes first
                 log.log(final, row | {"time/eval_s": time.perf_counter() - t0})
             commits.flush()
@@ -171,8 +175,10 @@ def evaluation_versions(train: TrainConfig) -> set[int]:
     return {0, train.steps} | every
 
 
-def _evaluate(cfg: RunConfig, version: int, prompts, engine_url: str, tokenizer_path: str, paths) -> dict:
-    metrics = evaluate_policy_task(cfg, version, prompts, engine_url, tokenizer_path, paths)
+def _evaluate(
+    cfg: RunConfig, version: int, prompts, engine_url: str, tokenizer_path: str, paths, lora: str | None
+) -> dict:
+    metrics = evaluate_policy_task(cfg, version, prompts, engine_url, tokenizer_path, paths, lora)
     for line in evaluation_lines(metrics, f"after {version} steps" if version else "base policy"):
         print(line)
     return metrics

@@ -502,10 +502,6 @@ class RunConfig(_Section):
             return "disk"
         return "adapter" if self.train.lora is not None else "distributed"
 
-    def served_adapter(self) -> str | None:
-        """The name every generation request gives (`lora_path`) when the engine serves the run's adapter."""
-        return SERVED_ADAPTER if self.weight_sync_mode() == "adapter" else None
-
 
 # The name a LoRA run's adapter is loaded under in the engine (one per engine: each sync replaces it).
 SERVED_ADAPTER = "grpoflow-policy"

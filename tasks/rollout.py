@@ -51,9 +51,11 @@ def run_trials_task(
     tokenizer_path: str,
     paths: RunPaths,
     pool: list[PromptRecord] | None = None,
+    lora_path: str | None = None,
 ) -> StepRollout:
     """Run and score one step's trials. Sync, so sync flows get a result; the trials run in their own loop.
-    `pool`: the prompts dynamic sampling (`rollout.refill_rounds`) draws new groups from."""
+    `pool`: the prompts dynamic sampling (`rollout.refill_rounds`) draws new groups from. `lora_path`: the
+    adapter the engine serves the policy as (an adapter sync's), named by every generation."""
     r = cfg.rollout
     specs = plan_group_trials(prompts, step, r.n_samples_per_prompt, cfg.seed)
     refill = None
@@ -79,13 +81,20 @@ def run_trials_task(
             paths.details(step),
             label=f"step-{step}",
             refill=refill,
+            lora_path=lora_path,
         )
     )
 
 
 @task(name="evaluate-policy", cache_policy=NO_CACHE, task_run_name="evaluate-policy-{version}")
 def evaluate_policy_task(
-    cfg: RunConfig, version: int, prompts: list[PromptRecord], engine_url: str, tokenizer_path: str, paths: RunPaths
+    cfg: RunConfig,
+    version: int,
+    prompts: list[PromptRecord],
+    engine_url: str,
+    tokenizer_path: str,
+    paths: RunPaths,
+    lora_path: str | None = None,
 ) -> dict[str, float]:
     """Evaluate the engine's weights (version `version`: updates so far) on the train tasks and the held-out
     split, with the same trials as every other evaluation of the run; returns the `eval/...` metrics, each split
@@ -102,6 +111,7 @@ def evaluate_policy_task(
             paths.eval_trials(version),
             paths.eval_details(version),
             label=f"eval-{version}",
+            lora_path=lora_path,
         )
     )
     first = paths.eval_details(0)
@@ -119,6 +129,7 @@ async def _collect_with_progress(
     details_dir: Path,
     label: str,
     refill: GroupRefill | None = None,
+    lora_path: str | None = None,
 ) -> StepRollout:
     """`collect_step` on `specs`, with what Prefect shows of it: a progress bar, sandbox retries in the log, a
     table of the trials, and sandbox starts gated by the global concurrency limit."""
@@ -149,7 +160,7 @@ async def _collect_with_progress(
 
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
     export_policy_key(cfg.rollout.policy_api_key_file)
-    async with policy_access(cfg.rollout, cfg.engine, engine_url, tokenizer_path, cfg.served_adapter()) as policy:
+    async with policy_access(cfg.rollout, cfg.engine, engine_url, tokenizer_path, lora_path) as policy:
         result = await collect_step(
             cfg.run_id,
             step,

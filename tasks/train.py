@@ -59,14 +59,14 @@ def sync_weights_task(
 
 @task(name="probe-logprobs", cache_policy=NO_CACHE)
 def probe_task(
-    trainer: TrainerState, engine_url: str, cfg: RunConfig, sync_probe: SyncProbe | None
+    trainer: TrainerState, engine_url: str, cfg: RunConfig, sync_probe: SyncProbe | None, lora_path: str | None = None
 ) -> dict[str, float]:
     """Engine and trainer score a probe reply alike (`grpoflow.train.probe`), or the run fails here; the sync
-    probe takes its first reading."""
+    probe takes its first reading. `lora_path`: the adapter the engine serves the policy as."""
     if cfg.train.max_probe_logprob_gap is None:
         return {}
     e = cfg.engine
-    with EngineClient(engine_url, e.request_timeout_s, e.retries, lora_path=cfg.served_adapter()) as client:
+    with EngineClient(engine_url, e.request_timeout_s, e.retries, lora_path=lora_path) as client:
         gap = check_logprob_agreement(client, trainer, cfg)
         if sync_probe is not None:
             sync_probe.check(client, trainer, "start")

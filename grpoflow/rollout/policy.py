@@ -73,7 +73,7 @@ async def policy_access(
     (terminus-2, claude-code, opencode) goes through a session server for the block: it keeps the exact tokens
     of each trial's session, and the session's segments become the trial's samples (`segment_samples`).
     Episodes are bounded by `rollout.max_context_tokens` or the engine's context, whichever is smaller.
-    `lora_path`: the adapter every generation names (a LoRA run's, `RunConfig.served_adapter`)."""
+    `lora_path`: the adapter every generation names (a LoRA run's adapter sync, `grpoflow.train.sync`)."""
     rollout = await fit_to_engine(rollout, engine, engine_url)
     if not get_binding(rollout.harness).via_session_server:
         make = agent_factory(rollout, engine, engine_url, tokenizer_path, lora_path=lora_path)

@@ -177,9 +177,11 @@ def open_weight_sync(
     """The run's weight sync to the engine at `engine_url` (`RunConfig.weight_sync_mode`), for the block.
     `sync_dir`: where an adapter sync writes the adapter (the run's `sync/`)."""
     e = cfg.engine
-    client = EngineClient(engine_url, timeout=e.request_timeout_s, retries=e.retries, lora_path=cfg.served_adapter())
+    mode = cfg.weight_sync_mode()
+    # with the adapter alone synced, every generation names it: `sync.client.lora_path` says which
+    served = SERVED_ADAPTER if mode == "adapter" else None
+    client = EngineClient(engine_url, timeout=e.request_timeout_s, retries=e.retries, lora_path=served)
     try:
-        mode = cfg.weight_sync_mode()
         if mode == "disk":
             yield DiskSync(client)
             return

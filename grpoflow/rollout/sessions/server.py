@@ -147,7 +147,7 @@ def create_app(
     allows, `grpoflow.engine.client.token_budget`).
     `sampling` (`temperature`, `top_p`, `top_k`) pins what every turn samples with, whatever the harness sends:
     the trainer scores the tokens under the run's sampling, so the engine must sample under it too.
-    `lora_path`: the adapter every generation names (a LoRA run's, `RunConfig.served_adapter`)."""
+    `lora_path`: the adapter every generation names (a LoRA run's adapter sync, `grpoflow.train.sync`)."""
     tokenizer = load_tokenizer(str(tokenizer_path))
     stop = stop_ids(tokenizer)  # the template's turn end and the EOS; a template without one fails here, at start
     # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread

@@ -76,7 +76,8 @@ class SyncProbe:
     _last_steps: int = -1  # the trainer's optimizer steps at the last check
 
     def check(self, client: EngineClient, state: TrainerState, version: str) -> dict[str, float]:
-        params = SamplingParams(max_new_tokens=SYNC_PROBE_TOKENS, temperature=0.0)
+        # ignore_eos: always SYNC_PROBE_TOKENS tokens to compare (an empty reply would prove nothing)
+        params = SamplingParams(max_new_tokens=SYNC_PROBE_TOKENS, temperature=0.0, ignore_eos=True)
         ids, engine, trainer = _probe_reply(client, state, params, 1.0)
         gap = (engine - trainer).abs().mean().item() if ids else 0.0
         moved = self._last_steps >= 0 and state.optimizer_steps != self._last_steps

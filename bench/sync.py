@@ -11,8 +11,9 @@ the last writes the full checkpoint) of each path, side by side:
 - `distributed (gloo)`: `engine.weight_sync=distributed`: the weights broadcast in memory; the full checkpoint at
   the end of the interval.
 - `LoRA r16, merged (distributed)`: `train.lora` (rank 16 on every linear of the blocks), the merged weights
-  broadcast in memory; full checkpoints hold the adapter and its optimizer state.
-- `LoRA r16, adapter`: the adapter alone, written and loaded with `/load_lora_adapter` (the LoRA default).
+  broadcast in memory (the default); full checkpoints hold the adapter and its optimizer state.
+- `LoRA r16, adapter`: `engine.weight_sync=adapter`: the adapter alone, written and loaded with
+  `/load_lora_adapter`.
 Printed per path: bytes written per step (full checkpoints spread over the interval), seconds per step of commit +
 sync in the step's own time, the sync alone, and sync ÷ save-alone (the sync against writing the same weights to
 disk once, unsynced), beside a baseline (HF `generate` tokens/s on one thread) since this machine's speed varies.

@@ -115,8 +115,8 @@ class EngineConfig(_Section):
     )
     weight_sync: Literal["auto", "disk", "distributed", "adapter"] = Field(
         "auto",
-        description="How each step's weights reach the engine. `auto`: `distributed` for the embedded engine "
-        "(`adapter` with train.lora), `disk` for SGLang (whose GPUs must reach the trainer for `distributed`). "
+        description="How each step's weights reach the engine. `auto`: `distributed` for the embedded engine, "
+        "`disk` for SGLang (whose GPUs must reach the trainer for `distributed`). "
         "`adapter` (LoRA runs): the adapter alone, written to the run's `sync/` dir and loaded with SGLang's "
         "`/load_lora_adapter` (SGLang started with --enable-lora); every request names it. "
         "`disk`: the step writes its weights to "
@@ -494,13 +494,11 @@ class RunConfig(_Section):
         return self
 
     def weight_sync_mode(self) -> Literal["disk", "distributed", "adapter"]:
-        """`engine.weight_sync` with `auto` resolved: to the embedded engine in memory (a LoRA run's adapter
-        alone); to SGLang through the run dir."""
+        """`engine.weight_sync` with `auto` resolved: to the embedded engine in memory, to SGLang through the
+        run dir."""
         if self.engine.weight_sync != "auto":
             return self.engine.weight_sync
-        if self.engine.backend != "embedded":
-            return "disk"
-        return "adapter" if self.train.lora is not None else "distributed"
+        return "distributed" if self.engine.backend == "embedded" else "disk"
 
 
 # The name a LoRA run's adapter is loaded under in the engine (one per engine: each sync replaces it).

@@ -163,7 +163,7 @@ def test_an_adapter_sync_serves_base_plus_adapter_and_only_to_requests_that_name
         base.model.save_pretrained(tmp_path / "base")
         sync.push(base, "40", tmp_path / "base")  # the engine serves the plain base model
     trainer = _lora_trainer(tiny_model_dir)
-    cfg = parse_run_config({"train": {"lora": {"rank": 4}}})
+    cfg = parse_run_config({"engine": {"weight_sync": "adapter"}, "train": {"lora": {"rank": 4}}})
     assert cfg.weight_sync_mode() == "adapter"
     with open_weight_sync(cfg, engine.url, trainer, tmp_path / "sync") as sync:
         assert isinstance(sync, AdapterSync) and sync.client.lora_path == SERVED_ADAPTER

@@ -94,7 +94,7 @@ def _with(cfg: dict, overrides: dict | None) -> dict:
 
 
 DISK = {"engine": {"weight_sync": "disk"}}
-LORA = {"train": {"learning_rate": 3e-2, "lora": {"rank": 4, "alpha": 8}}}
+LORA = {"engine": {"weight_sync": "adapter"}, "train": {"learning_rate": 3e-2, "lora": {"rank": 4, "alpha": 8}}}
 
 
 def _journal(root: Path, step: int) -> list[dict]:

@@ -1,5 +1,5 @@
 """A LoRA run end to end (train.lora): the adapters train; the engine serves base + adapter, synced as the adapter
-alone (`/load_lora_adapter`, the default) or as the merged weights in memory, every sync verified by the probe;
+alone (`/load_lora_adapter`) or as the merged weights in memory (the default), every sync verified by the probe;
 full checkpoints hold the adapter and its optimizer state, and the last one the merged model as a plain HF dir."""
 
 import shutil
@@ -16,7 +16,7 @@ from tests.integration.faults.policy import fence_policy, reward_tasks, run_conf
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
 
 
-@pytest.mark.parametrize("sync", ["auto", "distributed"])
+@pytest.mark.parametrize("sync", ["adapter", "auto"])  # auto: the merged weights in memory
 def test_a_lora_run_trains_adapters_and_exports_the_merged_model(tmp_path, tiny_model_dir, sync):
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     runs = tmp_path / "runs"
@@ -28,7 +28,7 @@ def test_a_lora_run_trains_adapters_and_exports_the_merged_model(tmp_path, tiny_
     assert sum(r["train/optimizer_steps"] for r in rows) >= 1
     assert all(r["sync/probe_gap"] < 1e-4 for r in rows)  # the engine served the new weights after each sync
     model_bytes = (model / "model.safetensors").stat().st_size
-    if sync == "auto":  # the adapter alone: a few per cent of the model, and the last one left in sync/
+    if sync == "adapter":  # the adapter alone: a few per cent of the model, and the last one left in sync/
         assert all(r["sync/bytes"] < model_bytes / 20 for r in rows)
         assert [p.name for p in (runs / "lora" / "sync").iterdir()] == ["adapter-3"]
     ckpts = runs / "lora" / "checkpoints"

@@ -13,6 +13,7 @@ Both say what they moved (`bytes`), so the step's record shows the cost of the s
 
 from __future__ import annotations
 
+import queue
 import shutil
 import tempfile
 import threading
@@ -68,7 +69,7 @@ class DistributedSync:
         self.device = device if self.backend == "nccl" else torch.device("cpu")
         # A name of its own: torch keeps group names per process, and an engine may outlive one run's sync.
         self.group_name = f"grpoflow-{uuid.uuid4().hex[:12]}"
-        self.broken = False  # a refused request left our side of a collective waiting: the group is unusable
+        self.broken = False  # a failed update left one side of a collective waiting: the group is unusable
         address, timeout = cfg.weight_sync_address, UPDATE_GROUP_TIMEOUT_S
         world = 1 + cfg.tp_size  # the trainer (rank 0), then the engine's workers (ranks 1 .. tp_size)
         store = host_update_store(address, world, timeout)
@@ -79,7 +80,7 @@ class DistributedSync:
 
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
         if self.broken:
-            raise EngineError("the weight update group is unusable after an earlier refused update")
+            raise EngineError("the weight update group is unusable after an earlier failed update")
         named = serving_tensors(trainer.model)
 
         def send() -> int:
@@ -99,28 +100,29 @@ class DistributedSync:
         return {"bytes": float(sent)}
 
     def _paired(self, ours: Callable[[], T], engines: Callable[[], object]) -> T:
-        """Our side of a collective (in a thread) while the engine does its side of it behind one request, which
-        it answers once its side is done. A refusal raises at once; our side is then left waiting (until the
-        group's timeout) and the group is marked unusable."""
-        box: dict[str, Any] = {}
+        """Our side of a collective and the engine's request (behind which it does its side, answering once
+        done), each in a thread. The first to fail raises at once: a refused request, or our side failing (a
+        dtype cast out of memory), would leave the other waiting until the group's timeout. The group is
+        unusable after a failure."""
+        results: queue.Queue[tuple[str, bool, Any]] = queue.Queue()
 
-        def run() -> None:
+        def run(side: str, call: Callable[[], Any]) -> None:
             try:
-                box["value"] = ours()
-            except BaseException as e:  # noqa: BLE001  (raised below, in the caller's thread)
-                box["error"] = e
+                results.put((side, True, call()))
+            except BaseException as e:  # noqa: BLE001  (raised in the caller's thread)
+                results.put((side, False, e))
 
-        thread = threading.Thread(target=run, name="weight-sync", daemon=True)
-        thread.start()
-        try:
-            engines()
-        except BaseException:
-            self.broken = True
-            raise
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        for side, call in (("ours", ours), ("engine", engines)):
+            threading.Thread(target=run, args=(side, call), name=f"weight-sync-{side}", daemon=True).start()
+        value: Any = None
+        for _ in range(2):
+            side, ok, out = results.get()
+            if not ok:
+                self.broken = True
+                raise out
+            if side == "ours":
+                value = out
+        return value
 
     def close(self) -> None:
         if not self.broken:

@@ -4,6 +4,8 @@ request fields pinned to SGLang's, and the engine serving exactly the trainer's 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -188,3 +190,25 @@ def test_an_adapter_sync_serves_base_plus_adapter_and_only_to_requests_that_name
     assert max(abs(a - b) for a, b in zip(lps, _trainer_logprobs(base, ids), strict=True)) < 1e-4
     with pytest.raises(EngineError, match="no adapter_config.json"):
         engine.client.load_lora_adapter("other", str(tmp_path / "base"))
+
+
+def test_a_failure_on_the_trainers_side_raises_at_once(tiny_model_dir, tmp_path, monkeypatch):
+    """Our side of the broadcast fails (here: at once): the push raises that error instead of waiting for the
+    engine's answer, which never comes (its receive waits for tensors until the group's timeout)."""
+    import grpoflow.train.sync as sync_module
+
+    def broken(group, tensors):
+        raise RuntimeError("out of memory casting the weights")
+
+    trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    with start_embedded_engine(tiny_model_dir, log_path=tmp_path / "engine.log") as own_engine:
+        with open_weight_sync(
+            parse_run_config({"engine": {"weight_sync": "distributed"}}), own_engine.url, trainer
+        ) as s:
+            monkeypatch.setattr(sync_module, "broadcast_tensors", broken)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="out of memory casting"):
+                s.push(trainer, "50")
+            assert time.monotonic() - t0 < 30 and s.broken
+            with pytest.raises(EngineError, match="unusable after an earlier failed update"):
+                s.push(trainer, "51")

@@ -64,11 +64,12 @@ def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(model)
 
 
-def save_adapter(model: torch.nn.Module, out: Path) -> None:
-    """The adapter in PEFT's format, in `out` (a checkpoint's is `<checkpoint>/adapter/`)."""
+def save_adapter(model: torch.nn.Module, out: Path, dtype: torch.dtype | None = None) -> None:
+    """The adapter in PEFT's format, in `out` (a checkpoint's is `<checkpoint>/adapter/`); in `dtype` when given
+    (an engine's copy), else the trainer's (a checkpoint's)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_tensors(model).items()}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter_tensors(model).items()}
     save_file(tensors, out / _ADAPTER_FILE)
     model.grpoflow_lora.save_pretrained(out)
 

@@ -143,8 +143,8 @@ class AdapterSync:
 
     needs_dir = False
 
-    def __init__(self, client: EngineClient, sync_dir: Path, trainer: TrainerState):
-        self.client, self.dir = client, Path(sync_dir)
+    def __init__(self, client: EngineClient, sync_dir: Path, trainer: TrainerState, dtype: torch.dtype):
+        self.client, self.dir, self.dtype = client, Path(sync_dir), dtype  # the engine's dtype
         self._current: Path | None = None
         self.push(trainer, None)
 
@@ -152,7 +152,7 @@ class AdapterSync:
         out = self.dir / f"adapter-{version or 'start'}"
         tmp = out.with_name(f".{out.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_adapter(trainer.model, tmp)
+        save_adapter(trainer.model, tmp, self.dtype)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         if self._current is not None:
@@ -188,7 +188,8 @@ def open_weight_sync(
             yield DiskSync(client)
             return
         if mode == "adapter":
-            sync: WeightSync = AdapterSync(client, sync_dir or Path(tempfile.mkdtemp(prefix="grpoflow-sync-")), trainer)
+            where = sync_dir or Path(tempfile.mkdtemp(prefix="grpoflow-sync-"))
+            sync: WeightSync = AdapterSync(client, where, trainer, sync_dtype(e))
         else:
             sync = DistributedSync(client, e, trainer.device)
         try:

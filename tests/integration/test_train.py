@@ -437,3 +437,16 @@ def test_the_segments_of_a_rollout_share_one_overlong_penalty():
     shaped, extra = shape_overlong([first, second, other], cfg)
     assert [s.reward for s in shaped] == [-1.0, -1.0, 1.0] and extra["overlong_penalty_mean"] == -0.5
     prepare_samples(shaped, cfg.train)  # one reward per rollout: its segments' rewards agree
+
+
+def test_an_engines_copy_of_the_adapter_is_in_its_dtype(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from grpoflow.train.lora import save_adapter
+
+    state = load_trainer(tiny_model_dir, TrainConfig(lora={"rank": 4}), seed=0)
+    save_adapter(state.model, tmp_path / "sglang", torch.bfloat16)  # what an adapter sync writes for SGLang
+    save_adapter(state.model, tmp_path / "checkpoint")
+    half, full = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("sglang", "checkpoint"))
+    assert {t.dtype for t in half.values()} == {torch.bfloat16} and {t.dtype for t in full.values()} == {torch.float32}
+    assert half.keys() == full.keys()

@@ -560,7 +560,9 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
         node = out
         *parents, leaf = dotted.split(".")
         for p in parents:
-            child = node.setdefault(p, {})
+            if node.get(p) is None:  # an absent or empty optional section (`train.lora`: null) starts empty
+                node[p] = {}
+            child = node[p]
             if not isinstance(child, dict):
                 raise ConfigError(f"override `{dotted}`: `{p}` is not a section")
             node = child

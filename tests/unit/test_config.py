@@ -7,6 +7,7 @@ from pydantic import BaseModel
 from grpoflow.config import (
     RUN_ID_PATTERN,
     RunConfig,
+    apply_overrides,
     load_run_config,
     new_run_id,
     parse_run_config,
@@ -98,3 +99,12 @@ def test_lora_adapters_go_on_the_blocks_linears_only():
     assert cfg.train.lora.rank == 8 and "q_proj" in cfg.train.lora.target_modules
     with pytest.raises(ConfigError, match="train.lora.target_modules.*embed_tokens: adapters go on the linear"):
         parse_run_config({"train": {"lora": {"target_modules": ["q_proj", "embed_tokens"]}}})
+
+
+def test_a_dotted_override_fills_an_empty_optional_section():
+    # a saved config.json of a run without LoRA says "lora": null; --set train.lora.rank=8 turns LoRA on
+    data = apply_overrides({"train": {"lora": None, "steps": 2}}, {"train.lora.rank": 8})
+    cfg = parse_run_config(data)
+    assert cfg.train.lora.rank == 8 and cfg.train.steps == 2
+    with pytest.raises(ConfigError, match="override `train.steps.x`: `steps` is not a section"):
+        apply_overrides({"train": {"steps": 2}}, {"train.steps.x": 1})

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
 from prefect import flow
 from prefect.artifacts import (
     create_link_artifact,
@@ -36,7 +35,7 @@ from grpoflow.evaluation import (
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.prepare.stage import PreparedRun
 from grpoflow.rollout.step import select_step_prompts
-from grpoflow.run.commit import StepCommits, is_full_checkpoint
+from grpoflow.run.commit import StepCommits, is_full_checkpoint, step_dir
 from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import (
     MetricsLog,
@@ -95,7 +94,7 @@ def train_steps(
             if weights is not None:  # the trainer holds the resumed checkpoint's weights
                 sync_weights_task(sync, trainer, weights, str(start_step), None)
             lora = sync.client.lora_path  # the adapter the engine serves the policy as, when only it is synced
-            probe_task(trainer, engine.url, cfg, sync_probe, lora)
+            probe_task(trainer, sync.client, cfg, sync_probe)
             earlier = read_metrics(paths.metrics) if start_step > 0 else []
             base = base_pass_rates(earlier[0]) if earlier else {}
             for step in range(start_step, cfg.train.steps):
@@ -129,13 +128,9 @@ def train_steps(
                 t2 = time.perf_counter()
                 commits.flush()  # the previous full checkpoint is durable (it had the whole step to finish)
                 full = is_full_checkpoint(step, cfg.train.steps, cfg.train.save_interval)
-                # an in-memory sync needs no dir: only full checkpoints are written then
-                # a LoRA run's full checkpoints hold its adapter; the merged model only where the engine loads
-                # it, and at the end (the run's plain HF export)
-                merged = sync.needs_dir or step == cfg.train.steps - 1
-                # a dir only the engine reads holds the weights in the dtype it serves (bf16 for SGLang)
-                dtype = None if full or sync_dtype(cfg.engine) == torch.float32 else sync_dtype(cfg.engine)
-                ckpt = save_step_task(trainer, paths, step, record, merged, dtype) if full or sync.needs_dir else None
+                last = step == cfg.train.steps - 1
+                plan = step_dir(full, last, sync.needs_dir, sync_dtype(cfg.engine))  # None: an in-memory sync's
+                ckpt = save_step_task(trainer, paths, step, record, plan) if plan else None
                 t3 = time.perf_counter()
                 record |= sync_weights_task(sync, trainer, ckpt, version, sync_probe)
                 record |= {"time/commit_s": t3 - t2, "time/sync_s": time.perf_counter() - t3}

@@ -9,13 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from grpoflow.config import RunConfig
 from grpoflow.engine.client import EngineClient
-from grpoflow.run.commit import save_step
+from grpoflow.run.commit import StepDir, save_step
 from grpoflow.run.paths import RunPaths
 from grpoflow.samples import Sample
 from grpoflow.train.probe import SyncProbe, check_logprob_agreement
@@ -33,16 +32,9 @@ def grpo_step_task(trainer: TrainerState, samples: list[Sample], cfg: RunConfig,
 
 
 @task(name="save-step", cache_policy=NO_CACHE, task_run_name="save-step-{step}")
-def save_step_task(
-    trainer: TrainerState,
-    paths: RunPaths,
-    step: int,
-    record: dict[str, Any],
-    weights: bool = True,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """`checkpoints/step_<step>` (atomic): the weights the engine loads next and step.json."""
-    return save_step(trainer, paths, step, record, weights, dtype)
+def save_step_task(trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], plan: StepDir) -> Path:
+    """`checkpoints/step_<step>` (atomic) as `plan` says: weights for the engine or a full checkpoint, step.json."""
+    return save_step(trainer, paths, step, record, plan)
 
 
 @task(name="sync-weights", cache_policy=NO_CACHE, task_run_name="sync-weights-{version}")
@@ -59,17 +51,15 @@ def sync_weights_task(
 
 @task(name="probe-logprobs", cache_policy=NO_CACHE)
 def probe_task(
-    trainer: TrainerState, engine_url: str, cfg: RunConfig, sync_probe: SyncProbe | None, lora_path: str | None = None
+    trainer: TrainerState, client: EngineClient, cfg: RunConfig, sync_probe: SyncProbe | None
 ) -> dict[str, float]:
     """Engine and trainer score a probe reply alike (`grpoflow.train.probe`), or the run fails here; the sync
-    probe takes its first reading. `lora_path`: the adapter the engine serves the policy as."""
+    probe takes its first reading. `client`: the weight sync's (it names the adapter a LoRA run's engine serves)."""
     if cfg.train.max_probe_logprob_gap is None:
         return {}
-    e = cfg.engine
-    with EngineClient(engine_url, e.request_timeout_s, e.retries, lora_path=lora_path) as client:
-        gap = check_logprob_agreement(client, trainer, cfg)
-        if sync_probe is not None:
-            sync_probe.check(client, trainer, "start")
+    gap = check_logprob_agreement(client, trainer, cfg)
+    if sync_probe is not None:
+        sync_probe.check(client, trainer, "start")
     get_run_logger().info(
         "engine vs trainer on a %d-token probe: mean |logprob gap| %.2e, max %.2e",
         gap["tokens"],

@@ -14,6 +14,7 @@ import copy
 import json
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +40,31 @@ def is_full_checkpoint(step: int, steps: int, save_interval: int) -> bool:
     return (step + 1) % save_interval == 0 or step == steps - 1
 
 
+@dataclass(frozen=True)
+class StepDir:
+    """What a step writes to `checkpoints/step_<N>/` (`step_dir`): whether a LoRA run writes the merged model
+    there too (a model without adapters always writes its weights), and the dtype of the weights."""
+
+    weights: bool
+    dtype: torch.dtype | None
+
+
+def step_dir(full: bool, last: bool, engine_loads_it: bool, engine_dtype: torch.dtype) -> StepDir | None:
+    """The step's dir, or None when the step writes none: a full checkpoint (`is_full_checkpoint`) or a dir the
+    engine loads the weights from (a disk sync). A LoRA run's merged model goes only where the engine loads it
+    and into the last step's dir (the run's plain HF export); a dir that is no full checkpoint is read by the
+    engine alone, so it holds the weights in the dtype the engine serves (bf16 for SGLang)."""
+    if not (full or engine_loads_it):
+        return None
+    cast = not full and engine_dtype != torch.float32
+    return StepDir(weights=engine_loads_it or last, dtype=engine_dtype if cast else None)
+
+
 def save_step(
-    trainer: TrainerState,
-    paths: RunPaths,
-    step: int,
-    record: dict[str, Any],
-    weights: bool = True,
-    dtype: torch.dtype | None = None,
+    trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], plan: StepDir = StepDir(True, None)
 ) -> Path:
-    """`checkpoints/step_<step>/`, atomically: the weights the engine loads next and step.json (not fsynced:
-    nothing resumes from it unless `StepCommits` makes it a full checkpoint). `weights` False: a LoRA run whose
-    engine does not load this dir writes its adapter alone (see `save_checkpoint`). `dtype`: the weights in the
-    engine's dtype, for a step that is no full checkpoint (only the engine reads it)."""
+    """`checkpoints/step_<step>/` as `plan` says, atomically, with step.json (not fsynced: nothing resumes from it
+    unless `StepCommits` makes it a full checkpoint)."""
     metrics, timings = split_record(record)
     record = {"step": step, "metrics": metrics, "timings": timings}
     return save_checkpoint(
@@ -59,8 +73,8 @@ def save_step(
         paths.checkpoint(step),
         step_record=record,
         durable=False,
-        weights=weights,
-        dtype=dtype,
+        weights=plan.weights,
+        dtype=plan.dtype,
     )
 
 

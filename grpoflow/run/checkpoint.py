@@ -1,5 +1,6 @@
-"""Checkpoint files: an HF dir written atomically (a LoRA run's: its adapter, and the merged model when asked), optionally with the AdamW state, trainer counters and the
-step's record (then it is a full checkpoint, a resume point), and pruning of the ones nothing resumes from."""
+"""Checkpoint files: an HF dir written atomically (a LoRA run's: its adapter, and the merged model when asked),
+optionally with the AdamW state, trainer counters and the step's record (then it is a full checkpoint, a resume
+point), and pruning of the ones nothing resumes from."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def save_checkpoint(
     `durable` fsyncs the files before the rename (a power loss keeps them); off for checkpoints nothing resumes
     from. A LoRA model (`grpoflow.train.lora`) writes its adapter (`adapter/`) and, with `weights`, the merged
     model the engine serves; without, only its config (the adapter is its whole trained state). A model without
-    adapters always writes its weights. `dtype`: the
-    weights in that dtype (a dir only an engine reads, in the dtype it serves); the model's own otherwise.
+    adapters always writes its weights. `dtype`: the weights in that dtype (a dir only an engine reads, in the
+    dtype it serves); the model's own otherwise.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

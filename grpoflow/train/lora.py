@@ -27,9 +27,7 @@ _BASE = ".base_layer."  # PEFT's name part for the wrapped linear of an adapted 
 def add_lora(model: torch.nn.Module, cfg: LoraSettings) -> torch.nn.Module:
     """Inject LoRA adapters into `model` (in place) and freeze every other weight. B starts at zero, so the
     adapted model is the base model until the first update."""
-    config = _peft_config(cfg)
-    model = inject_adapter_in_model(config, model)
-    model.grpoflow_lora = config  # what a checkpoint's adapter_config.json says
+    model = inject_adapter_in_model(_peft_config(cfg), model)  # keeps its config in `model.peft_config`
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     return model
@@ -71,7 +69,7 @@ def save_adapter(model: torch.nn.Module, out: Path, dtype: torch.dtype | None = 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter_tensors(model).items()}
     save_file(tensors, out / _ADAPTER_FILE)
-    model.grpoflow_lora.save_pretrained(out)
+    model.peft_config["default"].save_pretrained(out)
 
 
 def load_adapter(model: torch.nn.Module, ckpt_dir: Path) -> None:

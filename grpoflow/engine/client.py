@@ -38,7 +38,7 @@ from grpoflow.engine.protocol import (
 from grpoflow.errors import EngineError
 
 M = TypeVar("M", bound=BaseModel)
-U = TypeVar("U", UpdateWeightsFromDiskResponse, WeightsUpdateGroupResponse)
+U = TypeVar("U", UpdateWeightsFromDiskResponse, WeightsUpdateGroupResponse, LoRAUpdateResponse)
 # Endpoints that answer a failure with 400 and a {"success": false, "message"} body
 _WEIGHT_UPDATES = (
     "/update_weights_from_disk",
@@ -140,12 +140,13 @@ class EngineClient:
 
     def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateResponse:
         body = LoadLoRAAdapterRequest(lora_name=name, lora_path=path).model_dump()
-        return _checked_lora(self._call("POST", "/load_lora_adapter", body, LoRAUpdateResponse), "/load_lora_adapter")
+        resp = self._call("POST", "/load_lora_adapter", body, LoRAUpdateResponse)
+        return _checked_update(resp, "/load_lora_adapter")
 
     def unload_lora_adapter(self, name: str) -> LoRAUpdateResponse:
         body = UnloadLoRAAdapterRequest(lora_name=name).model_dump()
         resp = self._call("POST", "/unload_lora_adapter", body, LoRAUpdateResponse)
-        return _checked_lora(resp, "/unload_lora_adapter")
+        return _checked_update(resp, "/unload_lora_adapter")
 
     def update_weight_version(self, version: str) -> None:
         body = UpdateWeightVersionRequest(new_version=version).model_dump()
@@ -326,14 +327,10 @@ def _checked_generate(resp: GenerateResponse) -> GenerateResponse:
 
 
 def _checked_update(resp: U, path: str = "/update_weights_from_disk") -> U:
+    """`resp`, or EngineError with the server's reason when it says it failed (`message`; LoRA's
+    `error_message`)."""
     if not resp.success:
-        raise EngineError(f"{path}: failed: {resp.message}")
-    return resp
-
-
-def _checked_lora(resp: LoRAUpdateResponse, path: str) -> LoRAUpdateResponse:
-    if not resp.success:
-        raise EngineError(f"{path}: failed: {resp.error_message}")
+        raise EngineError(f"{path}: failed: {getattr(resp, 'message', None) or getattr(resp, 'error_message', None)}")
     return resp
 
 

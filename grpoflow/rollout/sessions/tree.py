@@ -112,7 +112,6 @@ class SessionTree:
         self.turns: list[Turn] = []
         # message-prefix key (the turn's messages + its reply) -> turn index, to find the turn a request extends
         self._states: dict[tuple, int] = {}
-        self._asked: dict[tuple, list[int]] = {}  # a request's messages key -> the turns that answered it
         self._continued: set[int] = set()  # turns a later request continued (their reply was used)
         self.refused = 0  # requests refused because they extended a closed (truncated) path
         self.extend_failures = 0  # requests that continued a turn the template could not extend token-exactly
@@ -207,9 +206,9 @@ class SessionTree:
         # reply it never went on from was not used. (An earlier turn asked again later, after other requests, is
         # a harness re-sending a state, not a retry.) A turn a request continues was used, whatever else said so.
         asked = tuple(_msg_key(m) for m in messages)
-        last = len(self.turns) - 1
-        if last in self._asked.get(asked, []) and last not in self._continued:
-            self.turns[last].abandoned = True
+        last = self.turns[-1] if self.turns else None
+        if last is not None and last.index not in self._continued and _asked_key(last) == asked:
+            last.abandoned = True
         if (prev := self.extended_turn(messages)) is not None:
             self._continued.add(prev.index)
             prev.abandoned = False
@@ -236,7 +235,6 @@ class SessionTree:
             sampling=dict(sampling or {}),
         )
         self.turns.append(turn)
-        self._asked.setdefault(asked, []).append(turn.index)
         self._states[asked + (("assistant", reply),)] = turn.index
         return turn
 
@@ -299,6 +297,10 @@ def _agree(tokens: list[int], ids: list[int], at: int) -> int:
     while tokens[n] == ids[at + n]:
         n += 1
     return n
+
+
+def _asked_key(turn: Turn) -> tuple:
+    return tuple(_msg_key(m) for m in turn.messages)
 
 
 def _msg_key(m: dict[str, Any]) -> tuple:

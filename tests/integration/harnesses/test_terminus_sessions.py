@@ -3,7 +3,6 @@ wires it (`grpoflow.rollout.step.policy_access`): each trial's session becomes i
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 
 import pytest
@@ -11,8 +10,7 @@ import pytest
 from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
-from grpoflow.rollout.policy import policy_access
-from grpoflow.rollout.step import collect_step, sandbox_config
+from tests.fakes.rollout_step import run_step
 from tests.fakes.scripted_engine import Reply, ScriptedEngine
 from tests.fakes.scripted_openai import terminus_json
 
@@ -38,22 +36,8 @@ def _run(tmp_path, tiny_model_dir, script):
     )
     engine = ScriptedEngine(str(tiny_model_dir), script)
 
-    async def step():
-        async with policy_access(cfg.rollout, cfg.engine, engine.url, str(tiny_model_dir)) as policy:
-            return await collect_step(
-                "t",
-                0,
-                prompts,
-                cfg.rollout,
-                0,
-                policy,
-                sandbox_config(cfg.rollout),
-                tmp_path / "trials",
-                tmp_path / "details",
-            )
-
     try:
-        res = asyncio.run(step())
+        res = run_step(cfg, engine.url, str(tiny_model_dir), prompts, tmp_path)
     finally:
         engine.stop()
     return res.samples[0], res.samples[0].metrics, res.samples, engine

@@ -12,9 +12,9 @@ from grpoflow.engine.client import EngineClient
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.agents.shell import SYSTEM_PROMPT
-from grpoflow.rollout.policy import fit_to_engine, policy_access
-from grpoflow.rollout.step import collect_step, sandbox_config
+from grpoflow.rollout.policy import fit_to_engine
 from grpoflow.rollout.tokens import TokenTrajectory, load_tokenizer
+from tests.fakes.rollout_step import run_step
 from tests.fakes.sglang_standin import StandinServer
 
 
@@ -56,22 +56,7 @@ def test_an_episode_past_the_engine_context_ends_by_its_budget_not_as_a_failed_t
     prompts = [PromptRecord(instance_id="hello-file", task_path=str(task.path), instruction=task.instruction)]
     # room for the prompt but not for a whole turn: the first request would reach the context length
     with StandinServer(str(tiny_model_dir), context_length=prompt_len + 32) as server:
-
-        async def run():
-            async with policy_access(cfg.rollout, cfg.engine, server.url, str(tiny_model_dir)) as policy:
-                return await collect_step(
-                    "ctx",
-                    0,
-                    prompts,
-                    cfg.rollout,
-                    0,
-                    policy,
-                    sandbox_config(cfg.rollout),
-                    tmp_path / "trials",
-                    tmp_path / "details",
-                )
-
-        res = asyncio.run(run())
+        res = run_step(cfg, server.url, str(tiny_model_dir), prompts, tmp_path)
     for s in res.samples:
         assert (s.status, s.exit_status) == ("TRUNCATED", "SequenceLengthLimitExceeded"), s.exit_reason
         assert s.reward is not None

@@ -10,13 +10,16 @@ the last writes the full checkpoint) of each path, side by side:
   checkpoint at the end of the interval.
 - `distributed (gloo)`: `engine.weight_sync=distributed`: the weights broadcast in memory; the full checkpoint at
   the end of the interval.
+- `tensor (shared memory)`: `engine.weight_sync=tensor`: the weights copied into shared memory that the engine
+  maps (`/update_weights_from_tensor`); the full checkpoint at the end of the interval.
 - `LoRA r16, merged (distributed)`: `train.lora` (rank 16 on every linear of the blocks), the merged weights
   broadcast in memory (the default); full checkpoints hold the adapter and its optimizer state.
 - `LoRA r16, adapter`: `engine.weight_sync=adapter`: the adapter alone, written and loaded with
   `/load_lora_adapter`.
 Printed per path: bytes written per step (full checkpoints spread over the interval), seconds per step of commit +
 sync in the step's own time, the sync alone, and sync ÷ save-alone (the sync against writing the same weights to
-disk once, unsynced), beside a baseline (HF `generate` tokens/s on one thread) since this machine's speed varies.
+disk once, unsynced), also without the embedded engine's re-packing of its weights that follows any full-weight
+update (an adapter is merged instead), beside a baseline (HF `generate` tokens/s on one thread) since this machine's speed varies.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def nudge(trainer) -> None:
 
 def run_path(name: str, trainer, engine_url: str, root: Path, steps: int) -> dict:
     written, foreground, sync_s = 0, 0.0, 0.0
-    mode = name.split()[0] if name.split()[0] in ("distributed", "adapter") else "disk"
+    mode = name.split()[0] if name.split()[0] in ("distributed", "tensor", "adapter") else "disk"
     lora = {"lora": {}} if "LoRA" in name else {}
     cfg = parse_run_config({"engine": {"weight_sync": mode}, "train": lora})
     with open_weight_sync(cfg, engine_url, trainer, root / "sync") as sync:
@@ -115,6 +118,24 @@ def save_alone(trainer, root: Path, repeats: int = 3) -> float:
     return best
 
 
+def engine_repack(model_dir: str, repeats: int = 3) -> float:
+    """What the embedded engine itself spends after any weight update re-laying its oneDNN-packed linears
+    (`repack_linears`), best of `repeats`: part of every path's sync here, not of the transfer."""
+    from transformers import AutoModelForCausalLM
+
+    from grpoflow.embedded.engine.packed_linear import pack_linears, repack_linears
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if not pack_linears(model):
+        return 0.0
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        repack_linears(model)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="a built-in model name or an HF dir")
@@ -132,21 +153,24 @@ def main(argv: list[str] | None = None) -> int:
         alone = save_alone(trainer, root)
         results = {
             name: run_path(name, trainer, engine.url, root, args.steps)
-            for name in ("every step a full checkpoint", "disk", "distributed (gloo)")
+            for name in ("every step a full checkpoint", "disk", "distributed (gloo)", "tensor (shared memory)")
         }
         lora = load_trainer(model_dir, TrainConfig(lora=LoraSettings()), seed=0)
         results["LoRA r16, merged (distributed)"] = run_path("distributed LoRA", lora, engine.url, root, args.steps)
         results["LoRA r16, adapter"] = run_path("adapter LoRA", lora, engine.url, root, args.steps)
     today = results["every step a full checkpoint"]
-    print(f"{n_params / 1e6:.0f}M parameters; writing the fp32 weights alone (unsynced): {alone:.2f} s\n")
+    repack = engine_repack(model_dir)
+    print(f"{n_params / 1e6:.0f}M parameters; writing the fp32 weights alone (unsynced): {alone:.2f} s")
+    print(f"of each full-weight sync, the embedded engine re-packing its oneDNN linears: {repack:.2f} s\n")
     print(
         f"{'path':30} {'MB written/step':>16} {'÷ today':>8} {'commit+sync s/step':>19} {'sync s':>7} {'sync ÷ save':>12}"
+        f" {'w/o repack':>11}"
     )
     for name, r in results.items():
         fewer = today["bytes"] / r["bytes"] if r["bytes"] else float("inf")
         print(
             f"{name:30} {r['bytes'] / 1e6:16.0f} {fewer:7.1f}x {r['step_s']:19.2f} {r['sync_s']:7.2f} "
-            f"{r['sync_s'] / alone:12.2f}"
+            f"{r['sync_s'] / alone:12.2f} {(r['sync_s'] - (0 if 'adapter' in name else repack)) / alone:11.2f}"
         )
     return 0
 

@@ -113,7 +113,7 @@ class EngineConfig(_Section):
         "cost of batching. The embedded engine decodes each request alone with the prefix cache off; a launched "
         "SGLang gets `--enable-deterministic-inference`, an attached one must have been started with it.",
     )
-    weight_sync: Literal["auto", "disk", "distributed", "adapter"] = Field(
+    weight_sync: Literal["auto", "disk", "distributed", "tensor", "adapter"] = Field(
         "auto",
         description="How each step's weights reach the engine. `auto`: `distributed` for the embedded engine, "
         "`disk` for SGLang (whose GPUs must reach the trainer for `distributed`). "
@@ -123,7 +123,9 @@ class EngineConfig(_Section):
         "`checkpoints/step_<N>/` and the engine loads them (`/update_weights_from_disk`). `distributed`: in "
         "memory, the trainer broadcasts them over a process group the engine joins at the start (SGLang's "
         "`/init_weights_update_group`, `/update_weights_from_distributed`; NCCL on a GPU, gloo on the CPU), and "
-        "only full checkpoints (`train.save_interval`) are written.",
+        "only full checkpoints (`train.save_interval`) are written. `tensor`: in memory, for an engine on this "
+        "host (with SGLang, colocated on the trainer's GPU): the engine maps the trainer's weights from shared "
+        "memory (CUDA IPC on a GPU) with `/update_weights_from_tensor`; only full checkpoints are written.",
     )
     weight_sync_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
@@ -493,7 +495,7 @@ class RunConfig(_Section):
             raise ValueError("`engine.weight_sync`: `adapter` syncs a LoRA adapter; set train.lora, or another sync")
         return self
 
-    def weight_sync_mode(self) -> Literal["disk", "distributed", "adapter"]:
+    def weight_sync_mode(self) -> Literal["disk", "distributed", "tensor", "adapter"]:
         """`engine.weight_sync` with `auto` resolved: to the embedded engine in memory, to SGLang through the
         run dir."""
         if self.engine.weight_sync != "auto":

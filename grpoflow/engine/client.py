@@ -32,6 +32,7 @@ from grpoflow.engine.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     WeightsUpdateGroupResponse,
 )
@@ -136,6 +137,16 @@ class EngineClient:
             flush_cache=flush_cache,
         ).model_dump(exclude_none=True)
         path = "/update_weights_from_distributed"
+        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+
+    def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], weight_version: str | None = None, flush_cache: bool = True
+    ) -> WeightsUpdateGroupResponse:
+        """Not retried: the tensors it points at change with the trainer's next step."""
+        body = UpdateWeightsFromTensorRequest(
+            serialized_named_tensors=serialized_named_tensors, weight_version=weight_version, flush_cache=flush_cache
+        ).model_dump(exclude_none=True)
+        path = "/update_weights_from_tensor"
         return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
 
     def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateResponse:

@@ -153,6 +153,16 @@ class UpdateWeightsFromDistributedRequest(_Request):
     weight_version: str | None = Field(None, description="Version label to report from now on.")
 
 
+class UpdateWeightsFromTensorRequest(_Request):
+    """Serve the named tensors the request points at (`grpoflow.engine.shared_tensors`): one entry per
+    tensor-parallel rank, each naming tensors in memory the engine can map (same host or same GPU)."""
+
+    serialized_named_tensors: list[str] = Field(..., min_length=1)
+    load_format: str | None = Field(None, description="None: a list of (name, tensor) pairs.")
+    flush_cache: bool = True
+    weight_version: str | None = Field(None, description="Version label to report from now on.")
+
+
 class LoadLoRAAdapterRequest(_Request):
     lora_name: str = Field(..., min_length=1, description="The name requests give as `lora_path`.")
     lora_path: str = Field(..., min_length=1, description="PEFT's adapter dir (adapter_config.json, weights).")

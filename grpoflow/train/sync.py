@@ -7,6 +7,10 @@
   (`/init_weights_update_group`); each sync announces every tensor (name, dtype, shape) with
   `/update_weights_from_distributed` and broadcasts them in that order, in the engine's dtype. Nothing is written
   for the sync; full checkpoints are still written every `train.save_interval` steps.
+- `tensor`: in memory, for an engine on the same host (on the same GPU with SGLang). Each sync copies the weights,
+  in the engine's dtype, into one flat buffer the engine can map (shared memory on the CPU; CUDA IPC on a GPU) and
+  `/update_weights_from_tensor` tells the engine where each tensor lies (`grpoflow.engine.shared_tensors`); the
+  engine copies them into its own. Nothing is written for the sync.
 
 Both say what they moved (`bytes`), so the step's record shows the cost of the sync.
 """
@@ -27,6 +31,7 @@ import torch
 
 from grpoflow.config import SERVED_ADAPTER, EngineConfig, RunConfig
 from grpoflow.engine.client import EngineClient
+from grpoflow.engine.shared_tensors import serialize_named_tensors, shared_buffer
 from grpoflow.engine.update_group import (
     UPDATE_GROUP_TIMEOUT_S,
     broadcast_tensors,
@@ -129,6 +134,36 @@ class DistributedSync:
             leave_update_group(self.group)
 
 
+class TensorSync:
+    """The engine maps the trainer's weights from a buffer on this host (see the module doc)."""
+
+    needs_dir = False
+
+    def __init__(self, client: EngineClient, cfg: EngineConfig, device: torch.device):
+        self.client, self.dtype, self.device = client, sync_dtype(cfg), device
+        self.ranks = cfg.tp_size  # SGLang reads entry i on tensor-parallel rank i; each takes its shard itself
+        self._flat: torch.Tensor | None = None  # (sum of numels,) in self.dtype; kept across syncs
+
+    def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
+        named = serving_tensors(trainer.model)
+        total = sum(t.numel() for t in named.values())
+        if self._flat is None or self._flat.numel() != total:
+            self._flat = shared_buffer(total, self.dtype, self.device)
+        views, at = [], 0
+        with torch.no_grad():
+            for name, t in named.items():
+                view = self._flat[at : at + t.numel()].view(t.shape)
+                view.copy_(t)
+                views.append((name, view))
+                at += t.numel()
+        # The engine answers once it copied every tensor: the buffer is free for the next sync after this call.
+        self.client.update_weights_from_tensor([serialize_named_tensors(views)] * self.ranks, weight_version=version)
+        return {"bytes": float(self._flat.numel() * self._flat.element_size())}
+
+    def close(self) -> None:
+        self._flat = None
+
+
 def sync_dtype(cfg: EngineConfig) -> torch.dtype:
     if cfg.weight_sync_dtype != "auto":
         return getattr(torch, cfg.weight_sync_dtype)
@@ -169,7 +204,7 @@ class AdapterSync:
         pass
 
 
-WeightSync = DiskSync | DistributedSync | AdapterSync
+WeightSync = DiskSync | DistributedSync | TensorSync | AdapterSync
 
 
 @contextmanager
@@ -190,6 +225,8 @@ def open_weight_sync(
         if mode == "adapter":
             where = sync_dir or Path(tempfile.mkdtemp(prefix="grpoflow-sync-"))
             sync: WeightSync = AdapterSync(client, where, trainer, sync_dtype(e))
+        elif mode == "tensor":
+            sync = TensorSync(client, e, trainer.device)
         else:
             sync = DistributedSync(client, e, trainer.device)
         try:

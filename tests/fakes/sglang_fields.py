@@ -110,6 +110,17 @@ SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT = {
 }
 SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT = {"success", "message"}  # both outputs
 
+# io_struct.py: UpdateWeightsFromTensorReqInput (its output: success, message, as above)
+SGLANG_UPDATE_WEIGHTS_FROM_TENSOR_REQ_INPUT = {
+    "serialized_named_tensors",
+    "load_format",
+    "flush_cache",
+    "abort_all_requests",
+    "weight_version",
+    "disable_draft_model",
+    "torch_empty_cache",
+}
+
 # io_struct.py: LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, LoRAUpdateOutput (both answers),
 # UpdateWeightVersionReqInput
 SGLANG_LOAD_LORA_ADAPTER_REQ_INPUT = {"lora_name", "lora_path", "pinned", "lora_id"}

@@ -36,6 +36,7 @@ from grpoflow.embedded.engine.prefix_cache import PrefixCache
 from grpoflow.embedded.engine.sampling import sample_next_tokens
 from grpoflow.embedded.engine.weights import load_named_tensors, read_safetensors_dir
 from grpoflow.engine.protocol import SamplingParams
+from grpoflow.engine.shared_tensors import deserialize_named_tensors
 from grpoflow.engine.update_group import (
     UPDATE_GROUP_TIMEOUT_S,
     join_update_group,
@@ -166,6 +167,7 @@ class Scheduler:
         self.weight_version = weight_version
         # weight-update process groups joined, by name
         self.update_groups: dict[str, torch.distributed.ProcessGroup] = {}
+        self._shared_tensors: dict[str, torch.Tensor] = {}  # the last update_weights_from_tensor's, mapped
         self.adapter = AdapterSlot(self.model)  # the LoRA adapter merged into the served weights, if any
         self.stats = SchedulerStats()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)  # touched by the scheduler thread only
@@ -295,6 +297,27 @@ class Scheduler:
         return self.update_weights(
             lambda: receive_tensors(group, names, dtypes, shapes), f"group {group_name}", weight_version
         )
+
+    def update_weights_from_tensor(
+        self, serialized: list[str], load_format: str | None, weight_version: str | None = None
+    ) -> Future:
+        """Queue an update from tensors in this host's shared memory (`grpoflow.engine.shared_tensors`)."""
+        if load_format is not None:
+            raise InvalidRequest(f"load_format {load_format!r}: the embedded engine reads (name, tensor) pairs only")
+        if len(serialized) != 1:
+            raise InvalidRequest(f"{len(serialized)} serialized_named_tensors: the embedded engine is one rank")
+
+        def load() -> dict[str, torch.Tensor]:
+            try:
+                named = dict(deserialize_named_tensors(serialized[0]))
+            except ValueError as e:
+                raise ModelError(f"serialized_named_tensors: {e}") from e
+            # Held until the next one: a trainer reuses its buffer, and torch maps a buffer that is still held
+            # once, so the next update skips mapping (and faulting in) the whole model again.
+            self._shared_tensors = named
+            return named
+
+        return self.update_weights(load, "shared tensors", weight_version)
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (at the scheduler's next step; it owns the cache)."""

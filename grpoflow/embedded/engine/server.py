@@ -9,7 +9,7 @@ picking and binding), writes the port to `--port-file` atomically and prints
 `grpoflow-engine listening on http://HOST:PORT`.
 
 Endpoints: POST /generate, POST /update_weights_from_disk, POST /init_weights_update_group (gloo),
-POST /update_weights_from_distributed, POST /load_lora_adapter, POST /unload_lora_adapter (one adapter, merged),
+POST /update_weights_from_distributed, POST /update_weights_from_tensor (same host), POST /load_lora_adapter, POST /unload_lora_adapter (one adapter, merged),
 POST /update_weight_version, GET /health, GET /model_info,
 GET /get_server_info, POST /flush_cache, POST /v1/chat/completions, GET /v1/models. A bad request gets 400 with a
 one-line message; an engine failure 500 with a message, never a traceback. Error bodies use SGLang's OpenAI-style shape
@@ -53,6 +53,7 @@ from grpoflow.engine.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     WeightsUpdateGroupResponse,
 )
@@ -155,6 +156,13 @@ def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> Fa
         fut = scheduler.update_weights_from_distributed(
             req.names, req.dtypes, req.shapes, req.group_name, req.weight_version
         )
+        res = await asyncio.wrap_future(fut)
+        body = WeightsUpdateGroupResponse(success=res.success, message=res.message).model_dump()
+        return JSONResponse(body, status_code=200 if res.success else 400)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest) -> JSONResponse:
+        fut = scheduler.update_weights_from_tensor(req.serialized_named_tensors, req.load_format, req.weight_version)
         res = await asyncio.wrap_future(fut)
         body = WeightsUpdateGroupResponse(success=res.success, message=res.message).model_dump()
         return JSONResponse(body, status_code=200 if res.success else 400)

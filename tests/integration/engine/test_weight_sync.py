@@ -1,6 +1,7 @@
-"""In-memory weight sync (`engine.weight_sync=distributed`) against the embedded engine in its own process, over
-gloo: the protocol SGLang speaks (`/init_weights_update_group`, `/update_weights_from_distributed`), with the
-request fields pinned to SGLang's, and the engine serving exactly the trainer's new weights afterwards."""
+"""In-memory weight sync against the embedded engine in its own process: `distributed` over gloo
+(`/init_weights_update_group`, `/update_weights_from_distributed`) and `tensor` through shared memory
+(`/update_weights_from_tensor`), the protocols SGLang speaks, with the request fields pinned to SGLang's and the
+engine serving exactly the trainer's new weights afterwards."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from grpoflow.engine.protocol import (
     SamplingParams,
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     WeightsUpdateGroupResponse,
 )
@@ -27,7 +29,7 @@ from grpoflow.errors import EngineError
 from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.lora import serving_tensors
 from grpoflow.train.probe import SyncProbe
-from grpoflow.train.sync import AdapterSync, DiskSync, DistributedSync, open_weight_sync
+from grpoflow.train.sync import AdapterSync, DiskSync, DistributedSync, TensorSync, open_weight_sync
 from grpoflow.train.trainer import load_trainer
 from tests.fakes.sglang_fields import (
     SGLANG_GENERATE_REQ_INPUT,
@@ -37,6 +39,7 @@ from tests.fakes.sglang_fields import (
     SGLANG_UNLOAD_LORA_ADAPTER_REQ_INPUT,
     SGLANG_UPDATE_WEIGHT_VERSION_REQ_INPUT,
     SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT,
+    SGLANG_UPDATE_WEIGHTS_FROM_TENSOR_REQ_INPUT,
     SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT,
 )
 
@@ -47,6 +50,7 @@ def test_the_requests_use_sglang_field_names():
     assert set(InitWeightsUpdateGroupRequest.model_fields) == SGLANG_INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT
     assert set(UpdateWeightsFromDistributedRequest.model_fields) <= SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT
     assert set(WeightsUpdateGroupResponse.model_fields) == SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT
+    assert set(UpdateWeightsFromTensorRequest.model_fields) <= SGLANG_UPDATE_WEIGHTS_FROM_TENSOR_REQ_INPUT
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +73,17 @@ def _trainer_logprobs(trainer, ids: list[int]) -> list[float]:
     return lp[0, len(PROMPT) - 1 :].tolist()
 
 
-def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, tiny_model_dir):
+@pytest.mark.parametrize("mode, kind", [("distributed", DistributedSync), ("tensor", TensorSync)])
+def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, tiny_model_dir, mode, kind):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     with torch.no_grad():  # new weights the engine cannot have: every parameter moved
         for p in trainer.model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     client = engine.client
     before = _engine_logprobs(client)
-    cfg = parse_run_config({"engine": {"weight_sync": "distributed"}})
+    cfg = parse_run_config({"engine": {"weight_sync": mode}})
     with open_weight_sync(cfg, engine.url, trainer) as sync:
-        assert isinstance(sync, DistributedSync) and not sync.needs_dir
+        assert isinstance(sync, kind) and not sync.needs_dir
         moved = sync.push(trainer, "7")
         ids, lps = _engine_logprobs(client)
         assert client.model_info().weight_version == "7"
@@ -93,6 +98,28 @@ def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, 
         sync.push(trainer, "8")
         ids, lps = _engine_logprobs(client)
         assert max(abs(a - b) for a, b in zip(lps, _trainer_logprobs(trainer, ids), strict=True)) < 1e-4
+
+
+def test_the_engine_refuses_tensor_updates_that_name_anything_but_tensors(engine, tmp_path):
+    """The body is unpickled: one naming any other callable is refused before it runs, and the engine serves on."""
+    import base64
+    import os
+    import pickle
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    body = base64.b64encode(pickle.dumps([("w", Payload())])).decode()
+    before = _engine_logprobs(engine.client)
+    with pytest.raises(EngineError, match=r"\.system is not part of a tensor handle"):
+        engine.client.update_weights_from_tensor([body], weight_version="x")
+    assert not marker.exists()
+    with pytest.raises(EngineError, match="one rank"):
+        engine.client.update_weights_from_tensor([body, body])
+    assert _engine_logprobs(engine.client) == before
 
 
 def test_a_refused_update_fails_at_once_with_the_engines_reason(engine, tiny_model_dir):

@@ -16,6 +16,7 @@ from prefect.artifacts import (
     create_markdown_artifact,
     create_table_artifact,
 )
+from prefect.futures import PrefectFuture
 
 from flows.common import (
     flow_run_name,
@@ -34,7 +35,7 @@ from grpoflow.evaluation import (
 )
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.prepare.stage import PreparedRun
-from grpoflow.rollout.step import select_step_prompts
+from grpoflow.rollout.step import StepRollout, select_step_prompts
 from grpoflow.run.commit import StepCommits, is_full_checkpoint, step_dir
 from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import (
@@ -48,7 +49,7 @@ from grpoflow.run.metrics import (
     training_rows,
 )
 from grpoflow.run.resume import run_lock
-from grpoflow.scoring import FailedSteps, select_trainable
+from grpoflow.scoring import FailedSteps, drop_stale, select_trainable
 from grpoflow.train.probe import SyncProbe
 from grpoflow.train.sync import open_weight_sync, sync_dtype
 from grpoflow.train.trainer import TrainerState, load_trainer
@@ -97,18 +98,39 @@ def train_steps(
             probe_task(trainer, sync.client, cfg, sync_probe)
             earlier = read_metrics(paths.metrics) if start_step > 0 else []
             base = base_pass_rates(earlier[0]) if earlier else {}
+            ahead = RolloutAhead(cfg, engine.url, model.path, paths, prompts, pool, lora, start_step)
+            pending: tuple[str, Path | None] | None = None  # trainer weights the engine does not serve yet
+
+            def sync_now(into: dict) -> None:
+                """The pending weights into the engine; called only while no rollout runs on it."""
+                nonlocal pending
+                assert pending is not None and ahead.idle
+                t = time.perf_counter()
+                into |= sync_weights_task(sync, trainer, pending[1], pending[0], sync_probe)
+                into["time/sync_s"] = time.perf_counter() - t
+                ahead.engine_version, pending = int(pending[0]), None
+
             for step in range(start_step, cfg.train.steps):
                 t0 = time.perf_counter()
                 record = {}
+                launched = ahead.take(step)  # the rollout started during the previous step, once it is done
+                t_waited = time.perf_counter()
+                if pending is not None and (launched is None or step in evals):
+                    sync_now(record)  # an evaluation, or this step's own rollout, needs the latest weights
                 if step in evals:
                     record |= _evaluate(cfg, step, prompts, engine.url, model.path, paths, lora)
                     base = base or base_pass_rates(record)
                 t_rollout = time.perf_counter()
-                step_prompts = select_step_prompts(prompts, step, cfg.rollout.prompts_per_step)
-                rollout = run_trials_task(
-                    cfg, step, step_prompts, engine.url, model.path, paths, pool=pool, lora_path=lora
-                )
-                trainable, dropped = select_trainable(rollout.samples, cfg.rollout.on_retries_exhausted)
+                rollout, version_used = launched or ahead.run(step)
+                if cfg.train.max_staleness and step + 1 < cfg.train.steps:
+                    # the next step's rollout overlaps this step's update: on the engine's weights, if fresh enough
+                    if pending is not None and step + 1 - ahead.engine_version > cfg.train.max_staleness:
+                        sync_now(record)
+                    ahead.start(step + 1)
+                samples, stale = rollout.samples, {}
+                if cfg.train.max_staleness:
+                    samples, stale = drop_stale(samples, step, version_used, cfg.train.max_staleness)
+                trainable, dropped = select_trainable(samples, cfg.rollout.on_retries_exhausted)
                 failed_steps.record(step, rollout.samples, trainable)
                 t1 = time.perf_counter()
                 train_m = grpo_step_task(trainer, trainable, cfg, step)
@@ -118,10 +140,12 @@ def train_steps(
                     "rollout/dropped_groups": float(dropped),
                     **({"rollout/reward_gain": reward_gain(rollout.samples, base)} if base else {}),
                     **{f"rollout/task/{k}": v for k, v in task_rewards(rollout.samples).items()},
+                    **{f"rollout/{k}": v for k, v in stale.items()},
                     **{f"train/{k}": v for k, v in train_m.items()},
                     "weight_version": version,
-                    "time/eval_s": t_rollout - t0,
-                    "time/rollout_s": t1 - t_rollout,
+                    "time/eval_s": t_rollout - t_waited,
+                    "time/rollout_s": t1 - t_rollout + t_waited - t0,
+                    "time/rollout_run_s": rollout.seconds,
                     "time/train_s": time.perf_counter() - t1,
                     "time/step_s": time.perf_counter() - t0,
                 }
@@ -131,9 +155,10 @@ def train_steps(
                 last = step == cfg.train.steps - 1
                 plan = step_dir(full, last, sync.needs_dir, sync_dtype(cfg.engine))  # None: an in-memory sync's
                 ckpt = save_step_task(trainer, paths, step, record, plan) if plan else None
-                t3 = time.perf_counter()
-                record |= sync_weights_task(sync, trainer, ckpt, version, sync_probe)
-                record |= {"time/commit_s": t3 - t2, "time/sync_s": time.perf_counter() - t3}
+                record["time/commit_s"] = time.perf_counter() - t2
+                pending = (version, ckpt)
+                if ahead.idle:  # else at the next step, once the rollout running now is done
+                    sync_now(record)
                 commits.finish(trainer, ckpt, step, record, full)
                 print(
                     f"step {step + 1}/{cfg.train.steps}: reward {record['rollout/reward_mean']:.3f} "
@@ -160,6 +185,44 @@ def train_steps(
         log.close()
     report(cfg.run_id, paths)
     return record
+
+
+class RolloutAhead:
+    """Step rollouts, run now (`run`) or started in the background to overlap the trainer's step (`start`, one
+    at a time, as a Prefect task run of its own), and the weight version the engine serves, which changes only
+    while no rollout runs (`idle`): every turn of a trial comes from one version. A rollout is returned with the
+    version it ran on."""
+
+    def __init__(self, cfg: RunConfig, engine_url, tokenizer_path, paths, prompts, pool, lora, engine_version: int):
+        self.cfg, self.engine_url, self.tokenizer_path, self.paths = cfg, engine_url, tokenizer_path, paths
+        self.prompts, self.pool, self.lora = prompts, pool, lora
+        self.engine_version = engine_version
+        self._running: tuple[int, int, PrefectFuture] | None = None  # (step, version, future)
+
+    @property
+    def idle(self) -> bool:
+        return self._running is None
+
+    def _args(self, step: int) -> tuple:
+        step_prompts = select_step_prompts(self.prompts, step, self.cfg.rollout.prompts_per_step)
+        return self.cfg, step, step_prompts, self.engine_url, self.tokenizer_path, self.paths
+
+    def run(self, step: int) -> tuple[StepRollout, int]:
+        assert self.idle
+        return run_trials_task(*self._args(step), pool=self.pool, lora_path=self.lora), self.engine_version
+
+    def start(self, step: int) -> None:
+        assert self.idle
+        future = run_trials_task.submit(*self._args(step), pool=self.pool, lora_path=self.lora)
+        self._running = (step, self.engine_version, future)
+
+    def take(self, step: int) -> tuple[StepRollout, int] | None:
+        """Step `step`'s rollout if it was started ahead, once it finished (its error raised); else None."""
+        if self._running is None or self._running[0] != step:
+            return None
+        _, version, future = self._running
+        self._running = None
+        return future.result(), version
 
 
 def evaluation_versions(train: TrainConfig) -> set[int]:

@@ -371,7 +371,18 @@ class TrainConfig(_Section):
         "rollout",
         description="The PPO ratio's old policy: the engine's logprobs from the rollout, or the trainer's, "
         "recomputed before the update (one more forward pass); then the engine-vs-trainer mismatch is corrected "
-        "apart (`tis_cap`, `mismatch_band`).",
+        "apart (`tis_cap`, `mismatch_band`). Always `recompute` when `max_staleness` > 0: the rollout's "
+        "logprobs are then an older policy's, the behaviour policy the correction weighs against.",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="How many updates behind the trainer the weights that generated a step's trials may be. 0: "
+        "each step's rollout waits for the previous step's update. 1 or more: the next step's rollout runs on "
+        "the engine while the trainer trains on this one (one rollout ahead), and the weights reach the engine "
+        "between rollouts, at most `max_staleness` updates late (k > 1 syncs less often). A trial's turns all "
+        "come from one weight version; older samples are dropped and counted.",
     )
     dual_clip: float | None = Field(
         3.0,
@@ -461,6 +472,11 @@ class TrainConfig(_Section):
         description="Evaluate before the first step, after the last, and also every N steps between (0: only "
         "before and after).",
     )
+
+    @property
+    def recomputes_old_logprobs(self) -> bool:
+        """The PPO ratio's old policy is the trainer's, recomputed (`old_logprobs`, forced by `max_staleness`)."""
+        return self.old_logprobs == "recompute" or self.max_staleness > 0
 
 
 class RunConfig(_Section):

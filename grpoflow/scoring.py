@@ -161,6 +161,34 @@ def select_trainable(
     return [s for s in samples if s.status != "FAILED"], 0
 
 
+def sample_version(sample: Sample, launched: int) -> int:
+    """The number of updates in the weights that generated `sample`: its recorded `weight_version` when that is
+    a number, else `launched` (the version the step's rollout started on: an engine that labels its first
+    weights otherwise, as SGLang's "default")."""
+    try:
+        return int(sample.weight_version or "")
+    except ValueError:
+        return launched
+
+
+def drop_stale(
+    samples: Sequence[Sample], step: int, launched: int, max_staleness: int
+) -> tuple[list[Sample], dict[str, float]]:
+    """The samples step `step` (whose trainer holds `step` updates) may train on: whole groups whose every sample
+    is at most `max_staleness` updates old, so GRPO's group statistics stay whole. Metrics: how many samples each
+    staleness had (`staleness/<k>`), and of the dropped ones how many, their groups, and their episode lengths
+    (generated tokens), so a bound that starves long episodes shows."""
+    age = {id(s): step - sample_version(s, launched) for s in samples}
+    stale = {s.group_id for s in samples if age[id(s)] > max_staleness}
+    kept = [s for s in samples if s.group_id not in stale]
+    dropped = [s.n_generated for s in samples if s.group_id in stale]
+    metrics = {f"staleness/{k}": float(n) for k, n in sorted(Counter(age.values()).items())}
+    metrics |= {"stale_dropped": float(len(dropped)), "stale_dropped_groups": float(len(stale))}
+    if dropped:
+        metrics |= {"stale_dropped_tokens_mean": statistics.fmean(dropped), "stale_dropped_tokens_max": max(dropped)}
+    return kept, metrics
+
+
 def informative_groups(samples: Sequence[Sample], policy: Literal["drop_group", "keep_group"]) -> set[str]:
     """The groups that give the trainer a GRPO signal: trainable under `policy` (`select_trainable`), with at
     least two scored trials whose rewards differ."""

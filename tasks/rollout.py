@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import httpx
@@ -70,7 +71,8 @@ def run_trials_task(
             step=step,
             on_retries_exhausted=r.on_retries_exhausted,
         )
-    return asyncio.run(
+    t0 = time.perf_counter()
+    result = asyncio.run(
         _collect_with_progress(
             cfg,
             step,
@@ -84,6 +86,8 @@ def run_trials_task(
             lora_path=lora_path,
         )
     )
+    result.seconds = time.perf_counter() - t0
+    return result
 
 
 @task(name="evaluate-policy", cache_policy=NO_CACHE, task_run_name="evaluate-policy-{version}")

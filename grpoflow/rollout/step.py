@@ -39,6 +39,7 @@ class StepRollout:
     samples: list[Sample]
     metrics: dict[str, float]
     details_path: Path
+    seconds: float = 0.0  # wall time of the rollout itself (it may overlap the trainer's step)
 
 
 def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:

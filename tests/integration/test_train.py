@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM
 
 from grpoflow.config import TrainConfig
 from grpoflow.run.checkpoint import prune_checkpoints, save_checkpoint
-from grpoflow.samples import Sample
 from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.step import (
     backward_minibatch,
@@ -17,24 +16,11 @@ from grpoflow.train.step import (
     train_step,
 )
 from grpoflow.train.trainer import load_trainer
+from tests.fakes.samples import make_sample
 
 
 def _sample(tokens, mask, logprobs, reward, group, i=0, status="COMPLETED"):
-    return Sample(
-        run_id="t",
-        step=0,
-        instance_id=group,
-        group_id=group,
-        sample_index=i,
-        rollout_id=f"{group}-{i}",
-        tokens=tokens,
-        loss_mask=mask,
-        rollout_logprobs=logprobs,
-        prompt_len=mask.index(1) if 1 in mask else 0,
-        reward=reward,
-        status=status,
-        exit_status="Submitted",
-    )
+    return make_sample(group, i, reward, status, tokens=tokens, mask=mask, logprobs=logprobs)
 
 
 def _agentic_samples(model, n_groups=3, per_group=4, seed=0):

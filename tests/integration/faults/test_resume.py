@@ -284,3 +284,24 @@ def test_resume_refuses_a_run_id_that_is_a_path(tmp_path, capfd):
     assert "RUN_ID '../etc': a run id is lowercase letters" in capfd.readouterr().err
     assert main(["resume", "nope", "--output-dir", str(tmp_path)]) == 2
     assert capfd.readouterr().err.strip() == f"grpoflow: error: run dir {tmp_path / 'nope'} does not exist"
+
+
+def test_killed_mid_overlap_resumes_like_the_uninterrupted_async_run(setup, capfd, caplog):
+    """With `max_staleness` 1, step 2's rollout runs while step 1 trains: killed then, the resume keeps step 2's
+    finished trials, runs the rest on the same weight version as before (the schedule is fixed), and ends with
+    the uninterrupted async run's metrics and weights."""
+    model, data, runs = setup
+    overlap = {"train": {"max_staleness": 1}}
+    reference = _with(run_config(runs, model, data, "async-reference", steps=STEPS), overlap)
+    train_flow(parse_run_config(reference))
+    _kill_run(runs, model, data, "async-mid-train", "train", step=1, overrides=overlap)
+    root = runs / "async-mid-train"
+    finished = {s["rollout_id"] for s in _journal(root, 2)}  # step 2's trials done before the kill
+    dirs_before = _trial_dirs(root, 2)
+    _resume(runs, "async-mid-train", capfd, caplog)
+    _assert_resumed_like_reference(root, runs / "async-reference")  # each trial journaled once, none lost
+    assert [len(_trial_dirs(root, s)) for s in (0, 1)] == [TRIALS, TRIALS]
+    # the overlapped step's finished trials did not run again; its cut-off attempts ran again in new dirs
+    assert finished <= {s["rollout_id"] for s in _journal(root, 2)}
+    assert len(_trial_dirs(root, 2)) == TRIALS + len(dirs_before) - len(finished)
+    assert {v for *_, v in _traces(root, 2)} == {"1"}  # one step off, before and after the kill

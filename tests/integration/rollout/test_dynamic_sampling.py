@@ -11,9 +11,9 @@ from harbor.models.trial.config import AgentConfig
 from grpoflow.config import parse_run_config
 from grpoflow.rollout.step import GroupRefill, collect_step, sandbox_config
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.samples import Sample
 from grpoflow.scoring import informative_groups
 from tests.fakes.prompts import builtin_prompts
+from tests.fakes.samples import make_sample
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 
@@ -85,21 +85,7 @@ def test_refill_stops_after_its_rounds_and_when_the_pool_runs_out(tmp_path):
 
 
 def _sample(group, k, reward, status="COMPLETED"):
-    return Sample(
-        run_id="r",
-        step=0,
-        instance_id=group,
-        group_id=group,
-        sample_index=k,
-        rollout_id=f"{group}-{k}",
-        tokens=[1, 2],
-        loss_mask=[0, 1],
-        rollout_logprobs=[0.0, -1.0],
-        prompt_len=1,
-        reward=reward,
-        status=status,
-        exit_status="Submitted" if status != "FAILED" else "SandboxError",
-    )
+    return make_sample(group, k, reward, status, tokens=[1, 2], logprobs=[0.0, -1.0])
 
 
 def test_a_group_with_a_failed_trial_is_informative_only_when_it_is_kept():

@@ -1,0 +1,40 @@
+"""`drop_stale`: which samples a step may train on under `train.max_staleness`, and what it reports."""
+
+from grpoflow.samples import Sample
+from grpoflow.scoring import drop_stale, sample_version
+from tests.fakes.samples import make_sample
+
+
+def _sample(group: str, k: int, version: str | None, generated: int = 2) -> Sample:
+    return make_sample(group, k, mask=[0] + [1] * generated, weight_version=version)
+
+
+def test_a_group_with_one_sample_past_the_bound_is_dropped_whole_and_counted():
+    samples = [_sample("g", 0, "5"), _sample("g", 1, "3", generated=40), _sample("h", 0, "5"), _sample("h", 1, "4")]
+    kept, m = drop_stale(samples, step=6, launched=5, max_staleness=2)
+    assert [s.rollout_id for s in kept] == ["h-0", "h-1"]
+    assert m == {
+        "staleness/1": 2.0,
+        "staleness/2": 1.0,
+        "staleness/3": 1.0,
+        "stale_dropped": 2.0,
+        "stale_dropped_groups": 1.0,
+        "stale_dropped_tokens_mean": 21.0,  # the long episode shows in what was dropped
+        "stale_dropped_tokens_max": 40,
+    }
+
+
+def test_within_the_bound_nothing_is_dropped_and_an_unnumbered_version_is_the_launch_version():
+    samples = [_sample("g", 0, "default"), _sample("g", 1, None)]
+    assert sample_version(samples[0], launched=3) == 3
+    kept, m = drop_stale(samples, step=4, launched=3, max_staleness=1)
+    assert kept == samples and m == {"staleness/1": 2.0, "stale_dropped": 0.0, "stale_dropped_groups": 0.0}
+    assert drop_stale(samples, step=5, launched=3, max_staleness=1)[0] == []
+
+
+def test_an_async_run_always_recomputes_the_old_policy():
+    from grpoflow.config import TrainConfig
+
+    assert not TrainConfig().recomputes_old_logprobs
+    assert TrainConfig(max_staleness=1).recomputes_old_logprobs  # the rollout's logprobs are the behaviour policy
+    assert TrainConfig(old_logprobs="recompute").recomputes_old_logprobs

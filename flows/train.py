@@ -100,6 +100,7 @@ def train_steps(
             base = base_pass_rates(earlier[0]) if earlier else {}
             ahead = RolloutAhead(cfg, engine.url, model.path, paths, prompts, pool, lora, start_step)
             pending: tuple[str, Path | None] | None = None  # trainer weights the engine does not serve yet
+            engine_busy = sync.client.busy_seconds()  # the engine's compute seconds so far, per step's row
 
             def sync_now(into: dict) -> None:
                 """The pending weights into the engine; called only while no rollout runs on it."""
@@ -159,6 +160,9 @@ def train_steps(
                 pending = (version, ckpt)
                 if ahead.idle:  # else at the next step, once the rollout running now is done
                     sync_now(record)
+                if engine_busy is not None:
+                    busy, engine_busy = engine_busy, sync.client.busy_seconds()
+                    record["time/engine_busy_s"] = engine_busy - busy
                 commits.finish(trainer, ckpt, step, record, full)
                 print(
                     f"step {step + 1}/{cfg.train.steps}: reward {record['rollout/reward_mean']:.3f} "

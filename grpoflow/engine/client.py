@@ -166,6 +166,13 @@ class EngineClient:
     def model_info(self) -> ModelInfo:
         return self._call("GET", "/model_info", None, ModelInfo)
 
+    def busy_seconds(self) -> float | None:
+        """Seconds the engine has spent computing (prefill, decode) since it started: the embedded engine's
+        `busy_time_s` in /get_server_info; None from an engine that does not report it (SGLang)."""
+        states = self.server_info().get("internal_states") or [{}]
+        busy = states[0].get("busy_time_s")
+        return float(busy) if isinstance(busy, int | float) else None
+
     async def amodel_info(self) -> ModelInfo:
         return await self._acall("GET", "/model_info", None, ModelInfo)
 

@@ -1,0 +1,109 @@
+"""Asynchronous rollout: the main job's recipe run synchronously and with `train.max_staleness` 1 and 2, side by
+side, same seeds.
+
+    .venv/bin/python bench/async.py [--steps 6] [--staleness 0 1 2] [--output-dir DIR] [--no-baseline]
+
+Each run is `grpoflow main` (the `embedded-default` preset) in its own process, with a fresh run_id. Printed per
+run, over the training loop (every step's wall time, its evaluation, update, commit and sync included; the final
+evaluation left out): steps per hour and its ratio to the synchronous run, also without the evaluations' time
+(they run alone, nothing overlaps them), the engine's busy fraction (its own
+prefill/decode seconds, `time/engine_busy_s`, over the loop's wall time), the trainer's (update + commit + sync),
+the staleness of what was trained, and the reward and evaluation curves. Beside it a baseline (HF `generate`
+tokens/s on one thread), since this machine's speed varies from day to day.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.main_job import hf_generate_tok_s  # noqa: E402
+from grpoflow.prepare.model import prepare_model  # noqa: E402
+from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(k: int, steps: int, out: Path) -> tuple[Path, float]:
+    run_id = f"async-{k}-{int(time.time())}"
+    cmd = [sys.executable, "-m", "flows.cli", "main", "--output-dir", str(out), "--run-id", run_id]
+    cmd += ["--set", f"train.steps={steps}", "--set", f"train.max_staleness={k}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"max_staleness={k}: grpoflow main failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return out / run_id, time.perf_counter() - t0
+
+
+def figures(run_dir: Path) -> dict:
+    records = read_step_records(run_dir / "metrics.jsonl")  # metrics and timings merged, one row per step
+    steps = training_rows(records)
+    overhead = [r.get("time/commit_s", 0.0) + r.get("time/sync_s", 0.0) for r in steps]
+    wall = sum(r["time/step_s"] + o for r, o in zip(steps, overhead, strict=True))
+    trainer = sum(r["time/train_s"] + o for r, o in zip(steps, overhead, strict=True))
+    engine = sum(r.get("time/engine_busy_s", 0.0) for r in steps)
+    ages = [
+        (int(key.rsplit("/", 1)[1]), n) for r in steps for key, n in r.items() if key.startswith("rollout/staleness/")
+    ]
+    evaluating = sum(r.get("time/eval_s", 0.0) for r in steps)
+    return {
+        "wall": wall,
+        "per_hour": 3600 * len(steps) / wall,
+        "per_hour_training": 3600 * len(steps) / (wall - evaluating),
+        "engine": engine / wall,
+        "trainer": trainer / wall,
+        "staleness": sum(a * n for a, n in ages) / sum(n for _, n in ages) if ages else 0.0,
+        "dropped": sum(r.get("rollout/stale_dropped", 0.0) for r in steps),
+        "reward": [r["rollout/reward_mean"] for r in steps],
+        "evals": {r["step"]: r for r in evaluation_rows(records)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--output-dir", help="keep the runs here (default: a temporary dir)")
+    p.add_argument("--no-baseline", action="store_true")
+    args = p.parse_args(argv)
+    if not args.no_baseline:
+        model = prepare_model("smollm2-135m-instruct").path
+        print(f"baseline: HF generate {hf_generate_tok_s(model):.1f} tok/s on one thread")
+    out = Path(args.output_dir or tempfile.mkdtemp(prefix="grpoflow-async-"))
+    results = {}
+    for k in args.staleness:
+        run_dir, total = run(k, args.steps, out)
+        results[k] = figures(run_dir)
+        print(f"max_staleness={k}: {run_dir} ({total:.0f} s with prepare and start-up)", flush=True)
+    base = results[args.staleness[0]]
+    print(
+        f"\n{'max_staleness':>13} {'loop s':>7} {'steps/h':>8} {'ratio':>6} {'w/o evals':>10} {'ratio':>6}"
+        f" {'engine busy':>12} {'trainer busy':>13} {'mean staleness':>15} {'dropped':>8}"
+    )
+    for k, r in results.items():
+        print(
+            f"{k:13d} {r['wall']:7.0f} {r['per_hour']:8.1f} {r['per_hour'] / base['per_hour']:5.2f}x "
+            f"{r['per_hour_training']:10.1f} {r['per_hour_training'] / base['per_hour_training']:5.2f}x "
+            f"{r['engine']:12.2f} {r['trainer']:13.2f} {r['staleness']:15.2f} {r['dropped']:8.0f}"
+        )
+    print("\nreward per step (rollout/reward_mean)")
+    for k, r in results.items():
+        print(f"  max_staleness={k}: " + " ".join(f"{x:.3f}" for x in r["reward"]))
+    print("\nevaluations (pass@1 on the trained tasks / held-out tasks, after N updates)")
+    for k, r in results.items():
+        cells = [
+            f"{n}: {m.get('eval/trained/pass_at_1', float('nan')):.3f}/{m.get('eval/heldout/pass_at_1', float('nan')):.3f}"
+            for n, m in sorted(r["evals"].items())
+        ]
+        print(f"  max_staleness={k}: " + "  ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

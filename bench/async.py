@@ -44,9 +44,8 @@ def run(k: int, steps: int, out: Path) -> tuple[Path, float]:
 def figures(run_dir: Path) -> dict:
     records = read_step_records(run_dir / "metrics.jsonl")  # metrics and timings merged, one row per step
     steps = training_rows(records)
-    overhead = [r.get("time/commit_s", 0.0) + r.get("time/sync_s", 0.0) for r in steps]
-    wall = sum(r["time/step_s"] + o for r, o in zip(steps, overhead, strict=True))
-    trainer = sum(r["time/train_s"] + o for r, o in zip(steps, overhead, strict=True))
+    wall = sum(r["time/wall_s"] for r in steps)
+    trainer = sum(r["time/train_s"] + r.get("time/commit_s", 0.0) + r.get("time/sync_s", 0.0) for r in steps)
     engine = sum(r.get("time/engine_busy_s", 0.0) for r in steps)
     ages = [
         (int(key.rsplit("/", 1)[1]), n) for r in steps for key, n in r.items() if key.startswith("rollout/staleness/")

@@ -52,7 +52,7 @@ from grpoflow.run.resume import run_lock
 from grpoflow.scoring import FailedSteps, drop_stale, select_trainable
 from grpoflow.train.probe import SyncProbe
 from grpoflow.train.sync import open_weight_sync, sync_dtype
-from grpoflow.train.trainer import TrainerState, load_trainer
+from grpoflow.train.trainer import TrainerState, load_trainer, overlap_note, share_cores_with_engine
 from tasks.rollout import evaluate_policy_task, run_trials_task
 from tasks.train import grpo_step_task, probe_task, save_step_task, sync_weights_task
 
@@ -101,74 +101,85 @@ def train_steps(
             ahead = RolloutAhead(cfg, engine.url, model.path, paths, prompts, pool, lora, start_step)
             pending: tuple[str, Path | None] | None = None  # trainer weights the engine does not serve yet
             engine_busy = sync.client.busy_seconds()  # the engine's compute seconds so far, per step's row
+            if cfg.train.max_staleness:
+                print(overlap_note(cfg, share_cores_with_engine(cfg)))
 
             def sync_now(into: dict) -> None:
-                """The pending weights into the engine; called only while no rollout runs on it."""
+                """The pending weights into the engine; called only while no rollout runs on it. A step that
+                syncs twice (an evaluation, then the end of the last step) records both."""
                 nonlocal pending
                 assert pending is not None and ahead.idle
                 t = time.perf_counter()
-                into |= sync_weights_task(sync, trainer, pending[1], pending[0], sync_probe)
-                into["time/sync_s"] = time.perf_counter() - t
+                moved = sync_weights_task(sync, trainer, pending[1], pending[0], sync_probe)
+                moved["sync/bytes"] += into.get("sync/bytes", 0.0)
+                into |= moved
+                into["time/sync_s"] = into.get("time/sync_s", 0.0) + time.perf_counter() - t
                 ahead.engine_version, pending = int(pending[0]), None
 
-            for step in range(start_step, cfg.train.steps):
-                t0 = time.perf_counter()
-                record = {}
-                launched = ahead.take(step)  # the rollout started during the previous step, once it is done
-                t_waited = time.perf_counter()
-                if pending is not None and (launched is None or step in evals):
-                    sync_now(record)  # an evaluation, or this step's own rollout, needs the latest weights
-                if step in evals:
-                    record |= _evaluate(cfg, step, prompts, engine.url, model.path, paths, lora)
-                    base = base or base_pass_rates(record)
-                t_rollout = time.perf_counter()
-                rollout, version_used = launched or ahead.run(step)
-                if cfg.train.max_staleness and step + 1 < cfg.train.steps:
-                    # the next step's rollout overlaps this step's update: on the engine's weights, if fresh enough
-                    if pending is not None and step + 1 - ahead.engine_version > cfg.train.max_staleness:
+            try:
+                for step in range(start_step, cfg.train.steps):
+                    t0 = time.perf_counter()
+                    record = {}
+                    ready = ahead.take(step)  # the rollout started during the previous step, once it is done
+                    t_waited = time.perf_counter()
+                    if pending is not None and (ready is None or step in evals):
+                        sync_now(record)  # an evaluation, or this step's own rollout, needs the latest weights
+                    t_eval = time.perf_counter()
+                    if step in evals:
+                        record |= _evaluate(cfg, step, prompts, engine.url, model.path, paths, lora)
+                        base = base or base_pass_rates(record)
+                    t_rollout = time.perf_counter()
+                    rollout, version_used = ready or ahead.run(step)
+                    t_collected = time.perf_counter()
+                    if cfg.train.max_staleness and step + 1 < cfg.train.steps:
+                        # the next step's rollout overlaps this step's update: on the engine's weights, if fresh enough
+                        if pending is not None and step + 1 - ahead.engine_version > cfg.train.max_staleness:
+                            sync_now(record)
+                        ahead.start(step + 1)
+                    samples, stale = rollout.samples, {}
+                    if cfg.train.max_staleness:
+                        samples, stale = drop_stale(samples, step, version_used, cfg.train.max_staleness)
+                    trainable, dropped = select_trainable(samples, cfg.rollout.on_retries_exhausted)
+                    failed_steps.record(step, rollout.samples, trainable)
+                    t1 = time.perf_counter()
+                    train_m = grpo_step_task(trainer, trainable, cfg, step)
+                    version = str(step + 1)  # number of GRPO updates in the weights; rollout samples carry it
+                    record |= {
+                        **{f"rollout/{k}": v for k, v in rollout.metrics.items()},
+                        "rollout/dropped_groups": float(dropped),
+                        **({"rollout/reward_gain": reward_gain(rollout.samples, base)} if base else {}),
+                        **{f"rollout/task/{k}": v for k, v in task_rewards(rollout.samples).items()},
+                        **{f"rollout/{k}": v for k, v in stale.items()},
+                        **{f"train/{k}": v for k, v in train_m.items()},
+                        "weight_version": version,
+                        "time/eval_s": t_rollout - t_eval,
+                        "time/rollout_s": t_collected - t_rollout + t_waited - t0,
+                        "time/rollout_run_s": rollout.seconds,
+                        "time/train_s": time.perf_counter() - t1,
+                        "time/step_s": time.perf_counter() - t0,
+                    }
+                    t2 = time.perf_counter()
+                    commits.flush()  # the previous full checkpoint is durable (it had the whole step to finish)
+                    full = is_full_checkpoint(step, cfg.train.steps, cfg.train.save_interval)
+                    last = step == cfg.train.steps - 1
+                    plan = step_dir(full, last, sync.needs_dir, sync_dtype(cfg.engine))  # None: an in-memory sync's
+                    ckpt = save_step_task(trainer, paths, step, record, plan) if plan else None
+                    record["time/commit_s"] = time.perf_counter() - t2
+                    pending = (version, ckpt)
+                    if ahead.idle:  # else at the next step, once the rollout running now is done
                         sync_now(record)
-                    ahead.start(step + 1)
-                samples, stale = rollout.samples, {}
-                if cfg.train.max_staleness:
-                    samples, stale = drop_stale(samples, step, version_used, cfg.train.max_staleness)
-                trainable, dropped = select_trainable(samples, cfg.rollout.on_retries_exhausted)
-                failed_steps.record(step, rollout.samples, trainable)
-                t1 = time.perf_counter()
-                train_m = grpo_step_task(trainer, trainable, cfg, step)
-                version = str(step + 1)  # number of GRPO updates in the weights; rollout samples carry it
-                record |= {
-                    **{f"rollout/{k}": v for k, v in rollout.metrics.items()},
-                    "rollout/dropped_groups": float(dropped),
-                    **({"rollout/reward_gain": reward_gain(rollout.samples, base)} if base else {}),
-                    **{f"rollout/task/{k}": v for k, v in task_rewards(rollout.samples).items()},
-                    **{f"rollout/{k}": v for k, v in stale.items()},
-                    **{f"train/{k}": v for k, v in train_m.items()},
-                    "weight_version": version,
-                    "time/eval_s": t_rollout - t_waited,
-                    "time/rollout_s": t1 - t_rollout + t_waited - t0,
-                    "time/rollout_run_s": rollout.seconds,
-                    "time/train_s": time.perf_counter() - t1,
-                    "time/step_s": time.perf_counter() - t0,
-                }
-                t2 = time.perf_counter()
-                commits.flush()  # the previous full checkpoint is durable (it had the whole step to finish)
-                full = is_full_checkpoint(step, cfg.train.steps, cfg.train.save_interval)
-                last = step == cfg.train.steps - 1
-                plan = step_dir(full, last, sync.needs_dir, sync_dtype(cfg.engine))  # None: an in-memory sync's
-                ckpt = save_step_task(trainer, paths, step, record, plan) if plan else None
-                record["time/commit_s"] = time.perf_counter() - t2
-                pending = (version, ckpt)
-                if ahead.idle:  # else at the next step, once the rollout running now is done
-                    sync_now(record)
-                if engine_busy is not None:
                     busy, engine_busy = engine_busy, sync.client.busy_seconds()
-                    record["time/engine_busy_s"] = engine_busy - busy
-                commits.finish(trainer, ckpt, step, record, full)
-                print(
-                    f"step {step + 1}/{cfg.train.steps}: reward {record['rollout/reward_mean']:.3f} "
-                    f"pass@k {record['rollout/pass_at_k']:.2f} truncated {record['rollout/truncated_ratio']:.2f} "
-                    f"loss {train_m.get('loss', float('nan')):.4f} ({time.perf_counter() - t0:.0f}s)"
-                )
+                    if busy is not None and engine_busy is not None:
+                        record["time/engine_busy_s"] = engine_busy - busy
+                    record["time/wall_s"] = time.perf_counter() - t0  # the whole step, its syncs and commit included
+                    commits.finish(trainer, ckpt, step, record, full)
+                    print(
+                        f"step {step + 1}/{cfg.train.steps}: reward {record['rollout/reward_mean']:.3f} "
+                        f"pass@k {record['rollout/pass_at_k']:.2f} truncated {record['rollout/truncated_ratio']:.2f} "
+                        f"loss {train_m.get('loss', float('nan')):.4f} ({time.perf_counter() - t0:.0f}s)"
+                    )
+            finally:
+                ahead.settle()  # a step failed while the next one's rollout ran: let it finish on the live engine
             final = cfg.train.steps
             if final in evals and not has_row(paths.metrics, final):
                 t0 = time.perf_counter()
@@ -219,6 +230,15 @@ class RolloutAhead:
         assert self.idle
         future = run_trials_task.submit(*self._args(step), pool=self.pool, lora_path=self.lora)
         self._running = (step, self.engine_version, future)
+
+    def settle(self) -> None:
+        """Wait for a rollout still running: its trials are real and get journaled whole, and the engine they
+        talk to must outlive them. Its own error, if any, is left to the log: the caller is already failing."""
+        if self._running is not None:
+            step, _, future = self._running
+            print(f"waiting for step {step}'s rollout, started ahead, to finish before stopping")
+            future.wait()
+            self._running = None
 
     def take(self, step: int) -> tuple[StepRollout, int] | None:
         """Step `step`'s rollout if it was started ahead, once it finished (its error raised); else None."""

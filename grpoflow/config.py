@@ -371,8 +371,9 @@ class TrainConfig(_Section):
         "rollout",
         description="The PPO ratio's old policy: the engine's logprobs from the rollout, or the trainer's, "
         "recomputed before the update (one more forward pass); then the engine-vs-trainer mismatch is corrected "
-        "apart (`tis_cap`, `mismatch_band`). Always `recompute` when `max_staleness` > 0: the rollout's "
-        "logprobs are then an older policy's, the behaviour policy the correction weighs against.",
+        "apart (`tis_cap`, `mismatch_band`). With `max_staleness` > 0 the rollout's logprobs are those of the "
+        "weights that generated it: `rollout` clips the update against that behaviour policy; `recompute` "
+        "clips against the trainer's current weights and weighs by trainer/behaviour ratios.",
     )
     max_staleness: int = Field(
         0,
@@ -382,7 +383,8 @@ class TrainConfig(_Section):
         "each step's rollout waits for the previous step's update. 1 or more: the next step's rollout runs on "
         "the engine while the trainer trains on this one (one rollout ahead), and the weights reach the engine "
         "between rollouts, at most `max_staleness` updates late (k > 1 syncs less often). A trial's turns all "
-        "come from one weight version; older samples are dropped and counted.",
+        "come from one weight version; older samples are dropped and counted. On a CPU box with the embedded "
+        "engine the trainer then takes the cores the engine leaves.",
     )
     dual_clip: float | None = Field(
         3.0,
@@ -472,11 +474,6 @@ class TrainConfig(_Section):
         description="Evaluate before the first step, after the last, and also every N steps between (0: only "
         "before and after).",
     )
-
-    @property
-    def recomputes_old_logprobs(self) -> bool:
-        """The PPO ratio's old policy is the trainer's, recomputed (`old_logprobs`, forced by `max_staleness`)."""
-        return self.old_logprobs == "recompute" or self.max_staleness > 0
 
 
 class RunConfig(_Section):

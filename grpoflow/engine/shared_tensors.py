@@ -7,7 +7,10 @@ bytes: a CUDA IPC handle on a GPU, a shared-memory file name (`/dev/shm`) on the
 on the same host (the same GPU), can read them, and the request carries a few kilobytes whatever the model's size.
 
 The reader takes only what torch's reductions write (`_ALLOWED`): a request is an HTTP body, and unpickling one
-that could name any callable would run whatever it names.
+that could name any callable would run whatever it names. What is left to a caller (allocating tensors, mapping a
+`/dev/shm` object it names) is the trust `/update_weights_from_disk` already asks for: the route is for a trainer
+on the same host, and the embedded engine listens on 127.0.0.1 only. On a GPU, a CUDA IPC handle names its device
+by index: the trainer and SGLang must number the GPUs alike (the same `CUDA_VISIBLE_DEVICES`).
 """
 
 from __future__ import annotations

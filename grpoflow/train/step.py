@@ -205,7 +205,7 @@ def train_step(
     torch.manual_seed(seed)
     kept, adv, counts = prepare_samples(samples, cfg)
     minibatches = _rollout_minibatches(kept, cfg.global_batch_size, seed)
-    old = recompute_old_logprobs(state, kept, cfg, temperature) if cfg.recomputes_old_logprobs and kept else None
+    old = recompute_old_logprobs(state, kept, cfg, temperature) if cfg.old_logprobs == "recompute" and kept else None
     params = [p for p in state.model.parameters() if p.requires_grad]
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)

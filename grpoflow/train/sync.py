@@ -157,7 +157,9 @@ class TensorSync:
                 views.append((name, view))
                 at += t.numel()
         # The engine answers once it copied every tensor: the buffer is free for the next sync after this call.
-        self.client.update_weights_from_tensor([serialize_named_tensors(views)] * self.ranks, weight_version=version)
+        # One dump per rank: torch counts each dump's handles as one reference that one reader gives back.
+        entries = [serialize_named_tensors(views) for _ in range(self.ranks)]
+        self.client.update_weights_from_tensor(entries, weight_version=version)
         return {"bytes": float(self._flat.numel() * self._flat.element_size())}
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ must match the engine's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from grpoflow.config import TrainConfig
+from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.train.logprobs import check_logprob_path
 from grpoflow.train.lora import add_lora
 
@@ -71,3 +72,22 @@ def disable_dropout(model: torch.nn.Module) -> None:
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0
+
+
+def share_cores_with_engine(cfg: RunConfig) -> int | None:
+    """With rollouts overlapping the trainer (`train.max_staleness` > 0) and the embedded engine computing on this
+    machine's CPUs, the trainer takes the cores the engine leaves (`engine.threads`): torch's threads wait on
+    each other at every op, so one of them sharing a core with the engine slows the whole update. Returns the
+    thread count it set, or None when it left torch's own (a GPU trainer, or SGLang elsewhere). The same count on
+    every run of a config keeps CPU training deterministic."""
+    if not cfg.train.max_staleness or cfg.engine.backend != "embedded" or torch.cuda.is_available():
+        return None
+    threads = max(1, (os.cpu_count() or 1) - cfg.engine.threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def overlap_note(cfg: RunConfig, threads: int | None) -> str:
+    """What an asynchronous run does differently, said once at its start."""
+    note = f"max_staleness {cfg.train.max_staleness}: each step's rollout runs while the previous step trains"
+    return note + (f"; the trainer uses {threads} CPU threads beside the engine's" if threads else "")

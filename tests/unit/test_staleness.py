@@ -30,11 +30,3 @@ def test_within_the_bound_nothing_is_dropped_and_an_unnumbered_version_is_the_la
     kept, m = drop_stale(samples, step=4, launched=3, max_staleness=1)
     assert kept == samples and m == {"staleness/1": 2.0, "stale_dropped": 0.0, "stale_dropped_groups": 0.0}
     assert drop_stale(samples, step=5, launched=3, max_staleness=1)[0] == []
-
-
-def test_an_async_run_always_recomputes_the_old_policy():
-    from grpoflow.config import TrainConfig
-
-    assert not TrainConfig().recomputes_old_logprobs
-    assert TrainConfig(max_staleness=1).recomputes_old_logprobs  # the rollout's logprobs are the behaviour policy
-    assert TrainConfig(old_logprobs="recompute").recomputes_old_logprobs

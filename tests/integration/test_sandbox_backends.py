@@ -398,11 +398,9 @@ def test_a_failing_gate_fails_the_trial_without_retry(tmp_path):
 
 @pytest.fixture(scope="module")
 def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
+    from tests.fakes.prefect_server import temporary_prefect_server
 
-    from flows.common import EPHEMERAL_STARTUP_TIMEOUT_S
-
-    with prefect_test_harness(server_startup_timeout=EPHEMERAL_STARTUP_TIMEOUT_S):
+    with temporary_prefect_server():
         yield
 
 

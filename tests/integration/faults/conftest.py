@@ -2,12 +2,11 @@
 the real train flow. Core-level faults (engine, sandbox, verifier, disk) need no server but share the folder."""
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
-from flows.common import EPHEMERAL_STARTUP_TIMEOUT_S
+from tests.fakes.prefect_server import temporary_prefect_server
 
 
 @pytest.fixture(scope="session", autouse=True)
 def prefect_server():
-    with prefect_test_harness(server_startup_timeout=EPHEMERAL_STARTUP_TIMEOUT_S):
+    with temporary_prefect_server():
         yield

@@ -24,7 +24,7 @@ from grpoflow.config import parse_run_config
 from grpoflow.fileio import sha256_tree
 from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import complete_steps
-from tests.integration.faults.events import fresh_events_worker, run_events
+from tests.integration.faults.events import run_events
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
@@ -134,7 +134,6 @@ def _traces(root: Path, step: int) -> list[tuple]:
 
 
 def _resume(runs: Path, run_id: str, capfd, caplog) -> str:
-    fresh_events_worker()
     caplog.clear()
     assert main(["resume", run_id, "--output-dir", str(runs)]) == 0
     cap = capfd.readouterr()

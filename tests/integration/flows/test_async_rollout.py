@@ -6,25 +6,17 @@ import json
 import shutil
 
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from flows.cli import main
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.run.metrics import read_metrics
-from tests.integration.faults.events import fresh_events_worker
+from tests.integration.faults.events import task_runs
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
 
 STEPS, TRIALS = 4, 8
-
-
-async def _task_runs(flow_run_id) -> dict[str, tuple]:
-    async with get_client() as client:
-        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name: (r.start_time, r.end_time) for r in runs}
 
 
 def _versions(root, step) -> list[str]:
@@ -60,16 +52,14 @@ def test_the_next_rollout_overlaps_training_within_the_staleness_bound(tmp_path,
         assert synced.count(True) < STEPS
     assert final_eval["weight_version"] == str(STEPS)
     # Prefect shows the overlap: the rollout of step s+1 ran while the GRPO update of step s did
-    import asyncio
-
-    runs_by_name = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    names = {f"run-trials-step-{s + 1}" for s in range(STEPS - 1)} | {f"grpo-step-{s}" for s in range(STEPS - 1)}
+    runs_by_name = task_runs(state.state_details.flow_run_id, names)
     for s in range(STEPS - 1):
         ahead, update = runs_by_name[f"run-trials-step-{s + 1}"], runs_by_name[f"grpo-step-{s}"]
         assert ahead[0] < update[1] and update[0] < ahead[1]
 
 
 def test_an_async_run_is_reproduced_by_its_rerun(tmp_path, tiny_model_dir, capfd):
-    fresh_events_worker()
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     data = reward_tasks(tmp_path / "tasks")
     runs = tmp_path / "runs"

@@ -10,14 +10,13 @@ from flows.cli import main
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.run.metrics import read_metrics
-from tests.integration.faults.events import fresh_events_worker, run_events
+from tests.integration.faults.events import run_events
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
 
 
 def test_rerun_reproduces_metrics_and_weights_bit_exact(tmp_path, tiny_model_dir, capfd):
-    fresh_events_worker()
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     data = reward_tasks(tmp_path / "tasks")
     runs = tmp_path / "runs"

@@ -5,13 +5,12 @@ import pytest
 from flows.prepare import prepare_flow
 from grpoflow.config import parse_run_config
 from grpoflow.preflight import PreflightError
-from tests.integration.faults.events import fresh_events_worker, run_events
+from tests.integration.faults.events import run_events
 
 pytestmark = pytest.mark.flow
 
 
 def test_prepare_emits_completed_then_failed_for_a_taken_run_dir(tmp_path, tiny_model_dir):
-    fresh_events_worker()
     cfg = parse_run_config({"run_id": "ev-1", "output_dir": str(tmp_path), "model": {"source": str(tiny_model_dir)}})
     prepare_flow(cfg)
     with pytest.raises(PreflightError):

@@ -55,11 +55,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_skip_reason() is not None, r
 
 @pytest.fixture(scope="module")
 def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
+    from tests.fakes.prefect_server import temporary_prefect_server
 
-    from flows.common import EPHEMERAL_STARTUP_TIMEOUT_S
-
-    with prefect_test_harness(server_startup_timeout=EPHEMERAL_STARTUP_TIMEOUT_S):
+    with temporary_prefect_server():
         yield
 
 

@@ -51,6 +51,7 @@ from grpoflow.run.metrics import (
 from grpoflow.run.resume import run_lock
 from grpoflow.scoring import FailedSteps, drop_stale, select_trainable
 from grpoflow.train.probe import SyncProbe
+from grpoflow.train.ranks import trainer_ranks
 from grpoflow.train.sync import open_weight_sync, sync_dtype
 from grpoflow.train.trainer import TrainerState, load_trainer, overlap_note, share_cores_with_engine
 from tasks.rollout import evaluate_policy_task, run_trials_task
@@ -91,6 +92,7 @@ def train_steps(
         with (
             serving_engine(cfg, run) as engine,
             open_weight_sync(cfg, engine.url, trainer, paths.root / "sync") as sync,
+            trainer_ranks(trainer, model.path, cfg, weights),
         ):
             if weights is not None:  # the trainer holds the resumed checkpoint's weights
                 sync_weights_task(sync, trainer, weights, str(start_step), None)

@@ -476,6 +476,20 @@ class TrainConfig(_Section):
     )
 
 
+class ClusterConfig(_Section):
+    """Where the work runs, beyond the flow's own process."""
+
+    train_ranks: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Data-parallel trainer processes on this machine: each holds the policy and its optimizer, "
+        "computes its share of every minibatch's rollouts, and the gradients are summed across them (gloo on the "
+        "CPU, NCCL when each rank has a GPU of its own) before every rank takes the same step. 1: the flow's "
+        "process trains alone.",
+    )
+
+
 class RunConfig(_Section):
     """The whole run: the model and task set, the engine, the agent trials and the GRPO update. Fields left as
     they are keep their defaults; the flow checks the config again when it starts."""
@@ -495,6 +509,7 @@ class RunConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The inference engine (SGLang API).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Agent trials per step.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The GRPO update.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where the work runs.")
 
     @property
     def run_dir(self) -> Path:

@@ -18,14 +18,14 @@ from grpoflow.run.commit import StepDir, save_step
 from grpoflow.run.paths import RunPaths
 from grpoflow.samples import Sample
 from grpoflow.train.probe import SyncProbe, check_logprob_agreement
-from grpoflow.train.step import grpo_update
+from grpoflow.train.ranks import run_update
 from grpoflow.train.sync import WeightSync
 from grpoflow.train.trainer import TrainerState
 
 
 @task(name="grpo-step", cache_policy=NO_CACHE, task_run_name="grpo-step-{step}")
 def grpo_step_task(trainer: TrainerState, samples: list[Sample], cfg: RunConfig, step: int) -> dict[str, float]:
-    metrics = grpo_update(trainer, samples, cfg, step)
+    metrics = run_update(trainer, samples, cfg, step)  # on every trainer rank (`cluster.train_ranks`)
     if not samples:
         get_run_logger().warning("step %d: no trainable samples (all groups dropped): weights unchanged", step)
     return metrics

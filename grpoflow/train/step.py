@@ -21,6 +21,7 @@ from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.samples import Sample
 from grpoflow.train.grpo import group_advantages, policy_loss, zero_std_groups
 from grpoflow.train.logprobs import token_logprobs
+from grpoflow.train.ranks import all_reduce_grads, all_reduce_sums, local_rows
 from grpoflow.train.trainer import TrainerState
 
 
@@ -74,6 +75,11 @@ def recompute_old_logprobs(
     return out  # type: ignore[return-value]
 
 
+def _local(kept: list[Sample], idx: list[int], state: TrainerState) -> list[int]:
+    """Positions in minibatch `idx` (indices into `kept`) of the rows this rank computes."""
+    return local_rows([kept[i].rollout_id for i in idx], [len(kept[i].tokens) for i in idx], state.dp)
+
+
 def _n_trained(s: Sample) -> int:
     return sum(s.loss_mask[1:])  # position 0 has no logprob: nothing predicts the first token
 
@@ -99,9 +105,13 @@ def backward_minibatch(
     for s in samples:
         rollout_tokens[s.rollout_id] = rollout_tokens.get(s.rollout_id, 0) + _n_trained(s)
     row_tokens = torch.tensor([rollout_tokens[s.rollout_id] for s in samples])  # (N,)
+    # the whole minibatch's count on every rank: the ranks' gradients then sum to the single-process one
     denom = sum(map(_n_trained, samples)) if cfg.loss_aggregation == "token" else len(rollout_tokens)
     sums: dict[str, float] = {"loss": 0.0, "n_tokens": 0, "n_mask_tokens": 0, **dict.fromkeys(_MAX_KEYS, 0.0)}
-    for idx in pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens):
+    sums |= {"n_forward_tokens": 0, "n_micro_batches": 0} | dict.fromkeys(_MEAN_KEYS + ("kl", "entropy"), 0.0)
+    mine = local_rows([s.rollout_id for s in samples], [len(s.tokens) for s in samples], state.dp)
+    for packed in pack_micro_batches([len(samples[i].tokens) for i in mine], cfg.micro_batch_tokens):
+        idx = [mine[j] for j in packed]
         ids, mask, behaviour, old_lp = _collate(
             [samples[i] for i in idx], state.device, [old[i] for i in idx] if old is not None else None
         )
@@ -136,13 +146,15 @@ def backward_minibatch(
         for k in _MAX_KEYS:
             sums[k] = max(sums[k], m.pop(k).item())
         for k, v in m.items():  # means over the loss-mask tokens across micro-batches
-            sums[k] = sums.get(k, 0.0) + v.item() * n
-        sums["n_forward_tokens"] = sums.get("n_forward_tokens", 0) + sum(len(samples[i].tokens) - 1 for i in idx)
-        sums["n_micro_batches"] = sums.get("n_micro_batches", 0) + 1
+            sums[k] += v.item() * n
+        sums["n_forward_tokens"] += sum(len(samples[i].tokens) - 1 for i in idx)
+        sums["n_micro_batches"] += 1
+    sums = all_reduce_sums(sums, _MAX_KEYS, state.dp)
     for k in _MEAN_KEYS + ("kl", "entropy"):
-        if k in sums:
-            sums[k] /= max(sums["n_mask_tokens"], 1)
+        sums[k] /= max(sums["n_mask_tokens"], 1)
     del sums["n_mask_tokens"]
+    if state.ref_model is None:
+        del sums["kl"]
     return sums
 
 
@@ -205,7 +217,13 @@ def train_step(
     torch.manual_seed(seed)
     kept, adv, counts = prepare_samples(samples, cfg)
     minibatches = _rollout_minibatches(kept, cfg.global_batch_size, seed)
-    old = recompute_old_logprobs(state, kept, cfg, temperature) if cfg.old_logprobs == "recompute" and kept else None
+    old = None
+    if cfg.old_logprobs == "recompute" and kept:
+        # only the rows this rank trains (all of them on one rank); the others stay None
+        mine = sorted(idx[j] for idx in minibatches for j in _local(kept, idx, state))
+        old = [None] * len(kept)
+        for i, lp in zip(mine, recompute_old_logprobs(state, [kept[i] for i in mine], cfg, temperature), strict=True):
+            old[i] = lp
     params = [p for p in state.model.parameters() if p.requires_grad]
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)
@@ -233,6 +251,7 @@ def train_step(
         m = backward_minibatch(
             state, [kept[i] for i in idx], adv[idx], cfg, temperature, [old[i] for i in idx] if old else None
         )
+        all_reduce_grads(params, state.dp)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
         if not math.isfinite(grad_norm):
             out["skipped_nonfinite"] += 1

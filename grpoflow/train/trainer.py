@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -18,6 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.train.logprobs import check_logprob_path
 from grpoflow.train.lora import add_lora
+
+if TYPE_CHECKING:
+    from grpoflow.train.ranks import DataParallel
 
 
 @dataclass
@@ -29,6 +32,7 @@ class TrainerState:
     device: torch.device
     autocast_dtype: torch.dtype | None  # bf16 on CUDA, None (plain fp32) on CPU
     optimizer_steps: int = 0
+    dp: DataParallel | None = None  # this process's rank among data-parallel trainers (`cluster.train_ranks`)
 
 
 def load_trainer(model_path: str | Path, cfg: TrainConfig, seed: int = 0, device: str | None = None) -> TrainerState:

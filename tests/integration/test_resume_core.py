@@ -15,7 +15,7 @@ from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import find_resume_point, repair_run_dir
 from grpoflow.train.step import train_step
 from grpoflow.train.trainer import load_trainer
-from tests.integration.test_train import _agentic_samples
+from tests.fakes.samples import agentic_samples
 
 
 def _run_dir(tmp_path, flow: str = "train") -> RunPaths:
@@ -59,7 +59,7 @@ def test_restored_trainer_continues_bit_exact(tiny_model_dir, tmp_path):
     cfg = TrainConfig(learning_rate=1e-2)
     paths = _run_dir(tmp_path)
     a = load_trainer(tiny_model_dir, cfg, seed=0)
-    samples = _agentic_samples(a.model)
+    samples = agentic_samples(a.model)
     m0 = train_step(a, samples, cfg, seed=0)
     log = MetricsLog(paths.metrics, paths.tb)
     record = {"train/loss": m0["loss"], "time/step_s": 1.0}

@@ -1,7 +1,5 @@
 """The train step on the tiny random model: logprobs, accumulation, no-op steps, determinism, checkpoints, learning."""
 
-import random
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,34 +14,11 @@ from grpoflow.train.step import (
     train_step,
 )
 from grpoflow.train.trainer import load_trainer
-from tests.fakes.samples import make_sample
+from tests.fakes.samples import agentic_samples, make_sample
 
 
 def _sample(tokens, mask, logprobs, reward, group, i=0, status="COMPLETED"):
     return make_sample(group, i, reward, status, tokens=tokens, mask=mask, logprobs=logprobs)
-
-
-def _agentic_samples(model, n_groups=3, per_group=4, seed=0):
-    """prompt | turn 1 | tool output (masked) | turn 2, random tokens; rollout logprobs = the model's + noise."""
-    rng = random.Random(seed)
-    vocab = model.config.vocab_size
-    out = []
-    for g in range(n_groups):
-        for i in range(per_group):
-            p, a, t, b = rng.randint(4, 12), rng.randint(3, 20), rng.randint(2, 10), rng.randint(3, 25)
-            tokens = [rng.randrange(3, vocab) for _ in range(p + a + t + b)]
-            mask = [0] * p + [1] * a + [0] * t + [1] * b
-            out.append(_sample(tokens, mask, [0.0] * len(tokens), float(rng.random() < 0.5), f"g{g}", i))
-    # make every group's rewards vary so nothing is filtered
-    for g in range(n_groups):
-        out[g * per_group].reward, out[g * per_group + 1].reward = 1.0, 0.0
-    with torch.no_grad():
-        for s in out:
-            ids = torch.tensor([s.tokens])
-            lp, _ = token_logprobs(model, ids, torch.tensor([s.loss_mask[1:]], dtype=torch.bool))
-            noisy = lp[0] + 0.05 * torch.randn(lp.shape[1], generator=torch.Generator().manual_seed(len(s.tokens)))
-            s.rollout_logprobs = [0.0] + [v if m else 0.0 for v, m in zip(noisy.tolist(), s.loss_mask[1:])]
-    return out
 
 
 def _weights(model):
@@ -85,7 +60,7 @@ def test_pack_micro_batches():
 def test_micro_batching_gives_the_whole_batch_gradient(tiny_model_dir, aggregation):
     cfg = TrainConfig(loss_aggregation=aggregation, micro_batch_tokens=100_000)
     state = load_trainer(tiny_model_dir, cfg, seed=0)
-    samples = _agentic_samples(state.model)
+    samples = agentic_samples(state.model)
     kept, adv, _ = prepare_samples(samples, cfg)
 
     def grads(budget):
@@ -108,7 +83,7 @@ def test_all_zero_advantages_leave_weights_bitwise_unchanged(tiny_model_dir, fil
     # weight decay on: an optimizer.step with zero gradients would still shrink the weights
     cfg = TrainConfig(filter_zero_std=filter_zero_std, weight_decay=0.1, learning_rate=1e-2)
     state = load_trainer(tiny_model_dir, cfg, seed=0)
-    samples = _agentic_samples(state.model)
+    samples = agentic_samples(state.model)
     for s in samples:
         s.reward = 0.1 if s.group_id == "g0" else 1.0  # every group flat
     before = _weights(state.model)
@@ -123,7 +98,7 @@ def test_train_step_is_deterministic_and_moves_weights(tiny_model_dir):
     runs = []
     for _ in range(2):
         state = load_trainer(tiny_model_dir, cfg, seed=3)
-        samples = _agentic_samples(state.model)
+        samples = agentic_samples(state.model)
         before = _weights(state.model)
         m = train_step(state, samples, cfg, seed=7)
         runs.append((_weights(state.model), m))
@@ -154,7 +129,7 @@ def test_kl_to_reference(tiny_model_dir):
     cfg = TrainConfig(kl_coef=0.1, learning_rate=1e-3)
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     assert state.ref_model is not None and not any(p.requires_grad for p in state.ref_model.parameters())
-    samples = _agentic_samples(state.model)
+    samples = agentic_samples(state.model)
     m1 = train_step(state, samples, cfg, seed=0)
     assert m1["kl"] == 0.0  # the policy is the reference before its first update
     m2 = train_step(state, samples, cfg, seed=0)
@@ -167,7 +142,7 @@ def test_bf16_autocast_path_runs(tiny_model_dir):
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     state.autocast_dtype = torch.bfloat16
     before = _weights(state.model)
-    m = train_step(state, _agentic_samples(state.model), cfg, seed=0)
+    m = train_step(state, agentic_samples(state.model), cfg, seed=0)
     assert m["optimizer_steps"] == 1 and m["logprob_gap_mean"] < 0.2  # bf16 rounding on top of the 0.05 noise
     assert all(v.dtype == torch.float32 for v in state.model.state_dict().values())
     assert not torch.equal(before["lm_head.weight"], state.model.lm_head.weight)
@@ -188,7 +163,7 @@ def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
 
     cfg = TrainConfig(learning_rate=1e-2, gradient_checkpointing=True)
     state = load_trainer(tiny_model_dir, cfg, seed=0)
-    train_step(state, _agentic_samples(state.model), cfg, seed=0)
+    train_step(state, agentic_samples(state.model), cfg, seed=0)
     out = save_checkpoint(state.model, state.tokenizer, tmp_path / "checkpoints" / "step_1")
     assert sorted(p.name for p in out.parent.iterdir()) == ["step_1"]  # no temp dir left behind
     want = _weights(state.model)
@@ -217,7 +192,7 @@ def test_a_lora_checkpoint_holds_the_adapter_and_the_merged_model_the_engine_ser
     trainable = [n for n, p in state.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)  # only the adapters train
     frozen = {k: v.clone() for k, v in _weights(state.model).items() if ".lora_" not in k}
-    samples = _agentic_samples(state.model)
+    samples = agentic_samples(state.model)
     assert train_step(state, samples, cfg, seed=0)["optimizer_steps"] == 1
     assert all(torch.equal(frozen[k], v) for k, v in _weights(state.model).items() if k in frozen)
 
@@ -341,7 +316,7 @@ def test_recomputed_old_logprobs_make_the_first_ratio_exactly_one_and_report_the
     for mode in ("rollout", "recompute"):
         cfg = TrainConfig(learning_rate=1e-3, micro_batch_tokens=64, old_logprobs=mode)
         state = load_trainer(tiny_model_dir, cfg, seed=3)
-        samples = _agentic_samples(state.model)
+        samples = agentic_samples(state.model)
         for s in samples:  # an engine far off the trainer: N(0, 0.5) on every trained logprob
             noise = torch.randn(len(s.tokens), generator=torch.Generator().manual_seed(len(s.tokens))) * 0.5
             s.rollout_logprobs = [v + float(e) if m else 0.0 for v, e, m in zip(s.rollout_logprobs, noise, s.loss_mask)]
@@ -357,7 +332,7 @@ def test_a_minibatch_whose_every_token_left_the_mismatch_band_does_not_step(tiny
     # weight decay on: a step on the zero gradient would still shrink the weights
     cfg = TrainConfig(old_logprobs="recompute", mismatch_band=1.5, weight_decay=0.1, learning_rate=1e-2)
     state = load_trainer(tiny_model_dir, cfg, seed=0)
-    samples = _agentic_samples(state.model)
+    samples = agentic_samples(state.model)
     for s in samples:  # an engine 1 nat off on every trained token: exp(1) > 1.5, all outside the band
         s.rollout_logprobs = [v - 1.0 if m else 0.0 for v, m in zip(s.rollout_logprobs, s.loss_mask, strict=True)]
     before = _weights(state.model)

@@ -1,0 +1,281 @@
+"""Data-parallel GRPO updates: `cluster.train_ranks` processes, each with a replica of the policy and its optimizer.
+
+Every optimizer minibatch is split between the ranks by rollout (a rollout's segments stay on one rank), balanced
+by tokens. Each rank scales its loss by the *whole* minibatch's count (tokens or rollouts, `train.loss_aggregation`),
+so the sum of the ranks' gradients is the single-process gradient; one all-reduce (sum) per optimizer step gives
+every rank that sum, and every rank then clips and steps alike: the replicas stay equal, as under DDP. The
+sums behind the step's metrics are reduced the same way, so the metrics are the single-process ones too.
+
+Rank 0 is the flow's own trainer: it alone commits checkpoints and syncs the engine (its weights are every
+rank's). Ranks 1.. are processes started here (`python -m grpoflow.train.ranks`); they meet rank 0 in a process
+group built like the weight-update group (a TCP store rank 0 hosts, gloo on the CPU, NCCL when every rank has a
+GPU of its own), and take their jobs from that store: the step's samples, pickled. A rank that fails writes its
+traceback there and exits, which breaks the collective rank 0 waits in, so the step fails at once with that
+traceback, not at the group's timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import subprocess
+import sys
+import traceback
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from grpoflow.engine.update_group import (
+    UPDATE_GROUP_TIMEOUT_S,
+    host_update_store,
+    join_update_group,
+    leave_update_group,
+)
+
+ADDRESS = "127.0.0.1"  # the ranks started here run on this machine
+IDLE_TIMEOUT = datetime.timedelta(days=1)  # how long a rank waits for its next job (a step's rollout runs between)
+
+
+class RankError(RuntimeError):
+    """A trainer rank failed; the message carries its traceback."""
+
+
+@dataclass
+class DataParallel:
+    """This process's place among the trainer ranks."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    workers: RankWorkers | None = None  # on rank 0: the other ranks' processes, which it hands each update to
+
+
+def split_rollouts(lengths: dict[str, int], world: int) -> list[list[str]]:
+    """Rollout ids (with their trained-token counts) per rank: longest first to the least loaded rank (the
+    lowest on a tie), so every rank computes about the same number of tokens. Deterministic."""
+    shares: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    for rid in sorted(lengths, key=lambda r: -lengths[r]):
+        r = min(range(world), key=lambda i: (load[i], i))
+        shares[r].append(rid)
+        load[r] += lengths[rid]
+    return shares
+
+
+def local_rows(rollout_ids: Sequence[str], token_counts: Sequence[int], dp: DataParallel | None) -> list[int]:
+    """Indices of the rows (samples of one minibatch) this rank computes: all of them without data parallelism."""
+    if dp is None:
+        return list(range(len(rollout_ids)))
+    per_rollout: dict[str, int] = {}
+    for rid, n in zip(rollout_ids, token_counts, strict=True):
+        per_rollout[rid] = per_rollout.get(rid, 0) + n
+    mine = set(split_rollouts(per_rollout, dp.world)[dp.rank])
+    return [i for i, rid in enumerate(rollout_ids) if rid in mine]
+
+
+def all_reduce_grads(params: Sequence[torch.Tensor], dp: DataParallel | None) -> None:
+    """Sum the ranks' gradients into every rank's `.grad`, as one flat buffer (one collective per step). A
+    parameter a rank left without a gradient (no rows of its own) counts as zeros."""
+    if dp is None:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp.group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def all_reduce_sums(sums: dict[str, float], max_keys: Sequence[str], dp: DataParallel | None) -> dict[str, float]:
+    """The minibatch's metric sums over every rank: maxima for `max_keys`, totals for the rest."""
+    if dp is None:
+        return sums
+    keys = sorted(sums)  # the same order on every rank
+    total = [k for k in keys if k not in max_keys]
+    peak = [k for k in keys if k in max_keys]
+    out = dict(sums)
+    for names, op in ((total, dist.ReduceOp.SUM), (peak, dist.ReduceOp.MAX)):
+        if names:
+            t = torch.tensor([float(sums[k]) for k in names], dtype=torch.float64)
+            dist.all_reduce(t, op=op, group=dp.group)
+            # counts stay ints, as a single process reports them
+            out.update({k: int(v) if isinstance(sums[k], int) else v for k, v in zip(names, t.tolist(), strict=True)})
+    return out
+
+
+def rank_device(rank: int, world: int) -> str:
+    """`cuda:<rank>` when every rank has a GPU of its own, else the CPU (gloo)."""
+    return f"cuda:{rank}" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+
+
+@dataclass
+class RankWorkers:
+    """Ranks 1 .. world-1 as processes on this machine, and the store their jobs go through."""
+
+    store: dist.TCPStore
+    procs: list[subprocess.Popen]
+    jobs: int = 0
+    log_dir: Path | None = None
+    _done: list[int] = field(default_factory=list)
+
+    def send(self, kind: str, payload: object = None) -> int:
+        """Hand every worker rank the next job; returns its number."""
+        n = self.jobs
+        self.store.set(f"job/{n}", pickle.dumps((kind, payload)))
+        self.jobs += 1
+        return n
+
+    def wait(self, n: int) -> None:
+        """Every worker rank finished job `n`, or a RankError with the failed rank's traceback."""
+        for rank in range(1, len(self.procs) + 1):
+            reply = self.store.get(f"done/{n}/{rank}")
+            if reply != b"ok":
+                raise RankError(f"trainer rank {rank} failed:\n{reply.decode(errors='replace')}")
+
+    def failure(self) -> str | None:
+        """The traceback a worker rank left, if one exited (the cause of a broken collective on rank 0)."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                try:
+                    if self.store.check([f"error/{rank}"]):
+                        return (
+                            f"trainer rank {rank} failed:\n{self.store.get(f'error/{rank}').decode(errors='replace')}"
+                        )
+                except RuntimeError:
+                    pass
+                return f"trainer rank {rank} exited with status {proc.returncode}"
+        return None
+
+
+def run_update(state, samples, cfg, step: int) -> dict[str, float]:
+    """`grpo_update` on every rank: rank 0 hands the workers the same samples first. A broken collective (a
+    worker died) is reported with the worker's own error."""
+    from grpoflow.train.step import grpo_update
+
+    dp = state.dp
+    workers = dp.workers if dp is not None else None
+    if workers is None:
+        return grpo_update(state, samples, cfg, step)
+    n = workers.send("update", (samples, cfg, step))
+    try:
+        metrics = grpo_update(state, samples, cfg, step)
+    except RuntimeError as err:
+        cause = workers.failure()
+        if cause is None:
+            raise
+        raise RankError(cause) from err
+    workers.wait(n)
+    return metrics
+
+
+@contextmanager
+def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = None) -> Iterator[None]:
+    """With `cluster.train_ranks` > 1: start the other ranks (each loads the policy from `model_path` and, when
+    resuming, `checkpoint`, as rank 0 did), join them in a process group and make `state` rank 0 of it until the
+    block ends. A no-op for one rank."""
+    world = cfg.cluster.train_ranks
+    if world <= 1:
+        yield
+        return
+    backend = "nccl" if rank_device(0, world).startswith("cuda") else "gloo"
+    group_name = f"grpoflow-train-{uuid.uuid4().hex[:12]}"
+    store = host_update_store(ADDRESS, world, UPDATE_GROUP_TIMEOUT_S)
+    spec = {
+        "port": store.port,
+        "world": world,
+        "group": group_name,
+        "backend": backend,
+        "model": str(model_path),
+        "config": cfg.model_dump(mode="json"),
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "threads": torch.get_num_threads(),
+    }
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "grpoflow.train.ranks", json.dumps(spec), str(rank)])
+        for rank in range(1, world)
+    ]
+    workers = RankWorkers(store, procs)
+    try:
+        group = join_update_group(ADDRESS, store.port, 0, world, group_name, backend, UPDATE_GROUP_TIMEOUT_S, store)
+    except BaseException:
+        _stop(procs)
+        raise
+    state.dp = DataParallel(group, 0, world, workers)
+    try:
+        yield
+        workers.send("stop")
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        state.dp = None
+        _stop(procs)
+        leave_update_group(group)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _worker(spec: dict, rank: int) -> None:
+    """A worker rank: join the group, load the policy like rank 0, then run the jobs rank 0 hands out."""
+    from grpoflow.config import parse_run_config
+    from grpoflow.run.checkpoint import restore_training_state
+    from grpoflow.train.step import grpo_update
+    from grpoflow.train.trainer import load_trainer
+
+    torch.set_num_threads(spec["threads"])
+    store = dist.TCPStore(ADDRESS, spec["port"], spec["world"], is_master=False, timeout=IDLE_TIMEOUT)
+    n = 0
+    try:
+        group = join_update_group(
+            ADDRESS, spec["port"], rank, spec["world"], spec["group"], spec["backend"], UPDATE_GROUP_TIMEOUT_S, store
+        )
+        cfg = parse_run_config(spec["config"])
+        state = load_trainer(spec["model"], cfg.train, seed=cfg.seed, device=rank_device(rank, spec["world"]))
+        if spec["checkpoint"]:
+            restore_training_state(state, spec["checkpoint"])
+        state.dp = DataParallel(group, rank, spec["world"])
+        while True:
+            kind, payload = pickle.loads(store.get(f"job/{n}"))
+            if kind == "stop":
+                break
+            samples, job_cfg, step = payload
+            grpo_update(state, samples, job_cfg, step)
+            store.set(f"done/{n}/{rank}", b"ok")
+            n += 1
+        leave_update_group(group)
+    except BaseException:
+        # rank 0 reads this when the collective it waits in breaks (error/), or as the job's reply (done/)
+        failed = traceback.format_exc().encode()
+        store.set(f"error/{rank}", failed)
+        store.set(f"done/{n}/{rank}", failed)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A worker rank of grpoflow's data-parallel trainer.")
+    parser.add_argument("spec", help="the group and the policy to load (JSON, from trainer_ranks)")
+    parser.add_argument("rank", type=int)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _worker(json.loads(args.spec), args.rank)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -100,7 +100,8 @@ def serving_engine(cfg: RunConfig, run: PreparedRun) -> Iterator[EngineHandle]:
     (an attached one was checked by preflight already)."""
     with open_engine(cfg.engine, run.model.path, cfg.seed, run.paths.root / "engine.log") as engine:
         if cfg.engine.backend != "sglang":
-            engine_preflight_task(engine.url, run.model.path)
+            for url in engine.replica_urls:
+                engine_preflight_task(url, run.model.path)
         yield engine
 
 

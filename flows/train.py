@@ -52,7 +52,7 @@ from grpoflow.run.resume import run_lock
 from grpoflow.scoring import FailedSteps, drop_stale, select_trainable
 from grpoflow.train.probe import SyncProbe
 from grpoflow.train.ranks import trainer_ranks
-from grpoflow.train.sync import open_weight_sync, sync_dtype
+from grpoflow.train.sync import engine_busy_seconds, open_weight_sync, sync_dtype
 from grpoflow.train.trainer import TrainerState, load_trainer, overlap_note, share_cores_with_engine
 from tasks.rollout import evaluate_policy_task, run_trials_task
 from tasks.train import grpo_step_task, probe_task, save_step_task, sync_weights_task
@@ -91,18 +91,18 @@ def train_steps(
         sync_probe = SyncProbe(limit) if limit is not None else None
         with (
             serving_engine(cfg, run) as engine,
-            open_weight_sync(cfg, engine.url, trainer, paths.root / "sync") as sync,
+            open_weight_sync(cfg, engine.replica_urls, trainer, paths.root / "sync") as sync,
             trainer_ranks(trainer, model.path, cfg, weights),
         ):
             if weights is not None:  # the trainer holds the resumed checkpoint's weights
                 sync_weights_task(sync, trainer, weights, str(start_step), None)
             lora = sync.client.lora_path  # the adapter the engine serves the policy as, when only it is synced
-            probe_task(trainer, sync.client, cfg, sync_probe)
+            probe_task(trainer, sync, cfg, sync_probe)
             earlier = read_metrics(paths.metrics) if start_step > 0 else []
             base = base_pass_rates(earlier[0]) if earlier else {}
             ahead = RolloutAhead(cfg, engine.url, model.path, paths, prompts, pool, lora, start_step)
             pending: tuple[str, Path | None] | None = None  # trainer weights the engine does not serve yet
-            engine_busy = sync.client.busy_seconds()  # the engine's compute seconds so far, per step's row
+            engine_busy = engine_busy_seconds(sync)  # the engine's compute seconds so far, per step's row
             if cfg.train.max_staleness:
                 print(overlap_note(cfg, share_cores_with_engine(cfg)))
 
@@ -170,7 +170,7 @@ def train_steps(
                     pending = (version, ckpt)
                     if ahead.idle:  # else at the next step, once the rollout running now is done
                         sync_now(record)
-                    busy, engine_busy = engine_busy, sync.client.busy_seconds()
+                    busy, engine_busy = engine_busy, engine_busy_seconds(sync)
                     if busy is not None and engine_busy is not None:
                         record["time/engine_busy_s"] = engine_busy - busy
                     record["time/wall_s"] = time.perf_counter() - t0  # the whole step, its syncs and commit included

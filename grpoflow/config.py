@@ -106,6 +106,20 @@ class EngineConfig(_Section):
         900.0, gt=0, description="How long a launched SGLang server may take to answer /health (load, CUDA graphs)."
     )
     threads: int = Field(1, ge=1, le=256, description="Torch threads the embedded engine may use.")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Embedded engines to start, each with `engine.threads`, behind one sglang-router that "
+        "spreads the trials' requests over them (`engine.router_policy`); every weight sync reaches each of "
+        "them. For a fleet of SGLang servers, run sglang-router in front of it and set `engine.url` to the "
+        "router: the run syncs every server the router lists.",
+    )
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = Field(
+        "cache_aware",
+        description="sglang-router's policy across `engine.replicas`: `cache_aware` sends a request where the "
+        "longest prefix of it is cached, so an episode's turns stay on one replica.",
+    )
     max_batch_size: int = Field(16, ge=1, le=1024, description="Most sequences the embedded engine decodes at once.")
     deterministic: bool = Field(
         False,
@@ -158,6 +172,11 @@ class EngineConfig(_Section):
                     "`engine.url`: must be empty when engine.backend is `sglang-launch` "
                     "(the launched server's URL is chosen when it starts)"
                 )
+        if self.replicas > 1 and self.backend != "embedded":
+            raise ValueError(
+                "`engine.replicas`: starts embedded engines; for SGLang servers, run sglang-router in front of "
+                "them and set engine.url to it (backend `sglang`)"
+            )
         reserved = [a for a in self.sglang_args if a.split("=", 1)[0] in SGLANG_RESERVED_FLAGS]
         if reserved:
             raise ValueError(

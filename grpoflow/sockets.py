@@ -14,3 +14,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.listen(2048)  # accept (queue) connections before uvicorn's loop starts
     return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for a server in another process that takes its port on the command line (it
+    may be taken before that process binds it: the server then fails to start, and says so)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,44 +1,70 @@
-"""The engine a run talks to, whichever backend: the embedded one started for the run, an SGLang server started
-for the run from SGLang's own environment, or an SGLang server already running. Either way the rest of the
-pipeline sees one URL speaking SGLang's HTTP API, and one client that retries infrastructure faults
-(`engine.retries`) before the step fails with `EngineError`."""
+"""The engine a run talks to, whichever backend: the embedded one started for the run (or several, behind an
+sglang-router started with them: `engine.replicas`), an SGLang server started for the run from SGLang's own
+environment, or an SGLang server (or a router in front of several) already running. Either way the rest of the
+pipeline generates through one URL speaking SGLang's HTTP API, with one client that retries infrastructure
+faults (`engine.retries`) before the step fails with `EngineError`; weight syncs go to each replica's own URL."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.config import EngineConfig
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import start_embedded_engine
+from grpoflow.engine.router import replica_urls, start_router
 from grpoflow.engine.sglang_launch import start_sglang_server
 from grpoflow.errors import EngineError
 
 
 @dataclass(frozen=True)
 class EngineHandle:
-    url: str
+    url: str  # where generation goes: the engine, or the router in front of its replicas
     client: EngineClient
+    replicas: tuple[str, ...] = ()  # each engine's own URL (weight syncs, probes); empty: just `url`
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return list(self.replicas) or [self.url]
 
 
 @contextmanager
 def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -> Iterator[EngineHandle]:
     """Start (or reach) the engine for the block; a started one is stopped when the block ends, however it ends."""
     if cfg.backend == "embedded":
-        with start_embedded_engine(
-            model_path,
-            seed=seed,
-            threads=cfg.threads,
-            log_path=log_path,
-            client_timeout=cfg.request_timeout_s,
-            client_retries=cfg.retries,
-            # Deterministic: a request's forwards never depend on what else is running or was cached.
-            max_batch_size=1 if cfg.deterministic else cfg.max_batch_size,
-            prefix_cache_tokens=0 if cfg.deterministic else None,
-        ) as engine:
-            yield EngineHandle(engine.url, engine.client)
+        with ExitStack() as stack:
+            engines = [
+                stack.enter_context(
+                    start_embedded_engine(
+                        model_path,
+                        seed=seed,
+                        threads=cfg.threads,
+                        log_path=_replica_log(log_path, i, cfg.replicas),
+                        client_timeout=cfg.request_timeout_s,
+                        client_retries=cfg.retries,
+                        # Deterministic: a request's forwards never depend on what else is running or was cached.
+                        max_batch_size=1 if cfg.deterministic else cfg.max_batch_size,
+                        prefix_cache_tokens=0 if cfg.deterministic else None,
+                    )
+                )
+                for i in range(cfg.replicas)
+            ]
+            if len(engines) == 1:
+                yield EngineHandle(engines[0].url, engines[0].client)
+                return
+            urls = [e.url for e in engines]
+            router = stack.enter_context(
+                start_router(
+                    urls,
+                    policy=cfg.router_policy,
+                    log_path=log_path.with_name("router.log"),
+                    client_timeout=cfg.request_timeout_s,
+                    client_retries=cfg.retries,
+                )
+            )
+            yield EngineHandle(router.url, router.client, tuple(urls))
         return
     if cfg.backend == "sglang-launch":
         assert cfg.sglang_python, "validated by EngineConfig"
@@ -61,6 +87,11 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
         client.close()
         raise EngineError(f"engine.url {cfg.url}: no healthy SGLang server answers there (GET /health)")
     try:
-        yield EngineHandle(cfg.url, client)
+        yield EngineHandle(cfg.url, client, tuple(replica_urls(cfg.url)))  # a router's servers, or the one
     finally:
         client.close()
+
+
+def _replica_log(log_path: Path, i: int, n: int) -> Path:
+    """`engine.log` for one engine; `engine-<i>.log` per replica."""
+    return log_path if n == 1 else log_path.with_name(f"{log_path.stem}-{i}{log_path.suffix}")

@@ -36,9 +36,9 @@ Where each name comes from (sgl-project/sglang, read at commits 001067ff / 00c17
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Request(BaseModel):
@@ -80,6 +80,13 @@ class SamplingParams(_Request):
         return self.temperature < 1e-6
 
 
+# Fields sglang-router (`sglang_router.launch_router`) adds to every `/generate` it forwards, with the values it
+# sends when the client did not set them. An engine behind the router must take them: those whose value cannot
+# change the reply are accepted with any value, the others only at the value that asks for nothing more.
+ROUTER_ADDED_ANY_VALUE = ("model", "log_metrics", "no_logs")
+ROUTER_ADDED_OFF = ("return_text_in_logprobs", "return_hidden_states", "background", "return_bytes", "return_entropy")
+
+
 class GenerateRequest(_Request):
     """Body of `POST /generate` (token ids in; SGLang also accepts `text`, which grpoflow never sends)."""
 
@@ -89,6 +96,18 @@ class GenerateRequest(_Request):
     rid: str | None = Field(None, description="Request id, echoed as meta_info.id.")
     stream: Literal[False] = Field(False, description="Streaming is not used by grpoflow.")
     lora_path: str | None = Field(None, description="The loaded LoRA adapter (its name) to generate with.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _router_fields(cls, data: Any) -> Any:
+        """Take the fields sglang-router adds (see ROUTER_ADDED_*); one asking for more than this model
+        returns is refused, naming it."""
+        if not isinstance(data, dict):
+            return data
+        asked = [k for k in ROUTER_ADDED_OFF if data.get(k)]
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: not supported (only false)")
+        return {k: v for k, v in data.items() if k not in ROUTER_ADDED_ANY_VALUE + ROUTER_ADDED_OFF}
 
 
 class FinishReason(_Response):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import EngineProcess, log_tail, stop_process_group
 from grpoflow.errors import EngineError
+from grpoflow.sockets import free_port
 
 # SGLang's /health runs a one-token generation and polls for it once per second (http_server.py health_generate),
 # so one probe may take over a second even on a healthy server.
@@ -91,7 +91,7 @@ def start_sglang_server(
         log_path = Path(tempfile.mkdtemp(prefix="grpoflow-sglang-")) / "engine.log"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     cmd = sglang_command(
         exe, model_path, port, tp_size=tp_size, mem_fraction_static=mem_fraction_static, extra_args=extra_args
     )
@@ -111,12 +111,6 @@ def start_sglang_server(
     client = EngineClient(url, timeout=client_timeout, retries=client_retries)
     # SGLang frees GPU memory on the way out: give it 30 s before SIGKILL
     return EngineProcess(proc, url, log_path, client, stop_timeout=30.0, command=cmd)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_until_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:

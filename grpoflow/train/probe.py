@@ -9,7 +9,7 @@ are noise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,17 +72,21 @@ class SyncProbe:
     """
 
     limit: float
-    _last: tuple[list[int], torch.Tensor] | None = None  # (reply ids, the trainer's logprobs of them then)
-    _last_steps: int = -1  # the trainer's optimizer steps at the last check
+    # per engine (base URL; replicas are checked one by one): (reply ids, the trainer's logprobs of them then),
+    # and the trainer's optimizer steps at the last check
+    _last: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
+    _last_steps: dict[str, int] = field(default_factory=dict)
 
     def check(self, client: EngineClient, state: TrainerState, version: str) -> dict[str, float]:
         # ignore_eos: always SYNC_PROBE_TOKENS tokens to compare (an empty reply would prove nothing)
         params = SamplingParams(max_new_tokens=SYNC_PROBE_TOKENS, temperature=0.0, ignore_eos=True)
         ids, engine, trainer = _probe_reply(client, state, params, 1.0)
         gap = (engine - trainer).abs().mean().item() if ids else 0.0
-        moved = self._last_steps >= 0 and state.optimizer_steps != self._last_steps
-        if moved and self._last is not None and self._last[0] == ids and ids:
-            to_old = (engine - self._last[1]).abs().mean().item()
+        key = client.base_url
+        last = self._last.get(key)
+        moved = key in self._last_steps and state.optimizer_steps != self._last_steps[key]
+        if moved and last is not None and last[0] == ids and ids:
+            to_old = (engine - last[1]).abs().mean().item()
             if to_old * 2 < gap:
                 raise EngineError(
                     f"the engine still serves the old weights after the sync to version {version}: its logprobs "
@@ -95,7 +99,7 @@ class SyncProbe:
                 f"from the trainer's on average (train.max_probe_logprob_gap={self.limit}): the engine does not "
                 "serve the trainer's weights"
             )
-        self._last, self._last_steps = (ids, trainer), state.optimizer_steps
+        self._last[key], self._last_steps[key] = (ids, trainer), state.optimizer_steps
         return {"probe_gap": gap}
 
 

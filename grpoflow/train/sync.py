@@ -17,13 +17,14 @@ Both say what they moved (`bytes`), so the step's record shows the cost of the s
 
 from __future__ import annotations
 
+import logging
 import queue
 import shutil
 import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +46,7 @@ from grpoflow.train.lora import save_adapter, serving_tensors
 from grpoflow.train.trainer import TrainerState
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class DiskSync:
@@ -206,15 +208,87 @@ class AdapterSync:
         pass
 
 
+class ReplicaSyncs:
+    """One sync per engine replica (`engine.replicas`, or the servers behind a router): each push reaches every
+    live replica, and each must then report the new weight version, or the sync fails naming it. A replica that
+    no longer answers /health is left out from then on (the router stops routing to it too), and said so; with
+    none left the sync fails."""
+
+    def __init__(self, syncs: list[WeightSync]):
+        self.syncs = syncs
+        self.needs_dir = any(s.needs_dir for s in syncs)
+        self.lost: list[str] = []  # replicas left out, by URL
+
+    @property
+    def client(self) -> EngineClient:
+        return self.syncs[0].client
+
+    @property
+    def clients(self) -> list[EngineClient]:
+        return [s.client for s in self.syncs]
+
+    def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
+        for s in [s for s in self.syncs if not s.client.health()]:
+            self.syncs.remove(s)
+            self.lost.append(s.client.base_url)
+            logger.warning("engine replica %s does not answer /health: left out of the weight sync", s.client.base_url)
+        if not self.syncs:
+            raise EngineError(f"no engine replica answers /health (lost: {', '.join(self.lost)})")
+        moved = 0.0
+        for s in self.syncs:
+            moved += s.push(trainer, version, ckpt)["bytes"]
+            served = s.client.model_info().weight_version
+            if served != version:
+                raise EngineError(
+                    f"engine replica {s.client.base_url} serves weight version {served} after the sync to {version}"
+                )
+        return {"bytes": moved, "replicas": float(len(self.syncs))}
+
+    def busy_seconds(self) -> float | None:
+        busy = [s.client.busy_seconds() for s in self.syncs]
+        return None if any(b is None for b in busy) else sum(busy)
+
+    def close(self) -> None:
+        for s in self.syncs:
+            s.close()
+
+
 WeightSync = DiskSync | DistributedSync | TensorSync | AdapterSync
+
+
+def sync_clients(sync: WeightSync | ReplicaSyncs) -> list[EngineClient]:
+    """Every engine a sync reaches (the probes check each)."""
+    return sync.clients if isinstance(sync, ReplicaSyncs) else [sync.client]
+
+
+def engine_busy_seconds(sync: WeightSync | ReplicaSyncs) -> float | None:
+    """The engines' compute seconds so far, summed over replicas; None when one does not report it."""
+    return sync.busy_seconds() if isinstance(sync, ReplicaSyncs) else sync.client.busy_seconds()
 
 
 @contextmanager
 def open_weight_sync(
-    cfg: RunConfig, engine_url: str, trainer: TrainerState, sync_dir: Path | None = None
-) -> Iterator[WeightSync]:
-    """The run's weight sync to the engine at `engine_url` (`RunConfig.weight_sync_mode`), for the block.
-    `sync_dir`: where an adapter sync writes the adapter (the run's `sync/`)."""
+    cfg: RunConfig, engine_urls: str | list[str], trainer: TrainerState, sync_dir: Path | None = None
+) -> Iterator[WeightSync | ReplicaSyncs]:
+    """The run's weight sync (`RunConfig.weight_sync_mode`) to the engine at `engine_urls`, or to each of
+    several replicas, for the block. `sync_dir`: where an adapter sync writes the adapter (the run's `sync/`;
+    one subdir per replica)."""
+    urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
+    if len(urls) == 1:
+        with _open_one(cfg, urls[0], trainer, sync_dir) as sync:
+            yield sync
+        return
+    with ExitStack() as stack:
+        yield ReplicaSyncs(
+            [
+                stack.enter_context(_open_one(cfg, url, trainer, sync_dir / f"replica-{i}" if sync_dir else None))
+                for i, url in enumerate(urls)
+            ]
+        )
+
+
+@contextmanager
+def _open_one(cfg: RunConfig, engine_url: str, trainer: TrainerState, sync_dir: Path | None) -> Iterator[WeightSync]:
     e = cfg.engine
     mode = cfg.weight_sync_mode()
     # with the adapter alone synced, every generation names it: `sync.client.lora_path` says which

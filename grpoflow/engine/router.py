@@ -1,0 +1,116 @@
+"""Several engines behind one URL: the real `sglang-router` (PyPI `sglang-router`, Rust) in front of replicas.
+
+The router takes SGLang's HTTP API at its own URL and forwards each `/generate` (and `/v1/...`) to one replica,
+by its policy (`cache_aware`: where the longest prefix of the request is cached, so an episode's turns meet
+their KV cache). It health-checks the replicas and stops sending to one that fails. Everything that is not a
+generation — weight syncs, the probes, `/model_info` — goes to each replica itself: `replica_urls` reads them
+from the router's `GET /workers`, for the replicas started here and for an SGLang fleet a user runs behind their
+own router alike.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from grpoflow.engine.client import EngineClient
+from grpoflow.engine.launch import EngineProcess, log_tail, stop_process_group
+from grpoflow.errors import EngineError
+from grpoflow.sockets import free_port
+
+# How often the router probes each replica's /health, and after how many failures in a row it stops routing
+# there: a dead replica leaves within a few seconds.
+HEALTH_INTERVAL_S = 2
+HEALTH_FAILURES = 2
+
+
+def start_router(
+    worker_urls: list[str],
+    *,
+    policy: str = "cache_aware",
+    log_path: Path,
+    startup_timeout: float = 60.0,
+    client_timeout: float = 600.0,
+    client_retries: int = 3,
+) -> EngineProcess:
+    """`python -m sglang_router.launch_router` on a free port of 127.0.0.1 in front of `worker_urls`; returns once
+    it answers /health and lists every worker as healthy."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        policy,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--health-check-interval-secs",
+        str(HEALTH_INTERVAL_S),
+        "--health-failure-threshold",
+        str(HEALTH_FAILURES),
+        "--request-timeout-secs",
+        str(int(client_timeout)),
+        "--log-level",
+        "warn",
+    ]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_workers(proc, url, len(worker_urls), log_path, startup_timeout)
+    except BaseException:
+        stop_process_group(proc, timeout=5.0)
+        raise
+    return EngineProcess(proc, url, log_path, EngineClient(url, timeout=client_timeout, retries=client_retries))
+
+
+def replica_urls(url: str, timeout: float = 10.0) -> list[str]:
+    """The engines behind `url`: the workers a router lists in `GET /workers`, or `[url]` for a single engine
+    (it has no such route)."""
+    try:
+        resp = httpx.get(url.rstrip("/") + "/workers", timeout=timeout)
+    except httpx.HTTPError:
+        return [url]
+    if resp.status_code != 200:
+        return [url]
+    workers = resp.json().get("workers")
+    if not isinstance(workers, list) or not workers:
+        return [url]
+    return [w["url"] for w in workers if isinstance(w, dict) and isinstance(w.get("url"), str)]
+
+
+def healthy_workers(url: str, timeout: float = 5.0) -> list[str]:
+    """The router's workers it currently routes to (`is_healthy`)."""
+    workers = httpx.get(url.rstrip("/") + "/workers", timeout=timeout).json().get("workers") or []
+    return [w["url"] for w in workers if w.get("is_healthy")]
+
+
+def _wait_for_workers(proc: subprocess.Popen, url: str, n: int, log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EngineError(
+                f"sglang-router exited with code {proc.returncode} during startup; log {log_path}:\n"
+                + log_tail(log_path)
+            )
+        try:
+            if len(healthy_workers(url, timeout=2.0)) == n:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise EngineError(
+        f"sglang-router at {url} did not list {n} healthy engines after {timeout:.0f}s; log {log_path}:\n"
+        + log_tail(log_path)
+    )

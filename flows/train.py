@@ -36,6 +36,7 @@ from grpoflow.evaluation import (
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.prepare.stage import PreparedRun
 from grpoflow.rollout.step import StepRollout, select_step_prompts
+from grpoflow.rollout.workers import rollout_workers
 from grpoflow.run.commit import StepCommits, is_full_checkpoint, step_dir
 from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import (
@@ -93,6 +94,7 @@ def train_steps(
             serving_engine(cfg, run) as engine,
             open_weight_sync(cfg, engine.replica_urls, trainer, paths.root / "sync") as sync,
             trainer_ranks(trainer, model.path, cfg, weights),
+            rollout_workers(cfg.cluster, cfg.rollout.concurrency) as workers,
         ):
             if weights is not None:  # the trainer holds the resumed checkpoint's weights
                 sync_weights_task(sync, trainer, weights, str(start_step), None)
@@ -100,7 +102,7 @@ def train_steps(
             probe_task(trainer, sync, cfg, sync_probe)
             earlier = read_metrics(paths.metrics) if start_step > 0 else []
             base = base_pass_rates(earlier[0]) if earlier else {}
-            ahead = RolloutAhead(cfg, engine.url, model.path, paths, prompts, pool, lora, start_step)
+            ahead = RolloutAhead(cfg, engine.url, model.path, paths, prompts, pool, lora, start_step, workers)
             pending: tuple[str, Path | None] | None = None  # trainer weights the engine does not serve yet
             engine_busy = engine_busy_seconds(sync)  # the engine's compute seconds so far, per step's row
             if cfg.train.max_staleness:
@@ -128,7 +130,7 @@ def train_steps(
                         sync_now(record)  # an evaluation, or this step's own rollout, needs the latest weights
                     t_eval = time.perf_counter()
                     if step in evals:
-                        record |= _evaluate(cfg, step, prompts, engine.url, model.path, paths, lora)
+                        record |= _evaluate(cfg, step, prompts, engine.url, model.path, paths, lora, workers)
                         base = base or base_pass_rates(record)
                     t_rollout = time.perf_counter()
                     rollout, version_used = ready or ahead.run(step)
@@ -185,7 +187,7 @@ def train_steps(
             final = cfg.train.steps
             if final in evals and not has_row(paths.metrics, final):
                 t0 = time.perf_counter()
-                evaluation = _evaluate(cfg, final, prompts, engine.url, model.path, paths, lora)
+                evaluation = _evaluate(cfg, final, prompts, engine.url, model.path, paths, lora, workers)
                 row = {"weight_version": str(final), **evaluation}
                 commits.flush()  # the last step's row comes first
                 log.log(final, row | {"time/eval_s": time.perf_counter() - t0})
@@ -210,9 +212,11 @@ class RolloutAhead:
     while no rollout runs (`idle`): every turn of a trial comes from one version. A rollout is returned with the
     version it ran on."""
 
-    def __init__(self, cfg: RunConfig, engine_url, tokenizer_path, paths, prompts, pool, lora, engine_version: int):
+    def __init__(
+        self, cfg: RunConfig, engine_url, tokenizer_path, paths, prompts, pool, lora, engine_version: int, workers
+    ):
         self.cfg, self.engine_url, self.tokenizer_path, self.paths = cfg, engine_url, tokenizer_path, paths
-        self.prompts, self.pool, self.lora = prompts, pool, lora
+        self.prompts, self.pool, self.lora, self.workers = prompts, pool, lora, workers
         self.engine_version = engine_version
         self._running: tuple[int, int, PrefectFuture] | None = None  # (step, version, future)
 
@@ -226,11 +230,12 @@ class RolloutAhead:
 
     def run(self, step: int) -> tuple[StepRollout, int]:
         assert self.idle
-        return run_trials_task(*self._args(step), pool=self.pool, lora_path=self.lora), self.engine_version
+        kwargs = {"pool": self.pool, "lora_path": self.lora, "workers": self.workers}
+        return run_trials_task(*self._args(step), **kwargs), self.engine_version
 
     def start(self, step: int) -> None:
         assert self.idle
-        future = run_trials_task.submit(*self._args(step), pool=self.pool, lora_path=self.lora)
+        future = run_trials_task.submit(*self._args(step), pool=self.pool, lora_path=self.lora, workers=self.workers)
         self._running = (step, self.engine_version, future)
 
     def settle(self) -> None:
@@ -260,9 +265,9 @@ def evaluation_versions(train: TrainConfig) -> set[int]:
 
 
 def _evaluate(
-    cfg: RunConfig, version: int, prompts, engine_url: str, tokenizer_path: str, paths, lora: str | None
+    cfg: RunConfig, version: int, prompts, engine_url: str, tokenizer_path: str, paths, lora: str | None, workers
 ) -> dict:
-    metrics = evaluate_policy_task(cfg, version, prompts, engine_url, tokenizer_path, paths, lora)
+    metrics = evaluate_policy_task(cfg, version, prompts, engine_url, tokenizer_path, paths, lora, workers)
     for line in evaluation_lines(metrics, f"after {version} steps" if version else "base policy"):
         print(line)
     return metrics

@@ -263,7 +263,8 @@ class RolloutConfig(_Section):
         "sandbox-create",
         description="Name of a Prefect global concurrency limit held while a sandbox starts, bounding sandbox "
         "creation across all runs (`prefect gcl create sandbox-create --limit 8`). No such limit on the "
-        "server: creation is bounded by `concurrency` alone. Empty: never ask.",
+        "server, or trials on Ray rollout workers (`cluster.ray_address`): creation is bounded by `concurrency` "
+        "alone. Empty: never ask.",
     )
     prompts_per_step: int = Field(4, ge=1, le=4096, description="Prompts (GRPO groups) sampled per training step.")
     n_samples_per_prompt: int = Field(
@@ -497,6 +498,19 @@ class TrainConfig(_Section):
 
 class ClusterConfig(_Section):
     """Where the work runs, beyond the flow's own process."""
+
+    ray_address: str = Field(
+        "",
+        description="The Ray cluster a step's trials run on, spread over rollout workers (Ray actors); the step "
+        "still journals, scores and retries them here. Empty: no Ray, trials run in the flow's process. `local`: "
+        "start Ray on this machine for the run. Else a running cluster's address (`host:6379`, `ray://host:10001`).",
+    )
+    rollout_workers: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Rollout workers on the Ray cluster. Empty: one per alive node.",
+    )
 
     train_ranks: int = Field(
         1,

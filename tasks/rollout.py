@@ -39,7 +39,9 @@ from grpoflow.rollout.trials import (
     TrialOutcome,
     TrialSpec,
     plan_group_trials,
+    run_here,
 )
+from grpoflow.rollout.workers import RolloutWorkers
 from grpoflow.run.paths import RunPaths
 
 
@@ -53,10 +55,12 @@ def run_trials_task(
     paths: RunPaths,
     pool: list[PromptRecord] | None = None,
     lora_path: str | None = None,
+    workers: RolloutWorkers | None = None,
 ) -> StepRollout:
     """Run and score one step's trials. Sync, so sync flows get a result; the trials run in their own loop.
     `pool`: the prompts dynamic sampling (`rollout.refill_rounds`) draws new groups from. `lora_path`: the
-    adapter the engine serves the policy as (an adapter sync's), named by every generation."""
+    adapter the engine serves the policy as (an adapter sync's), named by every generation. `workers`: the Ray
+    rollout workers the trials run on (`cluster.ray_address`), else here."""
     r = cfg.rollout
     specs = plan_group_trials(prompts, step, r.n_samples_per_prompt, cfg.seed)
     refill = None
@@ -84,6 +88,7 @@ def run_trials_task(
             label=f"step-{step}",
             refill=refill,
             lora_path=lora_path,
+            workers=workers,
         )
     )
     result.seconds = time.perf_counter() - t0
@@ -99,6 +104,7 @@ def evaluate_policy_task(
     tokenizer_path: str,
     paths: RunPaths,
     lora_path: str | None = None,
+    workers: RolloutWorkers | None = None,
 ) -> dict[str, float]:
     """Evaluate the engine's weights (version `version`: updates so far) on the train tasks and the held-out
     split, with the same trials as every other evaluation of the run; returns the `eval/...` metrics, each split
@@ -116,6 +122,7 @@ def evaluate_policy_task(
             paths.eval_details(version),
             label=f"eval-{version}",
             lora_path=lora_path,
+            workers=workers,
         )
     )
     first = paths.eval_details(0)
@@ -134,6 +141,7 @@ async def _collect_with_progress(
     label: str,
     refill: GroupRefill | None = None,
     lora_path: str | None = None,
+    workers: RolloutWorkers | None = None,
 ) -> StepRollout:
     """`collect_step` on `specs`, with what Prefect shows of it: a progress bar, sandbox retries in the log, a
     table of the trials, and sandbox starts gated by the global concurrency limit."""
@@ -177,9 +185,12 @@ async def _collect_with_progress(
             details_dir,
             on_done=on_done,
             on_retry=on_retry,
-            sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger),
+            sandbox_gate=await sandbox_create_gate(cfg.rollout.sandbox_create_limit, logger)
+            if workers is None
+            else None,
             specs=specs,
             refill=refill,
+            runner=workers.run if workers is not None else run_here,
         )
     await _best_effort(
         logger,

@@ -26,8 +26,10 @@ from grpoflow.rollout.trials import (
     Attempt,
     SandboxGate,
     TrialOutcome,
+    TrialRunner,
     TrialSpec,
     plan_group_trials,
+    run_here,
     run_trials,
 )
 from grpoflow.samples import Sample
@@ -121,6 +123,7 @@ async def collect_step(
     sandbox_gate: SandboxGate | None = None,
     specs: Sequence[TrialSpec] | None = None,
     refill: GroupRefill | None = None,
+    runner: TrialRunner = run_here,
 ) -> StepRollout:
     """Run and score one step's trials: `specs`, or by default `rollout.n_samples_per_prompt` per prompt (one
     GRPO group each). `policy` is a `PolicyAccess` (from `policy_access`), or just the shell agent's factory.
@@ -128,7 +131,8 @@ async def collect_step(
     journaled as it finishes, so a step interrupted by a crash runs again only the trials that had not finished
     (resume); finished ones are reused. A retried trial's failed attempt is forgotten first (`policy.forget`):
     the retry starts a fresh session, and the failed attempt's turns never train. With `refill`, further rounds
-    of trials follow until it asks for none (dynamic sampling); they are journaled like the first."""
+    of trials follow until it asks for none (dynamic sampling); they are journaled like the first. `runner` runs
+    each attempt's trial: here, or on rollout workers (`grpoflow.rollout.workers`)."""
     if not isinstance(policy, PolicyAccess):
         policy = PolicyAccess(policy, trial_sample, lambda spec: None)
     if specs is None:
@@ -163,6 +167,7 @@ async def collect_step(
             on_done=finished,
             on_retry=retrying,
             sandbox_gate=sandbox_gate,
+            runner=runner,
         )
         batch = refill([x for s in specs for x in done[s.rollout_id]]) if refill else []
         specs += batch

@@ -20,7 +20,7 @@ import inspect
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,6 +176,29 @@ def backoff_delay(attempt: int, base_s: float, rng: random.Random, cap_s: float 
     return min(cap_s, base_s * (2**attempt)) * (0.5 + rng.random())
 
 
+class WorkerLost(Exception):
+    """The process running a trial attempt elsewhere (a rollout worker) died before the trial ended: the attempt
+    is run again on another worker, and that does not count as one of the trial's sandbox retries."""
+
+
+# Runs one attempt's trial to its result, here or elsewhere (`grpoflow.rollout.workers`); raises `WorkerLost`
+# when the attempt's process died. `SandboxGate` is honoured where the trial runs in this process.
+TrialRunner = Callable[[TrialConfig, "SandboxGate | None"], Awaitable[TrialResult]]
+
+
+async def run_here(cfg: TrialConfig, sandbox_gate: SandboxGate | None = None) -> TrialResult:
+    """One attempt's trial in this process."""
+    trial = await Trial.create(cfg)
+    slot = _StartSlot(sandbox_gate) if sandbox_gate else None
+    if slot:
+        slot.attach(trial)
+    try:
+        return await trial.run()
+    finally:
+        if slot:  # normally given back by a hook already; this covers a run that ended in between
+            await slot.release()
+
+
 async def run_trial(
     spec: TrialSpec,
     make_agent: AgentFactory,
@@ -185,6 +208,7 @@ async def run_trial(
     backoff_s: float,
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
     sandbox_gate: SandboxGate | None = None,
+    runner: TrialRunner = run_here,
 ) -> TrialOutcome:
     rng = random.Random(spec.seed)  # jitter: deterministic per trial, different across trials
     attempts: list[Attempt] = []
@@ -192,18 +216,20 @@ async def run_trial(
     first = 0
     while (trials_dir / trial_name(spec, first)).exists():
         first += 1
-    for attempt in range(retries + 1):
-        cfg = build_trial_config(spec, first + attempt, make_agent(spec), environment, trials_dir)
+    failures = 0  # sandbox failures so far: each costs one of `retries`
+    while True:
+        cfg = build_trial_config(spec, first + len(attempts), make_agent(spec), environment, trials_dir)
         t0 = time.perf_counter()
-        trial = await Trial.create(cfg)
-        slot = _StartSlot(sandbox_gate) if sandbox_gate else None
-        if slot:
-            slot.attach(trial)
         try:
-            result = await trial.run()
-        finally:
-            if slot:  # normally given back by a hook already; this covers a run that ended in between
-                await slot.release()
+            result = await runner(cfg, sandbox_gate)
+        except WorkerLost as lost:
+            attempts.append(
+                Attempt(str(trials_dir / cfg.trial_name), "WorkerLost", str(lost), time.perf_counter() - t0)
+            )
+            log.warning("trial %s: %s; running it again on another worker", spec.rollout_id, _one_line(str(lost)))
+            if on_retry:
+                on_retry(spec, attempts[-1])
+            continue
         exc = result.exception_info
         attempts.append(
             Attempt(
@@ -213,19 +239,19 @@ async def run_trial(
                 wall_time_s=time.perf_counter() - t0,
             )
         )
-        if exc is None or not is_sandbox_failure_type(exc.exception_type) or attempt == retries:
+        if exc is None or not is_sandbox_failure_type(exc.exception_type) or failures == retries:
             return TrialOutcome(spec, result, attempts)
         log.warning(
             "trial %s attempt %d: sandbox failure %s: %s; retrying in a fresh sandbox",
             spec.rollout_id,
-            attempt,
+            len(attempts) - 1,
             exc.exception_type,
             _one_line(exc.exception_message),
         )
         if on_retry:
             on_retry(spec, attempts[-1])
-        await asyncio.sleep(backoff_delay(attempt, backoff_s, rng))
-    raise AssertionError("unreachable: the last attempt always returns")
+        await asyncio.sleep(backoff_delay(failures, backoff_s, rng))
+        failures += 1
 
 
 async def run_trials(
@@ -240,17 +266,21 @@ async def run_trials(
     on_done: Callable[[TrialOutcome], Any] | None = None,
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
     sandbox_gate: SandboxGate | None = None,
+    runner: TrialRunner = run_here,
 ) -> list[TrialOutcome]:
     """Run every spec, at most `concurrency` at once; outcomes come back in the order of `specs`.
 
     `sandbox_gate`, if given, also bounds how many sandboxes are starting at once (see the module doc).
+    `runner` runs each attempt: here, or on rollout workers elsewhere (`grpoflow.rollout.workers`).
     """
     trials_dir.mkdir(parents=True, exist_ok=True)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(spec: TrialSpec) -> TrialOutcome:
         async with gate:
-            out = await run_trial(spec, make_agent, environment, trials_dir, retries, backoff_s, on_retry, sandbox_gate)
+            out = await run_trial(
+                spec, make_agent, environment, trials_dir, retries, backoff_s, on_retry, sandbox_gate, runner
+            )
         if on_done and inspect.isawaitable(ack := on_done(out)):  # async callbacks (e.g. progress updates)
             await ack
         return out

@@ -1,0 +1,155 @@
+"""Rollout workers on a Ray cluster (`cluster.ray_address`): a step's trials run on actors spread over the nodes.
+
+The step itself stays in the flow's process: it plans the trials, builds each attempt's Harbor config, journals
+each finished trial and retries sandbox failures exactly as without Ray (`grpoflow.rollout.trials.run_trial`).
+Only an attempt's `Trial.create(config).run()` goes to a worker: one async Ray actor per worker, each running
+up to `rollout.concurrency` trials at once in its own event loop, and its result (Harbor's `TrialResult`)
+comes back to the step as that trial finishes. Attempts go to the worker with the fewest in flight.
+
+A worker that dies (its process, or its node) fails the attempts it was running with Ray's actor error; they
+become `WorkerLost` and run again, in a fresh trial dir, on a worker still alive — not counted as sandbox
+retries. Finished trials were journaled by the step when they finished, so nothing finished is lost; with no
+worker left the step fails.
+
+What a worker needs of the machine it runs on: this package and Harbor (the same environment), the run dir
+at the same path (a shared filesystem across nodes: Harbor writes each trial's dir there), and the engine's
+and the session server's URLs reachable from its sandboxes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from harbor.models.trial.config import TrialConfig
+from harbor.models.trial.result import TrialResult
+
+from grpoflow.config import ClusterConfig
+from grpoflow.rollout.trials import SandboxGate, WorkerLost
+
+log = logging.getLogger(__name__)
+
+# The offline settings and credentials a worker's trials need from the flow's environment (the process-wide
+# settings of `flows`, and the sandbox provider's key exported for this run).
+FORWARDED_ENV_PREFIXES = ("HARBOR_", "LITELLM_", "GRPOFLOW_", "E2B_", "DAYTONA_", "MODAL_", "HF_", "TOKENIZERS_")
+
+
+class _Worker:
+    """The actor: runs trial attempts in its own event loop."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"pid": self.pid, "node": ray.get_runtime_context().get_node_id()}
+
+    async def run(self, cfg: TrialConfig) -> TrialResult:
+        from harbor.trial.trial import Trial
+
+        trial = await Trial.create(cfg)
+        return await trial.run()
+
+
+@dataclass
+class _Slot:
+    actor: Any
+    name: str
+    info: dict[str, Any] = field(default_factory=dict)
+    in_flight: int = 0
+    alive: bool = True
+
+
+class RolloutWorkers:
+    """Ray actors that run trial attempts: `run` is a `TrialRunner` for `run_trials`."""
+
+    def __init__(self, n: int, trials_per_worker: int):
+        # trials_per_worker: the most attempts one worker runs at once (its actor's max_concurrency)
+        import ray
+
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+        actor = ray.remote(_Worker).options(
+            num_cpus=0,  # trials wait on sandboxes and the engine; the node's CPUs are theirs
+            max_concurrency=trials_per_worker,
+            scheduling_strategy="SPREAD",
+            runtime_env={"env_vars": env},
+            max_restarts=0,  # a dead worker stays dead: its attempts move to the others
+        )
+        self.slots = [_Slot(actor.remote(), f"rollout-worker-{i}") for i in range(n)]
+        for slot, info in zip(self.slots, ray.get([s.actor.info.remote() for s in self.slots]), strict=True):
+            slot.info = info
+        self.lost: list[str] = []
+
+    @property
+    def nodes(self) -> int:
+        return len({s.info["node"] for s in self.slots if s.alive})
+
+    async def run(self, cfg: TrialConfig, sandbox_gate: SandboxGate | None = None) -> TrialResult:
+        """One attempt on the live worker with the fewest in flight. `sandbox_gate` is not taken here: Harbor's
+        start hooks fire in the worker's process (`rollout.concurrency` bounds the step's attempts)."""
+        import ray.exceptions
+
+        live = [s for s in self.slots if s.alive]
+        if not live:
+            raise RuntimeError(f"no rollout worker left (lost: {', '.join(self.lost)})")
+        # a worker's cwd is its own: Harbor must get the trial's paths absolute
+        cfg = cfg.model_copy(
+            update={
+                "trials_dir": cfg.trials_dir.resolve(),
+                "task": cfg.task.model_copy(update={"path": cfg.task.path.resolve()}),
+            }
+        )
+        slot = min(live, key=lambda s: s.in_flight)
+        slot.in_flight += 1
+        try:
+            return await slot.actor.run.remote(cfg)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            if slot.alive:
+                slot.alive = False
+                self.lost.append(slot.name)
+                log.warning("rollout worker %s (pid %s) died: %s", slot.name, slot.info.get("pid"), type(err).__name__)
+            raise WorkerLost(f"{slot.name} died while running {cfg.trial_name}") from None
+        finally:
+            slot.in_flight -= 1
+
+    def close(self) -> None:
+        import ray
+
+        for s in self.slots:
+            ray.kill(s.actor)
+
+
+@contextmanager
+def rollout_workers(cluster: ClusterConfig, concurrency: int) -> Iterator[RolloutWorkers | None]:
+    """The run's rollout workers for the block, on the Ray cluster `cluster.ray_address` names (empty: None, the
+    trials run in this process). `local` starts a Ray instance on this machine for the block; an address joins a
+    running cluster. Ray already initialised in this process (a driver of its own) is used as it is.
+    `cluster.rollout_workers` actors (default: one per alive node), each taking up to `concurrency` trials."""
+    if not cluster.ray_address:
+        yield None
+        return
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        address = None if cluster.ray_address == "local" else cluster.ray_address
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        except ConnectionError as err:
+            raise ConnectionError(f"cluster.ray_address {cluster.ray_address}: no Ray cluster there ({err})") from None
+    try:
+        n = cluster.rollout_workers or len([node for node in ray.nodes() if node.get("Alive")])
+        workers = RolloutWorkers(n, concurrency)
+        log.info("%d rollout workers on %d Ray nodes", n, workers.nodes)
+        try:
+            yield workers
+        finally:
+            workers.close()
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,100 @@
+"""Rollout on a Ray cluster (`cluster.ray_address`): a 2-node cluster on loopback (ray.cluster_utils), two
+rollout workers, one per node; the train flow runs its trials there and journals them here. A worker killed
+mid-step loses no finished trial: its unfinished ones run again on the other worker."""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from flows.train import train_flow
+from grpoflow.config import parse_run_config
+from grpoflow.run.metrics import read_metrics
+from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
+
+pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster.address
+    cluster.shutdown()
+
+
+def _config(tmp_path, tiny_model_dir, run_id, address, steps):
+    model = fence_policy(tiny_model_dir, tmp_path / "policy")
+    data = reward_tasks(tmp_path / "tasks")
+    cfg = run_config(tmp_path / "runs", model, data, run_id, steps=steps)
+    cfg["cluster"] = {"ray_address": address}
+    return cfg
+
+
+def _workers() -> list[psutil.Process]:
+    """The rollout workers' processes (Ray names an actor's process after its class)."""
+    return [p for p in psutil.process_iter(["cmdline"]) if "ray::_Worker" in " ".join(p.info["cmdline"] or [])]
+
+
+def _journal(root, step) -> list[dict]:
+    path = root / "details" / f"step_{step}" / "journal.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_trials_run_on_ray_workers_on_both_nodes(tmp_path, tiny_model_dir, ray_cluster, caplog):
+    cfg = _config(tmp_path, tiny_model_dir, "on-ray", ray_cluster, steps=2)
+    local = _config(tmp_path, tiny_model_dir, "in-process", "", steps=2)
+    with caplog.at_level(logging.INFO, logger="grpoflow.rollout.workers"):
+        train_flow(parse_run_config(cfg))
+    assert "2 rollout workers on 2 Ray nodes" in caplog.text
+    train_flow(parse_run_config(local))
+    ray_rows = read_metrics(tmp_path / "runs" / "on-ray" / "metrics.jsonl")
+    local_rows = read_metrics(tmp_path / "runs" / "in-process" / "metrics.jsonl")
+    assert [r["step"] for r in ray_rows] == [0, 1]
+    # the same trials, the same seeds, the same deterministic engine: the same rewards and updates as in-process
+    for key in ("rollout/trials", "rollout/scored", "rollout/reward_mean", "train/n_tokens", "train/loss"):
+        assert [r[key] for r in ray_rows] == [r[key] for r in local_rows], key
+    assert all(r["rollout/retries"] == 0 for r in ray_rows)
+    assert not _workers()  # the run's workers are gone with it
+
+
+def test_a_rollout_worker_killed_mid_step_loses_no_finished_trial(tmp_path, tiny_model_dir, ray_cluster):
+    cfg = _config(tmp_path, tiny_model_dir, "lose-worker", ray_cluster, steps=1)
+    cfg["train"]["eval_samples_per_prompt"] = 0
+    root = tmp_path / "runs" / "lose-worker"
+    seen: dict = {}
+
+    def kill_a_worker_after_the_first_trial():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not _journal(root, 0):
+            time.sleep(0.02)
+        seen["finished_before"] = {line["rollout_id"] for line in _journal(root, 0)}
+        victim = _workers()[0]
+        seen["pid"] = victim.pid
+        os.kill(victim.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_a_worker_after_the_first_trial, daemon=True)
+    killer.start()
+    train_flow(parse_run_config(cfg))
+    killer.join(5)
+    assert seen.get("pid"), "no worker was killed"
+    [row] = read_metrics(root / "metrics.jsonl")
+    assert row["rollout/trials"] == 8 and row["rollout/scored"] == 8  # every trial ended with a verdict
+    journal = _journal(root, 0)
+    ids = [line["rollout_id"] for line in journal]
+    assert len(ids) == len(set(ids)) == 8  # each trial journaled once
+    # the trials that had finished before the kill were not run again: one trial dir each
+    trials = root / "trials" / "step_0"
+    for rid in seen["finished_before"]:
+        instance, k = rid.rsplit("-", 1)[0].removeprefix("step0-"), rid.rsplit("-", 1)[1]
+        assert len(list(trials.glob(f"{instance}__{k}__a*"))) == 1, rid
+    assert row["rollout/retries"] >= 1  # the killed worker's trials ran again elsewhere

@@ -98,3 +98,17 @@ def test_a_rollout_worker_killed_mid_step_loses_no_finished_trial(tmp_path, tiny
         instance, k = rid.rsplit("-", 1)[0].removeprefix("step0-"), rid.rsplit("-", 1)[1]
         assert len(list(trials.glob(f"{instance}__{k}__a*"))) == 1, rid
     assert row["rollout/retries"] >= 1  # the killed worker's trials ran again elsewhere
+
+
+def test_the_train_flow_on_two_nodes_two_engines_and_two_trainer_ranks(tmp_path, tiny_model_dir, ray_cluster):
+    cfg = _config(tmp_path, tiny_model_dir, "scaled-out", ray_cluster, steps=2)
+    cfg["cluster"] |= {"train_ranks": 2}
+    cfg["engine"] |= {"replicas": 2}
+    cfg["train"] |= {"save_interval": 1}
+    train_flow(parse_run_config(cfg))
+    root = tmp_path / "runs" / "scaled-out"
+    rows = read_metrics(root / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["rollout/scored"] == 8 for r in rows) and sum(r["train/optimizer_steps"] for r in rows) >= 1
+    assert all(r["sync/replicas"] == 2 for r in rows if "sync/bytes" in r)
+    assert (root / "checkpoints" / "step_1" / "model.safetensors").is_file()

@@ -19,6 +19,7 @@ from flows.common import (
     serving_engine,
     start_run,
 )
+from grpoflow.cluster import ray_session
 from grpoflow.config import RunConfig
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.rollout.workers import rollout_workers
@@ -46,7 +47,11 @@ def _evaluate(cfg: RunConfig, split: str) -> dict[str, float]:
     prompts = [p for p in load_prompts(run.paths.prompts) if split == "all" or p.split == split]
     if not prompts:
         raise ValueError(f"split `{split}` has no prompts in {run.paths.prompts}")
-    with serving_engine(cfg, run) as engine, rollout_workers(cfg.cluster, cfg.rollout.concurrency) as workers:
+    with (
+        ray_session(cfg.cluster),
+        serving_engine(cfg, run) as engine,
+        rollout_workers(cfg.cluster, cfg.rollout.concurrency) as workers,
+    ):
         result = run_trials_task(cfg, 0, prompts, engine.url, run.model.path, run.paths, workers=workers)
     metrics = {"step": 0, **result.metrics}
     append_step(run.paths.metrics, 0, result.metrics)  # wall-clock keys go to timings.jsonl

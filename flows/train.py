@@ -25,6 +25,7 @@ from flows.common import (
     serving_engine,
     start_run,
 )
+from grpoflow.cluster import ray_session
 from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.evaluation import (
     base_pass_rates,
@@ -91,6 +92,7 @@ def train_steps(
         limit = cfg.train.max_probe_logprob_gap
         sync_probe = SyncProbe(limit) if limit is not None else None
         with (
+            ray_session(cfg.cluster),  # trainer ranks and rollout workers on the run's Ray cluster, if any
             serving_engine(cfg, run) as engine,
             open_weight_sync(cfg, engine.replica_urls, trainer, paths.root / "sync") as sync,
             trainer_ranks(trainer, model.path, cfg, weights),

@@ -28,14 +28,11 @@ from typing import Any
 from harbor.models.trial.config import TrialConfig
 from harbor.models.trial.result import TrialResult
 
+from grpoflow.cluster import forwarded_env
 from grpoflow.config import ClusterConfig
 from grpoflow.rollout.trials import SandboxGate, WorkerLost
 
 log = logging.getLogger(__name__)
-
-# The offline settings and credentials a worker's trials need from the flow's environment (the process-wide
-# settings of `flows`, and the sandbox provider's key exported for this run).
-FORWARDED_ENV_PREFIXES = ("HARBOR_", "LITELLM_", "GRPOFLOW_", "E2B_", "DAYTONA_", "MODAL_", "HF_", "TOKENIZERS_")
 
 
 class _Worker:
@@ -72,12 +69,11 @@ class RolloutWorkers:
         # trials_per_worker: the most attempts one worker runs at once (its actor's max_concurrency)
         import ray
 
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
         actor = ray.remote(_Worker).options(
             num_cpus=0,  # trials wait on sandboxes and the engine; the node's CPUs are theirs
             max_concurrency=trials_per_worker,
             scheduling_strategy="SPREAD",
-            runtime_env={"env_vars": env},
+            runtime_env={"env_vars": forwarded_env()},
             max_restarts=0,  # a dead worker stays dead: its attempts move to the others
         )
         self.slots = [_Slot(actor.remote(), f"rollout-worker-{i}") for i in range(n)]
@@ -126,30 +122,18 @@ class RolloutWorkers:
 
 @contextmanager
 def rollout_workers(cluster: ClusterConfig, concurrency: int) -> Iterator[RolloutWorkers | None]:
-    """The run's rollout workers for the block, on the Ray cluster `cluster.ray_address` names (empty: None, the
-    trials run in this process). `local` starts a Ray instance on this machine for the block; an address joins a
-    running cluster. Ray already initialised in this process (a driver of its own) is used as it is.
-    `cluster.rollout_workers` actors (default: one per alive node), each taking up to `concurrency` trials."""
+    """The run's rollout workers for the block, on the Ray cluster the run holds (`grpoflow.cluster.ray_session`);
+    None without one (`cluster.ray_address` empty): the trials run in this process. `cluster.rollout_workers`
+    actors (default: one per alive node), each taking up to `concurrency` trials."""
     if not cluster.ray_address:
         yield None
         return
     import ray
 
-    started = not ray.is_initialized()
-    if started:
-        address = None if cluster.ray_address == "local" else cluster.ray_address
-        try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        except ConnectionError as err:
-            raise ConnectionError(f"cluster.ray_address {cluster.ray_address}: no Ray cluster there ({err})") from None
+    n = cluster.rollout_workers or len([node for node in ray.nodes() if node.get("Alive")])
+    workers = RolloutWorkers(n, concurrency)
+    log.info("%d rollout workers on %d Ray nodes", n, workers.nodes)
     try:
-        n = cluster.rollout_workers or len([node for node in ray.nodes() if node.get("Alive")])
-        workers = RolloutWorkers(n, concurrency)
-        log.info("%d rollout workers on %d Ray nodes", n, workers.nodes)
-        try:
-            yield workers
-        finally:
-            workers.close()
+        yield workers
     finally:
-        if started:
-            ray.shutdown()
+        workers.close()

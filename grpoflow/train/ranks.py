@@ -7,9 +7,11 @@ every rank that sum, and every rank then clips and steps alike: the replicas sta
 sums behind the step's metrics are reduced the same way, so the metrics are the single-process ones too.
 
 Rank 0 is the flow's own trainer: it alone commits checkpoints and syncs the engine (its weights are every
-rank's). Ranks 1.. are processes started here (`python -m grpoflow.train.ranks`); they meet rank 0 in a process
-group built like the weight-update group (a TCP store rank 0 hosts, gloo on the CPU, NCCL when every rank has a
-GPU of its own), and take their jobs from that store: the step's samples, pickled. A rank that fails writes its
+rank's). Ranks 1.. are processes started here (`python -m grpoflow.train.ranks`, one GPU each when rank 0 is on a
+GPU), or Ray actors spread over the run's cluster when it has one (`cluster.ray_address`; with NCCL each asks
+Ray for a GPU). They meet rank 0 in a process group built like the weight-update group (a TCP store rank 0
+hosts, at this node's address for Ray ranks; gloo on the CPU, NCCL on GPUs), and take their jobs from that
+store: the step's samples, pickled. A rank that fails writes its
 traceback there and exits, which breaks the collective rank 0 waits in, so the step fails at once with that
 traceback, not at the group's timeout.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -39,6 +42,8 @@ from grpoflow.engine.update_group import (
     join_update_group,
     leave_update_group,
 )
+
+log = logging.getLogger(__name__)
 
 ADDRESS = "127.0.0.1"  # the ranks started here run on this machine
 IDLE_TIMEOUT = datetime.timedelta(days=1)  # how long a rank waits for its next job (a step's rollout runs between)
@@ -125,7 +130,7 @@ class RankWorkers:
     """Ranks 1 .. world-1 as processes on this machine, and the store their jobs go through."""
 
     store: dist.TCPStore
-    procs: list[subprocess.Popen]
+    procs: list  # subprocess.Popen, or RayRank: poll(), wait(), kill(), returncode
     jobs: int = 0
     log_dir: Path | None = None
     _done: list[int] = field(default_factory=list)
@@ -189,10 +194,19 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
     if world <= 1:
         yield
         return
-    backend = "nccl" if rank_device(0, world).startswith("cuda") else "gloo"
+    on_ray = bool(cfg.cluster.ray_address)
+    backend = "nccl" if state.device.type == "cuda" else "gloo"
+    if backend == "nccl" and not on_ray and torch.cuda.device_count() < world:
+        raise ValueError(
+            f"cluster.train_ranks={world}: needs a GPU per rank on this machine, found {torch.cuda.device_count()} "
+            "(or set cluster.ray_address to place ranks on the cluster's GPUs)"
+        )
+    # ranks on other nodes meet rank 0 at this node's address; ranks started here, on loopback
+    address = _node_address() if on_ray else ADDRESS
     group_name = f"grpoflow-train-{uuid.uuid4().hex[:12]}"
-    store = host_update_store(ADDRESS, world, UPDATE_GROUP_TIMEOUT_S)
+    store = host_update_store(address, world, UPDATE_GROUP_TIMEOUT_S)
     spec = {
+        "address": address,
         "port": store.port,
         "world": world,
         "group": group_name,
@@ -202,17 +216,16 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "threads": torch.get_num_threads(),
     }
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "grpoflow.train.ranks", json.dumps(spec), str(rank)])
-        for rank in range(1, world)
-    ]
+    procs = _start_on_ray(spec, world, backend) if on_ray else _start_here(spec, world)
     workers = RankWorkers(store, procs)
     try:
-        group = join_update_group(ADDRESS, store.port, 0, world, group_name, backend, UPDATE_GROUP_TIMEOUT_S, store)
+        group = join_update_group(address, store.port, 0, world, group_name, backend, UPDATE_GROUP_TIMEOUT_S, store)
     except BaseException:
         _stop(procs)
         raise
     state.dp = DataParallel(group, 0, world, workers)
+    where = "as Ray actors" if on_ray else "as processes of this machine"
+    log.info("%d trainer ranks over %s: rank 0 here, the other %d %s", world, backend, world - 1, where)
     try:
         yield
         workers.send("stop")
@@ -224,29 +237,102 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         leave_update_group(group)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()
             p.wait()
 
 
-def _worker(spec: dict, rank: int) -> None:
-    """A worker rank: join the group, load the policy like rank 0, then run the jobs rank 0 hands out."""
+def _start_here(spec: dict, world: int) -> list[subprocess.Popen]:
+    """Ranks 1.. as processes of this machine, each on `rank_device`."""
+    return [
+        subprocess.Popen([sys.executable, "-m", "grpoflow.train.ranks", json.dumps(spec), str(rank)])
+        for rank in range(1, world)
+    ]
+
+
+class _RankActor:
+    """A worker rank as a Ray actor: `run` is the rank's whole life (it returns when rank 0 says stop)."""
+
+    def run(self, spec: dict, rank: int) -> None:
+        _worker(spec, rank, "cuda" if torch.cuda.is_available() else "cpu")  # Ray gave it its own GPU, if any
+
+
+class RayRank:
+    """A worker rank on a Ray actor, seen as a process (`poll`, `wait`, `kill`, `returncode`)."""
+
+    def __init__(self, spec: dict, rank: int, backend: str):
+        import ray
+
+        from grpoflow.cluster import forwarded_env
+
+        self.actor = (
+            ray.remote(_RankActor)
+            .options(
+                num_cpus=0 if backend == "gloo" else 1,
+                num_gpus=1 if backend == "nccl" else 0,  # NCCL: a GPU of its own
+                scheduling_strategy="SPREAD",
+                max_restarts=0,
+                runtime_env={"env_vars": forwarded_env()},
+            )
+            .remote()
+        )
+        self.done = self.actor.run.remote(spec, rank)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        import ray
+
+        if self.returncode is None and ray.wait([self.done], timeout=0)[0]:
+            try:
+                ray.get(self.done)
+                self.returncode = 0
+            except ray.exceptions.RayError:
+                self.returncode = 1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        import ray
+
+        ray.wait([self.done], timeout=timeout)
+        return self.poll()
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
+def _start_on_ray(spec: dict, world: int, backend: str) -> list[RayRank]:
+    return [RayRank(spec, rank, backend) for rank in range(1, world)]
+
+
+def _node_address() -> str:
+    """This node's address as the Ray cluster knows it: where ranks on other nodes reach rank 0's store."""
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
+def _worker(spec: dict, rank: int, device: str) -> None:
+    """A worker rank: join the group, load the policy like rank 0 onto `device`, then run the jobs rank 0 hands
+    out."""
     from grpoflow.config import parse_run_config
     from grpoflow.run.checkpoint import restore_training_state
     from grpoflow.train.step import grpo_update
     from grpoflow.train.trainer import load_trainer
 
     torch.set_num_threads(spec["threads"])
-    store = dist.TCPStore(ADDRESS, spec["port"], spec["world"], is_master=False, timeout=IDLE_TIMEOUT)
+    address = spec["address"]
+    store = dist.TCPStore(address, spec["port"], spec["world"], is_master=False, timeout=IDLE_TIMEOUT)
     n = 0
     try:
         group = join_update_group(
-            ADDRESS, spec["port"], rank, spec["world"], spec["group"], spec["backend"], UPDATE_GROUP_TIMEOUT_S, store
+            address, spec["port"], rank, spec["world"], spec["group"], spec["backend"], UPDATE_GROUP_TIMEOUT_S, store
         )
         cfg = parse_run_config(spec["config"])
-        state = load_trainer(spec["model"], cfg.train, seed=cfg.seed, device=rank_device(rank, spec["world"]))
+        state = load_trainer(spec["model"], cfg.train, seed=cfg.seed, device=device)
         if spec["checkpoint"]:
             restore_training_state(state, spec["checkpoint"])
         state.dp = DataParallel(group, rank, spec["world"])
@@ -273,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("rank", type=int)
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _worker(json.loads(args.spec), args.rank)
+    spec = json.loads(args.spec)
+    _worker(spec, args.rank, rank_device(args.rank, spec["world"]))
     return 0
 
 

@@ -100,12 +100,15 @@ def test_a_rollout_worker_killed_mid_step_loses_no_finished_trial(tmp_path, tiny
     assert row["rollout/retries"] >= 1  # the killed worker's trials ran again elsewhere
 
 
-def test_the_train_flow_on_two_nodes_two_engines_and_two_trainer_ranks(tmp_path, tiny_model_dir, ray_cluster):
+def test_the_train_flow_on_two_nodes_two_engines_and_two_trainer_ranks(tmp_path, tiny_model_dir, ray_cluster, caplog):
     cfg = _config(tmp_path, tiny_model_dir, "scaled-out", ray_cluster, steps=2)
     cfg["cluster"] |= {"train_ranks": 2}
     cfg["engine"] |= {"replicas": 2}
     cfg["train"] |= {"save_interval": 1}
-    train_flow(parse_run_config(cfg))
+    with caplog.at_level(logging.INFO, logger="grpoflow"):
+        train_flow(parse_run_config(cfg))
+    assert "2 trainer ranks over gloo: rank 0 here, the other 1 as Ray actors" in caplog.text
+    assert "2 rollout workers on 2 Ray nodes" in caplog.text
     root = tmp_path / "runs" / "scaled-out"
     rows = read_metrics(root / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]

@@ -1,0 +1,44 @@
+"""The Ray cluster a run works on (`cluster.ray_address`), held for the run: rollout workers
+(`grpoflow.rollout.workers`) and trainer ranks beyond this machine (`grpoflow.train.ranks`) are its actors.
+Ray is imported only when a run asks for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from grpoflow.config import ClusterConfig
+from grpoflow.offline import OFFLINE_ENV
+
+
+@contextmanager
+def ray_session(cluster: ClusterConfig) -> Iterator[bool]:
+    """Connected to the cluster for the block (True), or no Ray at all (False: `ray_address` empty). `local`
+    starts Ray on this machine for the block; an address joins a running cluster. Ray already initialised in
+    this process (a driver of its own) is used as it is and left running."""
+    if not cluster.ray_address:
+        yield False
+        return
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        address = None if cluster.ray_address == "local" else cluster.ray_address
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        except ConnectionError as err:
+            raise ConnectionError(f"cluster.ray_address {cluster.ray_address}: no Ray cluster there ({err})") from None
+    try:
+        yield True
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def forwarded_env() -> dict[str, str]:
+    """What a run's actors get of this process's environment: the offline settings (`grpoflow.offline`), as
+    this process has them. No credentials: Ray keeps an actor's environment where its dashboard and state API
+    show it, so a sandbox provider's key must be in the environment each node's `ray start` ran in."""
+    import os
+
+    return {k: os.environ[k] for k in OFFLINE_ENV if k in os.environ}

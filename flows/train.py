@@ -94,7 +94,7 @@ def train_steps(
         with (
             ray_session(cfg.cluster),  # trainer ranks and rollout workers on the run's Ray cluster, if any
             serving_engine(cfg, run) as engine,
-            open_weight_sync(cfg, engine.replica_urls, trainer, paths.root / "sync") as sync,
+            open_weight_sync(cfg, engine.replica_urls, trainer, paths.root / "sync", engine.router) as sync,
             trainer_ranks(trainer, model.path, cfg, weights),
             rollout_workers(cfg.cluster, cfg.rollout.concurrency) as workers,
         ):

@@ -551,6 +551,18 @@ class RunConfig(_Section):
         return Path(self.output_dir) / self.run_id
 
     @model_validator(mode="after")
+    def _ray_takes_no_key_files(self) -> RunConfig:
+        # A key read from a file reaches only this process's environment; Ray workers would start sandboxes
+        # without it, and grpoflow ships no secret through Ray.
+        for name in ("sandbox_api_key_file", "policy_api_key_file"):
+            if self.cluster.ray_address and getattr(self.rollout, name):
+                raise ValueError(
+                    f"`rollout.{name}`: not with cluster.ray_address; put the key in the environment each Ray "
+                    "node was started in"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _adapter_sync_needs_lora(self) -> RunConfig:
         if self.engine.weight_sync == "adapter" and self.train.lora is None:
             raise ValueError("`engine.weight_sync`: `adapter` syncs a LoRA adapter; set train.lora, or another sync")

@@ -163,8 +163,10 @@ async def _collect_with_progress(
             await _best_effort(logger, aupdate_progress_artifact, progress, min(100.0, 100.0 * done / total))
 
     def on_retry(spec: TrialSpec, attempt: Attempt) -> None:
+        what = "rollout worker lost" if attempt.exception_type == "WorkerLost" else "sandbox failure"
         logger.warning(
-            "sandbox failure in %s (%s: %s): retrying in a fresh sandbox",
+            "%s in %s (%s: %s): running it again in a fresh sandbox",
+            what,
             spec.rollout_id,
             attempt.exception_type,
             " ".join((attempt.exception_message or "").split())[:200],

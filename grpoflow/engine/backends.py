@@ -29,6 +29,11 @@ class EngineHandle:
     def replica_urls(self) -> list[str]:
         return list(self.replicas) or [self.url]
 
+    @property
+    def router(self) -> str | None:
+        """The router's URL when generation goes through one, else None."""
+        return self.url if self.replica_urls != [self.url] else None
+
 
 @contextmanager
 def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -> Iterator[EngineHandle]:

@@ -5,7 +5,8 @@ by its policy (`cache_aware`: where the longest prefix of the request is cached,
 their KV cache). It health-checks the replicas and stops sending to one that fails. Everything that is not a
 generation — weight syncs, the probes, `/model_info` — goes to each replica itself: `replica_urls` reads them
 from the router's `GET /workers`, for the replicas started here and for an SGLang fleet a user runs behind their
-own router alike.
+own router alike. A replica the run finds dead is taken out of the router (`remove_worker`), so the router cannot
+take it back into rotation should it answer again on old weights.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def start_router(
         str(int(client_timeout)),
         "--log-level",
         "warn",
+        # its metrics exporter takes a fixed port by default: two routers on one machine (two runs) would collide
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
     ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -84,10 +90,24 @@ def replica_urls(url: str, timeout: float = 10.0) -> list[str]:
         return [url]
     if resp.status_code != 200:
         return [url]
-    workers = resp.json().get("workers")
+    try:
+        workers = resp.json().get("workers")
+    except (ValueError, AttributeError):  # a server with a `/workers` of its own that is not a router's
+        return [url]
     if not isinstance(workers, list) or not workers:
         return [url]
     return [w["url"] for w in workers if isinstance(w, dict) and isinstance(w.get("url"), str)]
+
+
+def remove_worker(router_url: str, worker_url: str, timeout: float = 10.0) -> bool:
+    """Take `worker_url` out of the router's rotation (`DELETE /workers/<id>`); False when the router does not
+    list it."""
+    base = router_url.rstrip("/")
+    workers = httpx.get(base + "/workers", timeout=timeout).json().get("workers") or []
+    ids = [w["id"] for w in workers if w.get("url") == worker_url and "id" in w]
+    for worker_id in ids:
+        httpx.delete(f"{base}/workers/{worker_id}", timeout=timeout).raise_for_status()
+    return bool(ids)
 
 
 def healthy_workers(url: str, timeout: float = 5.0) -> list[str]:

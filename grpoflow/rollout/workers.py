@@ -88,6 +88,7 @@ class RolloutWorkers:
     async def run(self, cfg: TrialConfig, sandbox_gate: SandboxGate | None = None) -> TrialResult:
         """One attempt on the live worker with the fewest in flight. `sandbox_gate` is not taken here: Harbor's
         start hooks fire in the worker's process (`rollout.concurrency` bounds the step's attempts)."""
+        import ray
         import ray.exceptions
 
         live = [s for s in self.slots if s.alive]
@@ -108,6 +109,8 @@ class RolloutWorkers:
             if slot.alive:
                 slot.alive = False
                 self.lost.append(slot.name)
+                # unreachable is not always dead: make sure its trials stop talking to their sessions
+                ray.kill(slot.actor)
                 log.warning("rollout worker %s (pid %s) died: %s", slot.name, slot.info.get("pid"), type(err).__name__)
             raise WorkerLost(f"{slot.name} died while running {cfg.trial_name}") from None
         finally:

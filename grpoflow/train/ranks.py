@@ -26,11 +26,13 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
+import time
 import traceback
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 
 ADDRESS = "127.0.0.1"  # the ranks started here run on this machine
 IDLE_TIMEOUT = datetime.timedelta(days=1)  # how long a rank waits for its next job (a step's rollout runs between)
+POLL = datetime.timedelta(seconds=1)  # how often rank 0, waiting on the others, checks they are alive
 
 
 class RankError(RuntimeError):
@@ -60,6 +63,7 @@ class DataParallel:
     group: dist.ProcessGroup
     rank: int
     world: int
+    device: torch.device  # this rank's: NCCL reduces only tensors on its GPU
     workers: RankWorkers | None = None  # on rank 0: the other ranks' processes, which it hands each update to
 
 
@@ -113,7 +117,7 @@ def all_reduce_sums(sums: dict[str, float], max_keys: Sequence[str], dp: DataPar
     out = dict(sums)
     for names, op in ((total, dist.ReduceOp.SUM), (peak, dist.ReduceOp.MAX)):
         if names:
-            t = torch.tensor([float(sums[k]) for k in names], dtype=torch.float64)
+            t = torch.tensor([float(sums[k]) for k in names], dtype=torch.float64, device=dp.device)
             dist.all_reduce(t, op=op, group=dp.group)
             # counts stay ints, as a single process reports them
             out.update({k: int(v) if isinstance(sums[k], int) else v for k, v in zip(names, t.tolist(), strict=True)})
@@ -127,13 +131,11 @@ def rank_device(rank: int, world: int) -> str:
 
 @dataclass
 class RankWorkers:
-    """Ranks 1 .. world-1 as processes on this machine, and the store their jobs go through."""
+    """Ranks 1 .. world-1 (processes here, or Ray actors), and the store their jobs go through."""
 
     store: dist.TCPStore
     procs: list  # subprocess.Popen, or RayRank: poll(), wait(), kill(), returncode
     jobs: int = 0
-    log_dir: Path | None = None
-    _done: list[int] = field(default_factory=list)
 
     def send(self, kind: str, payload: object = None) -> int:
         """Hand every worker rank the next job; returns its number."""
@@ -143,25 +145,41 @@ class RankWorkers:
         return n
 
     def wait(self, n: int) -> None:
-        """Every worker rank finished job `n`, or a RankError with the failed rank's traceback."""
+        """Every worker rank finished job `n`, or a RankError with the failed rank's traceback, as soon as one
+        has failed or exited (not at the store's timeout). The job's keys are dropped after: each held a copy
+        of the step's samples."""
         for rank in range(1, len(self.procs) + 1):
-            reply = self.store.get(f"done/{n}/{rank}")
+            key = f"done/{n}/{rank}"
+            while True:
+                try:
+                    self.store.wait([key], POLL)
+                    break
+                except RuntimeError:  # not there yet: still working, unless it died
+                    cause = self.failure(grace_s=0.0)
+                    if cause is not None:
+                        raise RankError(cause) from None
+            reply = self.store.get(key)
             if reply != b"ok":
                 raise RankError(f"trainer rank {rank} failed:\n{reply.decode(errors='replace')}")
+        for key in [f"job/{n}", *(f"done/{n}/{r}" for r in range(1, len(self.procs) + 1))]:
+            self.store.delete_key(key)
 
-    def failure(self) -> str | None:
-        """The traceback a worker rank left, if one exited (the cause of a broken collective on rank 0)."""
-        for rank, proc in enumerate(self.procs, start=1):
-            if proc.poll() is not None:
-                try:
-                    if self.store.check([f"error/{rank}"]):
-                        return (
-                            f"trainer rank {rank} failed:\n{self.store.get(f'error/{rank}').decode(errors='replace')}"
-                        )
-                except RuntimeError:
-                    pass
+    def failure(self, grace_s: float = 5.0) -> str | None:
+        """Why a worker rank failed: the traceback it left, or its exit; None while every one still runs. A
+        rank that fails writes its traceback, then exits, which breaks the collective rank 0 is in: `grace_s`
+        gives that traceback time to arrive."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank in range(1, len(self.procs) + 1):
+                if self.store.check([f"error/{rank}"]):
+                    return f"trainer rank {rank} failed:\n{self.store.get(f'error/{rank}').decode(errors='replace')}"
+            exited = [(r, p) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+            if exited and time.monotonic() >= deadline:
+                rank, proc = exited[0]
                 return f"trainer rank {rank} exited with status {proc.returncode}"
-        return None
+            if not exited and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
 
 
 def run_update(state, samples, cfg, step: int) -> dict[str, float]:
@@ -219,11 +237,11 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
     procs = _start_on_ray(spec, world, backend) if on_ray else _start_here(spec, world)
     workers = RankWorkers(store, procs)
     try:
-        group = join_update_group(address, store.port, 0, world, group_name, backend, UPDATE_GROUP_TIMEOUT_S, store)
+        group = _join_watching(workers, address, store, world, group_name, backend)
     except BaseException:
         _stop(procs)
         raise
-    state.dp = DataParallel(group, 0, world, workers)
+    state.dp = DataParallel(group, 0, world, state.device, workers)
     where = "as Ray actors" if on_ray else "as processes of this machine"
     log.info("%d trainer ranks over %s: rank 0 here, the other %d %s", world, backend, world - 1, where)
     try:
@@ -235,6 +253,31 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         state.dp = None
         _stop(procs)
         leave_update_group(group)
+
+
+def _join_watching(workers: RankWorkers, address, store, world: int, group_name: str, backend: str):
+    """Rank 0 joins the group, in a thread, while this one watches the other ranks start: one that fails first
+    (an import error, a device it cannot have, a Ray actor that cannot be placed) fails the join with its cause
+    at once, not at the group's timeout."""
+    joined: dict = {}
+
+    def join() -> None:
+        try:
+            joined["group"] = join_update_group(
+                address, store.port, 0, world, group_name, backend, UPDATE_GROUP_TIMEOUT_S, store
+            )
+        except BaseException as err:  # noqa: BLE001  (raised in the caller's thread)
+            joined["error"] = err
+
+    t = threading.Thread(target=join, name="trainer-ranks-join", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(POLL.total_seconds())
+        if t.is_alive() and (cause := workers.failure(grace_s=0.0)) is not None:
+            raise RankError(f"{cause}\n(while the trainer ranks were joining)")
+    if "error" in joined:
+        raise joined["error"]
+    return joined["group"]
 
 
 def _stop(procs: list) -> None:
@@ -290,6 +333,7 @@ class RayRank:
                 self.returncode = 0
             except ray.exceptions.RayError:
                 self.returncode = 1
+            ray.kill(self.actor)  # its one job is over: free its process (and GPU)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int | None:
@@ -335,7 +379,7 @@ def _worker(spec: dict, rank: int, device: str) -> None:
         state = load_trainer(spec["model"], cfg.train, seed=cfg.seed, device=device)
         if spec["checkpoint"]:
             restore_training_state(state, spec["checkpoint"])
-        state.dp = DataParallel(group, rank, spec["world"])
+        state.dp = DataParallel(group, rank, spec["world"], state.device)
         while True:
             kind, payload = pickle.loads(store.get(f"job/{n}"))
             if kind == "stop":
@@ -347,10 +391,13 @@ def _worker(spec: dict, rank: int, device: str) -> None:
         leave_update_group(group)
     except BaseException:
         # rank 0 reads this when the collective it waits in breaks (error/), or as the job's reply (done/)
-        failed = traceback.format_exc().encode()
-        store.set(f"error/{rank}", failed)
-        store.set(f"done/{n}/{rank}", failed)
-        raise
+        failed = traceback.format_exc()
+        store.set(f"error/{rank}", failed.encode())
+        store.set(f"done/{n}/{rank}", failed.encode())
+        print(failed, file=sys.stderr, flush=True)
+        # Leave at once, whatever holds the group open (a Ray actor's process lives on after its method): the
+        # closed sockets fail the collective rank 0 waits in.
+        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -32,6 +33,7 @@ import torch
 
 from grpoflow.config import SERVED_ADAPTER, EngineConfig, RunConfig
 from grpoflow.engine.client import EngineClient
+from grpoflow.engine.router import remove_worker
 from grpoflow.engine.shared_tensors import serialize_named_tensors, shared_buffer
 from grpoflow.engine.update_group import (
     UPDATE_GROUP_TIMEOUT_S,
@@ -214,8 +216,9 @@ class ReplicaSyncs:
     no longer answers /health is left out from then on (the router stops routing to it too), and said so; with
     none left the sync fails."""
 
-    def __init__(self, syncs: list[WeightSync]):
+    def __init__(self, syncs: list[WeightSync], router: str | None = None):
         self.syncs = syncs
+        self.router = router  # taken out of it too: else its health check could take back a replica on old weights
         self.needs_dir = any(s.needs_dir for s in syncs)
         self.lost: list[str] = []  # replicas left out, by URL
 
@@ -228,10 +231,16 @@ class ReplicaSyncs:
         return [s.client for s in self.syncs]
 
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
-        for s in [s for s in self.syncs if not s.client.health()]:
+        for s in [s for s in self.syncs if not _answers(s.client)]:
             self.syncs.remove(s)
             self.lost.append(s.client.base_url)
-            logger.warning("engine replica %s does not answer /health: left out of the weight sync", s.client.base_url)
+            if self.router is not None:
+                remove_worker(self.router, s.client.base_url)
+            logger.warning(
+                "engine replica %s does not answer /health: left out of the weight sync%s",
+                s.client.base_url,
+                " and taken out of the router" if self.router else "",
+            )
         if not self.syncs:
             raise EngineError(f"no engine replica answers /health (lost: {', '.join(self.lost)})")
         moved = 0.0
@@ -253,6 +262,16 @@ class ReplicaSyncs:
             s.close()
 
 
+def _answers(client: EngineClient, tries: int = 3) -> bool:
+    """/health answers within a few tries a second apart (one slow answer does not lose a replica)."""
+    for i in range(tries):
+        if client.health():
+            return True
+        if i + 1 < tries:
+            time.sleep(1.0)
+    return False
+
+
 WeightSync = DiskSync | DistributedSync | TensorSync | AdapterSync
 
 
@@ -268,11 +287,15 @@ def engine_busy_seconds(sync: WeightSync | ReplicaSyncs) -> float | None:
 
 @contextmanager
 def open_weight_sync(
-    cfg: RunConfig, engine_urls: str | list[str], trainer: TrainerState, sync_dir: Path | None = None
+    cfg: RunConfig,
+    engine_urls: str | list[str],
+    trainer: TrainerState,
+    sync_dir: Path | None = None,
+    router: str | None = None,
 ) -> Iterator[WeightSync | ReplicaSyncs]:
     """The run's weight sync (`RunConfig.weight_sync_mode`) to the engine at `engine_urls`, or to each of
-    several replicas, for the block. `sync_dir`: where an adapter sync writes the adapter (the run's `sync/`;
-    one subdir per replica)."""
+    several replicas (behind `router`), for the block. `sync_dir`: where an adapter sync writes the adapter (the
+    run's `sync/`; one subdir per replica)."""
     urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
     if len(urls) == 1:
         with _open_one(cfg, urls[0], trainer, sync_dir) as sync:
@@ -283,7 +306,8 @@ def open_weight_sync(
             [
                 stack.enter_context(_open_one(cfg, url, trainer, sync_dir / f"replica-{i}" if sync_dir else None))
                 for i, url in enumerate(urls)
-            ]
+            ],
+            router,
         )
 
 

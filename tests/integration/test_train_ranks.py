@@ -36,14 +36,18 @@ def test_rollouts_are_split_by_tokens_and_keep_their_segments_together():
     assert local_rows(rows, [10, 8, 10, 3], None) == [0, 1, 2, 3]
 
 
-# token aggregation in one minibatch; sample aggregation over 3 minibatches with the old policy recomputed
+# token aggregation in one minibatch; sample aggregation over 3 minibatches with the old policy recomputed; one
+# rollout per minibatch (rank 1 computes nothing, yet joins every collective); LoRA adapters with a KL term
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 CASES = [
     {"loss_aggregation": "token"},
     {"loss_aggregation": "sample", "global_batch_size": 4, "old_logprobs": "recompute", "micro_batch_tokens": 64},
+    {"loss_aggregation": "sample", "global_batch_size": 1},
+    {"lora": LORA, "kl_coef": 0.1},
 ]
 
 
-@pytest.mark.parametrize("train", CASES, ids=["token", "sample-minibatches-recompute"])
+@pytest.mark.parametrize("train", CASES, ids=["token", "sample-minibatches-recompute", "a-rank-idle", "lora-kl"])
 def test_two_ranks_take_the_single_process_step(tiny_model_dir, train):
     cfg1, cfg2 = _config(tiny_model_dir, 1, **train), _config(tiny_model_dir, 2, **train)
     alone = load_trainer(tiny_model_dir, cfg1.train, seed=0)
@@ -80,4 +84,25 @@ def test_a_rank_that_dies_fails_the_step_with_its_cause(tiny_model_dir):
             worker.kill()
             worker.wait()
             run_update(state, samples, cfg, step=0)
+    assert state.dp is None
+
+
+def _fail_on_load():
+    raise RuntimeError("this job cannot be read on a worker rank")
+
+
+class _Unreadable:
+    """Pickles fine; unpickling it (on the worker) raises."""
+
+    def __reduce__(self):
+        return (_fail_on_load, ())
+
+
+def test_a_rank_that_fails_reports_its_traceback(tiny_model_dir):
+    cfg = _config(tiny_model_dir, 2)
+    state = load_trainer(tiny_model_dir, cfg.train, seed=0)
+    with pytest.raises(RankError, match="(?s)trainer rank 1 failed:.*this job cannot be read on a worker rank"):
+        with trainer_ranks(state, tiny_model_dir, cfg):
+            workers = state.dp.workers
+            workers.wait(workers.send("update", _Unreadable()))
     assert state.dp is None

@@ -42,7 +42,7 @@ def test_every_field_has_a_description():
 
     seen: list[str] = []
     walk(RunConfig)
-    assert {"model", "dataset", "prompts", "engine", "rollout", "train"} <= set(seen)
+    assert {"model", "dataset", "prompts", "engine", "rollout", "train", "cluster"} <= set(seen)
 
 
 @pytest.mark.parametrize(
@@ -57,6 +57,12 @@ def test_every_field_has_a_description():
         ({"engine": {"backend": "vllm"}}, "engine.backend"),
         ({"engine": {"backend": "sglang"}}, "engine.url"),
         ({"prompts": {"eval_fraction": 1.5}}, "prompts.eval_fraction"),
+        ({"cluster": {"train_ranks": 0}}, "cluster.train_ranks"),
+        ({"engine": {"replicas": 2, "backend": "sglang", "url": "http://h:1"}}, "engine.replicas"),
+        (
+            {"cluster": {"ray_address": "local"}, "rollout": {"sandbox": "e2b", "sandbox_api_key_file": "/k"}},
+            "rollout.sandbox_api_key_file",
+        ),
     ],
 )
 def test_bad_value_gives_one_line_naming_the_field(data, field):

@@ -41,8 +41,15 @@ def _config(tmp_path, tiny_model_dir, run_id, address, steps):
 
 
 def _workers() -> list[psutil.Process]:
-    """The rollout workers' processes (Ray names an actor's process after its class)."""
-    return [p for p in psutil.process_iter(["cmdline"]) if "ray::_Worker" in " ".join(p.info["cmdline"] or [])]
+    """The rollout workers' processes of this test's cluster (Ray names an actor's process after its class)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "ray::_Worker" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def _journal(root, step) -> list[dict]:
@@ -64,6 +71,9 @@ def test_trials_run_on_ray_workers_on_both_nodes(tmp_path, tiny_model_dir, ray_c
     for key in ("rollout/trials", "rollout/scored", "rollout/reward_mean", "train/n_tokens", "train/loss"):
         assert [r[key] for r in ray_rows] == [r[key] for r in local_rows], key
     assert all(r["rollout/retries"] == 0 for r in ray_rows)
+    deadline = time.monotonic() + 30
+    while _workers() and time.monotonic() < deadline:  # Ray tears actors down in the background
+        time.sleep(0.2)
     assert not _workers()  # the run's workers are gone with it
 
 

@@ -4,7 +4,8 @@ Every optimizer minibatch is split between the ranks by rollout (a rollout's seg
 by tokens. Each rank scales its loss by the *whole* minibatch's count (tokens or rollouts, `train.loss_aggregation`),
 so the sum of the ranks' gradients is the single-process gradient; one all-reduce (sum) per optimizer step gives
 every rank that sum, and every rank then clips and steps alike: the replicas stay equal, as under DDP. The
-sums behind the step's metrics are reduced the same way, so the metrics are the single-process ones too.
+sums behind the step's metrics are reduced the same way, so the metrics are the single-process ones too (but
+`n_micro_batches`, which counts every rank's).
 
 Rank 0 is the flow's own trainer: it alone commits checkpoints and syncs the engine (its weights are every
 rank's). Ranks 1.. are processes started here (`python -m grpoflow.train.ranks`, one GPU each when rank 0 is on a
@@ -95,10 +96,17 @@ def all_reduce_grads(params: Sequence[torch.Tensor], dp: DataParallel | None) ->
     parameter a rank left without a gradient (no rows of its own) counts as zeros."""
     if dp is None:
         return
+    # which parameters got a gradient on some rank: one that none gave one keeps None, as in one process (AdamW
+    # skips it; a zero gradient would still move it by its momentum)
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=dp.device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=dp.group)
+    params = [p for p, h in zip(params, has.tolist(), strict=True) if h]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
+    if not grads:
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp.group)
     offset = 0

@@ -34,6 +34,7 @@ from grpoflow.evaluation import (
     reward_gain,
     task_rewards,
 )
+from grpoflow.ledger import ledger_table, rollout_discards, run_ledger, time_ledger, token_ledger
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.prepare.stage import PreparedRun
 from grpoflow.rollout.step import StepRollout, select_step_prompts
@@ -109,6 +110,10 @@ def train_steps(
             engine_busy = engine_busy_seconds(sync)  # the engine's compute seconds so far, per step's row
             if cfg.train.max_staleness:
                 print(overlap_note(cfg, share_cores_with_engine(cfg)))
+            if trainer.dp is not None:
+                print(trainer.dp.note)
+            if workers is not None:
+                print(workers.describe())
 
             def sync_now(into: dict) -> None:
                 """The pending weights into the engine; called only while no rollout runs on it. A step that
@@ -146,6 +151,7 @@ def train_steps(
                     if cfg.train.max_staleness:
                         samples, stale = drop_stale(samples, step, version_used, cfg.train.max_staleness)
                     trainable, dropped = select_trainable(samples, cfg.rollout.on_retries_exhausted)
+                    discards = rollout_discards(rollout.samples, samples, trainable)
                     failed_steps.record(step, rollout.samples, trainable)
                     t1 = time.perf_counter()
                     train_m = grpo_step_task(trainer, trainable, cfg, step)
@@ -164,6 +170,7 @@ def train_steps(
                         "time/train_s": time.perf_counter() - t1,
                         "time/step_s": time.perf_counter() - t0,
                     }
+                    record |= token_ledger(record, discards)
                     t2 = time.perf_counter()
                     commits.flush()  # the previous full checkpoint is durable (it had the whole step to finish)
                     full = is_full_checkpoint(step, cfg.train.steps, cfg.train.save_interval)
@@ -178,6 +185,7 @@ def train_steps(
                     if busy is not None and engine_busy is not None:
                         record["time/engine_busy_s"] = engine_busy - busy
                     record["time/wall_s"] = time.perf_counter() - t0  # the whole step, its syncs and commit included
+                    record |= time_ledger(record)
                     commits.finish(trainer, ckpt, step, record, full)
                     print(
                         f"step {step + 1}/{cfg.train.steps}: reward {record['rollout/reward_mean']:.3f} "
@@ -204,7 +212,7 @@ def train_steps(
         raise
     finally:
         log.close()
-    report(cfg.run_id, paths)
+    report(cfg, paths)
     return record
 
 
@@ -275,10 +283,17 @@ def _evaluate(
     return metrics
 
 
-def report(run_id: str, paths) -> None:
+def report(cfg: RunConfig, paths) -> None:
+    run_id = cfg.run_id
     records = read_step_records(paths.metrics)
     if not records:
         return
+    ledger = run_ledger(training_rows(records), cfg.report.cost_per_gpu_hour, cfg.report.cost_per_sandbox_hour)
+    create_table_artifact(
+        key=f"{run_id}-ledger",
+        table=ledger_table(ledger),
+        description="Where the run's generated tokens went, and what its parts took",
+    )
     keys = [
         "step",
         "rollout/reward_mean",
@@ -311,6 +326,6 @@ def report(run_id: str, paths) -> None:
     png = plot_curves(records, paths.root / "summary.png")
     create_markdown_artifact(
         key=f"{run_id}-summary",
-        markdown=summary_markdown(run_id, paths.root, records, png, verdict),
+        markdown=summary_markdown(run_id, paths.root, records, png, verdict, ledger_table(ledger)),
         description="Run summary",
     )

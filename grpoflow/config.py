@@ -496,6 +496,20 @@ class TrainConfig(_Section):
     )
 
 
+class ReportConfig(_Section):
+    """What the run's summary says beyond its metrics."""
+
+    cost_per_gpu_hour: float | None = Field(
+        None,
+        ge=0.0,
+        description="Price of one GPU hour: engine and trainer seconds are priced at it in the run's ledger "
+        "(cost per trained token). Empty: no cost.",
+    )
+    cost_per_sandbox_hour: float | None = Field(
+        None, ge=0.0, description="Price of one sandbox hour, for the run's ledger. Empty: sandboxes cost nothing."
+    )
+
+
 class ClusterConfig(_Section):
     """Where the work runs, beyond the flow's own process."""
 
@@ -543,6 +557,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Agent trials per step.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The GRPO update.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where the work runs.")
+    report: ReportConfig = Field(default_factory=ReportConfig, description="What the run's summary says.")
 
     @property
     def run_dir(self) -> Path:

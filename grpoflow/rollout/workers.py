@@ -68,15 +68,22 @@ class RolloutWorkers:
     def __init__(self, n: int, trials_per_worker: int):
         # trials_per_worker: the most attempts one worker runs at once (its actor's max_concurrency)
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        actor = ray.remote(_Worker).options(
-            num_cpus=0,  # trials wait on sandboxes and the engine; the node's CPUs are theirs
-            max_concurrency=trials_per_worker,
-            scheduling_strategy="SPREAD",
-            runtime_env={"env_vars": forwarded_env()},
-            max_restarts=0,  # a dead worker stays dead: its attempts move to the others
-        )
-        self.slots = [_Slot(actor.remote(), f"rollout-worker-{i}") for i in range(n)]
+        nodes = sorted(node["NodeID"] for node in ray.nodes() if node.get("Alive"))
+        actor = ray.remote(_Worker)
+
+        def on(node: str):
+            return actor.options(
+                num_cpus=0,  # trials wait on sandboxes and the engine; the node's CPUs are theirs
+                max_concurrency=trials_per_worker,
+                # worker i on node i (round robin): Ray's SPREAD alone may put two on one node
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                runtime_env={"env_vars": forwarded_env()},
+                max_restarts=0,  # a dead worker stays dead: its attempts move to the others
+            ).remote()
+
+        self.slots = [_Slot(on(nodes[i % len(nodes)]), f"rollout-worker-{i}") for i in range(n)]
         for slot, info in zip(self.slots, ray.get([s.actor.info.remote() for s in self.slots]), strict=True):
             slot.info = info
         self.lost: list[str] = []
@@ -84,6 +91,9 @@ class RolloutWorkers:
     @property
     def nodes(self) -> int:
         return len({s.info["node"] for s in self.slots if s.alive})
+
+    def describe(self) -> str:
+        return f"trials run on {len(self.slots)} rollout workers on {self.nodes} Ray nodes"
 
     async def run(self, cfg: TrialConfig, sandbox_gate: SandboxGate | None = None) -> TrialResult:
         """One attempt on the live worker with the fewest in flight. `sandbox_gate` is not taken here: Harbor's
@@ -135,7 +145,6 @@ def rollout_workers(cluster: ClusterConfig, concurrency: int) -> Iterator[Rollou
 
     n = cluster.rollout_workers or len([node for node in ray.nodes() if node.get("Alive")])
     workers = RolloutWorkers(n, concurrency)
-    log.info("%d rollout workers on %d Ray nodes", n, workers.nodes)
     try:
         yield workers
     finally:

@@ -174,8 +174,15 @@ def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Path:
 
 
 def summary_markdown(
-    run_id: str, run_dir: Path, records: list[dict[str, Any]], png: Path | None, verdict: list[str] | None = None
+    run_id: str,
+    run_dir: Path,
+    records: list[dict[str, Any]],
+    png: Path | None,
+    verdict: list[str] | None = None,
+    ledger: list[dict[str, Any]] | None = None,
 ) -> str:
+    """The run's summary artifact: the verdict, the curves, the evaluations, the ledger (`grpoflow.ledger`'s
+    table rows), then a row per step."""
     keys = [
         "rollout/reward_mean",
         "rollout/pass_at_k",
@@ -212,6 +219,9 @@ def summary_markdown(
             "|---" * (len(ekeys) + 1) + "|",
         ]
         parts += [f"| {r['step']} | " + " | ".join(_fmt(r.get(k)) for k in ekeys) + " |" for r in evals] + [""]
+    if ledger:
+        parts += ["## Ledger", "", "| | value | share of generated |", "|---|---|---|"]
+        parts += [f"| {r['item']} | {_fmt(r['value'])} | {_fmt(r.get('share'))} |" for r in ledger] + [""]
     return "\n".join(parts + [head, sep, *rows])
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import os
 import pickle
 import subprocess
@@ -46,8 +45,6 @@ from grpoflow.engine.update_group import (
     leave_update_group,
 )
 
-log = logging.getLogger(__name__)
-
 ADDRESS = "127.0.0.1"  # the ranks started here run on this machine
 IDLE_TIMEOUT = datetime.timedelta(days=1)  # how long a rank waits for its next job (a step's rollout runs between)
 POLL = datetime.timedelta(seconds=1)  # how often rank 0, waiting on the others, checks they are alive
@@ -66,6 +63,7 @@ class DataParallel:
     world: int
     device: torch.device  # this rank's: NCCL reduces only tensors on its GPU
     workers: RankWorkers | None = None  # on rank 0: the other ranks' processes, which it hands each update to
+    note: str = ""  # on rank 0: where the ranks run, said once at the start
 
 
 def split_rollouts(lengths: dict[str, int], world: int) -> list[list[str]]:
@@ -251,7 +249,7 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         raise
     state.dp = DataParallel(group, 0, world, state.device, workers)
     where = "as Ray actors" if on_ray else "as processes of this machine"
-    log.info("%d trainer ranks over %s: rank 0 here, the other %d %s", world, backend, world - 1, where)
+    state.dp.note = f"{world} trainer ranks over {backend}: rank 0 here, the other {world - 1} {where}"
     try:
         yield
         workers.send("stop")

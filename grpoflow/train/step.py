@@ -183,10 +183,13 @@ def prepare_samples(samples: list[Sample], cfg: TrainConfig) -> tuple[list[Sampl
     adv = group_advantages(rewards, group_ids, cfg.scale_by_std, rollout_ids=[s.rollout_id for s in samples])
     flat = set(zero_std_groups(rewards, group_ids))
     keep = [i for i, s in enumerate(samples) if _n_trained(s) > 0 and not (cfg.filter_zero_std and s.group_id in flat)]
+    kept = set(keep)
     counts = {
         "n_groups": len(set(group_ids)),
         "zero_std_groups": len(flat),
         "filtered_samples": len(samples) - len(keep),
+        # the rollout ledger (grpoflow.ledger): tokens of the groups filtered out
+        "discarded/zero_std_group": sum(_n_trained(s) for i, s in enumerate(samples) if i not in kept),
     }
     return [samples[i] for i in keep], adv[keep], counts
 
@@ -238,14 +241,21 @@ def train_step(
         "skipped_nonfinite": 0,
         "skipped_masked": 0,
         **dict.fromkeys(_MAX_KEYS, 0.0),
+        # the rollout ledger (grpoflow.ledger): tokens an optimizer step used, and those it did not, by reason
+        "tokens_trained": 0,
+        "discarded/zero_advantage": 0,
+        "discarded/nonfinite": 0,
+        "discarded/mismatch_masked": 0,
     }
     # every key present even when nothing was trained (optimizer_steps 0 says so), for steady metric columns
     for k in ("loss", "grad_norm", *_MEAN_KEYS, "entropy"):
         out[k] = 0.0
     means: dict[str, list[float]] = {}
     for idx in minibatches:
+        in_batch = sum(_n_trained(kept[i]) for i in idx)
         if not bool(adv[idx].any()):
             out["skipped_zero_advantage"] += 1
+            out["discarded/zero_advantage"] += in_batch
             continue
         state.optimizer.zero_grad(set_to_none=True)
         m = backward_minibatch(
@@ -255,12 +265,16 @@ def train_step(
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
         if not math.isfinite(grad_norm):
             out["skipped_nonfinite"] += 1
+            out["discarded/nonfinite"] += in_batch
         elif m["n_tokens"] == 0:  # every token outside the mismatch band: no gradient, and no decay/momentum step
             out["skipped_masked"] += 1
+            out["discarded/mismatch_masked"] += in_batch
         else:
             state.optimizer.step()
             state.optimizer_steps += 1
             out["optimizer_steps"] += 1
+            out["tokens_trained"] += m["n_tokens"]
+            out["discarded/mismatch_masked"] += in_batch - m["n_tokens"]
         state.optimizer.zero_grad(set_to_none=True)
         out["n_samples"] += len(idx)
         out["n_tokens"] += m.pop("n_tokens")
@@ -334,6 +348,8 @@ def grpo_update(state: TrainerState, samples: list[Sample], cfg: RunConfig, step
     they are and the metrics say so (`n_samples` 0)."""
     if not samples:
         return {"n_samples": 0.0, "optimizer_steps": 0.0}
+    masked = sum(_n_trained(s) for s in samples if s.status == "TRUNCATED") if cfg.train.truncated == "mask" else 0
     samples, shaped = shape_overlong(samples, cfg)
+    shaped["discarded/masked_overlong"] = masked  # their tokens left every loss (grpoflow.ledger)
     metrics = train_step(state, samples, cfg.train, seed=step_seed(cfg.seed, step), temperature=cfg.rollout.temperature)
     return metrics | shaped

@@ -251,7 +251,7 @@ class ReplicaSyncs:
                 raise EngineError(
                     f"engine replica {s.client.base_url} serves weight version {served} after the sync to {version}"
                 )
-        return {"bytes": moved, "replicas": float(len(self.syncs))}
+        return {"bytes": moved, "replicas": float(len(self.syncs)), "replicas_lost": float(len(self.lost))}
 
     def busy_seconds(self) -> float | None:
         busy = [s.client.busy_seconds() for s in self.syncs]

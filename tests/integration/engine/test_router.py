@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from grpoflow.engine.client import _generate_body
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import ROUTER_ADDED_ANY_VALUE, ROUTER_ADDED_OFF, GenerateRequest, SamplingParams
-from grpoflow.engine.router import healthy_workers, replica_urls, start_router
+from grpoflow.engine.router import healthy_workers, remove_worker, replica_urls, start_router
 from tests.fakes.app_thread import AppThread
 
 
@@ -78,3 +78,19 @@ def test_two_engines_behind_the_router_answer_and_one_lost_leaves_it(tmp_path, t
         router.stop()
         for e in engines:
             e.stop()
+
+
+def test_a_worker_taken_out_of_the_router_leaves_its_rotation(tmp_path):
+    workers = [AppThread(_recording_worker([])) for _ in range(2)]
+    router = start_router([w.url for w in workers], log_path=tmp_path / "router.log")
+    try:
+        assert remove_worker(router.url, workers[1].url)
+        deadline = time.monotonic() + 30
+        while healthy_workers(router.url) != [workers[0].url]:
+            assert time.monotonic() < deadline, "the router still lists the removed worker"
+            time.sleep(0.2)
+        assert not remove_worker(router.url, workers[1].url)  # no longer listed
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()

@@ -2,7 +2,6 @@
 through the router, every weight sync reaches both replicas (each reports the new weight version), and a
 replica killed mid-run is left out while the run goes on."""
 
-import logging
 import shutil
 import threading
 import time
@@ -55,7 +54,7 @@ def test_two_replicas_behind_the_router_serve_every_sync(tmp_path, tiny_model_di
     assert all(r["rollout/trials"] == 8 and r["rollout/scored"] == 8 for r in rows)
 
 
-def test_a_replica_killed_mid_run_is_left_out_and_the_run_goes_on(tmp_path, tiny_model_dir, caplog):
+def test_a_replica_killed_mid_run_is_left_out_and_the_run_goes_on(tmp_path, tiny_model_dir):
     cfg = _config(tmp_path, tiny_model_dir, "lose-one")
     metrics = tmp_path / "runs" / "lose-one" / "metrics.jsonl"
     killed: list[int] = []
@@ -70,12 +69,10 @@ def test_a_replica_killed_mid_run_is_left_out_and_the_run_goes_on(tmp_path, tiny
 
     killer = threading.Thread(target=kill_one_after_step_0, daemon=True)
     killer.start()
-    with caplog.at_level(logging.WARNING, logger="grpoflow.train.sync"):
-        train_flow(parse_run_config(cfg))
+    train_flow(parse_run_config(cfg))
     killer.join(5)
     assert killed
-    assert "left out of the weight sync and taken out of the router" in caplog.text
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert all(r["rollout/scored"] == 8 for r in rows)  # no trial failed for the lost replica
-    assert rows[-1]["sync/replicas"] == 1  # the last sync reached the one left
+    assert rows[-1]["sync/replicas"] == 1 and rows[-1]["sync/replicas_lost"] == 1  # the last sync reached the one left

@@ -1,0 +1,129 @@
+"""The rollout ledger: where every generated token of a step went, and what the step's parts took.
+
+Every token the policy generated in a step's trials (`rollout/tokens_generated`) is either trained (it entered a
+loss the optimizer stepped on) or discarded for one reason, the first that applies in the order the step applies
+them:
+
+- `stale`: its group had a sample older than `train.max_staleness` allows (`scoring.drop_stale`);
+- `failed_trial`: its trial FAILED (no verifier reward); `dropped_group`: another trial of its group did
+  (`rollout.on_retries_exhausted=drop_group`);
+- `masked_overlong`: its trial was TRUNCATED and `train.truncated=mask`;
+- `zero_std_group`: its group's rewards were all equal (`train.filter_zero_std`);
+- `zero_advantage`, `nonfinite`: its optimizer minibatch was skipped (every advantage zero; a gradient norm not
+  finite);
+- `mismatch_masked`: trainer and engine disagreed on it beyond `train.mismatch_band`.
+
+So `ledger/generated` = `ledger/trained` + the sum of `ledger/discarded/<reason>` on every step (counts, in
+metrics.jsonl). `ledger/after_truncation` says how many of the generated tokens came after a turn was cut off
+(always 0 with the early exit). Seconds (timings.jsonl): `ledger/engine_s` (the engines' own compute),
+`ledger/sandbox_s` (trials' commands and sandbox overhead, summed over trials), `ledger/trainer_s` (update,
+commit, sync). With hourly rates (`report.cost_per_gpu_hour` for engine and trainer seconds,
+`report.cost_per_sandbox_hour`) the run's summary prices a trained token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from grpoflow.samples import Sample
+
+REASONS = (
+    "stale",
+    "failed_trial",
+    "dropped_group",
+    "masked_overlong",
+    "zero_std_group",
+    "zero_advantage",
+    "nonfinite",
+    "mismatch_masked",
+)
+TRAIN_KEY = "discarded/"  # the prefix of the train step's own discard counts, and of `ledger/discarded/<reason>`
+
+
+def tokens(samples: Sequence[Sample]) -> int:
+    return sum(s.n_generated for s in samples)
+
+
+def rollout_discards(
+    rolled: Sequence[Sample], fresh: Sequence[Sample], trainable: Sequence[Sample]
+) -> dict[str, float]:
+    """What the rollout side discarded: `rolled` (every sample of the step), less the stale groups (`fresh`),
+    less the failed trials and their groups (`trainable`)."""
+    kept = {id(s) for s in trainable}
+    dropped = [s for s in fresh if id(s) not in kept]
+    return {
+        "stale": float(tokens(rolled) - tokens(fresh)),
+        "failed_trial": float(tokens([s for s in dropped if s.status == "FAILED"])),
+        "dropped_group": float(tokens([s for s in dropped if s.status != "FAILED"])),
+    }
+
+
+def token_ledger(record: dict[str, Any], rollout_discarded: dict[str, float]) -> dict[str, float]:
+    """The token `ledger/...` keys of a step's record (its `rollout/` and `train/` keys already in), taking the
+    train step's own counts (`train/tokens_trained`, `train/discarded/<reason>`) out of the record into them."""
+    discarded = dict.fromkeys(REASONS, 0.0) | rollout_discarded
+    for key in [k for k in record if k.startswith(f"train/{TRAIN_KEY}")]:
+        discarded[key.removeprefix(f"train/{TRAIN_KEY}")] += record.pop(key)
+    return {
+        "ledger/generated": record.get("rollout/tokens_generated", 0.0),
+        "ledger/trained": float(record.pop("train/tokens_trained", 0.0)),
+        **{f"ledger/{TRAIN_KEY}{r}": float(n) for r, n in discarded.items()},
+        "ledger/after_truncation": record.get("rollout/tokens_after_truncation", 0.0),
+    }
+
+
+def time_ledger(record: dict[str, Any]) -> dict[str, float]:
+    """The seconds of the ledger, once the step's record has its `time/` keys (commit and sync included)."""
+    out = {
+        "ledger/trainer_s": sum(record.get(k, 0.0) for k in ("time/train_s", "time/commit_s", "time/sync_s")),
+        "ledger/sandbox_s": record.get("rollout/tool_time_s", 0.0) + record.get("rollout/overhead_time_s", 0.0),
+    }
+    if "time/engine_busy_s" in record:
+        out["ledger/engine_s"] = record["time/engine_busy_s"]
+    return out
+
+
+def unaccounted(row: dict[str, Any]) -> float:
+    """Generated tokens neither trained nor discarded for a reason: 0 on a balanced row."""
+    discarded = sum(v for k, v in row.items() if k.startswith(f"ledger/{TRAIN_KEY}"))
+    return row.get("ledger/generated", 0.0) - row.get("ledger/trained", 0.0) - discarded
+
+
+def run_ledger(rows: Sequence[dict[str, Any]], gpu_hour: float | None, sandbox_hour: float | None) -> dict[str, float]:
+    """The run's totals over its steps' rows (metrics and timings merged), and with rates its cost per trained
+    token. Engine seconds count only where the engine reported them (the embedded engine; SGLang does not)."""
+    total: dict[str, float] = {}
+    for row in rows:
+        for k, v in row.items():
+            if k.startswith("ledger/"):
+                total[k] = total.get(k, 0.0) + float(v)
+    if total.get("ledger/trained") and (gpu_hour is not None or sandbox_hour is not None):
+        gpu_s = total.get("ledger/engine_s", 0.0) + total.get("ledger/trainer_s", 0.0)
+        cost = gpu_s / 3600 * (gpu_hour or 0.0) + total.get("ledger/sandbox_s", 0.0) / 3600 * (sandbox_hour or 0.0)
+        total["ledger/cost"] = cost
+        total["ledger/cost_per_million_trained_tokens"] = cost / total["ledger/trained"] * 1e6
+    return total
+
+
+def ledger_table(total: dict[str, float]) -> list[dict[str, Any]]:
+    """Rows for the run's ledger table artifact: tokens by fate, then seconds and cost."""
+    generated = total.get("ledger/generated", 0.0)
+    rows = [{"item": "generated tokens", "value": generated, "share": 1.0 if generated else None}]
+    rows.append({"item": "trained tokens", "value": total.get("ledger/trained", 0.0), "share": None})
+    for r in REASONS:
+        rows.append({"item": f"discarded: {r}", "value": total.get(f"ledger/{TRAIN_KEY}{r}", 0.0), "share": None})
+    for row in rows[1:]:
+        row["share"] = row["value"] / generated if generated else None
+    rows.append({"item": "of the generated, after a truncation", "value": total.get("ledger/after_truncation", 0.0)})
+    for key, label in (
+        ("engine_s", "engine seconds"),
+        ("sandbox_s", "sandbox seconds"),
+        ("trainer_s", "trainer seconds"),
+    ):
+        if f"ledger/{key}" in total:
+            rows.append({"item": label, "value": total[f"ledger/{key}"]})
+    for key, label in (("cost", "cost"), ("cost_per_million_trained_tokens", "cost per million trained tokens")):
+        if f"ledger/{key}" in total:
+            rows.append({"item": label, "value": total[f"ledger/{key}"]})
+    return rows

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument("--output-dir", default="runs", help="where run dirs are (default: runs)")
     p.add_argument("--run-id", dest="new_run_id", metavar="NEW", help="the rerun's run_id (default: RUN_ID-rr<hash>)")
+    p = sub.add_parser("tasks", help="task health across the runs in an output dir: pass rates per run, flags")
+    p.add_argument("--output-dir", default="runs", help="where run dirs are (default: runs)")
     return parser
 
 
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("resume", "rerun"):
         return _resume_or_rerun(args)
+    if args.command == "tasks":
+        return _tasks(Path(args.output_dir))
     try:
         cfg = _config_from_args(args)
         preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or _is_embedded_default(args) else ""
@@ -150,6 +154,20 @@ def _resume_or_rerun(args: argparse.Namespace) -> int:
         print(f"grpoflow: error: {err}", file=sys.stderr)
         return 2
     print(f"grpoflow: run {run_id} finished; artifacts in {(Path(args.output_dir) / run_id).resolve()}")
+    return 0
+
+
+def _tasks(output_dir: Path) -> int:
+    from grpoflow.run.health import health_markdown, task_health
+
+    if not output_dir.is_dir():
+        print(f"grpoflow: error: output dir {output_dir} does not exist", file=sys.stderr)
+        return 2
+    run_ids, tasks = task_health(output_dir)
+    if not run_ids:
+        print(f"grpoflow: no runs with trials in {output_dir}")
+        return 0
+    print(health_markdown(run_ids, tasks), end="")
     return 0
 
 

@@ -40,6 +40,7 @@ from grpoflow.prepare.stage import PreparedRun
 from grpoflow.rollout.step import StepRollout, select_step_prompts
 from grpoflow.rollout.workers import rollout_workers
 from grpoflow.run.commit import StepCommits, is_full_checkpoint, step_dir
+from grpoflow.run.health import health_markdown, task_health
 from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import (
     MetricsLog,
@@ -323,6 +324,11 @@ def report(cfg: RunConfig, paths) -> None:
                 ]
             )
         )
+    create_markdown_artifact(
+        key=f"{run_id}-tasks",
+        markdown=health_markdown(*task_health(Path(cfg.output_dir))),
+        description=f"Task health across the runs in {cfg.output_dir}",
+    )
     png = plot_curves(records, paths.root / "summary.png")
     create_markdown_artifact(
         key=f"{run_id}-summary",

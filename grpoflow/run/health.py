@@ -1,0 +1,132 @@
+"""Task health across the runs under one output dir: what `grpoflow tasks` prints and every train run attaches.
+
+For each task (a task instance of the dataset): its pass rate in each run that ran it, oldest run first (training
+trials and evaluation trials together: every trial a verifier graded), flagged
+- `always 0` / `always 1` when every graded trial of every run failed / passed: no GRPO signal, a candidate to
+  retire (or a broken task);
+- its infrastructure errors (trials that ended without a verdict because the sandbox or the verifier failed, by
+  sandbox provider), the hot spots of a flaky provider.
+Runs are read from their dirs (`run.json`, `config.json`, `details/*/samples.jsonl`); a dir that is not a run, or a
+run still without samples, is left out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpoflow.errors import RunDirError
+from grpoflow.rollout.journal import SAMPLES, read_samples
+from grpoflow.run.info import read_run_info
+from grpoflow.run.paths import RunPaths
+
+INFRA_STATUSES = ("SandboxError", "VerifierError")  # no verdict, and not the policy's doing
+PASS = 1.0  # a reward at least this is a pass (as pass@1 counts it)
+
+
+@dataclass
+class TaskRun:
+    """One task in one run."""
+
+    run_id: str
+    graded: int = 0
+    passed: int = 0
+    infra_errors: int = 0
+
+    @property
+    def pass_rate(self) -> float | None:
+        return self.passed / self.graded if self.graded else None
+
+
+@dataclass
+class TaskHealth:
+    task: str
+    runs: list[TaskRun] = field(default_factory=list)
+    infra_by_provider: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def flag(self) -> str:
+        graded = sum(r.graded for r in self.runs)
+        passed = sum(r.passed for r in self.runs)
+        if graded == 0:
+            return "never graded"
+        if passed == 0:
+            return "always 0"
+        if passed == graded:
+            return "always 1"
+        return ""
+
+
+def run_dirs(output_dir: Path) -> list[tuple[str, Path]]:
+    """(created_at, run dir) of every run under `output_dir` with a readable run.json, oldest first."""
+    out = []
+    for root in sorted(Path(output_dir).iterdir()) if Path(output_dir).is_dir() else []:
+        if not (root / "run.json").is_file():
+            continue
+        try:
+            info = read_run_info(RunPaths(root))
+        except RunDirError:
+            continue  # a damaged run.json: that run says so when it is resumed; here it is skipped
+        out.append((info.created_at, root))
+    return sorted(out)
+
+
+def task_health(output_dir: Path) -> tuple[list[str], list[TaskHealth]]:
+    """(the run ids read, oldest first; every task's health, by name)."""
+    tasks: dict[str, TaskHealth] = {}
+    run_ids: list[str] = []
+    for _, root in run_dirs(output_dir):
+        provider = _provider(root)
+        seen: dict[str, TaskRun] = {}
+        for details in sorted((root / "details").glob("*")) if (root / "details").is_dir() else []:
+            if not (details / SAMPLES).is_file():
+                continue
+            for s in read_samples(details):
+                if s.segment_index:
+                    continue  # one row per trial: its first segment
+                tr = seen.setdefault(s.instance_id, TaskRun(root.name))
+                if s.reward is not None:
+                    tr.graded += 1
+                    tr.passed += s.reward >= PASS
+                elif s.exit_status in INFRA_STATUSES:
+                    tr.infra_errors += 1
+                    health = tasks.setdefault(s.instance_id, TaskHealth(s.instance_id))
+                    health.infra_by_provider[provider] = health.infra_by_provider.get(provider, 0) + 1
+        if seen:
+            run_ids.append(root.name)
+        for name, tr in seen.items():
+            tasks.setdefault(name, TaskHealth(name)).runs.append(tr)
+    return run_ids, [tasks[k] for k in sorted(tasks)]
+
+
+def _provider(root: Path) -> str:
+    try:
+        return str(json.loads((root / "config.json").read_text(encoding="utf-8"))["rollout"]["sandbox"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
+
+
+def health_markdown(run_ids: list[str], tasks: list[TaskHealth]) -> str:
+    """A table: a row per task, a column per run (pass rate, `-` where the run did not run it), the flag and
+    the infrastructure errors by provider."""
+    head = ["task", *run_ids, "flag", "infra errors"]
+    lines = [
+        f"# Task health over {len(run_ids)} runs",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---" * len(head) + "|",
+    ]
+    for t in tasks:
+        by_run = {r.run_id: r for r in t.runs}
+        cells = [_rate(by_run.get(run)) for run in run_ids]
+        infra = ", ".join(f"{p}: {n}" for p, n in sorted(t.infra_by_provider.items())) or "-"
+        lines.append("| " + " | ".join([t.task, *cells, t.flag or "-", infra]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _rate(tr: TaskRun | None) -> str:
+    if tr is None:
+        return "-"
+    rate = tr.pass_rate
+    return f"{rate:.2f} ({tr.graded})" if rate is not None else f"no verdict ({tr.infra_errors})"

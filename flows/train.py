@@ -53,6 +53,7 @@ from grpoflow.run.metrics import (
     training_rows,
 )
 from grpoflow.run.resume import run_lock
+from grpoflow.run.viewer import write_viewer
 from grpoflow.scoring import FailedSteps, drop_stale, select_trainable
 from grpoflow.train.probe import SyncProbe
 from grpoflow.train.ranks import trainer_ranks
@@ -328,6 +329,10 @@ def report(cfg: RunConfig, paths) -> None:
         key=f"{run_id}-tasks",
         markdown=health_markdown(*task_health(Path(cfg.output_dir))),
         description=f"Task health across the runs in {cfg.output_dir}",
+    )
+    viewer = write_viewer(paths, run_id)
+    create_link_artifact(
+        key=f"{run_id}-viewer", link=viewer.resolve().as_uri(), description="Best and worst trial of every group"
     )
     png = plot_curves(records, paths.root / "summary.png")
     create_markdown_artifact(

@@ -40,7 +40,7 @@ from grpoflow.prepare.stage import PreparedRun
 from grpoflow.rollout.step import StepRollout, select_step_prompts
 from grpoflow.rollout.workers import rollout_workers
 from grpoflow.run.commit import StepCommits, is_full_checkpoint, step_dir
-from grpoflow.run.health import health_markdown, task_health
+from grpoflow.run.health import health_markdown, task_health, write_run_tasks
 from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import (
     MetricsLog,
@@ -325,6 +325,7 @@ def report(cfg: RunConfig, paths) -> None:
                 ]
             )
         )
+    write_run_tasks(paths.root)
     create_markdown_artifact(
         key=f"{run_id}-tasks",
         markdown=health_markdown(*task_health(Path(cfg.output_dir))),

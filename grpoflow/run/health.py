@@ -6,8 +6,8 @@ trials and evaluation trials together: every trial a verifier graded), flagged
   retire (or a broken task);
 - its infrastructure errors (trials that ended without a verdict because the sandbox or the verifier failed, by
   sandbox provider), the hot spots of a flaky provider.
-Runs are read from their dirs (`run.json`, `config.json`, `details/*/samples.jsonl`); a dir that is not a run, or a
-run still without samples, is left out.
+Runs are read from their dirs: `run.json`, and the small `tasks.json` a train run writes when it ends (else its
+`details/*/samples.jsonl`, counted); a dir that is not a run, or a run still without samples, is left out.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpoflow.errors import RunDirError
+from grpoflow.fileio import write_json_atomic
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.info import read_run_info
 from grpoflow.run.paths import RunPaths
@@ -72,31 +73,56 @@ def run_dirs(output_dir: Path) -> list[tuple[str, Path]]:
     return sorted(out)
 
 
+TASKS_FILE = "tasks.json"  # a run's own counts per task, written when it ends: the index reads these, not samples
+
+
+def run_tasks(root: Path) -> tuple[str, dict[str, TaskRun]]:
+    """(sandbox provider, per task its counts) of one run: from its `tasks.json`, or counted from its samples
+    (a run that has not ended, or one from before the file existed)."""
+    path = root / TASKS_FILE
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return data["provider"], {k: TaskRun(root.name, **v) for k, v in data["tasks"].items()}
+        except (ValueError, KeyError, TypeError):
+            pass  # damaged: count again from the samples
+    seen: dict[str, TaskRun] = {}
+    for details in sorted((root / "details").glob("*")) if (root / "details").is_dir() else []:
+        if not (details / SAMPLES).is_file():
+            continue
+        for s in read_samples(details):
+            if s.segment_index:
+                continue  # one row per trial: its first segment
+            tr = seen.setdefault(s.instance_id, TaskRun(root.name))
+            if s.reward is not None:
+                tr.graded += 1
+                tr.passed += s.reward >= PASS
+            elif s.exit_status in INFRA_STATUSES:
+                tr.infra_errors += 1
+    return _provider(root), seen
+
+
+def write_run_tasks(root: Path) -> Path:
+    """`tasks.json` of a run that ended: what `task_health` reads of it."""
+    provider, counts = run_tasks(root)
+    tasks = {k: {"graded": t.graded, "passed": t.passed, "infra_errors": t.infra_errors} for k, t in counts.items()}
+    write_json_atomic(root / TASKS_FILE, {"provider": provider, "tasks": tasks})
+    return root / TASKS_FILE
+
+
 def task_health(output_dir: Path) -> tuple[list[str], list[TaskHealth]]:
     """(the run ids read, oldest first; every task's health, by name)."""
     tasks: dict[str, TaskHealth] = {}
     run_ids: list[str] = []
     for _, root in run_dirs(output_dir):
-        provider = _provider(root)
-        seen: dict[str, TaskRun] = {}
-        for details in sorted((root / "details").glob("*")) if (root / "details").is_dir() else []:
-            if not (details / SAMPLES).is_file():
-                continue
-            for s in read_samples(details):
-                if s.segment_index:
-                    continue  # one row per trial: its first segment
-                tr = seen.setdefault(s.instance_id, TaskRun(root.name))
-                if s.reward is not None:
-                    tr.graded += 1
-                    tr.passed += s.reward >= PASS
-                elif s.exit_status in INFRA_STATUSES:
-                    tr.infra_errors += 1
-                    health = tasks.setdefault(s.instance_id, TaskHealth(s.instance_id))
-                    health.infra_by_provider[provider] = health.infra_by_provider.get(provider, 0) + 1
+        provider, seen = run_tasks(root)
         if seen:
             run_ids.append(root.name)
-        for name, tr in seen.items():
-            tasks.setdefault(name, TaskHealth(name)).runs.append(tr)
+        for name, tr in sorted(seen.items()):
+            health = tasks.setdefault(name, TaskHealth(name))
+            health.runs.append(tr)
+            if tr.infra_errors:
+                health.infra_by_provider[provider] = health.infra_by_provider.get(provider, 0) + tr.infra_errors
     return run_ids, [tasks[k] for k in sorted(tasks)]
 
 

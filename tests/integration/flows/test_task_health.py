@@ -28,6 +28,8 @@ def test_two_nights_per_task_with_flags_and_infra_errors(tmp_path, tiny_model_di
         cfg["rollout"] |= {"prompts_per_step": 3, "sandbox_kwargs": kwargs, "sandbox_retries": 0}
         train_flow(parse_run_config(cfg))
     (runs / "not-a-run").mkdir()  # a stray dir is no run
+    assert (runs / "night-1" / "tasks.json").is_file()  # each run's own counts, written as it ended
+    (runs / "night-2" / "tasks.json").unlink()  # a run without them is counted from its samples: the same
     run_ids, tasks = task_health(runs)
     assert run_ids == ["night-1", "night-2"]
     health = {t.task: t for t in tasks}

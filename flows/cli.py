@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("evaluate", "the evaluate flow: k trials per prompt of the eval split, no training"),
         ("prepare", "prepare a run: model, dataset, prompts"),
     ]:
-        _add_run_args(sub.add_parser(name, help=help_))
+        _add_run_args(p := sub.add_parser(name, help=help_))
+        if name == "evaluate":
+            p.add_argument("--from-run", metavar="RUN_ID", help="evaluate this train run's final checkpoint")
     p = sub.add_parser("resume", help="resume a killed train run under its run_id, from its last complete step")
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument("--output-dir", default="runs", help="where run dirs are (default: runs)")
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})",
             flush=True,
         )
-        _run_flow(args.command, cfg)  # Prefect is imported only after the arguments are valid: it is slow
+        _run_flow(args.command, cfg, getattr(args, "from_run", None))  # Prefect only now: it is slow to import
     except GrpoflowError as err:
         print(f"grpoflow: error: {err}", file=sys.stderr)
         return 2
@@ -171,7 +173,7 @@ def _tasks(output_dir: Path) -> int:
     return 0
 
 
-def _run_flow(command: str, cfg) -> None:
+def _run_flow(command: str, cfg, from_run: str | None = None) -> None:
     if command == "prepare":
         from flows.prepare import prepare_flow
 
@@ -179,7 +181,7 @@ def _run_flow(command: str, cfg) -> None:
     elif command == "evaluate":
         from flows.evaluate import evaluate_flow
 
-        evaluate_flow(cfg)
+        evaluate_flow(cfg, from_run=from_run)
     else:
         from flows.train import train_flow
 

@@ -6,6 +6,7 @@ metrics.jsonl, a table of trials and a markdown summary in Prefect.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from prefect import flow
@@ -23,7 +24,7 @@ from grpoflow.cluster import ray_session
 from grpoflow.config import RunConfig
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.rollout.workers import rollout_workers
-from grpoflow.run.info import update_run_info
+from grpoflow.run.info import final_checkpoint, update_run_info
 from grpoflow.run.metrics import append_step
 from tasks.rollout import run_trials_task
 
@@ -34,8 +35,16 @@ Split = Literal["eval", "train", "all"]
 def evaluate_flow(
     config: RunConfig = RunConfig(),
     split: Split = Field("eval", description="Which prompts to evaluate: the `eval` split, `train`, or `all`."),
+    from_run: str | None = Field(
+        None,
+        description="A train run in config.output_dir whose final checkpoint to evaluate (it becomes the model; "
+        "run.json records the run as the parent). Empty: config.model.",
+    ),
 ) -> dict[str, float]:
     """Prepare, start the engine, run `rollout.n_samples_per_prompt` trials per prompt of `split`, score them."""
+    if from_run:
+        ckpt = final_checkpoint(Path(config.output_dir) / from_run)
+        config = config.model_copy(update={"model": config.model.model_copy(update={"source": str(ckpt)})})
     cfg = start_run(config, "evaluate")
     with run_events("evaluate", cfg.run_id, cfg.run_dir):  # grpoflow.run.completed / failed when it ends
         return _evaluate(cfg, split)

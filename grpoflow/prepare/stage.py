@@ -21,7 +21,7 @@ from grpoflow.prepare.prompts import (
     write_prompts,
 )
 from grpoflow.rollout.tokens import TemplateError, check_chat_template, load_tokenizer
-from grpoflow.run.info import Provenance, RunInfo, read_run_info, write_run_info
+from grpoflow.run.info import Provenance, RunInfo, parent_of, read_run_info, write_run_info
 from grpoflow.run.paths import RunPaths, create_run_dir
 
 
@@ -54,7 +54,8 @@ def record_run(
     paths = create_run_dir(cfg.output_dir, cfg.run_id)
     write_json_atomic(paths.config, cfg.model_dump(mode="json"))
     provenance = Provenance.now(model, dataset)
-    write_run_info(paths, RunInfo(run_id=cfg.run_id, flow_run_id=flow_run_id, **dict(provenance)))
+    parent = parent_of(cfg.model.source)  # lineage: a checkpoint of an earlier run
+    write_run_info(paths, RunInfo(run_id=cfg.run_id, flow_run_id=flow_run_id, parent=parent, **dict(provenance)))
     write_prompts(paths.prompts, prompts)
     splits: dict[str, int] = {}
     for p in prompts:

@@ -20,7 +20,7 @@ from grpoflow.errors import RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.prepare.dataset import Dataset
 from grpoflow.prepare.model import PreparedModel
-from grpoflow.run.paths import RunPaths
+from grpoflow.run.paths import RunPaths, step_of
 
 _TRACKED_PACKAGES = ("grpoflow", "torch", "transformers", "tokenizers", "safetensors", "harbor", "prefect", "gguf")
 
@@ -74,12 +74,20 @@ class Resume(_Record):
     flow_run_id: str | None = None
 
 
+class Parent(_Record):
+    """The run a run started from: its policy is a checkpoint of that run."""
+
+    run_id: str
+    checkpoint: str  # the checkpoint dir, as the model source named it
+
+
 class RunInfo(Provenance):
     run_id: str
     flow_run_id: str | None = None
     flow: Literal["train", "evaluate"] | None = None  # None: prepared only
     resumes: list[Resume] = []
     rerun_of: str | None = None
+    parent: Parent | None = None  # lineage: the run whose checkpoint this run's model is
 
     @property
     def trains(self) -> bool:
@@ -100,6 +108,30 @@ def read_run_info(paths: RunPaths) -> RunInfo:
         first = err.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "top level"
         raise RunDirError(f"{paths.run_info}: `{where}`: {first['msg']}") from None
+
+
+def parent_of(model_source: str) -> Parent | None:
+    """The run whose checkpoint `model_source` is (`<run dir>/checkpoints/step_<N>`, the run dir holding a
+    run.json), else None."""
+    path = Path(model_source)
+    run_dir = path.parent.parent
+    if path.parent.name != "checkpoints" or not (run_dir / "run.json").is_file():
+        return None
+    return Parent(run_id=run_dir.name, checkpoint=str(path))
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint a finished train run ends with (its last step's, holding the weights the engine served; a
+    LoRA run's the merged model); one line naming the run dir when there is none."""
+    root = Path(run_dir) / "checkpoints"
+    steps = sorted(
+        (n, p)
+        for p in (root.iterdir() if root.is_dir() else [])
+        if (n := step_of(p)) is not None and any(p.glob("*.safetensors"))
+    )
+    if not steps:
+        raise RunDirError(f"{run_dir}: no checkpoint with weights (is it a finished train run?)")
+    return steps[-1][1]
 
 
 def write_run_info(paths: RunPaths, info: RunInfo) -> None:

@@ -1,0 +1,34 @@
+"""Lineage: an evaluation of a train run's final checkpoint (`from_run`) records that run as its parent, and
+evaluates the weights the train run ended with."""
+
+import shutil
+
+import pytest
+
+from flows.evaluate import evaluate_flow
+from flows.train import train_flow
+from grpoflow.config import parse_run_config
+from grpoflow.errors import RunDirError
+from grpoflow.run.info import read_run_info
+from grpoflow.run.paths import RunPaths
+from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
+
+pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
+
+
+def test_an_evaluation_of_a_train_run_records_it_as_parent(tmp_path, tiny_model_dir):
+    model = fence_policy(tiny_model_dir, tmp_path / "policy")
+    data = reward_tasks(tmp_path / "tasks")
+    runs = tmp_path / "runs"
+    train_flow(parse_run_config(run_config(runs, model, data, "night-1", steps=2)))
+    assert read_run_info(RunPaths(runs / "night-1")).parent is None  # it started from a plain model dir
+    evaluation = run_config(runs, model, data, "night-1-eval", steps=0)
+    evaluate_flow(parse_run_config(evaluation), split="all", from_run="night-1")
+    info = read_run_info(RunPaths(runs / "night-1-eval"))
+    assert info.flow == "evaluate" and info.parent is not None
+    assert info.parent.run_id == "night-1" and info.parent.checkpoint.endswith("night-1/checkpoints/step_1")
+    # the weights evaluated are the train run's last ones, not the model the config named
+    trained = read_run_info(RunPaths(runs / "night-1"))
+    assert info.model.weights_sha256 != trained.model.weights_sha256
+    with pytest.raises(RunDirError, match="no-such-run: no checkpoint with weights"):
+        evaluate_flow(parse_run_config({**evaluation, "run_id": "orphan"}), from_run="no-such-run")

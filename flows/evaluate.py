@@ -37,13 +37,14 @@ def evaluate_flow(
     split: Split = Field("eval", description="Which prompts to evaluate: the `eval` split, `train`, or `all`."),
     from_run: str | None = Field(
         None,
-        description="A train run in config.output_dir whose final checkpoint to evaluate (it becomes the model; "
-        "run.json records the run as the parent). Empty: config.model.",
+        description="A train run whose final checkpoint to evaluate: its run_id in config.output_dir, or its run "
+        "dir (it becomes the model; run.json records the run as the parent). Empty: config.model.",
     ),
 ) -> dict[str, float]:
     """Prepare, start the engine, run `rollout.n_samples_per_prompt` trials per prompt of `split`, score them."""
     if from_run:
-        ckpt = final_checkpoint(Path(config.output_dir) / from_run)
+        run_dir = Path(from_run) if "/" in from_run else Path(config.output_dir) / from_run
+        ckpt = final_checkpoint(run_dir)
         config = config.model_copy(update={"model": config.model.model_copy(update={"source": str(ckpt)})})
     cfg = start_run(config, "evaluate")
     with run_events("evaluate", cfg.run_id, cfg.run_dir):  # grpoflow.run.completed / failed when it ends

@@ -39,6 +39,7 @@ class DeploymentSpec:
     tags: list[str] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
     schedules: list[ScheduleSpec] = field(default_factory=list)
+    triggers: list[dict[str, Any]] = field(default_factory=list)  # event triggers, as prefect.yaml writes them
     enforce_parameter_schema: bool = True
     concurrency_limit: int | None = None
 
@@ -65,6 +66,9 @@ def read_specs(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
             if not isinstance(s, dict) or set(s) - {"cron", "timezone", "active"} or "cron" not in s:
                 raise GrpoflowError(f"{where} ({d['name']}): only cron schedules (cron, timezone, active) are served")
             schedules.append(ScheduleSpec(s["cron"], s.get("timezone"), s.get("active", True)))
+        triggers = list(d.get("triggers") or [])
+        if any(not isinstance(t, dict) or t.get("type") != "event" for t in triggers):
+            raise GrpoflowError(f"{where} ({d['name']}): only event triggers (type: event) are served")
         specs.append(
             DeploymentSpec(
                 name=d["name"],
@@ -73,6 +77,7 @@ def read_specs(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
                 tags=list(d.get("tags") or []),
                 parameters=dict(d.get("parameters") or {}),
                 schedules=schedules,
+                triggers=triggers,
                 enforce_parameter_schema=d.get("enforce_parameter_schema", True),
                 concurrency_limit=d.get("concurrency_limit"),
             )
@@ -85,6 +90,7 @@ def read_specs(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
 def build_deployments(specs: list[DeploymentSpec]):
     """`RunnerDeployment`s for `prefect.serve`. Call from the repository root: Prefect records each flow's
     entrypoint relative to the working directory, which makes them equal to the yaml's."""
+    from prefect.events import DeploymentEventTrigger
     from prefect.flows import load_flow_from_entrypoint
     from prefect.schedules import Cron
 
@@ -101,6 +107,7 @@ def build_deployments(specs: list[DeploymentSpec]):
                 tags=s.tags,
                 parameters=s.parameters,
                 schedules=[Cron(c.cron, timezone=c.timezone, active=c.active) for c in s.schedules],
+                triggers=[DeploymentEventTrigger(**t) for t in s.triggers],
                 enforce_parameter_schema=s.enforce_parameter_schema,
                 concurrency_limit=s.concurrency_limit,
             )
@@ -126,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             specs = [s for s in specs if s.name in args.only]
         if args.list:
             for s in specs:
-                when = "; ".join(f"{c.cron} {c.timezone or 'UTC'}" for c in s.schedules) or "manual"
+                on = [f"on {', '.join(sorted(t.get('expect') or []))}" for t in s.triggers]
+                when = "; ".join([*(f"{c.cron} {c.timezone or 'UTC'}" for c in s.schedules), *on]) or "manual"
                 print(f"{s.name:18} {s.entrypoint:36} {when}")
             return 0
         os.chdir(ROOT)

@@ -133,8 +133,7 @@ def test_nightly_evaluate_form_shows_its_parameters(prefect_stack, browser):
     )
     assert ["eval", "train", "all"] in browser.evaluate(SELECTS)
     assert "eval" in browser.evaluate(SELECTED)
-    text = browser.open(f"{prefect_stack.ui}/deployments/deployment/{dep['id']}", ["nightly-evaluate", "Schedules"])
-    assert "At 06:00 AM every day" in text, text[:3000]  # the timezone itself: test_deploy's schedule test
+    browser.open(f"{prefect_stack.ui}/deployments/deployment/{dep['id']}", ["nightly-evaluate", "Triggers"])
     _shot(browser, "nightly-evaluate-deployment.png")
 
 

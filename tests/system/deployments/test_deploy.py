@@ -4,6 +4,7 @@ schedules, what it refuses, and a manual-train run triggered through the API and
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
 
@@ -22,9 +23,14 @@ TRAIN_AND_EVALUATE = ["nightly-train", "nightly-evaluate", "manual-train"]
 def test_yaml_declares_the_deployments_the_issue_asks_for():
     specs = {s.name: s for s in read_specs()}
     assert set(specs) == {"nightly-train", "nightly-evaluate", "manual-train", "rerun", "resume"}
+    (sched,) = specs["nightly-train"].schedules
+    assert sched.cron and sched.timezone and sched.active
+    # the evaluation follows each completed nightly-train run (its event), not a clock, on that run's checkpoint
+    (trigger,) = specs["nightly-evaluate"].triggers
+    assert not specs["nightly-evaluate"].schedules and trigger["expect"] == ["grpoflow.run.completed"]
+    assert trigger["match_related"]["prefect.resource.name"] == "nightly-train"
+    assert trigger["parameters"] == {"from_run": "{{ event.payload.run_dir }}"}
     for name in ("nightly-train", "nightly-evaluate"):
-        (sched,) = specs[name].schedules
-        assert sched.cron and sched.timezone and sched.active, name
         assert specs[name].parameters["config"], f"{name}: nightly parameters are explicit"
         assert "run_id" not in specs[name].parameters["config"], f"{name}: a fixed run_id would collide the 2nd night"
     assert specs["manual-train"].parameters == {} and not specs["manual-train"].schedules  # the form shows defaults
@@ -70,7 +76,7 @@ def test_rerun_and_resume_deploy(prefect_stack):
         assert d["work_pool_name"] == POOL and d["enforce_parameter_schema"] is True
 
 
-@pytest.mark.parametrize("name, local_hour", [("nightly-train", 1), ("nightly-evaluate", 6)])
+@pytest.mark.parametrize("name, local_hour", [("nightly-train", 1)])
 def test_server_schedules_nightly_runs_in_the_declared_timezone(prefect_stack, name, local_hour):
     """The server itself expands the cron: in winter and in summer (DST) the runs start at the same Berlin hour,
     i.e. at different UTC hours. The runs are far in the future (no worker takes them) and deleted afterwards."""
@@ -199,3 +205,38 @@ def test_nightly_evaluate_run_through_the_api(prefect_stack, tiny_model_dir):
     assert fr["name"] == "evaluate-deployed-eval"
     assert "deployed-eval-evaluation" in artifacts_of(stack, fr["id"])
     assert (stack.tmp / "runs" / "deployed-eval" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_a_completed_nightly_train_run_triggers_its_evaluation(prefect_stack, tiny_model_dir):
+    """Night 1: nightly-train runs (a tiny config in place of its nightly one) and completes; its
+    `grpoflow.run.completed` event makes the server start nightly-evaluate on that run's final checkpoint, and the
+    evaluation's run.json links back to it."""
+    stack = prefect_stack
+    ev = stack.deployments["nightly-evaluate"]
+    runs = stack.tmp / "nights"
+    eval_config = {**tiny_config("", runs, tiny_model_dir), "run_id": None, "train": {"eval_samples_per_prompt": 0}}
+    r = stack.request("PATCH", f"/deployments/{ev['id']}", {"parameters": {"config": eval_config, "split": "all"}})
+    assert r.status_code == 204, r.text
+    before = {fr["id"] for fr in stack.flow_runs("nightly-evaluate")}
+    try:
+        cfg = tiny_config("night-1", runs, tiny_model_dir)
+        r = stack.post(
+            f"/deployments/{stack.deployments['nightly-train']['id']}/create_flow_run", {"parameters": {"config": cfg}}
+        )
+        assert r.status_code == 201, r.text
+        train = stack.wait_final(r.json()["id"])
+        assert train["state_type"] == "COMPLETED", (stack.tmp / "worker.log").read_text(errors="replace")[-5000:]
+        deadline = time.monotonic() + 120
+        while not (new := [fr for fr in stack.flow_runs("nightly-evaluate") if fr["id"] not in before]):
+            assert time.monotonic() < deadline, "no nightly-evaluate run followed the train run's completed event"
+            time.sleep(1)
+        (triggered,) = new
+        assert triggered["parameters"]["from_run"] == str((runs / "night-1").resolve())
+        done = stack.wait_final(triggered["id"])
+        assert done["state_type"] == "COMPLETED", (stack.tmp / "worker.log").read_text(errors="replace")[-5000:]
+    finally:
+        stack.request("PATCH", f"/deployments/{ev['id']}", {"parameters": ev["parameters"]})
+    evaluated = [json.loads(p.read_text()) for p in runs.glob("*/run.json") if p.parent.name != "night-1"]
+    (info,) = evaluated
+    assert info["flow"] == "evaluate" and info["parent"]["run_id"] == "night-1"
+    assert info["parent"]["checkpoint"].endswith("night-1/checkpoints/step_0")

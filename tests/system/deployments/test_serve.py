@@ -33,6 +33,9 @@ def test_serve_builds_what_the_yaml_declares(monkeypatch):
         assert dep.enforce_parameter_schema is True and dep.work_pool_name is None
         got = [(s.schedule.cron, s.schedule.timezone, s.active) for s in dep.schedules]
         assert got == [(c.cron, c.timezone, c.active) for c in spec.schedules]
+        assert [(t.expect, t.parameters) for t in dep.triggers] == [
+            (set(t["expect"]), t["parameters"]) for t in spec.triggers
+        ]
         assert dep._parameter_openapi_schema.properties, spec.name
 
 

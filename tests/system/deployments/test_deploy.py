@@ -10,9 +10,12 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from flows.cli import main as cli_main
 from flows.serve import ROOT, read_specs
 from grpoflow.config import parse_run_config
+from grpoflow.ledger import unaccounted
 from grpoflow.prepare.presets import load_preset
+from grpoflow.run.metrics import read_step_records, training_rows
 from tests.system.deployments.conftest import POOL, artifacts_of, dumps, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -207,36 +210,46 @@ def test_nightly_evaluate_run_through_the_api(prefect_stack, tiny_model_dir):
     assert (stack.tmp / "runs" / "deployed-eval" / "metrics.jsonl").read_text().count("\n") == 1
 
 
-def test_a_completed_nightly_train_run_triggers_its_evaluation(prefect_stack, tiny_model_dir):
-    """Night 1: nightly-train runs (a tiny config in place of its nightly one) and completes; its
-    `grpoflow.run.completed` event makes the server start nightly-evaluate on that run's final checkpoint, and the
-    evaluation's run.json links back to it."""
+def test_two_nights_train_then_evaluate_by_event(prefect_stack, tiny_model_dir, capsys):
+    """Two nights: nightly-train runs (a tiny config in place of its nightly one) and completes; each run's
+    `grpoflow.run.completed` event makes the server start nightly-evaluate on that run's final checkpoint, whose
+    run.json links back to it. Then the morning report: each night's ledger balances, `grpoflow tasks` shows both
+    nights per task, and each night left its trajectory viewer."""
     stack = prefect_stack
     ev = stack.deployments["nightly-evaluate"]
     runs = stack.tmp / "nights"
     eval_config = {**tiny_config("", runs, tiny_model_dir), "run_id": None, "train": {"eval_samples_per_prompt": 0}}
     r = stack.request("PATCH", f"/deployments/{ev['id']}", {"parameters": {"config": eval_config, "split": "all"}})
     assert r.status_code == 204, r.text
-    before = {fr["id"] for fr in stack.flow_runs("nightly-evaluate")}
     try:
-        cfg = tiny_config("night-1", runs, tiny_model_dir)
-        r = stack.post(
-            f"/deployments/{stack.deployments['nightly-train']['id']}/create_flow_run", {"parameters": {"config": cfg}}
-        )
-        assert r.status_code == 201, r.text
-        train = stack.wait_final(r.json()["id"])
-        assert train["state_type"] == "COMPLETED", (stack.tmp / "worker.log").read_text(errors="replace")[-5000:]
-        deadline = time.monotonic() + 120
-        while not (new := [fr for fr in stack.flow_runs("nightly-evaluate") if fr["id"] not in before]):
-            assert time.monotonic() < deadline, "no nightly-evaluate run followed the train run's completed event"
-            time.sleep(1)
-        (triggered,) = new
-        assert triggered["parameters"]["from_run"] == str((runs / "night-1").resolve())
-        done = stack.wait_final(triggered["id"])
-        assert done["state_type"] == "COMPLETED", (stack.tmp / "worker.log").read_text(errors="replace")[-5000:]
+        for night in ("night-1", "night-2"):
+            before = {fr["id"] for fr in stack.flow_runs("nightly-evaluate")}
+            cfg = tiny_config(night, runs, tiny_model_dir)
+            r = stack.post(
+                f"/deployments/{stack.deployments['nightly-train']['id']}/create_flow_run",
+                {"parameters": {"config": cfg}},
+            )
+            assert r.status_code == 201, r.text
+            train = stack.wait_final(r.json()["id"])
+            assert train["state_type"] == "COMPLETED", (stack.tmp / "worker.log").read_text(errors="replace")[-5000:]
+            deadline = time.monotonic() + 120
+            while not (new := [fr for fr in stack.flow_runs("nightly-evaluate") if fr["id"] not in before]):
+                assert time.monotonic() < deadline, f"no nightly-evaluate run followed {night}'s completed event"
+                time.sleep(1)
+            (triggered,) = new
+            assert triggered["parameters"]["from_run"] == str((runs / night).resolve())
+            done = stack.wait_final(triggered["id"])
+            assert done["state_type"] == "COMPLETED", (stack.tmp / "worker.log").read_text(errors="replace")[-5000:]
     finally:
         stack.request("PATCH", f"/deployments/{ev['id']}", {"parameters": ev["parameters"]})
-    evaluated = [json.loads(p.read_text()) for p in runs.glob("*/run.json") if p.parent.name != "night-1"]
-    (info,) = evaluated
-    assert info["flow"] == "evaluate" and info["parent"]["run_id"] == "night-1"
-    assert info["parent"]["checkpoint"].endswith("night-1/checkpoints/step_0")
+    infos = [json.loads(p.read_text()) for p in runs.glob("*/run.json")]
+    parents = sorted(i["parent"]["run_id"] for i in infos if i["flow"] == "evaluate")
+    assert parents == ["night-1", "night-2"]  # each night evaluated once, on its own checkpoint
+    for night in ("night-1", "night-2"):
+        rows = read_step_records(runs / night / "metrics.jsonl")
+        assert rows and all(unaccounted(r) == 0 and r["ledger/generated"] > 0 for r in training_rows(rows))
+        assert (runs / night / "viewer.html").is_file()  # rendered in Chromium by tests/integration/flows
+    capsys.readouterr()
+    assert cli_main(["tasks", "--output-dir", str(runs)]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| task |"))
+    assert "| night-1 |" in header and "| night-2 |" in header

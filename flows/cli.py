@@ -165,11 +165,12 @@ def _tasks(output_dir: Path) -> int:
     if not output_dir.is_dir():
         print(f"grpoflow: error: output dir {output_dir} does not exist", file=sys.stderr)
         return 2
-    run_ids, tasks = task_health(output_dir)
+    unreadable: list[str] = []
+    run_ids, tasks = task_health(output_dir, unreadable)
     if not run_ids:
         print(f"grpoflow: no runs with trials in {output_dir}")
         return 0
-    print(health_markdown(run_ids, tasks), end="")
+    print(health_markdown(run_ids, tasks, unreadable), end="")
     return 0
 
 

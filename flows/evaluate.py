@@ -21,9 +21,10 @@ from flows.common import (
     start_run,
 )
 from grpoflow.cluster import ray_session
-from grpoflow.config import RunConfig
+from grpoflow.config import DatasetConfig, PromptsConfig, RunConfig, read_config_file
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.rollout.workers import rollout_workers
+from grpoflow.run.health import write_run_tasks
 from grpoflow.run.info import final_checkpoint, update_run_info
 from grpoflow.run.metrics import append_step
 from tasks.rollout import run_trials_task
@@ -43,12 +44,26 @@ def evaluate_flow(
 ) -> dict[str, float]:
     """Prepare, start the engine, run `rollout.n_samples_per_prompt` trials per prompt of `split`, score them."""
     if from_run:
-        run_dir = Path(from_run) if "/" in from_run else Path(config.output_dir) / from_run
-        ckpt = final_checkpoint(run_dir)
-        config = config.model_copy(update={"model": config.model.model_copy(update={"source": str(ckpt)})})
+        config = of_train_run(config, Path(from_run) if "/" in from_run else Path(config.output_dir) / from_run)
     cfg = start_run(config, "evaluate")
     with run_events("evaluate", cfg.run_id, cfg.run_dir):  # grpoflow.run.completed / failed when it ends
         return _evaluate(cfg, split)
+
+
+def of_train_run(config: RunConfig, run_dir: Path) -> RunConfig:
+    """`config` on a finished train run's final checkpoint, with that run's seed, dataset and prompt settings:
+    its eval split is then the one the run held out (another seed or filter would split the tasks otherwise, and
+    the evaluation would count tasks the run trained on)."""
+    ckpt = final_checkpoint(run_dir)
+    parent = read_config_file(run_dir / "config.json")
+    return config.model_copy(
+        update={
+            "model": config.model.model_copy(update={"source": str(ckpt)}),
+            "seed": parent.get("seed", config.seed),
+            "dataset": DatasetConfig.model_validate(parent.get("dataset", {})),
+            "prompts": PromptsConfig.model_validate(parent.get("prompts", {})),
+        }
+    )
 
 
 def _evaluate(cfg: RunConfig, split: str) -> dict[str, float]:
@@ -65,6 +80,7 @@ def _evaluate(cfg: RunConfig, split: str) -> dict[str, float]:
         result = run_trials_task(cfg, 0, prompts, engine.url, run.model.path, run.paths, workers=workers)
     metrics = {"step": 0, **result.metrics}
     append_step(run.paths.metrics, 0, result.metrics)  # wall-clock keys go to timings.jsonl
+    write_run_tasks(run.paths.root)  # what `grpoflow tasks` reads of this run
     create_markdown_artifact(
         key=f"{cfg.run_id}-evaluation",
         markdown=evaluation_summary(cfg, split, len(prompts), metrics),

@@ -187,7 +187,7 @@ def train_steps(
                     if busy is not None and engine_busy is not None:
                         record["time/engine_busy_s"] = engine_busy - busy
                     record["time/wall_s"] = time.perf_counter() - t0  # the whole step, its syncs and commit included
-                    record |= time_ledger(record)
+                    record |= time_ledger(record, cfg.cluster.train_ranks)
                     commits.finish(trainer, ckpt, step, record, full)
                     print(
                         f"step {step + 1}/{cfg.train.steps}: reward {record['rollout/reward_mean']:.3f} "
@@ -326,9 +326,10 @@ def report(cfg: RunConfig, paths) -> None:
             )
         )
     write_run_tasks(paths.root)
+    unreadable: list[str] = []
     create_markdown_artifact(
         key=f"{run_id}-tasks",
-        markdown=health_markdown(*task_health(Path(cfg.output_dir))),
+        markdown=health_markdown(*task_health(Path(cfg.output_dir), unreadable), unreadable),
         description=f"Task health across the runs in {cfg.output_dir}",
     )
     viewer = write_viewer(paths, run_id)

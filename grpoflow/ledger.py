@@ -17,7 +17,7 @@ So `ledger/generated` = `ledger/trained` + the sum of `ledger/discarded/<reason>
 metrics.jsonl). `ledger/after_truncation` says how many of the generated tokens came after a turn was cut off
 (always 0 with the early exit). Seconds (timings.jsonl): `ledger/engine_s` (the engines' own compute),
 `ledger/sandbox_s` (trials' commands and sandbox overhead, summed over trials), `ledger/trainer_s` (update,
-commit, sync). With hourly rates (`report.cost_per_gpu_hour` for engine and trainer seconds,
+commit, sync; once per trainer rank). With hourly rates (`report.cost_per_gpu_hour` for engine and trainer seconds,
 `report.cost_per_sandbox_hour`) the run's summary prices a trained token.
 """
 
@@ -73,10 +73,13 @@ def token_ledger(record: dict[str, Any], rollout_discarded: dict[str, float]) ->
     }
 
 
-def time_ledger(record: dict[str, Any]) -> dict[str, float]:
-    """The seconds of the ledger, once the step's record has its `time/` keys (commit and sync included)."""
+def time_ledger(record: dict[str, Any], train_ranks: int = 1) -> dict[str, float]:
+    """The seconds of the ledger, once the step's record has its `time/` keys (commit and sync included). The
+    trainer's count once per rank (`cluster.train_ranks`): each holds its device for the update; the engines'
+    (`time/engine_busy_s`) are summed over replicas already."""
+    trainer = sum(record.get(k, 0.0) for k in ("time/train_s", "time/commit_s", "time/sync_s"))
     out = {
-        "ledger/trainer_s": sum(record.get(k, 0.0) for k in ("time/train_s", "time/commit_s", "time/sync_s")),
+        "ledger/trainer_s": trainer * train_ranks,
         "ledger/sandbox_s": record.get("rollout/tool_time_s", 0.0) + record.get("rollout/overhead_time_s", 0.0),
     }
     if "time/engine_busy_s" in record:
@@ -126,4 +129,8 @@ def ledger_table(total: dict[str, float]) -> list[dict[str, Any]]:
     for key, label in (("cost", "cost"), ("cost_per_million_trained_tokens", "cost per million trained tokens")):
         if f"ledger/{key}" in total:
             rows.append({"item": label, "value": total[f"ledger/{key}"]})
+    if "ledger/cost" in total and "ledger/engine_s" not in total:
+        rows.append(
+            {"item": "cost leaves the engine out: it reported no busy seconds (SGLang does not)", "value": None}
+        )
     return rows

@@ -76,15 +76,15 @@ def run_dirs(output_dir: Path) -> list[tuple[str, Path]]:
 TASKS_FILE = "tasks.json"  # a run's own counts per task, written when it ends: the index reads these, not samples
 
 
-def run_tasks(root: Path) -> tuple[str, dict[str, TaskRun]]:
+def run_tasks(root: Path, recount: bool = False) -> tuple[str, dict[str, TaskRun]]:
     """(sandbox provider, per task its counts) of one run: from its `tasks.json`, or counted from its samples
-    (a run that has not ended, or one from before the file existed)."""
+    (`recount`, a run that has not ended, or one from before the file existed)."""
     path = root / TASKS_FILE
-    if path.is_file():
+    if path.is_file() and not recount:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             return data["provider"], {k: TaskRun(root.name, **v) for k, v in data["tasks"].items()}
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             pass  # damaged: count again from the samples
     seen: dict[str, TaskRun] = {}
     for details in sorted((root / "details").glob("*")) if (root / "details").is_dir() else []:
@@ -99,23 +99,30 @@ def run_tasks(root: Path) -> tuple[str, dict[str, TaskRun]]:
                 tr.passed += s.reward >= PASS
             elif s.exit_status in INFRA_STATUSES:
                 tr.infra_errors += 1
+            tr.infra_errors += int(s.metrics.get("retries", 0))  # attempts lost to the sandbox, then retried
     return _provider(root), seen
 
 
 def write_run_tasks(root: Path) -> Path:
     """`tasks.json` of a run that ended: what `task_health` reads of it."""
-    provider, counts = run_tasks(root)
+    provider, counts = run_tasks(root, recount=True)  # a resumed run ends again: count what it has now
     tasks = {k: {"graded": t.graded, "passed": t.passed, "infra_errors": t.infra_errors} for k, t in counts.items()}
     write_json_atomic(root / TASKS_FILE, {"provider": provider, "tasks": tasks})
     return root / TASKS_FILE
 
 
-def task_health(output_dir: Path) -> tuple[list[str], list[TaskHealth]]:
-    """(the run ids read, oldest first; every task's health, by name)."""
+def task_health(output_dir: Path, unreadable: list[str] | None = None) -> tuple[list[str], list[TaskHealth]]:
+    """(the run ids read, oldest first; every task's health, by name). A run whose records cannot be read is left
+    out, and named in `unreadable` (with why) when given: one damaged run must not hide the others."""
     tasks: dict[str, TaskHealth] = {}
     run_ids: list[str] = []
     for _, root in run_dirs(output_dir):
-        provider, seen = run_tasks(root)
+        try:
+            provider, seen = run_tasks(root)
+        except (OSError, ValueError) as err:  # a damaged samples.jsonl, or one of another grpoflow's schema
+            if unreadable is not None:
+                unreadable.append(f"{root.name}: {type(err).__name__}: {' '.join(str(err).split())[:200]}")
+            continue
         if seen:
             run_ids.append(root.name)
         for name, tr in sorted(seen.items()):
@@ -133,9 +140,9 @@ def _provider(root: Path) -> str:
         return "unknown"
 
 
-def health_markdown(run_ids: list[str], tasks: list[TaskHealth]) -> str:
+def health_markdown(run_ids: list[str], tasks: list[TaskHealth], unreadable: list[str] | None = None) -> str:
     """A table: a row per task, a column per run (pass rate, `-` where the run did not run it), the flag and
-    the infrastructure errors by provider."""
+    the infrastructure errors (failed or retried attempts) by provider; then the runs left out."""
     head = ["task", *run_ids, "flag", "infra errors"]
     lines = [
         f"# Task health over {len(run_ids)} runs",
@@ -148,6 +155,8 @@ def health_markdown(run_ids: list[str], tasks: list[TaskHealth]) -> str:
         cells = [_rate(by_run.get(run)) for run in run_ids]
         infra = ", ".join(f"{p}: {n}" for p, n in sorted(t.infra_by_provider.items())) or "-"
         lines.append("| " + " | ".join([t.task, *cells, t.flag or "-", infra]) + " |")
+    if unreadable:
+        lines += ["", "Left out (unreadable): " + "; ".join(unreadable)]
     return "\n".join(lines) + "\n"
 
 

@@ -7,6 +7,7 @@ naming it, instead of turning into a default where it is read.
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 from datetime import datetime, timezone
@@ -20,7 +21,7 @@ from grpoflow.errors import RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.prepare.dataset import Dataset
 from grpoflow.prepare.model import PreparedModel
-from grpoflow.run.paths import RunPaths, step_of
+from grpoflow.run.paths import RunPaths
 
 _TRACKED_PACKAGES = ("grpoflow", "torch", "transformers", "tokenizers", "safetensors", "harbor", "prefect", "gguf")
 
@@ -121,17 +122,19 @@ def parent_of(model_source: str) -> Parent | None:
 
 
 def final_checkpoint(run_dir: Path) -> Path:
-    """The checkpoint a finished train run ends with (its last step's, holding the weights the engine served; a
-    LoRA run's the merged model); one line naming the run dir when there is none."""
-    root = Path(run_dir) / "checkpoints"
-    steps = sorted(
-        (n, p)
-        for p in (root.iterdir() if root.is_dir() else [])
-        if (n := step_of(p)) is not None and any(p.glob("*.safetensors"))
-    )
-    if not steps:
-        raise RunDirError(f"{run_dir}: no checkpoint with weights (is it a finished train run?)")
-    return steps[-1][1]
+    """The checkpoint a finished train run ends with: its last step's (`train.steps` - 1), complete (`step.json`)
+    with weights (a LoRA run's merged model). One line naming the run dir when it is no run, or not finished."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise RunDirError(f"{run_dir}: no such run (no config.json)")
+    try:
+        steps = int(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["train"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RunDirError(f"{run_dir / 'config.json'}: unreadable as a run config: {err}") from None
+    last = run_dir / "checkpoints" / f"step_{steps - 1}"
+    if steps < 1 or not (last / "step.json").is_file() or not any(last.glob("*.safetensors")):
+        raise RunDirError(f"{run_dir}: not a finished train run (no complete checkpoint of its last step, {last.name})")
+    return last
 
 
 def write_run_info(paths: RunPaths, info: RunInfo) -> None:

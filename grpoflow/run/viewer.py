@@ -38,12 +38,25 @@ def _order(details_dir: Path) -> tuple[int, int]:
     return (0 if kind == "step" else 1, int(n) if n.isdigit() else 0)
 
 
+MAX_MESSAGE_CHARS = 4000  # a longer message (a command's flood of output) is cut: the page stays readable
+
+
 def _trials(samples: list[Sample]) -> dict[str, list[Sample]]:
-    """group id -> its trials (first segment of each), in sample order."""
-    groups: dict[str, list[Sample]] = defaultdict(list)
+    """group id -> its trials, in sample order: a compacted trial's segments joined into one (all their messages
+    in order, their generated tokens summed; it stands under its first segment's id and verdict)."""
+    segments: dict[str, list[Sample]] = defaultdict(list)
     for s in samples:
-        if s.segment_index == 0:
-            groups[s.group_id].append(s)
+        segments[s.rollout_id].append(s)
+    groups: dict[str, list[Sample]] = defaultdict(list)
+    for parts in segments.values():
+        parts.sort(key=lambda s: s.segment_index)
+        first = parts[0]
+        if len(parts) > 1:
+            marked = []
+            for p in parts:
+                marked += [{"role": "system", "content": f"(segment {p.segment_index})"}, *p.messages]
+            first = first.model_copy(update={"messages": marked, "loss_mask": [m for p in parts for m in p.loss_mask]})
+        groups[first.group_id].append(first)
     return groups
 
 
@@ -75,6 +88,8 @@ def _trial_html(s: Sample, label: str) -> str:
         note = "<br><i>(cut off here: the turn reached max_new_tokens)</i>" if cut else ""
         content = m.get("content")
         text = content if isinstance(content, str) else str(content)
+        if len(text) > MAX_MESSAGE_CHARS:
+            text = text[:MAX_MESSAGE_CHARS] + f"\n… ({len(text) - MAX_MESSAGE_CHARS} more characters)"
         msgs.append(f"<div class='msg {role}{' cut' if cut else ''}'><b>{role}</b>: {html.escape(text)}{note}</div>")
     kind = label if label in ("best", "worst") else "alike"
     return f"<div class='trial {kind}'><div class=meta>{' · '.join(meta)}</div>{''.join(msgs)}</div>"

@@ -27,3 +27,16 @@ def test_the_page_marks_the_cut_turn_and_escapes_text(tmp_path):
     assert "make &lt;b&gt;ok&lt;/b&gt;" in page and "<b>ok</b>" not in page
     cut = page.index("cut off here")
     assert page.rindex("touch ok &amp;&amp; echo &lt;cut", 0, cut) > page.index("g-1")
+
+
+def test_a_compacted_trial_shows_all_its_segments_and_long_output_is_cut(tmp_path):
+    first, second = _trial("g", 0, 1.0), _trial("g", 0, 1.0, reply="echo " + "x" * 9000)
+    second.segment_index = 1
+    second.messages = [{"role": "assistant", "content": "echo " + "x" * 9000}]
+    write_jsonl_atomic(
+        tmp_path / "details" / "step_0" / "samples.jsonl", (s.model_dump(mode="json") for s in [first, second])
+    )
+    page = render_viewer(RunPaths(tmp_path), "r")
+    assert "(segment 0)" in page and "(segment 1)" in page and page.count("g-0") >= 1
+    assert "2 generated tokens" in page  # both segments' (1 each)
+    assert "more characters)" in page and "x" * 5000 not in page

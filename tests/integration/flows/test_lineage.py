@@ -2,6 +2,7 @@
 evaluates the weights the train run ended with."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -30,5 +31,6 @@ def test_an_evaluation_of_a_train_run_records_it_as_parent(tmp_path, tiny_model_
     # the weights evaluated are the train run's last ones, not the model the config named
     trained = read_run_info(RunPaths(runs / "night-1"))
     assert info.model.weights_sha256 != trained.model.weights_sha256
-    with pytest.raises(RunDirError, match="no-such-run: no checkpoint with weights"):
+    assert Path(info.model.path).resolve() == Path(info.parent.checkpoint).resolve()  # that checkpoint's weights
+    with pytest.raises(RunDirError, match="no-such-run: no such run"):
         evaluate_flow(parse_run_config({**evaluation, "run_id": "orphan"}), from_run="no-such-run")

@@ -8,7 +8,7 @@ import pytest
 from flows.cli import main
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
-from grpoflow.run.health import task_health
+from grpoflow.run.health import run_tasks, task_health
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
@@ -29,7 +29,9 @@ def test_two_nights_per_task_with_flags_and_infra_errors(tmp_path, tiny_model_di
         train_flow(parse_run_config(cfg))
     (runs / "not-a-run").mkdir()  # a stray dir is no run
     assert (runs / "night-1" / "tasks.json").is_file()  # each run's own counts, written as it ended
-    (runs / "night-2" / "tasks.json").unlink()  # a run without them is counted from its samples: the same
+    for night in ("night-1", "night-2"):  # the file says what counting the samples again says
+        assert run_tasks(runs / night) == run_tasks(runs / night, recount=True)
+    (runs / "night-2" / "tasks.json").unlink()  # a run without them is counted from its samples
     run_ids, tasks = task_health(runs)
     assert run_ids == ["night-1", "night-2"]
     health = {t.task: t for t in tasks}

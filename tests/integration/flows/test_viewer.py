@@ -37,7 +37,8 @@ def test_the_viewer_shows_the_best_and_worst_trial_of_every_group(run_dir):
         for trials in _groups(run_dir / "details" / details).values():
             best, worst = best_and_worst(trials)
             assert html.escape(best.rollout_id) in page and html.escape(worst.rollout_id) in page
-            assert (best.reward or 0) >= (worst.reward or 0)
+            rewards = [t.reward for t in trials if t.reward is not None]
+            assert best.reward == max(rewards, default=None) and worst.reward in (min(rewards, default=None), None)
     truncated = [
         s for d in ("step_0", "step_1") for s in read_samples(run_dir / "details" / d) if s.status == "TRUNCATED"
     ]

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
 
 from flows.evaluate import evaluate_flow
 from flows.train import train_flow
@@ -35,8 +36,10 @@ def _cfg(tmp_path, model, run_id, evals=0, **over):
 
 
 def _artifact_keys(prefix):
+    """The keys of the artifacts named `<prefix>...` (filtered by the server: the folder's runs make many)."""
+    flt = ArtifactCollectionFilter(key=ArtifactCollectionFilterKey(like_=prefix))
     with get_client(sync_client=True) as client:
-        return {a.key for a in client.read_latest_artifacts() if a.key and a.key.startswith(prefix)}
+        return {a.key for a in client.read_latest_artifacts(artifact_filter=flt) if a.key and a.key.startswith(prefix)}
 
 
 def test_train_flow_records_every_step(tmp_path, tiny_model_dir, caplog):

@@ -16,7 +16,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpoflow.errors import RunDirError
+from grpoflow.config import read_config_file
+from grpoflow.errors import ConfigError, RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.info import read_run_info
@@ -135,8 +136,8 @@ def task_health(output_dir: Path, unreadable: list[str] | None = None) -> tuple[
 
 def _provider(root: Path) -> str:
     try:
-        return str(json.loads((root / "config.json").read_text(encoding="utf-8"))["rollout"]["sandbox"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return str(read_config_file(root / "config.json")["rollout"]["sandbox"])
+    except (ConfigError, KeyError, TypeError):
         return "unknown"
 
 

@@ -7,7 +7,6 @@ naming it, instead of turning into a default where it is read.
 
 from __future__ import annotations
 
-import json
 import platform
 import subprocess
 from datetime import datetime, timezone
@@ -124,13 +123,15 @@ def parent_of(model_source: str) -> Parent | None:
 def final_checkpoint(run_dir: Path) -> Path:
     """The checkpoint a finished train run ends with: its last step's (`train.steps` - 1), complete (`step.json`)
     with weights (a LoRA run's merged model). One line naming the run dir when it is no run, or not finished."""
+    from grpoflow.config import read_config_file
+
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise RunDirError(f"{run_dir}: no such run (no config.json)")
     try:
-        steps = int(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["train"]["steps"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise RunDirError(f"{run_dir / 'config.json'}: unreadable as a run config: {err}") from None
+        steps = int(read_config_file(run_dir / "config.json")["train"]["steps"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise RunDirError(f"{run_dir / 'config.json'}: no train.steps ({err})") from None
     last = run_dir / "checkpoints" / f"step_{steps - 1}"
     if steps < 1 or not (last / "step.json").is_file() or not any(last.glob("*.safetensors")):
         raise RunDirError(f"{run_dir}: not a finished train run (no complete checkpoint of its last step, {last.name})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -19,4 +20,17 @@ def descendants(pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
+    return out
+
+
+def descendants_running(text: str, pid: int | None = None) -> list[int]:
+    """The processes below `pid` (this one by default) whose command line holds `text`, children found first."""
+    out = []
+    for child in descendants(os.getpid() if pid is None else pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended while we looked
+            continue
+        if text in cmdline:
+            out.append(child)
     return out

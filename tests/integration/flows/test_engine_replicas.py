@@ -2,16 +2,18 @@
 through the router, every weight sync reaches both replicas (each reports the new weight version), and a
 replica killed mid-run is left out while the run goes on."""
 
+import os
 import shutil
+import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.run.metrics import read_metrics
+from tests.fakes.proc import descendants_running
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
 pytestmark = [
@@ -27,14 +29,6 @@ def _config(tmp_path, tiny_model_dir, run_id):
     cfg = run_config(tmp_path / "runs", model, data, run_id, steps=STEPS)
     cfg["engine"] |= {"replicas": 2, "weight_sync": "distributed"}
     return cfg
-
-
-def _engines() -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if "grpoflow.embedded.engine.server" in " ".join(p.cmdline())
-    ]
 
 
 def test_two_replicas_behind_the_router_serve_every_sync(tmp_path, tiny_model_dir):
@@ -63,9 +57,9 @@ def test_a_replica_killed_mid_run_is_left_out_and_the_run_goes_on(tmp_path, tiny
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
             time.sleep(0.05)
-        victim = max(_engines(), key=lambda p: p.pid)
-        killed.append(victim.pid)
-        victim.kill()
+        victim = max(descendants_running("grpoflow.embedded.engine.server"))
+        killed.append(victim)
+        os.kill(victim, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_one_after_step_0, daemon=True)
     killer.start()

@@ -9,12 +9,12 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.run.metrics import read_metrics
+from tests.fakes.proc import descendants_running
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
@@ -39,16 +39,9 @@ def _config(tmp_path, tiny_model_dir, run_id, address, steps):
     return cfg
 
 
-def _workers() -> list[psutil.Process]:
+def _workers() -> list[int]:
     """The rollout workers' processes of this test's cluster (Ray names an actor's process after its class)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "ray::_Worker" in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    return descendants_running("ray::_Worker")
 
 
 def _journal(root, step) -> list[dict]:
@@ -87,8 +80,8 @@ def test_a_rollout_worker_killed_mid_step_loses_no_finished_trial(tmp_path, tiny
             time.sleep(0.02)
         seen["finished_before"] = {line["rollout_id"] for line in _journal(root, 0)}
         victim = _workers()[0]
-        seen["pid"] = victim.pid
-        os.kill(victim.pid, signal.SIGKILL)
+        seen["pid"] = victim
+        os.kill(victim, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_a_worker_after_the_first_trial, daemon=True)
     killer.start()

@@ -100,7 +100,9 @@ def pct(xs: list[float], q: float) -> float:
 # --- 1. per-request overhead -------------------------------------------------------------------------------
 
 
-def converse(http: httpx.Client, url: str, sid: int, args, extra: dict, lat: list[float]) -> int:
+def converse(
+    http: httpx.Client, url: str, sid: int, args, extra: dict, lat: list[float], headers: dict | None = None
+) -> int:
     """One agent session of `args.turns` turns against `url` (a chat completions endpoint); appends each request's
     latency (s) to `lat`; returns the number of turns cut off at the token limit (0 or 1: it ends the session)."""
     rng = random.Random(sid)
@@ -118,7 +120,7 @@ def converse(http: httpx.Client, url: str, sid: int, args, extra: dict, lat: lis
             **extra,
         }
         t0 = time.perf_counter()
-        r = http.post(url, json=body)
+        r = http.post(url, json=body, headers=headers)
         lat.append(time.perf_counter() - t0)
         if r.status_code != 200:
             raise SystemExit(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
@@ -141,12 +143,17 @@ def overhead(name: str, backend_url: str, model: Path, args, extra: dict) -> tup
     with SessionServer(backend_url, str(model), request_timeout_s=600.0) as srv, httpx.Client(timeout=600.0) as http:
         # warm-up (connections, template compilation, the engine's first forward): not counted
         converse(http, direct, 999, args, extra, [])
-        converse(http, srv.session_url("warmup") + "/chat/completions", 999, args, extra, [])
+
+        def bearer(name: str) -> dict:
+            return {"Authorization": f"Bearer {srv.session_token(name)}"}
+
+        converse(http, srv.session_url("warmup") + "/chat/completions", 999, args, extra, [], bearer("warmup"))
         srv.pop_session("warmup")
         warm = srv.stats()
         for sid in range(args.sessions):  # alternate the paths so both see the same machine load
             cut["a"] += converse(http, direct, sid, args, extra, lat["a"])
-            cut["b"] += converse(http, srv.session_url(f"s{sid}") + "/chat/completions", sid, args, extra, lat["b"])
+            url = srv.session_url(f"s{sid}") + "/chat/completions"
+            cut["b"] += converse(http, url, sid, args, extra, lat["b"], bearer(f"s{sid}"))
         trees = [srv.pop_session(f"s{sid}") for sid in range(args.sessions)]
         stats = {k: v - warm.get(k, 0.0) for k, v in srv.stats().items()}
     n = stats["requests"]

@@ -1,9 +1,14 @@
-"""The session server: an OpenAI-compatible chat front per session, token-exact over SGLang's `/generate`.
+"""The session server: an OpenAI- and Anthropic-compatible chat front per session, token-exact over SGLang's
+`/generate`.
 
-    POST /sessions/<session_id>/v1/chat/completions     GET /sessions/<session_id>/v1/models
-    GET  /v1/models    GET /health    GET /stats
+    POST /sessions/<session_id>/v1/chat/completions     (OpenAI; streamed with stream=true)
+    POST /sessions/<session_id>/v1/messages             (Anthropic Messages; streamed with stream=true)
+    GET  /sessions/<session_id>/v1/models    GET /v1/models    GET /health    GET /stats
 
-A harness gets `SessionServer.session_url(rollout_id)` as its OpenAI `api_base`. Per request the server renders the
+A harness gets `SessionServer.session_url(rollout_id)` as its OpenAI `api_base` (Anthropic clients: the same
+without `/v1`) and `SessionServer.session_token(rollout_id)` as its API key: every session route refuses (401) a
+request without the session's own token (`Authorization: Bearer` or `x-api-key`), so a trial cannot reach another
+trial's session. Per request the server renders the
 chat template (with `tools` when given); when the messages continue an earlier turn of the session (its messages
 and the reply we returned, equal), it reuses that turn's exact prompt + output ids and tokenises only the new
 suffix; otherwise the whole rendering is tokenised and the session's tree branches at the longest common token
@@ -11,20 +16,31 @@ prefix. It then calls the engine's `/generate` with `input_ids` and `return_logp
 `chat.completion` shape: `logprobs.content` when `logprobs` is set, and with `return_token_ids` (vLLM / SGLang's
 name, which Harbor's LiteLLM sends in `extra_body`) `choices[0].token_ids` and `prompt_token_ids`.
 
+Tool calls: with a `tool_call_parser` the reply's text is parsed into `tool_calls` / `tool_use` blocks
+(`grpoflow.rollout.sessions.tool_calls`); the trained tokens stay the generated ones. A reply the harness sends
+back as history (in either API's shape) is recognised by its content and calls and rendered as the text the
+policy generated, so the next prompt extends the turn's exact tokens.
+
 Every request records whether tokenising the whole rendered history would have given other ids than the prompt
 used (`retokenize_mismatch`); `/stats` and `SessionServer.stats()` report the rate.
 
 A turn cut off at the token limit (finish_reason `length`, no EOS) closes its path: a later request that continues
 it gets HTTP 400 (OpenAI error shape, code `session_path_closed`), which ends the harness's episode there. A prompt
 at or past the context length gets 400 with OpenAI's `context_length_exceeded` code (harnesses that compact their
-context react to it). The Authorization header (the harness's API key) is never read or logged.
+context react to it). With `truncation_ends_episode` (harnesses that cannot be stopped from outside: claude-code,
+opencode) a cut-off turn is answered as a final text reply (finish `stop` / `end_turn`, no tool call parsed from
+it), so the harness ends its episode without running the cut action and the trial is verified; the session still
+records the turn as truncated. The API key is compared, never logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import re
+import secrets
 import threading
 import time
 import uuid
@@ -33,17 +49,29 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import Field
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from grpoflow.engine.client import EngineClient, token_budget
 from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError
+from grpoflow.rollout.sessions.tool_calls import ParsedReply, message_key, parse_reply, parsed_key
 from grpoflow.rollout.sessions.tree import SessionTree, Turn
+from grpoflow.rollout.sessions.wire import (
+    WireError,
+    anthropic_error,
+    anthropic_events,
+    anthropic_message,
+    anthropic_messages,
+    anthropic_stop_reason,
+    anthropic_tools,
+    openai_chunks,
+    openai_finish_reason,
+)
 from grpoflow.rollout.tokens import (
     TemplateError,
     encode,
@@ -68,14 +96,49 @@ class ChatRequest(ChatParams):
 
     messages: list[dict[str, Any]] = Field(..., min_length=1)
     tools: list[dict[str, Any]] | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+class MessagesRequest(BaseModel):
+    """An Anthropic Messages request (the fields the session server reads; others are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int = Field(..., ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+
+    def chat(self) -> ChatRequest:
+        """The same request as an internal (OpenAI-shaped) chat request."""
+        try:
+            messages = anthropic_messages(self.system, self.messages)
+        except WireError as e:
+            raise RequestRefused(str(e), "invalid_content") from e
+        return ChatRequest(
+            model=self.model,
+            messages=messages,
+            tools=anthropic_tools(self.tools),
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=self.stop_sequences,
+        )
 
 
 class RequestRefused(Exception):
-    """A request the session cannot serve: answered 400 with an OpenAI error body."""
+    """A request the session cannot serve: answered `status` (400) with the API's error body."""
 
-    def __init__(self, message: str, code: str, kind: str = "invalid_request_error"):
+    def __init__(self, message: str, code: str, kind: str = "invalid_request_error", status: int = 400):
         super().__init__(message)
-        self.code, self.kind = code, kind
+        self.code, self.kind, self.status = code, kind, status
 
 
 @dataclass
@@ -83,6 +146,8 @@ class _Session:
     tree: SessionTree
     seed: int | None = None
     lock: asyncio.Lock | None = None  # created in the server's loop
+    # the harness's view of each reply (content and tool calls) -> the text the policy generated
+    replies: dict[tuple, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,6 +199,7 @@ def create_app(
     tokenizer_path: str,
     store: SessionStore,
     *,
+    secret: bytes,
     model_name: str = "policy",
     max_new_tokens: int | None = None,
     context_length: int | None = None,
@@ -141,13 +207,17 @@ def create_app(
     engine_retries: int = 3,
     sampling: Mapping[str, Any] | None = None,
     lora_path: str | None = None,
+    tool_call_parser: str | None = None,
+    truncation_ends_episode: bool = False,
 ) -> FastAPI:
     """The session server app. `max_new_tokens` caps every turn (the training config's limit wins over the
     harness's `max_tokens`); `context_length` bounds prompt + output (default: what the engine's context
     allows, `grpoflow.engine.client.token_budget`).
     `sampling` (`temperature`, `top_p`, `top_k`) pins what every turn samples with, whatever the harness sends:
     the trainer scores the tokens under the run's sampling, so the engine must sample under it too.
-    `lora_path`: the adapter every generation names (a LoRA run's adapter sync, `grpoflow.train.sync`)."""
+    `lora_path`: the adapter every generation names (a LoRA run's adapter sync, `grpoflow.train.sync`).
+    `secret`: the key of the per-session tokens (`session_token`). `tool_call_parser`: how replies are parsed
+    into tool calls (None: never). `truncation_ends_episode`: see the module doc."""
     tokenizer = load_tokenizer(str(tokenizer_path))
     stop = stop_ids(tokenizer)  # the template's turn end and the EOS; a template without one fails here, at start
     # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
@@ -178,6 +248,19 @@ def create_app(
     def _card() -> dict:
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "grpoflow"}
 
+    def _authorise(session_id: str, request: Request) -> None:
+        if not _SESSION_ID.match(session_id):
+            raise RequestRefused(f"invalid session id {session_id[:80]!r}", "invalid_session_id")
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), session_token(secret, session_id).encode()):
+            raise RequestRefused(
+                f"session {session_id[:80]}: missing or wrong API key (each session takes its own token)",
+                "invalid_api_key",
+                kind="authentication_error",
+                status=401,
+            )
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
@@ -187,33 +270,63 @@ def create_app(
         return store.stats()
 
     @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_card()]}
+
     @app.get("/sessions/{session_id:path}/v1/models")
-    async def models(session_id: str | None = None) -> dict:
+    async def session_models(session_id: str, request: Request) -> dict:
+        _authorise(session_id, request)
         return {"object": "list", "data": [_card()]}
 
     @app.post("/sessions/{session_id:path}/v1/chat/completions")
-    async def chat(session_id: str, req: ChatRequest, request: Request) -> dict:
-        if not _SESSION_ID.match(session_id):
-            raise RequestRefused(f"invalid session id {session_id[:80]!r}", "invalid_session_id")
-        if req.stream:
-            raise RequestRefused("stream=true is not supported by the session server", "unsupported_parameter")
+    async def chat(session_id: str, req: ChatRequest, request: Request):
+        _authorise(session_id, request)
         if req.n != 1:
             raise RequestRefused(
                 f"n={req.n}: a session records one path per request, so n must be 1", "unsupported_parameter"
             )
+        turn, parsed, prompt_ids, logprobs = await _serve(session_id, req, request, "call_")
+        body = _response(tokenizer, req, model_name, prompt_ids, turn, parsed, logprobs, truncation_ends_episode)
+        if req.stream:
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(openai_chunks(body, usage), media_type="text/event-stream")
+        return body
+
+    @app.post("/sessions/{session_id:path}/v1/messages")
+    async def messages(session_id: str, req: MessagesRequest, request: Request):
+        _authorise(session_id, request)
+        turn, parsed, prompt_ids, _ = await _serve(session_id, req.chat(), request, "toolu_")
+        finish = "stop" if turn.truncated and truncation_ends_episode else turn.finish_reason
+        body = anthropic_message(
+            parsed,
+            anthropic_stop_reason(parsed, finish),
+            req.model or model_name,
+            len(prompt_ids),
+            len(turn.output_ids),
+        )
+        if req.stream:
+            return StreamingResponse(anthropic_events(body), media_type="text/event-stream")
+        return body
+
+    async def _serve(
+        session_id: str, req: ChatRequest, request: Request, id_prefix: str
+    ) -> tuple[Turn, ParsedReply, list[int], list[float]]:
         session = store.get(session_id)
         if session.lock is None:
             session.lock = asyncio.Lock()
         async with session.lock:  # a session's requests are sequential; keep them so if a harness misbehaves
-            turn, response = await _turn(session, req)
+            turn, prompt_ids, logprobs = await _turn(session, req)
+            # a cut reply is never parsed: its last call may be cut, and the cut action must not run
+            parsed = parse_reply(turn.reply, None if turn.truncated else tool_call_parser, id_prefix=id_prefix)
+            session.replies[parsed_key(parsed)] = turn.reply
             if await request.is_disconnected():  # the harness gave up on this request: it never sees the reply
                 session.tree.abandon(turn)
-            return response
+            return turn, parsed, prompt_ids, logprobs
 
-    async def _turn(session: _Session, req: ChatRequest) -> tuple[Turn, dict]:
+    async def _turn(session: _Session, req: ChatRequest) -> tuple[Turn, list[int], list[float]]:
         tree = session.tree
         loop = asyncio.get_running_loop()
-        messages = [_template_message(m) for m in req.messages]
+        messages = [_template_message(m, session.replies) for m in req.messages]
         prev = tree.extended_turn(messages)
         if prev is not None and prev.truncated:
             tree.refused += 1
@@ -251,13 +364,24 @@ def create_app(
             weight_version=resp.meta_info.weight_version,
             generation_time_s=gen_s,
         )
-        return turn, _response(tokenizer, req, model_name, prompt_ids, turn, logprobs)
+        return turn, prompt_ids, logprobs
 
     return app
 
 
-def _template_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A request message as the chat template gets it: content as text, fields the template may use kept."""
+def session_token(secret: bytes, session_id: str) -> str:
+    """The API key of one session: a MAC of its id under the server's secret (nothing to store per session, and
+    no session's token says anything about another's)."""
+    return hmac.new(secret, session_id.encode(), hashlib.sha256).hexdigest()
+
+
+def _template_message(m: dict[str, Any], replies: Mapping[tuple, str]) -> dict[str, Any]:
+    """A request message as the chat template gets it: content as text, fields the template may use kept. An
+    assistant message that is one of the session's replies (its content and calls, in the harness's shape)
+    becomes the text the policy generated, tool calls and all, so its rendering is what the policy wrote."""
+    key = message_key(m)
+    if key is not None and key in replies:
+        return {"role": "assistant", "content": replies[key]}
     content = m.get("content")
     if isinstance(content, list):
         parts = []
@@ -335,11 +459,25 @@ def _sampling(
         raise RequestRefused(f"invalid sampling parameters: {e}", "invalid_sampling_parameters") from e
 
 
-def _response(tokenizer, req: ChatRequest, model_name: str, prompt_ids: list[int], turn, logprobs) -> dict:
+def _response(
+    tokenizer,
+    req: ChatRequest,
+    model_name: str,
+    prompt_ids: list[int],
+    turn: Turn,
+    parsed: ParsedReply,
+    logprobs: list[float],
+    truncation_ends_episode: bool,
+) -> dict:
+    finish = "stop" if turn.truncated and truncation_ends_episode else turn.finish_reason
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [c.openai() for c in parsed.tool_calls]
+        message["content"] = parsed.content or None
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": turn.reply},
-        "finish_reason": turn.finish_reason,
+        "message": message,
+        "finish_reason": openai_finish_reason(parsed, finish),
         "logprobs": {"content": _logprob_content(tokenizer, turn.output_ids, logprobs)} if req.logprobs else None,
     }
     body: dict[str, Any] = {
@@ -377,14 +515,16 @@ def _closed(session_id: str, turn: int) -> RequestRefused:
     )
 
 
-def _error(status: int, message: str, kind: str, code: str | None) -> JSONResponse:
+def _error(request: Request, status: int, message: str, kind: str, code: str | None) -> JSONResponse:
+    if request.url.path.endswith("/v1/messages"):  # an Anthropic client reads Anthropic's error shape
+        return JSONResponse(anthropic_error(status, message), status_code=status)
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestRefused)
     async def _refused(request: Request, exc: RequestRefused) -> JSONResponse:
-        return _error(400, str(exc), exc.kind, exc.code)
+        return _error(request, exc.status, str(exc), exc.kind, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -392,18 +532,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         for err in exc.errors()[:3]:
             loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
             parts.append(f"{loc}: {err.get('msg')}")  # never the input: it is the harness's text
-        return _error(400, f"{request.url.path}: " + "; ".join(parts), "invalid_request_error", "invalid_body")
+        return _error(request, 400, f"{request.url.path}: " + "; ".join(parts), "invalid_request_error", "invalid_body")
 
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         log.warning("engine call failed on %s: %s", request.url.path, exc)
-        return _error(502, f"the engine failed: {exc}", "api_error", "engine_error")
+        return _error(request, 502, f"the engine failed: {exc}", "api_error", "engine_error")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Only the path and the exception: headers (the API key) and bodies never reach the log.
         log.error("unhandled error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
-        return _error(500, f"{type(exc).__name__}: {exc}", "api_error", "internal_error")
+        return _error(request, 500, f"{type(exc).__name__}: {exc}", "api_error", "internal_error")
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -421,7 +561,8 @@ class SessionServer:
 
         with SessionServer(engine_url, tokenizer_path, max_new_tokens=256) as srv:
             api_base = srv.session_url(rollout_id, seed=trial_seed)   # ends in /v1
-            ... the harness talks to api_base ...
+            api_key = srv.session_token(rollout_id)
+            ... the harness talks to api_base with api_key ...
             tree = srv.pop_session(rollout_id)                        # after the trial ended
             samples = segment_samples(trial_sample, tree)
     """
@@ -439,8 +580,14 @@ class SessionServer:
         engine_retries: int = 3,
         sampling: Mapping[str, Any] | None = None,
         lora_path: str | None = None,
+        tool_call_parser: str | None = None,
+        truncation_ends_episode: bool = False,
+        public_url: str | None = None,
     ):
+        """`public_url`: the URL sandboxes elsewhere reach this server at (`rollout.session_server_url`); the
+        server then listens on every interface at its port. Without it, on `host` (loopback) at a free port."""
         self.store = SessionStore()
+        self._secret = secrets.token_bytes(32)  # per server: tokens of another run's server are refused
         self._app_kwargs = dict(
             model_name=model_name,
             max_new_tokens=max_new_tokens,
@@ -449,8 +596,18 @@ class SessionServer:
             engine_retries=engine_retries,
             sampling=sampling,
             lora_path=lora_path,
+            tool_call_parser=tool_call_parser,
+            truncation_ends_episode=truncation_ends_episode,
+            secret=self._secret,
         )
         self._engine_url, self._tokenizer_path, self._host = engine_url, tokenizer_path, host
+        self._port = 0
+        self._public_url = public_url.rstrip("/") if public_url else None
+        if self._public_url:
+            port = urlsplit(self._public_url).port
+            if port is None:
+                raise ValueError(f"session server URL {public_url!r}: give the port it listens on")
+            self._host, self._port = "0.0.0.0", port
         self.model_name = model_name
         self.url = ""
         self._server = None
@@ -467,8 +624,8 @@ class SessionServer:
         for s in self.store.sessions.values():  # a restarted server runs a new event loop: old locks are bound
             s.lock = None
         app = create_app(self._engine_url, self._tokenizer_path, self.store, **self._app_kwargs)
-        self._sock = bind_socket(self._host, 0)
-        self.url = f"http://{self._host}:{self._sock.getsockname()[1]}"
+        self._sock = bind_socket(self._host, self._port)
+        self.url = self._public_url or f"http://{self._host}:{self._sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
@@ -501,6 +658,10 @@ class SessionServer:
         if seed is not None:
             self.store.register(session_id, seed)
         return f"{self.url}/sessions/{quote(session_id, safe='')}/v1"
+
+    def session_token(self, session_id: str) -> str:
+        """The API key the session's harness must send (`Authorization: Bearer` or `x-api-key`)."""
+        return session_token(self._secret, session_id)
 
     def pop_session(self, session_id: str) -> SessionTree:
         """The session's recorded tree, forgotten here (a session that made no request gives an empty tree).

@@ -18,12 +18,11 @@ from grpoflow.samples import Sample
 from grpoflow.train.step import prepare_samples
 from tests.integration.sessions.conftest import Out
 
-KEY = "sk-session-test-secret-123"
 SYS = {"role": "system", "content": "You are a shell agent."}
 
 
 def _client(server, sid, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.session_url(sid, **kw), api_key=KEY, max_retries=0)
+    return openai.OpenAI(base_url=server.session_url(sid, **kw), api_key=server.session_token(sid), max_retries=0)
 
 
 def _chat(client, messages, **kw):
@@ -229,7 +228,7 @@ def test_litellm_hosted_vllm_passes_token_ids_as_harbor_reads_them(scripted, tok
     resp = litellm.completion(
         model="hosted_vllm/policy",
         api_base=server.session_url("lite"),
-        api_key=KEY,
+        api_key=server.session_token("lite"),
         messages=[SYS, {"role": "user", "content": "where am I"}],
         max_tokens=16,
         logprobs=True,
@@ -253,7 +252,8 @@ def test_sessions_run_concurrently_and_the_key_is_never_logged(scripted, tok, ca
     caplog.set_level(logging.DEBUG)
 
     async def trial(k: int) -> None:
-        client = openai.AsyncOpenAI(base_url=server.session_url(f"trial-{k}"), api_key=KEY, max_retries=0)
+        sid = f"trial-{k}"
+        client = openai.AsyncOpenAI(base_url=server.session_url(sid), api_key=server.session_token(sid), max_retries=0)
         msgs = [SYS, {"role": "user", "content": f"task {k}"}]
         for turn in range(3):
             r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
@@ -272,7 +272,7 @@ def test_sessions_run_concurrently_and_the_key_is_never_logged(scripted, tok, ca
         assert [t.extends for t in tree.turns] == [None, 0, 1]
         assert all(f"task {k}" in t.messages[1]["content"] for t in tree.turns)
     assert server.stats()["requests"] == 24 and server.stats()["sessions"] == 8
-    assert KEY not in caplog.text
+    assert not any(server.session_token(f"trial-{k}") in caplog.text for k in range(8))
     # an unknown session was never seen: an empty tree, which still gives the rollout its one (empty) sample
     [empty] = segment_samples(_trial("never"), server.pop_session("never"))
     assert empty.tokens == [] and empty.reward == 1.0
@@ -308,7 +308,9 @@ def test_runner_works_from_async_code(tiny_model_dir, tok):
 
     async def main() -> SessionServer:
         async with SessionServer(engine.url, str(tiny_model_dir), context_length=512) as srv:
-            client = openai.AsyncOpenAI(base_url=srv.session_url("a-1"), api_key=KEY, max_retries=0)
+            client = openai.AsyncOpenAI(
+                base_url=srv.session_url("a-1"), api_key=srv.session_token("a-1"), max_retries=0
+            )
             r = await client.chat.completions.create(model="policy", messages=[SYS], max_tokens=4)
             await client.close()
             assert r.choices[0].finish_reason == "stop"
@@ -353,7 +355,9 @@ def test_replies_the_harness_never_used_are_not_trained(scripted, tok):
         return Out([slow, used, follow][i])
 
     engine, server = scripted(script)
-    client = openai.OpenAI(base_url=server.session_url("t-0"), api_key=KEY, max_retries=1, timeout=1.0)
+    client = openai.OpenAI(
+        base_url=server.session_url("t-0"), api_key=server.session_token("t-0"), max_retries=1, timeout=1.0
+    )
     m1 = [SYS, {"role": "user", "content": "list the files"}]
     r1 = _chat(client, m1)
     assert r1.choices[0].message.content == "ls /app"
@@ -377,6 +381,7 @@ def test_a_reply_after_the_harness_hung_up_is_not_trained(scripted, tok):
         httpx.post(
             server.session_url("t-1") + "/chat/completions",
             json={"model": "policy", "messages": [SYS, {"role": "user", "content": "hi"}], "max_tokens": 8},
+            headers={"Authorization": f"Bearer {server.session_token('t-1')}"},
             timeout=0.3,
         )
     turns, deadline = server.store.get("t-1").tree.turns, time.monotonic() + 10

@@ -25,10 +25,11 @@ from prefect.settings import get_current_settings
 from grpoflow.config import RunConfig, parse_run_config
 from grpoflow.engine.backends import EngineHandle, open_engine
 from grpoflow.errors import GrpoflowError
+from grpoflow.prepare.clis import CLI_PACKAGES
 from grpoflow.prepare.stage import PreparedRun
 from grpoflow.run.metrics import evaluation_rows, read_metrics, training_rows
 from tasks.preflight import engine_preflight_task, preflight_task
-from tasks.prepare import prepare_dataset_task, prepare_model_task, prepare_prompts_task
+from tasks.prepare import prepare_dataset_task, prepare_harness_task, prepare_model_task, prepare_prompts_task
 
 harbor.utils.logger.logger.setLevel(logging.WARNING)
 transformers.utils.logging.disable_progress_bar()  # per-load tqdm bars drown the per-step progress lines
@@ -87,8 +88,11 @@ def start_run(config: RunConfig | dict, prefix: str) -> RunConfig:
 
 
 def prepare_stage(cfg: RunConfig, stage: str) -> PreparedRun:
-    """The first tasks of every flow: preflight, then model, dataset and prompts, recorded in the run dir."""
+    """The first tasks of every flow: preflight, then the harness's CLI (claude-code, opencode in the local
+    sandbox), model, dataset and prompts, recorded in the run dir."""
     preflight_task(cfg, stage)
+    if cfg.rollout.sandbox == "local" and cfg.rollout.harness in CLI_PACKAGES:
+        prepare_harness_task(cfg.rollout.harness)
     model = prepare_model_task(cfg.model.source)
     dataset = prepare_dataset_task(cfg.dataset.path)
     return prepare_prompts_task(cfg, model, dataset, flow_run_id=str(flow_run.id) if flow_run.id else None)

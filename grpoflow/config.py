@@ -14,6 +14,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from harbor.models.environment_type import EnvironmentType
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -204,8 +205,9 @@ SGLANG_RESERVED_FLAGS = frozenset(
 
 # `local` or any environment type of the installed Harbor, read from its own enum so the two never disagree.
 SandboxName = Literal[("local", *(t.value for t in EnvironmentType))]  # type: ignore[valid-type]
-# Harnesses that install their CLI inside the sandbox (grpoflow.rollout.harnesses says the same; a test keeps them equal).
-HARNESSES_NEEDING_NETWORK = ("claude-code", "opencode")
+# Tool-call formats the session server parses: SGLang's `--tool-call-parser` names for the `<tool_call>` JSON format
+# (`qwen25`, `qwen`), and vLLM's name for the same format (`hermes`).
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes")
 
 # Name parts that mark a kwarg or field as a credential: kwargs are written to every trial's config.json.
 _CREDENTIAL_WORDS = frozenset(
@@ -221,8 +223,21 @@ class RolloutConfig(_Section):
     harness: Literal["shell", "terminus-2", "claude-code", "opencode"] = Field(
         "shell",
         description="The agent that runs each trial: `shell` (grpoflow's token-native bash agent), or a Harbor "
-        "harness talking to the policy's OpenAI-compatible endpoint: `terminus-2` (tmux; runs in the local "
-        "sandbox), `claude-code`, `opencode` (these install their CLI in the sandbox: cloud sandboxes only).",
+        "harness talking to the policy through the session server: `terminus-2` (tmux), `claude-code` (Anthropic "
+        "Messages API) or `opencode` (OpenAI chat with tool calls). The local sandbox gets the pinned claude-code "
+        "and opencode CLIs from prepare's npm install (npm needed once); cloud sandboxes install them themselves.",
+    )
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
+        "qwen25",
+        description="claude-code, opencode: how the policy writes a tool call, by SGLang's `--tool-call-parser` "
+        'name: `qwen25` (or `qwen`; vLLM calls it `hermes`) reads `<tool_call>{"name": ..., "arguments": {...}}'
+        "</tool_call>`.",
+    )
+    session_server_url: str | None = Field(
+        None,
+        description="The URL sandboxes reach the session server at, when they run elsewhere (cloud sandboxes, "
+        "Ray nodes), e.g. `http://10.0.0.5:8300`: the server then listens on every interface at that port. "
+        "Empty: it listens on loopback only, which the local sandbox reaches through its bridge.",
     )
     parser: Literal["json", "xml"] = Field(
         "json", description="terminus-2: the reply format the policy writes (terminus-2's `parser_name`)."
@@ -354,11 +369,13 @@ class RolloutConfig(_Section):
                 )
             )
             raise ValueError(f"`rollout.sandbox_api_key_file`: {why}")
-        if self.harness in HARNESSES_NEEDING_NETWORK and self.sandbox == "local":
-            raise ValueError(
-                f"`rollout.harness`: {self.harness} installs its CLI with npm inside the sandbox, and the local "
-                "sandbox has no network: use a cloud sandbox (rollout.sandbox=e2b, daytona, modal, ...)"
-            )
+        if self.session_server_url is not None:
+            url = urlsplit(self.session_server_url)
+            if url.scheme not in ("http", "https") or not url.hostname or url.port is None:
+                raise ValueError(
+                    f"`rollout.session_server_url` {self.session_server_url!r}: give http://<host>:<port>, the "
+                    "address sandboxes reach this machine at"
+                )
         return self
 
 

@@ -11,6 +11,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpoflow.config import RunConfig
+from grpoflow.prepare.clis import ensure_cli
 from grpoflow.prepare.dataset import Dataset, load_dataset
 from grpoflow.prepare.model import PreparedModel, prepare_model
 from grpoflow.prepare.stage import PreparedRun, make_prompts, record_run
@@ -24,6 +25,12 @@ def prepare_model_task(source: str) -> PreparedModel:
 @task(name="prepare-dataset", cache_policy=NO_CACHE)
 def prepare_dataset_task(path: str) -> Dataset:
     return load_dataset(path)
+
+
+@task(name="prepare-harness", cache_policy=NO_CACHE)
+def prepare_harness_task(harness: str) -> str:
+    """The harness's pinned CLI in the cache, installed with npm the first time (local sandbox only)."""
+    return str(ensure_cli(harness))
 
 
 @task(name="prepare-prompts", cache_policy=NO_CACHE)

@@ -182,7 +182,7 @@ async def _collect_with_progress(
             cfg.rollout,
             cfg.seed,
             policy,
-            sandbox_config(cfg.rollout),
+            sandbox_config(cfg.rollout, **policy.sandbox_kwargs),
             trials_dir,
             details_dir,
             on_done=on_done,

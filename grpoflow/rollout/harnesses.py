@@ -7,16 +7,24 @@ to an OpenAI-compatible policy endpoint given per trial (`api_base`, ending in `
 
     harness      Harbor agent      how it reaches the policy
     shell        (grpoflow's)      tokens in/out on the engine's /generate (not through api_base)
-    terminus-2   terminus-2        LiteLLM `hosted_vllm/<model>` at api_base; key in llm_kwargs (or by variable)
-    claude-code  claude-code       ANTHROPIC_BASE_URL = the server root (api_base without `/v1`: the SDK adds it)
+    terminus-2   terminus-2        LiteLLM `hosted_vllm/<model>` at api_base, from this process
+    claude-code  claude-code       ANTHROPIC_BASE_URL = the server root (api_base without `/v1`: the SDK adds it),
+                                   from inside the sandbox
     opencode     opencode          a custom provider `grpoflow` (npm @ai-sdk/openai-compatible, chat completions)
-                                   at api_base; opencode's built-in `openai` provider would use the Responses API
+                                   at api_base, from inside the sandbox; opencode's built-in `openai` provider
+                                   would use the Responses API
 
-Keys: our local servers take any key, so a fixed dummy is used. A real key (`rollout.policy_api_key_file`) is
-exported into this process's environment as `POLICY_KEY_VAR` (by `grpoflow.rollout.credentials.export_policy_key`) and the
-bindings only name that variable (`AgentConfig.model_api_key_name`, or a `${VAR}` template in `AgentConfig.env`
-that Harbor resolves when it builds the agent): Harbor writes every trial's config to its trial dir, so a key
-value never goes into a config.
+claude-code and opencode run in the sandbox: the local sandbox gets their pinned CLIs from prepare's cache and a
+bridge to the session server (`SandboxNeeds`, which the rollout adds to the sandbox's kwargs); a cloud sandbox
+installs them with Harbor's own install and reaches `rollout.session_server_url`.
+
+Keys: through the session server each trial sends its session's own token (`TrialEndpoint.token`), in a variable
+whose name Harbor treats as a secret (it writes every trial's config to its trial dir, redacting those); terminus-2
+takes it from `SESSION_TOKEN_VAR` in its agent env (`GrpoTerminus2`), so it never reaches the sandbox. Straight
+to the engine, our servers take any key, so a fixed dummy is used; a real key (`rollout.policy_api_key_file`) is
+exported into this process's environment as `POLICY_KEY_VAR` (`grpoflow.rollout.credentials.export_policy_key`) and
+the bindings only name that variable (`AgentConfig.model_api_key_name`, or a `${VAR}` template in
+`AgentConfig.env` that Harbor resolves when it builds the agent), so a key value never goes into a config.
 """
 
 from __future__ import annotations
@@ -25,17 +33,23 @@ import re
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
+from grpoflow.embedded.sandbox.local import SANDBOX_PYTHON
 from grpoflow.errors import ConfigError
+from grpoflow.prepare.clis import CLI_PACKAGES
 from grpoflow.rollout.credentials import POLICY_KEY_VAR
 from grpoflow.rollout.trials import TrialSpec
 
 SHELL_AGENT = "grpoflow.rollout.agents.shell:ShellAgent"
 TERMINUS_AGENT = "grpoflow.rollout.agents.terminus:GrpoTerminus2"
+CLAUDE_CODE_AGENT = "grpoflow.rollout.agents.clis:GrpoClaudeCode"
+OPENCODE_AGENT = "grpoflow.rollout.agents.clis:GrpoOpenCode"
+SESSION_TOKEN_VAR = "GRPOFLOW_SESSION_TOKEN"  # terminus-2's session token, in its agent env (see module doc)
 LOCAL_API_KEY = "grpoflow-local"  # not a secret: what our engine and session server accept (they check none)
 OPENCODE_PROVIDER = "grpoflow"
 
@@ -47,6 +61,7 @@ class TrialEndpoint:
     api_base: str  # OpenAI-compatible base URL ending in /v1
     model: str  # the served model name
     key_from_env: bool  # True: the key is in the process env as POLICY_KEY_VAR; False: LOCAL_API_KEY
+    token: str | None = None  # the session's own token (through the session server), which wins
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,9 @@ class HarnessBinding:
     # Speaks OpenAI chat and re-sends the conversation as text: reaches the policy through the session server,
     # which keeps the exact tokens. Our shell agent keeps them itself and talks to the engine directly.
     via_session_server: bool = True
+    # Runs its CLI inside the sandbox (claude-code, opencode): the local sandbox needs the CLI and a bridge to the
+    # session server, and a cut-off turn must end the episode from the server's side (the CLI cannot be told).
+    in_sandbox_cli: bool = False
 
 
 def sampling_params(rollout: RolloutConfig, seed: int) -> dict[str, Any]:
@@ -137,18 +155,40 @@ def _terminus(b: BindingInput) -> AgentConfig:
         # the sandbox has no network.
         "disable_web_search": False,
     }
+    if ep.token is not None:
+        kwargs["llm_kwargs"] = {}  # GrpoTerminus2 puts the session token there (not in the config Harbor writes)
     return AgentConfig(
         name=None,
         import_path=TERMINUS_AGENT,
         model_name=f"hosted_vllm/{ep.model}",
         # The key by name only; terminus-2's env (AgentConfig.env) is exported into the sandbox's terminal.
-        model_api_key_name=POLICY_KEY_VAR if ep.key_from_env else None,
+        model_api_key_name=POLICY_KEY_VAR if ep.key_from_env and ep.token is None else None,
+        env={SESSION_TOKEN_VAR: ep.token} if ep.token is not None else {},
         kwargs=kwargs,
     )
 
 
 def _key_env(ep: TrialEndpoint) -> str:
+    if ep.token is not None:
+        return ep.token
     return f"${{{POLICY_KEY_VAR}}}" if ep.key_from_env else LOCAL_API_KEY
+
+
+# Telemetry, error reports and update checks off: the sandbox has no network, and a trial must not phone home.
+CLAUDE_CODE_QUIET = {
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_AUTOUPDATER": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "DISABLE_BUG_COMMAND": "1",
+}
+OPENCODE_QUIET = {
+    "OPENCODE_DISABLE_AUTOUPDATE": "1",
+    "OPENCODE_DISABLE_MODELS_FETCH": "1",  # models.dev: our provider is declared in the config
+    "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+    "OPENCODE_DISABLE_SHARE": "1",
+    "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",  # they are npm packages, installed at start
+}
 
 
 def claude_code_base_url(api_base: str) -> str:
@@ -159,12 +199,12 @@ def claude_code_base_url(api_base: str) -> str:
 def _claude_code(b: BindingInput) -> AgentConfig:
     ep = b.endpoint
     return AgentConfig(
-        name="claude-code",
+        import_path=CLAUDE_CODE_AGENT,
         model_name=ep.model,
         skip_model_parsing=True,  # our served name is not an Anthropic model id
         base_url=claude_code_base_url(ep.api_base),
-        env={"ANTHROPIC_API_KEY": _key_env(ep)},
-        kwargs={"max_turns": b.rollout.max_turns},
+        env={"ANTHROPIC_API_KEY": _key_env(ep), **CLAUDE_CODE_QUIET},
+        kwargs={"max_turns": b.rollout.max_turns, "version": CLI_PACKAGES["claude-code"].version},
     )
 
 
@@ -183,18 +223,25 @@ def _opencode(b: BindingInput) -> AgentConfig:
         "models": {ep.model: {"name": ep.model}},
     }
     return AgentConfig(
-        name="opencode",
+        import_path=OPENCODE_AGENT,
         model_name=opencode_model(ep.model),
-        env={"OPENAI_API_KEY": _key_env(ep)},
-        kwargs={"opencode_config": {"provider": {OPENCODE_PROVIDER: provider}}},
+        env={"OPENAI_API_KEY": _key_env(ep), **OPENCODE_QUIET},
+        kwargs={
+            "opencode_config": {"provider": {OPENCODE_PROVIDER: provider}},
+            "version": CLI_PACKAGES["opencode"].version,
+        },
     )
 
+
+# The CLIs' bridge lives in the trial's namespaces; their JavaScript engines reserve far more address space than
+# they use, and RLIMIT_AS caps address space, so the cap is raised for them (resident memory stays the task's).
+CLI_SANDBOX = {"process_scope": "trial", "memory_mb": 16384}
 
 HARNESSES: dict[str, HarnessBinding] = {
     "shell": HarnessBinding("grpoflow-shell", _shell, via_session_server=False),
     "terminus-2": HarnessBinding("terminus-2", _terminus, local_sandbox_kwargs={"process_scope": "trial"}),
-    "claude-code": HarnessBinding("claude-code", _claude_code),
-    "opencode": HarnessBinding("opencode", _opencode),
+    "claude-code": HarnessBinding("claude-code", _claude_code, local_sandbox_kwargs=CLI_SANDBOX, in_sandbox_cli=True),
+    "opencode": HarnessBinding("opencode", _opencode, local_sandbox_kwargs=CLI_SANDBOX, in_sandbox_cli=True),
 }
 
 
@@ -206,13 +253,20 @@ def get_binding(harness: str) -> HarnessBinding:
 
 
 def harness_problems(rollout: RolloutConfig) -> list[str]:
-    """What stops `rollout.harness` from running on this machine (one line each; empty: fine). A harness that
-    needs network in the sandbox never meets the local sandbox here: `RolloutConfig` refuses the pair."""
-    get_binding(rollout.harness)
-    if rollout.harness == "terminus-2" and rollout.sandbox == "local" and shutil.which("tmux") is None:
+    """What stops `rollout.harness` from running on this machine (one line each; empty: fine)."""
+    binding = get_binding(rollout.harness)
+    if rollout.sandbox != "local":
+        return []
+    if rollout.harness == "terminus-2" and shutil.which("tmux") is None:
         # The local sandbox shows the host's /usr, and terminus-2 drives a tmux in it (it cannot install one
         # offline).
         return ["rollout.harness=terminus-2 needs tmux on this machine for the local sandbox: apt-get install -y tmux"]
+    if binding.in_sandbox_cli and not Path(SANDBOX_PYTHON).is_file():
+        # the bridge's forwarder inside the sandbox runs on the host's python3, which the sandbox sees in /usr
+        return [
+            f"rollout.harness={rollout.harness} needs {SANDBOX_PYTHON} on this machine for the local sandbox's "
+            "bridge to the session server: apt-get install -y python3"
+        ]
     return []
 
 
@@ -224,6 +278,7 @@ def agent_factory(
     *,
     model: str | None = None,
     api_base_for: Callable[[TrialSpec], str] | None = None,
+    token_for: Callable[[TrialSpec], str] | None = None,
     lora_path: str | None = None,
 ) -> Callable[[TrialSpec], AgentConfig]:
     """The per-trial `AgentConfig` factory of `rollout.harness`. Raises `ConfigError` before any trial starts when
@@ -233,6 +288,7 @@ def agent_factory(
         `model_alias`.
     api_base_for: the OpenAI base URL of one trial (default: the engine's, `<engine_url>/v1`); the session server
         gives each trial its own (`<url>/sessions/<rollout_id>/v1`).
+    token_for: the API key of one trial (the session server's token of its session).
     """
     binding = get_binding(rollout.harness)
     problems = harness_problems(rollout)
@@ -244,7 +300,8 @@ def agent_factory(
     key_from_env = rollout.policy_api_key_file is not None
 
     def make(spec: TrialSpec) -> AgentConfig:
-        endpoint = TrialEndpoint(api_base=url_of(spec), model=served, key_from_env=key_from_env)
+        token = token_for(spec) if token_for is not None else None
+        endpoint = TrialEndpoint(api_base=url_of(spec), model=served, key_from_env=key_from_env, token=token)
         return binding.build(BindingInput(rollout, engine, spec, endpoint, engine_url, tokenizer_path, lora_path))
 
     return make

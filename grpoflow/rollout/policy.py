@@ -10,12 +10,15 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
 
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
 from grpoflow.engine.client import EngineClient, token_budget
+from grpoflow.prepare.clis import installed_cli
 from grpoflow.rollout.harnesses import agent_factory, get_binding
 from grpoflow.rollout.sessions.segments import segment_samples
 from grpoflow.rollout.sessions.server import SessionServer
@@ -40,6 +43,9 @@ class PolicyAccess:
     make_agent: Callable[[TrialSpec], AgentConfig]
     to_samples: ToSamples
     forget: Callable[[TrialSpec], None]  # drop a failed attempt's record before its retry
+    # What the local sandbox needs for this harness (the CLI dir, the bridge to the session server): kwargs of
+    # `grpoflow.rollout.step.sandbox_config`.
+    sandbox_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 async def fit_to_engine(rollout: RolloutConfig, engine: EngineConfig, engine_url: str) -> RolloutConfig:
@@ -79,6 +85,7 @@ async def policy_access(
         make = agent_factory(rollout, engine, engine_url, tokenizer_path, lora_path=lora_path)
         yield PolicyAccess(make, trial_sample, lambda spec: None)
         return
+    binding = get_binding(rollout.harness)
     server = SessionServer(
         engine_url,
         tokenizer_path,
@@ -88,8 +95,21 @@ async def policy_access(
         request_timeout_s=engine.request_timeout_s,
         engine_retries=engine.retries,
         lora_path=lora_path,
+        tool_call_parser=rollout.tool_call_parser,
+        truncation_ends_episode=binding.in_sandbox_cli and rollout.early_truncation_exit,
+        public_url=rollout.session_server_url,
     )
     async with server:
+        sandbox_kwargs: dict[str, Any] = {}
+        url_of = server.session_url
+        if binding.in_sandbox_cli and rollout.sandbox == "local":
+            # The CLI runs in the sandbox: prepare's pinned install, shown read-only, and a bridge from the
+            # sandbox's loopback port to the server (wherever it listens), so the harness's URL is the loopback one.
+            at = urlsplit(server.url)
+            sandbox_kwargs = {"cli_dir": str(installed_cli(rollout.harness)), "session_bridge": at.netloc}
+
+            def url_of(session_id: str, seed: int | None = None) -> str:
+                return server.session_url(session_id, seed).replace(server.url, f"http://127.0.0.1:{at.port}", 1)
 
         def to_samples(outcome: TrialOutcome, run_id: str, step: int) -> list[Sample]:
             return segment_samples(to_sample(outcome, run_id, step), server.pop_session(outcome.spec.rollout_id))
@@ -100,8 +120,10 @@ async def policy_access(
                 engine,
                 engine_url,
                 tokenizer_path,
-                api_base_for=lambda spec: server.session_url(spec.rollout_id, seed=spec.seed),
+                api_base_for=lambda spec: url_of(spec.rollout_id, seed=spec.seed),
+                token_for=lambda spec: server.session_token(spec.rollout_id),
             ),
             to_samples,
             lambda spec: server.pop_session(spec.rollout_id),
+            sandbox_kwargs,
         )

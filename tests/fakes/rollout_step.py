@@ -18,7 +18,15 @@ def run_step(
     async def step() -> StepRollout:
         async with policy_access(cfg.rollout, cfg.engine, engine_url, tokenizer_path) as policy:
             return await collect_step(
-                "t", 0, prompts, cfg.rollout, 0, policy, sandbox_config(cfg.rollout), out / "trials", out / "details"
+                "t",
+                0,
+                prompts,
+                cfg.rollout,
+                0,
+                policy,
+                sandbox_config(cfg.rollout, **policy.sandbox_kwargs),
+                out / "trials",
+                out / "details",
             )
 
     return asyncio.run(step())

@@ -130,3 +130,27 @@ SGLANG_UPDATE_WEIGHT_VERSION_REQ_INPUT = {"new_version", "abort_all_requests"}
 
 # sampling_params.py defaults (top_k: TOP_K_ALL internally; -1 is its documented "disabled" input)
 SGLANG_SAMPLING_DEFAULTS = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False}
+
+# python/sglang/srt/function_call/function_call_parser.py: FunctionCallParser.ToolCallParserEnum, the
+# `--tool-call-parser` names (read in the search tool's copy of sgl-project/sglang; update from its source)
+SGLANG_TOOL_CALL_PARSERS = {
+    "deepseekv3",
+    "deepseekv31",
+    "deepseekv32",
+    "glm",
+    "glm45",
+    "glm47",
+    "gpt-oss",
+    "kimi_k2",
+    "llama3",
+    "mimo",
+    "mistral",
+    "pythonic",
+    "qwen",
+    "qwen25",
+    "qwen3_coder",
+    "step3",
+    "minimax-m2",
+    "trinity",
+    "interns1",
+}

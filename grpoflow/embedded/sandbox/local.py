@@ -4,7 +4,10 @@ Select it with `EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs=
 on the host; each command is one short-lived `bwrap` process over it, with no network, the host's /usr and /etc
 read-only, its own /app, /logs, /tests, /solution, /tmp, rlimits and (as root) a uid of its own. With
 `process_scope="trial"` one bwrap per trial holds the namespaces, so a tmux server lives across execs
-(terminus-2). Failing to start or set up raises `SandboxStartError` / `SandboxDiedError` (retried); bwrap missing
+(terminus-2). With `session_bridge` the sandbox's loopback port reaches one host address (the session server)
+through a unix socket (`bridge`); with `cli_dir` a host dir of npm-installed CLIs is shown read-only and put on
+PATH (claude-code, opencode: installed once by prepare, since the sandbox cannot reach npm). Failing to start or
+set up raises `SandboxStartError` / `SandboxDiedError` (retried); bwrap missing
 raises `SandboxUnavailableError` (not retried). The filesystem, isolation, lifetimes and failures in detail:
 docs/embedded.md. `rootfs` builds the per-trial tree, `processes` runs and reaps the host processes.
 """
@@ -13,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
-from pathlib import Path
+import tempfile
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from harbor.environments.base import BaseEnvironment, ExecResult
@@ -22,7 +27,9 @@ from harbor.environments.capabilities import (
     EnvironmentCapabilities,
     EnvironmentResourceCapabilities,
 )
+from harbor.models.task.config import NetworkMode, NetworkPolicy
 
+from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
 from grpoflow.embedded.sandbox.processes import (
     CappedOutput,
     allocate_uid,
@@ -44,6 +51,7 @@ from grpoflow.embedded.sandbox.processes import (
 )
 from grpoflow.embedded.sandbox.rootfs import (
     SANDBOX_HOME,
+    Bind,
     build_rootfs,
     bwrap_argv,
     copy_dir_in,
@@ -66,6 +74,10 @@ BACKGROUND_OUTPUT_GRACE_SEC = 0.5
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TIMEOUT_EXIT_CODE = 124  # what GNU `timeout` returns; Harbor's singularity environment reports the same
 DEFAULT_WORKDIR = "/app"
+BRIDGE_DIR = PurePosixPath("/run/grpoflow")  # the bridge's socket and forwarder, read-only in the sandbox
+CLI_DIR = PurePosixPath("/opt/grpoflow/cli")  # `cli_dir`, read-only; its node_modules/.bin goes on PATH
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+SANDBOX_PYTHON = "/usr/bin/python3"  # the host's, which the sandbox sees: it runs the bridge's forwarder
 
 
 class LocalSandbox(BaseEnvironment):
@@ -87,6 +99,8 @@ class LocalSandbox(BaseEnvironment):
         max_output_bytes: int = 1_000_000,
         work_dir: str | None = None,
         process_scope: str = "exec",
+        session_bridge: str | None = None,
+        cli_dir: str | None = None,
         **kwargs: Any,
     ):
         """Kwargs (all via `EnvironmentConfig.kwargs`):
@@ -99,6 +113,9 @@ class LocalSandbox(BaseEnvironment):
         max_output_bytes: stdout and stderr of one exec are each cut to this many bytes (head and tail kept).
         work_dir: where the per-trial temp dirs go (default: the system temp dir).
         process_scope: "exec" (processes die with their exec) or "trial" (they live until stop(); see module doc).
+        session_bridge: "host:port" that the sandbox reaches at 127.0.0.1:<port> (needs process_scope "trial": the
+            forwarder lives in the trial's network namespace), and nothing else.
+        cli_dir: a host dir with node_modules/.bin (an `npm install --prefix`), read-only at /opt/grpoflow/cli.
         Any other kwarg goes to Harbor's `BaseEnvironment` (`auto_mounting` defaults to True here).
         """
         for name, value in (
@@ -112,6 +129,20 @@ class LocalSandbox(BaseEnvironment):
                 raise ValueError(f"LocalSandbox: {name} must be a positive integer, got {value!r}")
         if process_scope not in PROCESS_SCOPES:
             raise ValueError(f"LocalSandbox: process_scope must be one of {PROCESS_SCOPES}, got {process_scope!r}")
+        self._bridge_to: tuple[str, int] | None = None
+        if session_bridge is not None:
+            host, _, port = str(session_bridge).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"LocalSandbox: session_bridge must be host:port, got {session_bridge!r}")
+            if process_scope != "trial":
+                raise ValueError("LocalSandbox: session_bridge needs process_scope='trial' (the forwarder must live)")
+            self._bridge_to = (host.strip("[]"), int(port))
+        if cli_dir is not None and not (Path(cli_dir) / "node_modules" / ".bin").is_dir():
+            raise ValueError(f"LocalSandbox: cli_dir {cli_dir} has no node_modules/.bin (an npm install --prefix)")
+        self.cli_dir = Path(cli_dir) if cli_dir is not None else None
+        self._bridge: Bridge | None = None
+        self._bridge_dir: Path | None = None  # the bridge's socket and forwarder (a short path: see _own_binds)
+        self._own: list[Bind] = []  # our read-only binds (bridge, CLIs), set when the trial dir is made
         self.cpu_time_sec = cpu_time_sec
         self.memory_mb = memory_mb
         self.max_processes = max_processes
@@ -153,6 +184,20 @@ class LocalSandbox(BaseEnvironment):
         # whatever the task asks: a task that needs one fails in it rather than reaching out.
         return EnvironmentCapabilities(disable_internet=True, mounted=True)
 
+    def validate_network_policy_support(self, network_policy: NetworkPolicy | None = None) -> None:
+        # Harbor allowlists an installed agent's inference host. The one host a sandbox reaches is the loopback
+        # port its session bridge forwards; any other allowlisted host cannot be reached, so it is refused here.
+        policy = network_policy or self._network_policy
+        if policy.network_mode != NetworkMode.ALLOWLIST:
+            return super().validate_network_policy_support(network_policy)
+        reachable = LOOPBACK_HOSTS if self._bridge_to is not None else frozenset()
+        beyond = sorted(set(policy.allowed_hosts) - reachable)
+        if beyond:
+            raise ValueError(
+                f"LocalSandbox reaches no network host ({', '.join(beyond)} asked): only its session bridge, at "
+                "127.0.0.1 (rollout.session_server_url is for cloud sandboxes)"
+            )
+
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
         # No cgroups: the task's cpus/memory are neither limits nor requests here (see the kwargs for rlimits).
@@ -177,6 +222,8 @@ class LocalSandbox(BaseEnvironment):
             # The bwrap that holds the trial's namespaces; every exec then enters them with nsenter.
             self._holder, holder_pid = await start_holder(self._argv_prefix, self._exec_env(None), self.session_id)
             self._enter_prefix = enter_argv(tools["nsenter"], holder_pid)
+        if self._bridge_to is not None:
+            await self._open_bridge()
         # One real command: proves bwrap can create its namespaces here before Harbor starts the agent.
         try:
             probe = await self._run("true", self._workdir, None, 60)
@@ -187,8 +234,30 @@ class LocalSandbox(BaseEnvironment):
                 f"sandbox for {self.session_id} failed its start probe (exit {probe.return_code}): {probe.stderr}"
             )
 
+    async def _open_bridge(self) -> None:
+        assert self._bridge_dir is not None and self._bridge_to is not None
+        host, port = self._bridge_to
+        try:
+            self._bridge = await asyncio.to_thread(Bridge, self._bridge_dir / "session.sock", host, port)
+        except OSError as exc:
+            raise SandboxStartError(f"sandbox {self.session_id}: could not open its session bridge: {exc}") from exc
+        started = await self._run(
+            f"{SANDBOX_PYTHON} {BRIDGE_DIR}/forward.py {port} {BRIDGE_DIR}/session.sock", "/", None, 30
+        )
+        if started.return_code != 0:
+            raise SandboxStartError(
+                f"sandbox {self.session_id}: its session bridge did not start (exit {started.return_code}): "
+                f"{started.stderr.strip()[:500]}"
+            )
+
     async def stop(self, delete: bool) -> None:
         self._dead_reason = self._dead_reason or "the sandbox was stopped"
+        if self._bridge is not None:
+            bridge, self._bridge = self._bridge, None
+            await asyncio.to_thread(bridge.close)
+        if self._bridge_dir is not None and delete:
+            await asyncio.to_thread(rmtree, self._bridge_dir)
+            self._bridge_dir = None
         for proc in list(self._procs):
             await (kill_exec_and_reap(proc) if self._holder is not None else kill_and_reap(proc))
         if self._holder is not None:
@@ -359,7 +428,8 @@ class LocalSandbox(BaseEnvironment):
         )
 
     def _exec_env(self, env: dict[str, str] | None) -> dict[str, str]:
-        base = {"PATH": SANDBOX_PATH, "HOME": SANDBOX_HOME, "LANG": "C.UTF-8"}
+        path = f"{CLI_DIR}/node_modules/.bin:{SANDBOX_PATH}" if self.cli_dir is not None else SANDBOX_PATH
+        base = {"PATH": path, "HOME": SANDBOX_HOME, "LANG": "C.UTF-8"}
         if self._uid is not None:
             base["USER"] = base["LOGNAME"] = "sandbox"  # the name our passwd entry gives the sandbox uid
         return {**base, **(self._merge_env(env) or {})}
@@ -372,12 +442,26 @@ class LocalSandbox(BaseEnvironment):
         if os.geteuid() == 0:
             self._uid = allocate_uid()
         app = self.environment_dir / "app"
-        extra_ro = build_rootfs(root / "rootfs", app, self._binds, self._uid, self.auto_mounting)
-        self._argv_prefix = bwrap_argv(tools["bwrap"], root, self._binds, self._uid, extra_ro)
+        own = self._own = self._own_binds(root)
+        extra_ro = build_rootfs(root / "rootfs", app, [*self._binds, *own], self._uid, self.auto_mounting)
+        self._argv_prefix = bwrap_argv(tools["bwrap"], root, [*self._binds, *own], self._uid, extra_ro)
+
+    def _own_binds(self, root: Path) -> list[Bind]:
+        """Read-only dirs of ours (not Harbor's mounts, so never a target of uploads): the bridge and the CLIs."""
+        own = []
+        if self._bridge_to is not None:
+            # Not in the trial dir: a unix socket's path must stay under 108 bytes, and trial dirs can be deep.
+            bridge = self._bridge_dir = Path(tempfile.mkdtemp(prefix="grpoflow-bridge-"))
+            bridge.chmod(0o755)
+            shutil.copy2(FORWARDER, bridge / "forward.py")
+            own.append(Bind(BRIDGE_DIR, bridge, read_only=True))
+        if self.cli_dir is not None:
+            own.append(Bind(CLI_DIR, self.cli_dir.resolve(), read_only=True))
+        return own
 
     def _repair_mount_points(self) -> None:
         assert self._root is not None
-        repair_mount_points(self._root / "rootfs", self._binds)
+        repair_mount_points(self._root / "rootfs", [*self._binds, *self._own])
 
     # ---- files in and out ---------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from harbor.environments.base import BaseEnvironment  # noqa: E402
 from harbor.llms.base import ContextLengthExceededError, OutputLengthExceededError  # noqa: E402
 from harbor.models.agent.context import AgentContext  # noqa: E402
 
+from grpoflow.rollout.harnesses import SESSION_TOKEN_VAR  # noqa: E402
 from grpoflow.rollout.record import END_DONE, END_MAX_TURNS, END_TOKEN_BUDGET, END_TRUNCATED, TrialRecord  # noqa: E402
 
 
@@ -43,8 +44,21 @@ class TurnTruncated(BaseException):
 class GrpoTerminus2(Terminus2):
     """terminus-2 (same name, prompts, parser, tmux loop) with the early truncation exit and grpoflow metadata."""
 
-    def __init__(self, *args: Any, early_truncation_exit: bool = True, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        *args: Any,
+        early_truncation_exit: bool = True,
+        extra_env: dict[str, str] | None = None,
+        llm_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        # The session token arrives in the agent env (Harbor redacts it where it writes the trial's config) and
+        # goes to LiteLLM only: terminus-2 exports its agent env into the sandbox's terminal.
+        env = dict(extra_env or {})
+        token = env.pop(SESSION_TOKEN_VAR, None)
+        if token is not None:
+            llm_kwargs = {**(llm_kwargs or {}), "api_key": token}
+        super().__init__(*args, extra_env=env, llm_kwargs=llm_kwargs, **kwargs)
         self.early_truncation_exit = early_truncation_exit
         self._rec = TrialRecord()
         inner_call = self._llm.call

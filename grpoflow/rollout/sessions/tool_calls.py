@@ -1,8 +1,8 @@
 """Tool calls in a policy's reply: parsed out of the generated text by the model family's format, never generated
 apart from it, so the trained tokens stay exactly the generated ones.
 
-A parser is named as SGLang's `--tool-call-parser` names it. `hermes` and `qwen25` (one format: Hermes-2-Pro,
-Qwen2.5, Qwen3 and SmolLM3 templates write it):
+A parser is named as SGLang's `--tool-call-parser` names it: `qwen25` (or `qwen`; vLLM's `hermes` is the same
+format, which Hermes-2-Pro, Qwen2.5, Qwen3 and SmolLM3 templates write):
 
     some text<tool_call>
     {"name": "Bash", "arguments": {"command": "ls"}}
@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes", "qwen25")
+from grpoflow.config import TOOL_CALL_PARSERS
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 

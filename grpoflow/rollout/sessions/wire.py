@@ -7,6 +7,7 @@ is what chat templates render; `anthropic_messages` maps a Messages request onto
 
     system (text or text blocks)          -> {"role": "system"}
     user text blocks                      -> {"role": "user"}
+    system messages (claude-code's notes) -> {"role": "system"}
     user tool_result blocks               -> {"role": "tool", "tool_call_id": ...}, before the user's text
     assistant text + tool_use blocks      -> {"role": "assistant", "content": ..., "tool_calls": [...]}
     tools [{name, description, input_schema}] -> [{"type": "function", "function": {..., "parameters"}}]
@@ -56,8 +57,11 @@ def anthropic_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
         where = f"messages.{i}.content"
+        if role == "system":  # claude-code sends mid-conversation system notes as messages of their own
+            out.append({"role": "system", "content": _text(content, where)})
+            continue
         if role not in ("user", "assistant"):
-            raise WireError(f"messages.{i}.role: must be user or assistant, got {role!r}")
+            raise WireError(f"messages.{i}.role: must be user, assistant or system, got {role!r}")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise WireError(f"{where}: must be a string or a list of blocks")

@@ -18,6 +18,7 @@ from grpoflow.rollout.credentials import (
 )
 from grpoflow.rollout.harnesses import (
     LOCAL_API_KEY,
+    SESSION_TOKEN_VAR,
     agent_factory,
     claude_code_base_url,
     get_binding,
@@ -114,8 +115,29 @@ def test_unknown_harness_and_harnesses_the_sandbox_cannot_run_fail_before_any_tr
         get_binding("aider")
     with pytest.raises(ConfigError, match=r"field `rollout.harness`: Input should be"):
         parse_run_config({"rollout": {"harness": "aider"}})
-    with pytest.raises(ConfigError, match=r"opencode installs its CLI with npm inside the sandbox"):
-        parse_run_config({"rollout": {"harness": "opencode"}})
+    with pytest.raises(ConfigError, match=r"rollout.session_server_url.*give http://<host>:<port>"):
+        parse_run_config({"rollout": {"harness": "opencode", "session_server_url": "10.0.0.5"}})
+
+
+@pytest.mark.parametrize("harness", ["terminus-2", "claude-code", "opencode"])
+def test_each_trial_sends_its_own_session_token_and_no_config_holds_it_whole(harness, tmp_path):
+    cfg = parse_run_config({"rollout": {"harness": harness}})
+    make = agent_factory(
+        cfg.rollout,
+        cfg.engine,
+        "http://x",
+        "m",
+        api_base_for=lambda s: SESSION,
+        token_for=lambda s: f"tok-{s.seed}-secret",
+    )
+    ac = make(SPEC)
+    assert "tok-1234-secret" not in ac.model_dump_json()  # what Harbor writes into the trial dir: redacted
+    agent = AgentFactory.create_agent_from_config(ac, logs_dir=tmp_path)
+    if harness == "terminus-2":
+        assert agent._llm._llm_kwargs["api_key"] == "tok-1234-secret"
+        assert SESSION_TOKEN_VAR not in agent.extra_env  # never exported into the sandbox's terminal
+    else:
+        assert "tok-1234-secret" in agent.extra_env.values()
 
 
 def test_the_local_sandbox_keeps_processes_for_the_trial_only_when_the_harness_needs_it():
@@ -128,6 +150,7 @@ def test_the_local_sandbox_keeps_processes_for_the_trial_only_when_the_harness_n
     assert kwargs("terminus-2") == {"process_scope": "trial"}
     assert kwargs("terminus-2", memory_mb=512, process_scope="exec") == {"memory_mb": 512, "process_scope": "exec"}
     assert kwargs("terminus-2", "e2b") == {}
+    assert kwargs("opencode") == {"process_scope": "trial", "memory_mb": 16384}
 
 
 def test_model_alias_fits_litellms_hosted_vllm_names():
@@ -163,7 +186,7 @@ def _outcome(exc: str | None, reward: float | None, meta: dict | None = None) ->
         ("AgentTimeoutError", 0.0, {}, ("TimeLimitExceeded", "COMPLETED", 0.0)),
         ("OutputTokenExceededError", 0.0, {}, ("SequenceLengthLimitExceeded", "TRUNCATED", 0.0)),
         ("ContextWindowExceededError", 1.0, {}, ("SequenceLengthLimitExceeded", "TRUNCATED", 1.0)),
-        # An installed CLI that died on the session server's refusal after a cut turn.
+        # A harness that failed after a cut turn: still a truncation (the verifier ran).
         ("NonZeroAgentExitCodeError", 0.0, {"truncated": True}, ("SequenceLengthLimitExceeded", "TRUNCATED", 0.0)),
         ("NonZeroAgentExitCodeError", 1.0, {}, ("AgentError", "FAILED", None)),
         ("ApiRateLimitError", 0.0, {}, ("AgentError", "FAILED", None)),

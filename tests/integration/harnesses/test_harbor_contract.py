@@ -17,7 +17,7 @@ from harbor.models.trial.error_policy import ERROR_POLICIES
 from harbor.models.trial.result import ExceptionInfo, TrialResult
 from harbor.models.verifier.result import VerifierResult
 
-from grpoflow.config import HARNESSES_NEEDING_NETWORK, RolloutConfig, SandboxName, parse_run_config
+from grpoflow.config import RolloutConfig, SandboxName, parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path
 from grpoflow.rollout.harnesses import HARNESSES, agent_factory
 from grpoflow.rollout.step import sandbox_config
@@ -29,8 +29,7 @@ HARBOR_AGENTS = [h for h, b in HARNESSES.items() if b.harbor_agent in AgentName.
 
 
 def _cfg(harness: str):
-    sandbox = "e2b" if harness in HARNESSES_NEEDING_NETWORK else "local"
-    return parse_run_config({"rollout": {"harness": harness, "sandbox": sandbox}})
+    return parse_run_config({"rollout": {"harness": harness, "sandbox": "local"}})
 
 
 def _agent_config(harness: str, api_base: str = "http://127.0.0.1:30000/v1"):

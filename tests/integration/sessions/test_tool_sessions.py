@@ -47,7 +47,14 @@ def _trained(sample: Sample) -> list[int]:
     return [t for t, m in zip(sample.tokens, sample.loss_mask, strict=True) if m]
 
 
-def test_parser_reads_hermes_calls_and_leaves_broken_ones_as_text():
+def test_our_parser_names_are_sglangs_or_vllms_for_the_same_format():
+    from grpoflow.config import TOOL_CALL_PARSERS
+    from tests.fakes.sglang_fields import SGLANG_TOOL_CALL_PARSERS
+
+    assert set(TOOL_CALL_PARSERS) - SGLANG_TOOL_CALL_PARSERS == {"hermes"}  # vLLM's name for qwen25's format
+
+
+def test_parser_reads_qwen25_calls_and_leaves_broken_ones_as_text():
     p = parse_reply("I will look." + CALL, "hermes")
     assert p.content == "I will look." and [(c.name, c.arguments) for c in p.tool_calls] == [
         ("Bash", {"command": "ls /app"})
@@ -63,7 +70,7 @@ def test_claude_code_shape_streamed_tool_use_round_trip_is_token_exact(scripted,
     """Anthropic Messages, streamed: the reply's call comes back as a tool_use block; the next request sends it
     back with a tool_result, which continues the turn's exact tokens; only generated tokens train."""
     out1, out2 = _ids(tok, "Looking." + CALL), _ids(tok, "There is one file.")
-    engine, server = scripted(lambda ids, i: Out([out1, out2][i]), tool_call_parser="hermes")
+    engine, server = scripted(lambda ids, i: Out([out1, out2][i]), tool_call_parser="qwen25")
     client = anthropic.Anthropic(
         base_url=server.session_url("cc-0").removesuffix("/v1"), api_key=server.session_token("cc-0"), max_retries=0
     )
@@ -158,7 +165,7 @@ def test_a_cut_off_turn_ends_the_episode_without_its_action(scripted, tok, api):
         'Let me run it.<tool_call>\n{"name": "Bash", "arguments": {"command": "rm -rf', add_special_tokens=False
     )
     engine, server = scripted(
-        lambda ids, i: Out(cut, finish="length"), tool_call_parser="hermes", truncation_ends_episode=True
+        lambda ids, i: Out(cut, finish="length"), tool_call_parser="qwen25", truncation_ends_episode=True
     )
     sid, token = f"{api}-cut", server.session_token(f"{api}-cut")
     msgs = [{"role": "user", "content": "clean up"}]

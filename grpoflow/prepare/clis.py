@@ -1,0 +1,104 @@
+"""The harness CLIs the local sandbox cannot install itself: `@anthropic-ai/claude-code` and `opencode-ai`, pinned,
+installed once with npm into the cache (`<cache>/clis/<package>@<version>/`), then shown read-only in every
+sandbox (`LocalSandbox(cli_dir=...)`). Both packages ship native binaries as npm optional dependencies, so
+nothing is downloaded when a trial runs. Cloud sandboxes keep Harbor's own install path, at the same versions.
+
+The install goes to a temp dir beside the cache entry and is renamed into place once the binary answers
+`--version` with the pinned version, so an interrupted install never leaves a half entry that looks installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpoflow.errors import ConfigError
+from grpoflow.prepare.model import default_cache_dir
+
+
+@dataclass(frozen=True)
+class CliPackage:
+    npm: str  # the npm package
+    version: str  # pinned: Harbor's trajectories and our tool-call handling are tested against it
+    bin: str  # its command
+
+    @property
+    def spec(self) -> str:
+        return f"{self.npm}@{self.version}"
+
+
+CLI_PACKAGES: dict[str, CliPackage] = {
+    "claude-code": CliPackage("@anthropic-ai/claude-code", "2.1.328", "claude"),
+    "opencode": CliPackage("opencode-ai", "1.18.33", "opencode"),
+}
+# npm itself: no audit, funding or update-notifier requests; the registry is the only host it needs.
+_NPM_ENV = {"npm_config_update_notifier": "false", "npm_config_fund": "false", "npm_config_audit": "false"}
+
+
+def cli_dir(harness: str, cache_dir: Path | None = None) -> Path:
+    pkg = CLI_PACKAGES[harness]
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", pkg.spec)
+    return Path(cache_dir or default_cache_dir()) / "clis" / name
+
+
+def installed_cli(harness: str, cache_dir: Path | None = None) -> Path:
+    """The cache dir of the harness's pinned CLI; `ConfigError` when prepare has not installed it."""
+    path = cli_dir(harness, cache_dir)
+    if not (path / "node_modules" / ".bin" / CLI_PACKAGES[harness].bin).exists():
+        raise ConfigError(
+            f"rollout.harness={harness}: its CLI {CLI_PACKAGES[harness].spec} is not installed in {path}; the "
+            "prepare stage installs it (npm and the npm registry needed once)"
+        )
+    return path
+
+
+def ensure_cli(harness: str, cache_dir: Path | None = None) -> Path:
+    """Install the harness's pinned CLI into the cache unless it is there; returns its dir."""
+    pkg = CLI_PACKAGES[harness]
+    path = cli_dir(harness, cache_dir)
+    if (path / "node_modules" / ".bin" / pkg.bin).exists():
+        return path
+    npm = shutil.which("npm")
+    if npm is None:
+        raise ConfigError(
+            f"rollout.harness={harness}: npm is needed once to install {pkg.spec} for the local sandbox "
+            "(apt-get install -y npm)"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        done = subprocess.run(
+            [npm, "install", "--prefix", str(tmp), "--no-save", "--loglevel=error", pkg.spec],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **_NPM_ENV},
+            timeout=900,
+        )
+        if done.returncode != 0:
+            raise ConfigError(f"npm install {pkg.spec} failed (exit {done.returncode}): {_tail(done.stderr)}")
+        version = subprocess.run(
+            [str(tmp / "node_modules" / ".bin" / pkg.bin), "--version"], capture_output=True, text=True, timeout=60
+        )
+        if pkg.version not in version.stdout:
+            raise ConfigError(
+                f"{pkg.spec}: the installed {pkg.bin} says {version.stdout.strip()[:80]!r} "
+                f"(exit {version.returncode}): {_tail(version.stderr)}"
+            )
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from the sandbox's own uid
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not path.exists():  # another prepare won the race: its install is as good
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _tail(text: str) -> str:
+    return " ".join(text.strip().splitlines()[-3:])[:400]

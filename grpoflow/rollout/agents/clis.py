@@ -1,0 +1,39 @@
+"""Harbor's claude-code and opencode agents, unchanged but for their install step: when the sandbox already has the
+pinned CLI (the local sandbox shows prepare's npm install read-only, `grpoflow.prepare.clis`), nothing is installed;
+otherwise (a cloud sandbox) Harbor's own install runs, at the pinned version.
+
+Everything else is Harbor's: the command line, the stream-json / json logs and their trajectory conversion. The
+policy is reached through the session server (`grpoflow.rollout.harnesses` sets the URL and the session's token),
+which keeps the exact tokens and ends an episode whose turn was cut off (`truncation_ends_episode`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harbor.agents.installed.claude_code import ClaudeCode
+from harbor.agents.installed.opencode import OpenCode
+from harbor.environments.base import BaseEnvironment
+
+from grpoflow.prepare.clis import CLI_PACKAGES
+
+
+async def _has_pinned_cli(agent: Any, harness: str, environment: BaseEnvironment) -> bool:
+    pkg = CLI_PACKAGES[harness]
+    found = await environment.exec(command=f"{pkg.bin} --version")
+    if found.return_code == 0 and pkg.version in (found.stdout or ""):
+        agent.logger.debug("%s %s is in the sandbox: nothing to install", pkg.bin, pkg.version)
+        return True
+    return False
+
+
+class GrpoClaudeCode(ClaudeCode):
+    async def install(self, environment: BaseEnvironment) -> None:
+        if not await _has_pinned_cli(self, "claude-code", environment):
+            await super().install(environment)
+
+
+class GrpoOpenCode(OpenCode):
+    async def install(self, environment: BaseEnvironment) -> None:
+        if not await _has_pinned_cli(self, "opencode", environment):
+            await super().install(environment)

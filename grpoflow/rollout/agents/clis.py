@@ -11,11 +11,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from harbor.agents.installed.claude_code import ClaudeCode
-from harbor.agents.installed.opencode import OpenCode
-from harbor.environments.base import BaseEnvironment
+from grpoflow.offline import apply_offline_env
 
-from grpoflow.prepare.clis import CLI_PACKAGES
+apply_offline_env()  # before Harbor imports LiteLLM
+
+import litellm  # noqa: E402
+from harbor.agents.installed.claude_code import ClaudeCode  # noqa: E402
+from harbor.agents.installed.opencode import OpenCode  # noqa: E402
+from harbor.environments.base import BaseEnvironment  # noqa: E402
+
+from grpoflow.prepare.clis import CLI_PACKAGES  # noqa: E402
+
+# Harbor prices each claude-code step with LiteLLM, which prints (not logs) a provider list for a model it does not
+# know, ours, into every flow log.
+litellm.suppress_debug_info = True
 
 
 async def _has_pinned_cli(agent: Any, harness: str, environment: BaseEnvironment) -> bool:

@@ -33,11 +33,17 @@ ensure_system_tools() {
   apt_install "${missing[@]}"
 }
 
-# The browser test of the Prefect UI drives Debian's headless chromium; without it that test is skipped.
+# The browser test of the Prefect UI drives Debian's headless chromium, and the claude-code / opencode tests install
+# the pinned CLIs with npm (once, into the cache); without them those tests are skipped.
 ensure_test_tools() {
-  command -v chromium >/dev/null 2>&1 && return 0
-  echo "run.sh: installing chromium (the Prefect UI browser test needs it)" >&2
-  apt_install chromium || echo "run.sh: could not install chromium; the UI browser test will be skipped" >&2
+  if ! command -v chromium >/dev/null 2>&1; then
+    echo "run.sh: installing chromium (the Prefect UI browser test needs it)" >&2
+    apt_install chromium || echo "run.sh: could not install chromium; the UI browser test will be skipped" >&2
+  fi
+  if ! command -v npm >/dev/null 2>&1; then
+    echo "run.sh: installing npm (the claude-code and opencode tests install their CLIs with it)" >&2
+    apt_install npm || echo "run.sh: could not install npm; the claude-code and opencode tests will be skipped" >&2
+  fi
 }
 
 ensure_venv() {

@@ -9,8 +9,9 @@ tests/fakes/scripted_engine.py: exact tokens, generation costs ~0), in its own f
 For each trial Harbor's timings give the sandbox start, the agent's setup (the CLI install check), the agent's run
 and the verifier; the policy's turns and generation seconds come from the session server (or the shell agent's
 own record). "per turn" is (agent run - generation) / policy turns: what the harness itself adds to each turn of
-an episode (its process, its prompt building, tool execution, HTTP through the bridge), the figure to set beside a
-real model's generation time per turn. Trials run one at a time. Beside it a baseline (HF `generate` tokens/s on
+an episode (its process start spread over the turns, its prompt building, tool execution, HTTP through the
+bridge), the figure to set beside a real model's generation time per turn. opencode's turns include the title it
+asks the policy for. Trials run one at a time. Beside it a baseline (HF `generate` tokens/s on
 one thread): this machine's speed varies from day to day.
 """
 

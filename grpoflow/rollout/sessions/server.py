@@ -316,8 +316,10 @@ def create_app(
             session.lock = asyncio.Lock()
         async with session.lock:  # a session's requests are sequential; keep them so if a harness misbehaves
             turn, prompt_ids, logprobs = await _turn(session, req)
-            # a cut reply is never parsed: its last call may be cut, and the cut action must not run
-            parsed = parse_reply(turn.reply, None if turn.truncated else tool_call_parser, id_prefix=id_prefix)
+            # A cut reply is never parsed: its last call may be cut, and the cut action must not run. A request
+            # without tools (terminus-2) gets the text as written.
+            parser = tool_call_parser if req.tools and not turn.truncated else None
+            parsed = parse_reply(turn.reply, parser, id_prefix=id_prefix)
             session.replies[parsed_key(parsed)] = turn.reply
             if await request.is_disconnected():  # the harness gave up on this request: it never sees the reply
                 session.tree.abandon(turn)

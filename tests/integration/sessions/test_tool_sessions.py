@@ -156,6 +156,14 @@ def test_every_session_route_takes_its_own_token_only(scripted, tok):
     assert ok.status_code == 200
 
 
+def test_a_request_without_tools_gets_the_reply_as_written(scripted, tok):
+    """terminus-2 sends no tools: a reply that happens to hold a call's markup is its text, not a call."""
+    engine, server = scripted(lambda ids, i: Out(_ids(tok, CALL)), tool_call_parser="qwen25")
+    client = openai.OpenAI(base_url=server.session_url("t-0"), api_key=server.session_token("t-0"), max_retries=0)
+    r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "go"}])
+    assert r.choices[0].message.content == CALL and not r.choices[0].message.tool_calls
+
+
 @pytest.mark.parametrize("api", ["anthropic", "openai"])
 def test_a_cut_off_turn_ends_the_episode_without_its_action(scripted, tok, api):
     """With truncation_ends_episode, a reply cut at the token limit (here mid tool call) is answered as a final

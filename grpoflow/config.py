@@ -371,7 +371,7 @@ class RolloutConfig(_Section):
             raise ValueError(f"`rollout.sandbox_api_key_file`: {why}")
         if self.session_server_url is not None:
             url = urlsplit(self.session_server_url)
-            if url.scheme not in ("http", "https") or not url.hostname or url.port is None:
+            if url.scheme != "http" or not url.hostname or url.port is None:
                 raise ValueError(
                     f"`rollout.session_server_url` {self.session_server_url!r}: give http://<host>:<port>, the "
                     "address sandboxes reach this machine at"

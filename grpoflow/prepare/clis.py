@@ -49,7 +49,7 @@ def cli_dir(harness: str, cache_dir: Path | None = None) -> Path:
 def installed_cli(harness: str, cache_dir: Path | None = None) -> Path:
     """The cache dir of the harness's pinned CLI; `ConfigError` when prepare has not installed it."""
     path = cli_dir(harness, cache_dir)
-    if not (path / "node_modules" / ".bin" / CLI_PACKAGES[harness].bin).exists():
+    if not _installed(path, CLI_PACKAGES[harness]):
         raise ConfigError(
             f"rollout.harness={harness}: its CLI {CLI_PACKAGES[harness].spec} is not installed in {path}; the "
             "prepare stage installs it (npm and the npm registry needed once)"
@@ -61,7 +61,7 @@ def ensure_cli(harness: str, cache_dir: Path | None = None) -> Path:
     """Install the harness's pinned CLI into the cache unless it is there; returns its dir."""
     pkg = CLI_PACKAGES[harness]
     path = cli_dir(harness, cache_dir)
-    if (path / "node_modules" / ".bin" / pkg.bin).exists():
+    if _installed(path, pkg):
         return path
     npm = shutil.which("npm")
     if npm is None:
@@ -72,23 +72,7 @@ def ensure_cli(harness: str, cache_dir: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        done = subprocess.run(
-            [npm, "install", "--prefix", str(tmp), "--no-save", "--loglevel=error", pkg.spec],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **_NPM_ENV},
-            timeout=900,
-        )
-        if done.returncode != 0:
-            raise ConfigError(f"npm install {pkg.spec} failed (exit {done.returncode}): {_tail(done.stderr)}")
-        version = subprocess.run(
-            [str(tmp / "node_modules" / ".bin" / pkg.bin), "--version"], capture_output=True, text=True, timeout=60
-        )
-        if pkg.version not in version.stdout:
-            raise ConfigError(
-                f"{pkg.spec}: the installed {pkg.bin} says {version.stdout.strip()[:80]!r} "
-                f"(exit {version.returncode}): {_tail(version.stderr)}"
-            )
+        _install(npm, pkg, tmp)
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from the sandbox's own uid
         try:
             tmp.rename(path)
@@ -98,6 +82,33 @@ def ensure_cli(harness: str, cache_dir: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _installed(prefix: Path, pkg: CliPackage) -> bool:
+    return (prefix / "node_modules" / ".bin" / pkg.bin).exists()
+
+
+def _install(npm: str, pkg: CliPackage, prefix: Path) -> None:
+    """npm install the package into `prefix` and check its binary answers with the pinned version."""
+    binary = prefix / "node_modules" / ".bin" / pkg.bin
+    try:
+        done = subprocess.run(
+            [npm, "install", "--prefix", str(prefix), "--no-save", "--loglevel=error", pkg.spec],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **_NPM_ENV},
+            timeout=900,
+        )
+        if done.returncode != 0:
+            raise ConfigError(f"npm install {pkg.spec} failed (exit {done.returncode}): {_tail(done.stderr)}")
+        version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:  # no binary (an optional dependency left out), a hang
+        raise ConfigError(f"installing {pkg.spec} with npm: {e}") from e
+    if pkg.version not in version.stdout:
+        raise ConfigError(
+            f"{pkg.spec}: the installed {pkg.bin} says {version.stdout.strip()[:80]!r} "
+            f"(exit {version.returncode}): {_tail(version.stderr)}"
+        )
 
 
 def _tail(text: str) -> str:

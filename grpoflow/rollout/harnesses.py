@@ -50,7 +50,7 @@ TERMINUS_AGENT = "grpoflow.rollout.agents.terminus:GrpoTerminus2"
 CLAUDE_CODE_AGENT = "grpoflow.rollout.agents.clis:GrpoClaudeCode"
 OPENCODE_AGENT = "grpoflow.rollout.agents.clis:GrpoOpenCode"
 SESSION_TOKEN_VAR = "GRPOFLOW_SESSION_TOKEN"  # terminus-2's session token, in its agent env (see module doc)
-LOCAL_API_KEY = "grpoflow-local"  # not a secret: what our engine and session server accept (they check none)
+LOCAL_API_KEY = "grpoflow-local"  # not a secret: our engine checks no key (the session server takes its own tokens)
 OPENCODE_PROVIDER = "grpoflow"
 
 
@@ -256,6 +256,12 @@ def harness_problems(rollout: RolloutConfig) -> list[str]:
     """What stops `rollout.harness` from running on this machine (one line each; empty: fine)."""
     binding = get_binding(rollout.harness)
     if rollout.sandbox != "local":
+        if binding.in_sandbox_cli and rollout.session_server_url is None:
+            # the CLI calls the policy from the cloud sandbox, which cannot reach this machine's loopback
+            return [
+                f"rollout.harness={rollout.harness} on rollout.sandbox={rollout.sandbox} calls the session server "
+                "from the sandbox: set rollout.session_server_url to an address the sandbox reaches"
+            ]
         return []
     if rollout.harness == "terminus-2" and shutil.which("tmux") is None:
         # The local sandbox shows the host's /usr, and terminus-2 drives a tmux in it (it cannot install one

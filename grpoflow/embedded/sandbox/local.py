@@ -255,7 +255,7 @@ class LocalSandbox(BaseEnvironment):
         if self._bridge is not None:
             bridge, self._bridge = self._bridge, None
             await asyncio.to_thread(bridge.close)
-        if self._bridge_dir is not None and delete:
+        if self._bridge_dir is not None:  # only the socket and the forwarder: nothing of the trial's to keep
             await asyncio.to_thread(rmtree, self._bridge_dir)
             self._bridge_dir = None
         for proc in list(self._procs):

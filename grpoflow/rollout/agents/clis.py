@@ -33,6 +33,12 @@ async def _has_pinned_cli(agent: Any, harness: str, environment: BaseEnvironment
     if found.return_code == 0 and pkg.version in (found.stdout or ""):
         agent.logger.debug("%s %s is in the sandbox: nothing to install", pkg.bin, pkg.version)
         return True
+    cli_dir = getattr(environment, "cli_dir", None)
+    if cli_dir is not None:  # the local sandbox showed prepare's install, and it has no network to install another
+        out = " ".join(f"{found.stdout or ''} {found.stderr or ''}".split())[:300]
+        raise RuntimeError(
+            f"{pkg.bin} from {cli_dir} does not run in the sandbox as {pkg.spec} (exit {found.return_code}): {out}"
+        )
     return False
 
 

@@ -53,12 +53,13 @@ class GrpoTerminus2(Terminus2):
         **kwargs: Any,
     ):
         # The session token arrives in the agent env (Harbor redacts it where it writes the trial's config) and
-        # goes to LiteLLM only: terminus-2 exports its agent env into the sandbox's terminal.
+        # goes to the LLM client alone: terminus-2 exports its agent env into the sandbox's terminal, and writes
+        # its options (llm_kwargs among them) into the trial's trajectory.json.
         env = dict(extra_env or {})
         token = env.pop(SESSION_TOKEN_VAR, None)
-        if token is not None:
-            llm_kwargs = {**(llm_kwargs or {}), "api_key": token}
         super().__init__(*args, extra_env=env, llm_kwargs=llm_kwargs, **kwargs)
+        if token is not None:
+            self._llm._llm_kwargs["api_key"] = token
         self.early_truncation_exit = early_truncation_exit
         self._rec = TrialRecord()
         inner_call = self._llm.call

@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from grpoflow.engine.client import EngineClient, token_budget
 from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError
-from grpoflow.rollout.sessions.tool_calls import ParsedReply, message_key, parse_reply, parsed_key
+from grpoflow.rollout.sessions.tool_calls import ParsedReply, loads, message_key, parse_reply, parsed_key
 from grpoflow.rollout.sessions.tree import SessionTree, Turn
 from grpoflow.rollout.sessions.wire import (
     WireError,
@@ -69,6 +69,7 @@ from grpoflow.rollout.sessions.wire import (
     anthropic_messages,
     anthropic_stop_reason,
     anthropic_tools,
+    content_text,
     openai_chunks,
     openai_finish_reason,
 )
@@ -296,7 +297,7 @@ def create_app(
     async def messages(session_id: str, req: MessagesRequest, request: Request):
         _authorise(session_id, request)
         turn, parsed, prompt_ids, _ = await _serve(session_id, req.chat(), request, "toolu_")
-        finish = "stop" if turn.truncated and truncation_ends_episode else turn.finish_reason
+        finish = _reported_finish(turn, truncation_ends_episode)
         body = anthropic_message(
             parsed,
             anthropic_stop_reason(parsed, finish),
@@ -384,24 +385,30 @@ def _template_message(m: dict[str, Any], replies: Mapping[tuple, str]) -> dict[s
     key = message_key(m)
     if key is not None and key in replies:
         return {"role": "assistant", "content": replies[key]}
-    content = m.get("content")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestRefused(f"only text content parts are supported, got {kind!r}", "unsupported_content")
-            parts.append(part["text"])
-        content = "".join(parts)
-    elif content is not None and not isinstance(content, str):
-        raise RequestRefused(
-            f"message content must be a string or a list of parts, got {type(content).__name__}", "invalid_content"
-        )
+    try:
+        content = content_text(m.get("content"), "message content")
+    except WireError as e:
+        raise RequestRefused(str(e), "unsupported_content") from e
     if not isinstance(m.get("role"), str):
         raise RequestRefused("every message needs a string `role`", "invalid_message")
-    out = {k: v for k, v in m.items() if k in ("role", "name", "tool_calls", "tool_call_id") and v is not None}
-    out["content"] = content or ""
+    out = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id") and v is not None}
+    if m.get("tool_calls"):  # a call the session does not know (edited history): arguments as the object they are
+        out["tool_calls"] = [_call_with_object_arguments(c) for c in m["tool_calls"]]
+    out["content"] = content
     return out
+
+
+def _call_with_object_arguments(call: Any) -> Any:
+    """OpenAI sends a call's arguments as a JSON string; chat templates write them with `tojson`, so a string
+    would be encoded twice (SGLang and vLLM parse them first too)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _prompt_plan(tokenizer, tree: SessionTree, messages, tools, prev) -> tuple[list[int], list[int], int | None]:
@@ -471,7 +478,7 @@ def _response(
     logprobs: list[float],
     truncation_ends_episode: bool,
 ) -> dict:
-    finish = "stop" if turn.truncated and truncation_ends_episode else turn.finish_reason
+    finish = _reported_finish(turn, truncation_ends_episode)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
         message["tool_calls"] = [c.openai() for c in parsed.tool_calls]
@@ -501,6 +508,11 @@ def _response(
     return body
 
 
+def _reported_finish(turn: Turn, truncation_ends_episode: bool) -> str:
+    """What the harness is told: a cut turn is a final one when the harness must end its episode on it."""
+    return "stop" if turn.truncated and truncation_ends_episode else turn.finish_reason
+
+
 def _logprob_content(tokenizer, ids: list[int], logprobs: list[float]) -> list[dict]:
     out = []
     for tok, lp in zip(ids, logprobs, strict=True):
@@ -519,6 +531,8 @@ def _closed(session_id: str, turn: int) -> RequestRefused:
 
 def _error(request: Request, status: int, message: str, kind: str, code: str | None) -> JSONResponse:
     if request.url.path.endswith("/v1/messages"):  # an Anthropic client reads Anthropic's error shape
+        if code == "context_length_exceeded":  # and claude-code compacts on Anthropic's own wording
+            message = f"prompt is too long: {message}"
         return JSONResponse(anthropic_error(status, message), status_code=status)
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
 

@@ -74,9 +74,18 @@ def parse_reply(text: str, parser: str | None, *, id_prefix: str = "call_") -> P
     return ParsedReply("".join(kept).strip(), calls)
 
 
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # json.loads takes NaN/Infinity, which no client could read back
+
+
+def loads(text: str) -> Any:
+    """Strict JSON (no NaN or Infinity)."""
+    return json.loads(text, parse_constant=_no_constants)
+
+
 def _hermes_call(body: str, id_prefix: str) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        obj = loads(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -84,7 +93,7 @@ def _hermes_call(body: str, id_prefix: str) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string, as OpenAI sends them
         try:
-            args = json.loads(args)
+            args = loads(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -102,10 +111,21 @@ def reply_key(content: Any, calls: list[tuple[str, Any]]) -> tuple:
 def _canonical_args(args: Any) -> str:
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = loads(args)
         except ValueError:
             return args
-    return json.dumps(args, sort_keys=True, ensure_ascii=False)
+    return json.dumps(_integral(args), sort_keys=True, ensure_ascii=False)
+
+
+def _integral(v: Any) -> Any:
+    """Whole floats as ints: a JavaScript client sends back 10.0 as 10."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, dict):
+        return {k: _integral(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_integral(x) for x in v]
+    return v
 
 
 def parsed_key(reply: ParsedReply) -> tuple:

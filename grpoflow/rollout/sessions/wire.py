@@ -29,8 +29,8 @@ class WireError(ValueError):
     """A request this server cannot map (answered 400, naming the field)."""
 
 
-def _text(content: Any, where: str) -> str:
-    """Text of a content field: a string, or a list of text blocks."""
+def content_text(content: Any, where: str) -> str:
+    """Text of a content field: a string, or a list of text blocks (OpenAI's parts and Anthropic's blocks alike)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -51,14 +51,14 @@ def anthropic_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict
     out: list[dict[str, Any]] = []
     if system:
         if isinstance(system, list):  # text blocks, each its own paragraph of the system prompt
-            out.append({"role": "system", "content": "\n\n".join(_text([b], "system") for b in system)})
+            out.append({"role": "system", "content": "\n\n".join(content_text([b], "system") for b in system)})
         else:
-            out.append({"role": "system", "content": _text(system, "system")})
+            out.append({"role": "system", "content": content_text(system, "system")})
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
         where = f"messages.{i}.content"
         if role == "system":  # claude-code sends mid-conversation system notes as messages of their own
-            out.append({"role": "system", "content": _text(content, where)})
+            out.append({"role": "system", "content": content_text(content, where)})
             continue
         if role not in ("user", "assistant"):
             raise WireError(f"messages.{i}.role: must be user, assistant or system, got {role!r}")
@@ -96,7 +96,7 @@ def anthropic_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict
                     {
                         "role": "tool",
                         "tool_call_id": block.get("tool_use_id"),
-                        "content": _text(block.get("content"), f"{where}.tool_result"),
+                        "content": content_text(block.get("content"), f"{where}.tool_result"),
                     }
                 )
             elif kind == "text":

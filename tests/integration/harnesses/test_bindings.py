@@ -34,8 +34,9 @@ SESSION = "http://10.0.0.5:8100/sessions/step0-hello-file-3/v1"
 
 
 def _make(harness: str, sandbox: str | None = None, **rollout):
-    sandbox = sandbox or ("e2b" if harness in ("claude-code", "opencode") else "local")
-    cfg = parse_run_config({"rollout": {"harness": harness, "sandbox": sandbox, **rollout}})
+    if sandbox is None and harness in ("claude-code", "opencode"):  # a cloud sandbox reaching the server's URL
+        sandbox, rollout = "e2b", {"session_server_url": "http://10.0.0.5:8100", **rollout}
+    cfg = parse_run_config({"rollout": {"harness": harness, "sandbox": sandbox or "local", **rollout}})
     return agent_factory(
         cfg.rollout,
         cfg.engine,
@@ -95,7 +96,9 @@ def test_an_empty_policy_key_file_is_a_one_line_error(tmp_path):
 @pytest.mark.parametrize("api_base", [SESSION, SESSION + "/"])
 def test_claude_code_gets_the_server_root_so_the_sdk_does_not_double_v1(api_base, tmp_path):
     assert claude_code_base_url(api_base) == "http://10.0.0.5:8100/sessions/step0-hello-file-3"
-    cfg = parse_run_config({"rollout": {"harness": "claude-code", "sandbox": "e2b"}})
+    cfg = parse_run_config(
+        {"rollout": {"harness": "claude-code", "sandbox": "e2b", "session_server_url": "http://10.0.0.5:8100"}}
+    )
     ac = agent_factory(cfg.rollout, cfg.engine, "http://x", "m", api_base_for=lambda s: api_base)(SPEC)
     agent = AgentFactory.create_agent_from_config(ac, logs_dir=tmp_path)
     assert agent.model_connection.env["ANTHROPIC_BASE_URL"] == "http://10.0.0.5:8100/sessions/step0-hello-file-3"
@@ -115,8 +118,12 @@ def test_unknown_harness_and_harnesses_the_sandbox_cannot_run_fail_before_any_tr
         get_binding("aider")
     with pytest.raises(ConfigError, match=r"field `rollout.harness`: Input should be"):
         parse_run_config({"rollout": {"harness": "aider"}})
-    with pytest.raises(ConfigError, match=r"rollout.session_server_url.*give http://<host>:<port>"):
-        parse_run_config({"rollout": {"harness": "opencode", "session_server_url": "10.0.0.5"}})
+    for url in ("10.0.0.5", "https://10.0.0.5:8300"):
+        with pytest.raises(ConfigError, match=r"rollout.session_server_url.*give http://<host>:<port>"):
+            parse_run_config({"rollout": {"harness": "opencode", "session_server_url": url}})
+    cloud = parse_run_config({"rollout": {"harness": "claude-code", "sandbox": "e2b"}})
+    with pytest.raises(ConfigError, match=r"on rollout.sandbox=e2b calls the session server.*session_server_url"):
+        agent_factory(cloud.rollout, cloud.engine, "http://x", "m")
 
 
 @pytest.mark.parametrize("harness", ["terminus-2", "claude-code", "opencode"])
@@ -136,6 +143,7 @@ def test_each_trial_sends_its_own_session_token_and_no_config_holds_it_whole(har
     if harness == "terminus-2":
         assert agent._llm._llm_kwargs["api_key"] == "tok-1234-secret"
         assert SESSION_TOKEN_VAR not in agent.extra_env  # never exported into the sandbox's terminal
+        assert "tok-1234-secret" not in repr(agent.options)  # terminus-2 writes its options into trajectory.json
     else:
         assert "tok-1234-secret" in agent.extra_env.values()
 

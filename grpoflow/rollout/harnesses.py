@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from harbor.models.trial.config import AgentConfig
 
@@ -200,12 +201,30 @@ def _claude_code(b: BindingInput) -> AgentConfig:
     ep = b.endpoint
     return AgentConfig(
         import_path=CLAUDE_CODE_AGENT,
+        extra_allowed_hosts=_policy_hosts(ep),
         model_name=ep.model,
         skip_model_parsing=True,  # our served name is not an Anthropic model id
         base_url=claude_code_base_url(ep.api_base),
         env={"ANTHROPIC_API_KEY": _key_env(ep), **CLAUDE_CODE_QUIET},
         kwargs={"max_turns": b.rollout.max_turns, "version": CLI_PACKAGES["claude-code"].version},
     )
+
+
+def _policy_hosts(ep: TrialEndpoint) -> list[str]:
+    """The one host a CLI in the sandbox needs: the session server's as the sandbox reaches it. Named to Harbor
+    (it cannot tell opencode's custom provider's host, and says so every trial), the same as the sandbox's own
+    allowlist (`sandbox_allowed_hosts`): a sandbox that cannot change its policy after start needs them equal."""
+    return [urlsplit(ep.api_base).hostname or ""]
+
+
+def sandbox_allowed_hosts(rollout: RolloutConfig) -> list[str]:
+    """What the sandbox of a CLI harness must reach: the session server (loopback through the local sandbox's
+    bridge, else `rollout.session_server_url`'s host); nothing for the other harnesses."""
+    if not get_binding(rollout.harness).in_sandbox_cli:
+        return []
+    if rollout.sandbox == "local" or rollout.session_server_url is None:
+        return ["127.0.0.1"]
+    return [urlsplit(rollout.session_server_url).hostname or ""]
 
 
 def opencode_model(model: str) -> str:
@@ -225,6 +244,7 @@ def _opencode(b: BindingInput) -> AgentConfig:
     return AgentConfig(
         import_path=OPENCODE_AGENT,
         model_name=opencode_model(ep.model),
+        extra_allowed_hosts=_policy_hosts(ep),
         env={"OPENAI_API_KEY": _key_env(ep), **OPENCODE_QUIET},
         kwargs={
             "opencode_config": {"provider": {OPENCODE_PROVIDER: provider}},

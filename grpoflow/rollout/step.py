@@ -19,7 +19,7 @@ from harbor.models.trial.config import AgentConfig, EnvironmentConfig
 from grpoflow.config import RolloutConfig
 from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.prepare.prompts import PromptRecord
-from grpoflow.rollout.harnesses import get_binding
+from grpoflow.rollout.harnesses import get_binding, sandbox_allowed_hosts
 from grpoflow.rollout.journal import append_trial, read_journal, write_samples
 from grpoflow.rollout.policy import PolicyAccess, trial_sample
 from grpoflow.rollout.trials import (
@@ -53,10 +53,11 @@ def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
     the process environment (`grpoflow.rollout.credentials.export_sandbox_key`).
     """
     merged = {**rollout.sandbox_kwargs, **kwargs}
+    hosts = sandbox_allowed_hosts(rollout)  # a CLI harness's session server (Harbor's network policy)
     if rollout.sandbox == "local":
         merged = {**get_binding(rollout.harness).local_sandbox_kwargs, **merged}
-        return EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs=merged)
-    return EnvironmentConfig(type=EnvironmentType(rollout.sandbox), kwargs=merged)
+        return EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs=merged, extra_allowed_hosts=hosts)
+    return EnvironmentConfig(type=EnvironmentType(rollout.sandbox), kwargs=merged, extra_allowed_hosts=hosts)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 
     POST /sessions/<session_id>/v1/chat/completions     (OpenAI; streamed with stream=true)
     POST /sessions/<session_id>/v1/messages             (Anthropic Messages; streamed with stream=true)
+    POST /sessions/<session_id>/v1/messages/count_tokens
     GET  /sessions/<session_id>/v1/models    GET /v1/models    GET /health    GET /stats
 
 A harness gets `SessionServer.session_url(rollout_id)` as its OpenAI `api_base` (Anthropic clients: the same
@@ -132,6 +133,10 @@ class MessagesRequest(BaseModel):
             top_k=self.top_k,
             stop=self.stop_sequences,
         )
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int = Field(1, ge=1)  # not part of a count request
 
 
 class RequestRefused(Exception):
@@ -308,6 +313,18 @@ def create_app(
         if req.stream:
             return StreamingResponse(anthropic_events(body), media_type="text/event-stream")
         return body
+
+    @app.post("/sessions/{session_id:path}/v1/messages/count_tokens")
+    async def count_tokens(session_id: str, req: CountTokensRequest, request: Request) -> dict:
+        """The prompt's length as the policy would see it (a fresh rendering; claude-code asks before compacting)."""
+        _authorise(session_id, request)
+        chat = req.chat()
+        session = store.get(session_id)
+        messages = [_template_message(m, session.replies) for m in chat.messages]
+        ids = await asyncio.get_running_loop().run_in_executor(
+            tok_pool, lambda: encode(tokenizer, render(tokenizer, messages, chat.tools, generation_prompt=True))
+        )
+        return {"input_tokens": len(ids)}
 
     async def _serve(
         session_id: str, req: ChatRequest, request: Request, id_prefix: str
@@ -530,7 +547,7 @@ def _closed(session_id: str, turn: int) -> RequestRefused:
 
 
 def _error(request: Request, status: int, message: str, kind: str, code: str | None) -> JSONResponse:
-    if request.url.path.endswith("/v1/messages"):  # an Anthropic client reads Anthropic's error shape
+    if "/v1/messages" in request.url.path:  # an Anthropic client reads Anthropic's error shape
         if code == "context_length_exceeded":  # and claude-code compacts on Anthropic's own wording
             message = f"prompt is too long: {message}"
         return JSONResponse(anthropic_error(status, message), status_code=status)

@@ -161,6 +161,18 @@ def test_the_local_sandbox_keeps_processes_for_the_trial_only_when_the_harness_n
     assert kwargs("opencode") == {"process_scope": "trial", "memory_mb": 16384}
 
 
+def test_a_cli_harness_sandbox_allows_the_session_server_host_and_no_other():
+    def hosts(harness, sandbox="local", **rollout):
+        cfg = parse_run_config({"rollout": {"harness": harness, "sandbox": sandbox, **rollout}})
+        return sandbox_config(cfg.rollout).extra_allowed_hosts
+
+    assert hosts("claude-code") == hosts("opencode") == ["127.0.0.1"]  # the bridge's loopback port
+    assert hosts("opencode", "e2b", session_server_url="http://10.0.0.5:8300") == ["10.0.0.5"]
+    assert hosts("shell") == hosts("terminus-2") == []  # nothing of theirs runs in the sandbox
+    ac = _make("opencode")(SPEC)
+    assert ac.extra_allowed_hosts == ["10.0.0.5"]  # the agent phase names the same host: Harbor needs them equal
+
+
 def test_model_alias_fits_litellms_hosted_vllm_names():
     assert model_alias("/root/.cache/grpoflow/models/b179c9523d0e6a0f/") == "b179c9523d0e6a0f"
     assert model_alias("org/Some Model:v1") == "Some-Model-v1"

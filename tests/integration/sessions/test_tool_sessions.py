@@ -206,3 +206,18 @@ def test_without_the_switch_a_cut_turn_reports_its_length_finish(scripted, tok):
             max_tokens=8,
             messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}],
         )
+
+
+def test_count_tokens_is_the_prompt_the_policy_would_get(scripted, tok):
+    engine, server = scripted(lambda ids, i: Out(_ids(tok, "ok")))
+    client = anthropic.Anthropic(
+        base_url=server.session_url("n-0").removesuffix("/v1"), api_key=server.session_token("n-0"), max_retries=0
+    )
+    msgs = [{"role": "user", "content": "hello there"}]
+    counted = client.messages.count_tokens(model="policy", messages=msgs, system="be brief").input_tokens
+    client.messages.create(model="policy", max_tokens=8, messages=msgs, system="be brief")
+    assert counted == len(engine.calls[0].input_ids)
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=client.base_url, api_key="guess", max_retries=0).messages.count_tokens(
+            model="policy", messages=msgs
+        )

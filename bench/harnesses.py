@@ -28,14 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.main_job import hf_generate_tok_s  # noqa: E402
-from grpoflow.config import parse_run_config  # noqa: E402
 from grpoflow.prepare.clis import CLI_PACKAGES, ensure_cli  # noqa: E402
-from grpoflow.prepare.dataset import builtin_dataset_path, load_task  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
-from grpoflow.prepare.prompts import PromptRecord  # noqa: E402
 from grpoflow.rollout.tokens import load_tokenizer  # noqa: E402
-from tests.fakes.rollout_step import run_step  # noqa: E402
-from tests.fakes.scripted_engine import Reply, ScriptedEngine  # noqa: E402
+from tests.fakes.rollout_step import scripted_task_step  # noqa: E402
+from tests.fakes.scripted_engine import Reply  # noqa: E402
 from tests.fakes.scripted_openai import terminus_json  # noqa: E402
 from tests.fakes.tiny_model import build_tiny_model  # noqa: E402
 
@@ -69,8 +66,6 @@ def run(harness: str, model: Path, trials: int, out: Path) -> list[dict]:
     if harness in CLI_PACKAGES:
         ensure_cli(harness)
     tok = load_tokenizer(str(model))
-    task = load_task(builtin_dataset_path() / "hello-file")
-    prompts = [PromptRecord(instance_id="hello-file", task_path=str(task.path), instruction=task.instruction)]
 
     def script(ids: list[int], i: int) -> Reply:
         prompt = tok.decode(ids)
@@ -78,23 +73,8 @@ def run(harness: str, model: Path, trials: int, out: Path) -> list[dict]:
             return Reply(text="Hello file")
         return Reply(text=last_reply(harness) if SEEN in prompt else first_reply(harness))
 
-    cfg = parse_run_config(
-        {
-            "rollout": {
-                "harness": harness,
-                "n_samples_per_prompt": trials,
-                "concurrency": 1,
-                "max_turns": 4,
-                "max_new_tokens": 400,
-                "max_context_tokens": 100_000,
-            }
-        }
-    )
-    engine = ScriptedEngine(str(model), script)
-    try:
-        res = run_step(cfg, engine.url, str(model), prompts, out)
-    finally:
-        engine.stop()
+    rollout = {"harness": harness, "n_samples_per_prompt": trials, "concurrency": 1, "max_context_tokens": 100_000}
+    res, _ = scripted_task_step(str(model), script, rollout, out)
     rows = []
     for sample in res.samples:
         if sample.segment_index:

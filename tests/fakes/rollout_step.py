@@ -1,13 +1,15 @@
 """One rollout step through the run's real path (`policy_access` then `collect_step`), for tests that bring
-their own engine."""
+their own engine; `scripted_task_step` brings a scripted one and a built-in task."""
 
 import asyncio
 from pathlib import Path
 
-from grpoflow.config import RunConfig
+from grpoflow.config import RunConfig, parse_run_config
+from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.policy import policy_access
 from grpoflow.rollout.step import StepRollout, collect_step, sandbox_config
+from tests.fakes.scripted_engine import ScriptedEngine
 
 
 def run_step(
@@ -30,3 +32,18 @@ def run_step(
             )
 
     return asyncio.run(step())
+
+
+def scripted_task_step(
+    model_dir: str, script, rollout: dict, out: Path, task: str = "hello-file"
+) -> tuple[StepRollout, ScriptedEngine]:
+    """Step 0 of the built-in `task`'s trials under `rollout` (over one trial, 4 turns of at most 400 tokens)
+    against a scripted `/generate` (`ScriptedEngine(model_dir, script)`); returns the step and the engine."""
+    t = load_task(builtin_dataset_path() / task)
+    prompts = [PromptRecord(instance_id=task, task_path=str(t.path), instruction=t.instruction)]
+    cfg = parse_run_config({"rollout": {"n_samples_per_prompt": 1, "max_turns": 4, "max_new_tokens": 400, **rollout}})
+    engine = ScriptedEngine(str(model_dir), script)
+    try:
+        return run_step(cfg, engine.url, str(model_dir), prompts, out), engine
+    finally:
+        engine.stop()

@@ -9,12 +9,9 @@ import shutil
 
 import pytest
 
-from grpoflow.config import parse_run_config
 from grpoflow.prepare.clis import ensure_cli
-from grpoflow.prepare.dataset import builtin_dataset_path, load_task
-from grpoflow.prepare.prompts import PromptRecord
-from tests.fakes.rollout_step import run_step
-from tests.fakes.scripted_engine import Reply, ScriptedEngine
+from tests.fakes.rollout_step import scripted_task_step
+from tests.fakes.scripted_engine import Reply
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None or shutil.which("npm") is None, reason="needs bubblewrap and npm"
@@ -30,29 +27,10 @@ def _call(harness: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": {"command": COMMAND, **extra}}) + "\n</tool_call>"
 
 
-def _run(tmp_path, tiny_model_dir, harness: str, script, **rollout):
+def _run(tmp_path, tiny_model_dir, harness: str, script):
     ensure_cli(harness)
-    t = load_task(builtin_dataset_path() / "hello-file")
-    prompts = [PromptRecord(instance_id="hello-file", task_path=str(t.path), instruction=t.instruction)]
-    cfg = parse_run_config(
-        {
-            "rollout": {
-                "harness": harness,
-                "n_samples_per_prompt": 1,
-                "max_turns": 4,
-                "max_new_tokens": 400,
-                # the CLIs' system prompts and tools run to thousands of tokens; the scripted engine takes any
-                "max_context_tokens": 100_000,
-                **rollout,
-            }
-        }
-    )
-    engine = ScriptedEngine(str(tiny_model_dir), script)
-    try:
-        res = run_step(cfg, engine.url, str(tiny_model_dir), prompts, tmp_path)
-    finally:
-        engine.stop()
-    return res, engine
+    # the CLIs' system prompts and tools run to thousands of tokens; the scripted engine takes any
+    return scripted_task_step(tiny_model_dir, script, {"harness": harness, "max_context_tokens": 100_000}, tmp_path)
 
 
 def _policy(harness: str, tok):

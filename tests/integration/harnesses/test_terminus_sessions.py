@@ -7,11 +7,8 @@ import shutil
 
 import pytest
 
-from grpoflow.config import parse_run_config
-from grpoflow.prepare.dataset import builtin_dataset_path, load_task
-from grpoflow.prepare.prompts import PromptRecord
-from tests.fakes.rollout_step import run_step
-from tests.fakes.scripted_engine import Reply, ScriptedEngine
+from tests.fakes.rollout_step import scripted_task_step
+from tests.fakes.scripted_engine import Reply
 from tests.fakes.scripted_openai import terminus_json
 
 pytestmark = pytest.mark.skipif(
@@ -21,25 +18,8 @@ sessions = pytest.importorskip("grpoflow.rollout.sessions.server")
 
 
 def _run(tmp_path, tiny_model_dir, script):
-    t = load_task(builtin_dataset_path() / "hello-file")
-    prompts = [PromptRecord(instance_id="hello-file", task_path=str(t.path), instruction=t.instruction)]
-    cfg = parse_run_config(
-        {
-            "rollout": {
-                "harness": "terminus-2",
-                "n_samples_per_prompt": 1,
-                "max_turns": 4,
-                "max_new_tokens": 400,
-                "max_context_tokens": 8192,
-            }
-        }
-    )
-    engine = ScriptedEngine(str(tiny_model_dir), script)
-
-    try:
-        res = run_step(cfg, engine.url, str(tiny_model_dir), prompts, tmp_path)
-    finally:
-        engine.stop()
+    rollout = {"harness": "terminus-2", "max_context_tokens": 8192}
+    res, engine = scripted_task_step(tiny_model_dir, script, rollout, tmp_path)
     return res.samples[0], res.samples[0].metrics, res.samples, engine
 
 

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
-from grpoflow.embedded.sandbox.local import SANDBOX_PYTHON
+from grpoflow.embedded.sandbox.local import BRIDGE_HOST, SANDBOX_PYTHON
 from grpoflow.errors import ConfigError
 from grpoflow.prepare.clis import CLI_PACKAGES
 from grpoflow.rollout.credentials import POLICY_KEY_VAR
@@ -223,7 +223,7 @@ def sandbox_allowed_hosts(rollout: RolloutConfig) -> list[str]:
     if not get_binding(rollout.harness).in_sandbox_cli:
         return []
     if rollout.sandbox == "local" or rollout.session_server_url is None:
-        return ["127.0.0.1"]
+        return [BRIDGE_HOST]
     return [urlsplit(rollout.session_server_url).hostname or ""]
 
 

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
+from grpoflow.embedded.sandbox.local import BRIDGE_HOST
 from grpoflow.engine.client import EngineClient, token_budget
 from grpoflow.prepare.clis import installed_cli
 from grpoflow.rollout.harnesses import agent_factory, get_binding
@@ -81,11 +82,11 @@ async def policy_access(
     Episodes are bounded by `rollout.max_context_tokens` or the engine's context, whichever is smaller.
     `lora_path`: the adapter every generation names (a LoRA run's adapter sync, `grpoflow.train.sync`)."""
     rollout = await fit_to_engine(rollout, engine, engine_url)
-    if not get_binding(rollout.harness).via_session_server:
+    binding = get_binding(rollout.harness)
+    if not binding.via_session_server:
         make = agent_factory(rollout, engine, engine_url, tokenizer_path, lora_path=lora_path)
         yield PolicyAccess(make, trial_sample, lambda spec: None)
         return
-    binding = get_binding(rollout.harness)
     server = SessionServer(
         engine_url,
         tokenizer_path,
@@ -109,7 +110,7 @@ async def policy_access(
             sandbox_kwargs = {"cli_dir": str(installed_cli(rollout.harness)), "session_bridge": at.netloc}
 
             def url_of(session_id: str, seed: int | None = None) -> str:
-                return server.session_url(session_id, seed).replace(server.url, f"http://127.0.0.1:{at.port}", 1)
+                return server.session_url(session_id, seed).replace(server.url, f"http://{BRIDGE_HOST}:{at.port}", 1)
 
         def to_samples(outcome: TrialOutcome, run_id: str, step: int) -> list[Sample]:
             return segment_samples(to_sample(outcome, run_id, step), server.pop_session(outcome.spec.rollout_id))

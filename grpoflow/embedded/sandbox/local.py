@@ -76,7 +76,8 @@ TIMEOUT_EXIT_CODE = 124  # what GNU `timeout` returns; Harbor's singularity envi
 DEFAULT_WORKDIR = "/app"
 BRIDGE_DIR = PurePosixPath("/run/grpoflow")  # the bridge's socket and forwarder, read-only in the sandbox
 CLI_DIR = PurePosixPath("/opt/grpoflow/cli")  # `cli_dir`, read-only; its node_modules/.bin goes on PATH
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+BRIDGE_HOST = "127.0.0.1"  # where the bridge's forwarder listens inside the sandbox
+LOOPBACK_HOSTS = frozenset({BRIDGE_HOST, "localhost", "::1"})
 SANDBOX_PYTHON = "/usr/bin/python3"  # the host's, which the sandbox sees: it runs the bridge's forwarder
 
 

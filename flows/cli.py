@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", dest="new_run_id", metavar="NEW", help="the rerun's run_id (default: RUN_ID-rr<hash>)")
     p = sub.add_parser("tasks", help="task health across the runs in an output dir: pass rates per run, flags")
     p.add_argument("--output-dir", default="runs", help="where run dirs are (default: runs)")
+    p.add_argument(
+        "--regrade",
+        metavar="RUN_ID",
+        help="first regrade that run's stored trials with Harbor (its verifier again on each trial's recorded "
+        "workdir: trials of a run with report.regrade_per_task > 0) and record the verdicts",
+    )
+    p.add_argument("--per-task", type=int, default=2, metavar="K", help="trials regraded per task (default: 2)")
     return parser
 
 
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("resume", "rerun"):
         return _resume_or_rerun(args)
     if args.command == "tasks":
-        return _tasks(Path(args.output_dir))
+        return _tasks(Path(args.output_dir), args.regrade, args.per_task)
     try:
         cfg = _config_from_args(args)
         preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or _is_embedded_default(args) else ""
@@ -159,12 +166,22 @@ def _resume_or_rerun(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tasks(output_dir: Path) -> int:
+def _tasks(output_dir: Path, regrade: str | None = None, per_task: int = 2) -> int:
     from grpoflow.run.health import health_markdown, task_health
 
     if not output_dir.is_dir():
         print(f"grpoflow: error: output dir {output_dir} does not exist", file=sys.stderr)
         return 2
+    if regrade is not None:
+        try:
+            if not re.fullmatch(RUN_ID_PATTERN, regrade):
+                raise ConfigError(
+                    f"--regrade {regrade!r}: a run id is lowercase letters, digits and dashes (at most 63)"
+                )
+            _regrade(output_dir / regrade, per_task)
+        except GrpoflowError as err:
+            print(f"grpoflow: error: {err}", file=sys.stderr)
+            return 2
     unreadable: list[str] = []
     run_ids, tasks = task_health(output_dir, unreadable)
     if not run_ids:
@@ -172,6 +189,31 @@ def _tasks(output_dir: Path) -> int:
         return 0
     print(health_markdown(run_ids, tasks, unreadable), end="")
     return 0
+
+
+def _regrade(root: Path, per_task: int) -> None:
+    """Regrade up to `per_task` stored trials of each task of the run at `root`, in the sandboxes its config
+    names, and count the verdicts into its tasks.json (what task health reads)."""
+    from grpoflow.rollout.credentials import export_sandbox_key
+    from grpoflow.run.health import write_run_tasks
+    from grpoflow.run.regrade import regrade_run, regrade_summary
+    from grpoflow.run.resume import load_saved_config
+
+    if per_task < 1:
+        raise ConfigError(f"--per-task {per_task}: regrade at least 1 trial per task")
+    cfg = load_saved_config(root)
+    export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
+    regrades = regrade_run(root, cfg.rollout, per_task)
+    if not regrades:
+        raise RunDirError(
+            f"run {root.name} has no graded trial that recorded its workdir (a run with report.regrade_per_task "
+            "> 0 records them): nothing to regrade"
+        )
+    write_run_tasks(root)
+    print(f"grpoflow: run {root.name}: {regrade_summary(regrades)}")
+    for r in regrades:
+        if r.regraded is None:
+            print(f"grpoflow: regrade of {r.trial} gave no reward: {r.error}")
 
 
 def _run_flow(command: str, cfg, from_run: str | None = None) -> None:

@@ -27,7 +27,7 @@ from grpoflow.rollout.workers import rollout_workers
 from grpoflow.run.health import write_run_tasks
 from grpoflow.run.info import final_checkpoint, update_run_info
 from grpoflow.run.metrics import append_step
-from tasks.rollout import run_trials_task
+from tasks.rollout import regrade_trials_task, run_trials_task
 
 Split = Literal["eval", "train", "all"]
 
@@ -80,6 +80,8 @@ def _evaluate(cfg: RunConfig, split: str) -> dict[str, float]:
         result = run_trials_task(cfg, 0, prompts, engine.url, run.model.path, run.paths, workers=workers)
     metrics = {"step": 0, **result.metrics}
     append_step(run.paths.metrics, 0, result.metrics)  # wall-clock keys go to timings.jsonl
+    if cfg.report.regrade_per_task:
+        regrade_trials_task(cfg, run.paths)
     write_run_tasks(run.paths.root)  # what `grpoflow tasks` reads of this run
     create_markdown_artifact(
         key=f"{cfg.run_id}-evaluation",

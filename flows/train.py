@@ -59,7 +59,7 @@ from grpoflow.train.probe import SyncProbe
 from grpoflow.train.ranks import trainer_ranks
 from grpoflow.train.sync import engine_busy_seconds, open_weight_sync, sync_dtype
 from grpoflow.train.trainer import TrainerState, load_trainer, overlap_note, share_cores_with_engine
-from tasks.rollout import evaluate_policy_task, run_trials_task
+from tasks.rollout import evaluate_policy_task, regrade_trials_task, run_trials_task
 from tasks.train import grpo_step_task, probe_task, save_step_task, sync_weights_task
 
 
@@ -325,6 +325,8 @@ def report(cfg: RunConfig, paths) -> None:
                 ]
             )
         )
+    if cfg.report.regrade_per_task:
+        regrade_trials_task(cfg, paths)
     write_run_tasks(paths.root)
     unreadable: list[str] = []
     create_markdown_artifact(

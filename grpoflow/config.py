@@ -525,6 +525,15 @@ class ReportConfig(_Section):
     cost_per_sandbox_hour: float | None = Field(
         None, ge=0.0, description="Price of one sandbox hour, for the run's ledger. Empty: sandboxes cost nothing."
     )
+    regrade_per_task: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="When the run ends, Harbor regrades up to this many of each task's graded trials (its verifier "
+        "again, in a fresh sandbox, on the workdir the trial recorded) and task health flags the task's verifier "
+        "as flaky when a reward differs from the recorded one. Above 0 every trial also keeps its task's workdir "
+        "in its trial dir. 0: no regrade, nothing extra recorded.",
+    )
 
 
 class ClusterConfig(_Section):

@@ -62,6 +62,9 @@ _VERIFIED_ENDINGS = {"AgentTimeoutError"} | _NON_ZERO_EXIT
 HARBOR_EXCEPTION_NAMES = _TIMEOUTS | _VERIFIER | _LENGTH | _VERIFIED_ENDINGS
 
 
+PASS = 1.0  # a reward at least this is a pass (pass@k, task health, regrade verdicts)
+
+
 def verifier_reward(rewards: dict[str, float | int] | None) -> tuple[float | None, str | None]:
     """(reward, None) from Harbor's verifier result, or (None, why not)."""
     if not rewards:
@@ -223,7 +226,7 @@ class FailedSteps:
             )
 
 
-def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshold: float = 1.0) -> dict[str, float]:
+def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshold: float = PASS) -> dict[str, float]:
     """Rollout/evaluate metrics of one step. Rewards are averaged over trials that have one.
 
     A trial is one rollout however many segments it trained as (a compacted session gives several samples with

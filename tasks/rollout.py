@@ -43,6 +43,7 @@ from grpoflow.rollout.trials import (
 )
 from grpoflow.rollout.workers import RolloutWorkers
 from grpoflow.run.paths import RunPaths
+from grpoflow.run.regrade import Regrade, regrade_run, regrade_summary
 
 
 @task(name="run-trials", cache_policy=NO_CACHE, task_run_name="run-trials-step-{step}")
@@ -193,6 +194,7 @@ async def _collect_with_progress(
             specs=specs,
             refill=refill,
             runner=workers.run if workers is not None else run_here,
+            record_workdir=cfg.report.regrade_per_task > 0,
         )
     await _best_effort(
         logger,
@@ -227,6 +229,20 @@ async def _collect_with_progress(
         m["wall_time_s"],
     )
     return result
+
+
+@task(name="regrade-trials", cache_policy=NO_CACHE)
+def regrade_trials_task(cfg: RunConfig, paths: RunPaths) -> list[Regrade]:
+    """Harbor's regrade of up to `report.regrade_per_task` of each task's stored trials, on the run's sandbox
+    provider: the verdicts go to the run's regrades.jsonl, where task health reads them."""
+    logger = get_run_logger()
+    export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
+    regrades = regrade_run(paths.root, cfg.rollout, cfg.report.regrade_per_task)
+    logger.info(regrade_summary(regrades))
+    for r in regrades:
+        if r.regraded is None:
+            logger.warning("regrade of %s gave no reward: %s", r.trial, r.error)
+    return regrades
 
 
 _REPORTED_MISSING_LIMITS: set[str] = set()

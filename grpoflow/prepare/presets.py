@@ -35,11 +35,13 @@ PRESETS: dict[str, Preset] = {
             "embedded-default",
             "The main job (`grpoflow main`): SmolLM2-135M on the embedded CPU engine and the local sandbox, "
             "trained on the built-in easy tasks (the only ones on which the 135M model earns rewards often enough "
-            "for GRPO groups to have spread), evaluated before and after with 8 trials per prompt.",
+            "for GRPO groups to have spread), evaluated before and after with 8 trials per prompt; at the end, 2 "
+            "trials of each task are regraded to catch flaky verifiers.",
             {
                 "prompts": {"difficulties": ["easy"]},
                 "rollout": {"max_turns": 3},
                 "train": {"learning_rate": 5e-5, "eval_samples_per_prompt": 8},
+                "report": {"regrade_per_task": 2},
             },
         ),
         Preset(

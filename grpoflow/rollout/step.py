@@ -125,6 +125,7 @@ async def collect_step(
     specs: Sequence[TrialSpec] | None = None,
     refill: GroupRefill | None = None,
     runner: TrialRunner = run_here,
+    record_workdir: bool = False,
 ) -> StepRollout:
     """Run and score one step's trials: `specs`, or by default `rollout.n_samples_per_prompt` per prompt (one
     GRPO group each). `policy` is a `PolicyAccess` (from `policy_access`), or just the shell agent's factory.
@@ -133,7 +134,8 @@ async def collect_step(
     (resume); finished ones are reused. A retried trial's failed attempt is forgotten first (`policy.forget`):
     the retry starts a fresh session, and the failed attempt's turns never train. With `refill`, further rounds
     of trials follow until it asks for none (dynamic sampling); they are journaled like the first. `runner` runs
-    each attempt's trial: here, or on rollout workers (`grpoflow.rollout.workers`)."""
+    each attempt's trial: here, or on rollout workers (`grpoflow.rollout.workers`). `record_workdir`: every trial
+    keeps its task's workdir, so that it can be regraded (`grpoflow.run.regrade`)."""
     if not isinstance(policy, PolicyAccess):
         policy = PolicyAccess(policy, trial_sample, lambda spec: None)
     if specs is None:
@@ -169,6 +171,7 @@ async def collect_step(
             on_retry=retrying,
             sandbox_gate=sandbox_gate,
             runner=runner,
+            record_workdir=record_workdir,
         )
         batch = refill([x for s in specs for x in done[s.rollout_id]]) if refill else []
         specs += batch

@@ -23,9 +23,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from harbor.models.task.config import TaskConfig as TaskFile
 from harbor.models.trial.config import (
     AgentConfig,
     EnvironmentConfig,
@@ -155,19 +157,37 @@ class _StartSlot:
         await asyncio.wait([holder])  # not `await holder`: that would re-raise the holder's cancellation here
 
 
+@lru_cache(maxsize=4096)
+def recorded_artifacts(task_path: str) -> tuple[str, ...]:
+    """What a trial of this task records for a later regrade: the task's workdir (where the built-in tasks'
+    verifiers, and most terminal tasks', read the agent's work). Nothing when the task names no workdir: then
+    there is nothing a regrade could replay, and a regrade leaves its trials out."""
+    task = TaskFile.model_validate_toml((Path(task_path) / "task.toml").read_text(encoding="utf-8"))
+    workdir = task.environment.workdir
+    return (workdir,) if workdir else ()
+
+
 def trial_name(spec: TrialSpec, attempt: int) -> str:
     return f"{spec.instance_id[:40]}__{spec.sample_index}__a{attempt}"
 
 
 def build_trial_config(
-    spec: TrialSpec, attempt: int, agent: AgentConfig, environment: EnvironmentConfig, trials_dir: Path
+    spec: TrialSpec,
+    attempt: int,
+    agent: AgentConfig,
+    environment: EnvironmentConfig,
+    trials_dir: Path,
+    record_workdir: bool = False,
 ) -> TrialConfig:
+    """Harbor's config of one attempt. `record_workdir`: the trial also keeps its task's workdir as an artifact
+    (in `<trial>/artifacts/`), so that Harbor can regrade it later (`grpoflow.run.regrade`)."""
     return TrialConfig(
         task=TaskConfig(path=Path(spec.task_path)),
         trial_name=trial_name(spec, attempt),
         trials_dir=trials_dir,
         agent=agent,
         environment=environment,
+        artifacts=list(recorded_artifacts(spec.task_path)) if record_workdir else [],
     )
 
 
@@ -209,6 +229,7 @@ async def run_trial(
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
     sandbox_gate: SandboxGate | None = None,
     runner: TrialRunner = run_here,
+    record_workdir: bool = False,
 ) -> TrialOutcome:
     rng = random.Random(spec.seed)  # jitter: deterministic per trial, different across trials
     attempts: list[Attempt] = []
@@ -218,7 +239,7 @@ async def run_trial(
         first += 1
     failures = 0  # sandbox failures so far: each costs one of `retries`
     while True:
-        cfg = build_trial_config(spec, first + len(attempts), make_agent(spec), environment, trials_dir)
+        cfg = build_trial_config(spec, first + len(attempts), make_agent(spec), environment, trials_dir, record_workdir)
         t0 = time.perf_counter()
         try:
             result = await runner(cfg, sandbox_gate)
@@ -267,11 +288,13 @@ async def run_trials(
     on_retry: Callable[[TrialSpec, Attempt], None] | None = None,
     sandbox_gate: SandboxGate | None = None,
     runner: TrialRunner = run_here,
+    record_workdir: bool = False,
 ) -> list[TrialOutcome]:
     """Run every spec, at most `concurrency` at once; outcomes come back in the order of `specs`.
 
     `sandbox_gate`, if given, also bounds how many sandboxes are starting at once (see the module doc).
     `runner` runs each attempt: here, or on rollout workers elsewhere (`grpoflow.rollout.workers`).
+    `record_workdir`: every trial keeps its task's workdir, for a later regrade (`build_trial_config`).
     """
     trials_dir.mkdir(parents=True, exist_ok=True)
     gate = asyncio.Semaphore(concurrency)
@@ -279,7 +302,16 @@ async def run_trials(
     async def one(spec: TrialSpec) -> TrialOutcome:
         async with gate:
             out = await run_trial(
-                spec, make_agent, environment, trials_dir, retries, backoff_s, on_retry, sandbox_gate, runner
+                spec,
+                make_agent,
+                environment,
+                trials_dir,
+                retries,
+                backoff_s,
+                on_retry,
+                sandbox_gate,
+                runner,
+                record_workdir,
             )
         if on_done and inspect.isawaitable(ack := on_done(out)):  # async callbacks (e.g. progress updates)
             await ack

@@ -4,10 +4,13 @@ For each task (a task instance of the dataset): its pass rate in each run that r
 trials and evaluation trials together: every trial a verifier graded), flagged
 - `always 0` / `always 1` when every graded trial of every run failed / passed: no GRPO signal, a candidate to
   retire (or a broken task);
+- `flaky verifier` when Harbor's regrade of a stored trial (`grpoflow.run.regrade`, `report.regrade_per_task`)
+  gave another reward than the run recorded;
 - its infrastructure errors (trials that ended without a verdict because the sandbox or the verifier failed, by
   sandbox provider), the hot spots of a flaky provider.
 Runs are read from their dirs: `run.json`, and the small `tasks.json` a train run writes when it ends (else its
-`details/*/samples.jsonl`, counted); a dir that is not a run, or a run still without samples, is left out.
+`details/*/samples.jsonl`, counted, and its `regrades.jsonl`); a dir that is not a run, or a run still without
+samples, is left out.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from grpoflow.fileio import write_json_atomic
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.info import read_run_info
 from grpoflow.run.paths import RunPaths
+from grpoflow.run.regrade import read_regrades
+from grpoflow.scoring import PASS
 
 INFRA_STATUSES = ("SandboxError", "VerifierError")  # no verdict, and not the policy's doing
-PASS = 1.0  # a reward at least this is a pass (as pass@1 counts it)
 
 
 @dataclass
@@ -35,6 +39,8 @@ class TaskRun:
     graded: int = 0
     passed: int = 0
     infra_errors: int = 0
+    regraded: int = 0  # stored trials Harbor's regrade gave a reward
+    regrade_differs: int = 0  # of those, how many got another reward than the run recorded
 
     @property
     def pass_rate(self) -> float | None:
@@ -48,16 +54,24 @@ class TaskHealth:
     infra_by_provider: dict[str, int] = field(default_factory=dict)
 
     @property
+    def regrades(self) -> tuple[int, int]:
+        """(regrades that differed, regrades), over every run."""
+        return sum(r.regrade_differs for r in self.runs), sum(r.regraded for r in self.runs)
+
+    @property
     def flag(self) -> str:
         graded = sum(r.graded for r in self.runs)
         passed = sum(r.passed for r in self.runs)
+        flags = []
         if graded == 0:
-            return "never graded"
-        if passed == 0:
-            return "always 0"
-        if passed == graded:
-            return "always 1"
-        return ""
+            flags.append("never graded")
+        elif passed == 0:
+            flags.append("always 0")
+        elif passed == graded:
+            flags.append("always 1")
+        if self.regrades[0]:
+            flags.append("flaky verifier")
+        return ", ".join(flags)
 
 
 def run_dirs(output_dir: Path) -> list[tuple[str, Path]]:
@@ -101,13 +115,26 @@ def run_tasks(root: Path, recount: bool = False) -> tuple[str, dict[str, TaskRun
             elif s.exit_status in INFRA_STATUSES:
                 tr.infra_errors += 1
             tr.infra_errors += int(s.metrics.get("retries", 0))  # attempts lost to the sandbox, then retried
+    for r in read_regrades(root):
+        if r.regraded is not None and r.task in seen:
+            seen[r.task].regraded += 1
+            seen[r.task].regrade_differs += r.differs
     return _provider(root), seen
 
 
 def write_run_tasks(root: Path) -> Path:
     """`tasks.json` of a run that ended: what `task_health` reads of it."""
     provider, counts = run_tasks(root, recount=True)  # a resumed run ends again: count what it has now
-    tasks = {k: {"graded": t.graded, "passed": t.passed, "infra_errors": t.infra_errors} for k, t in counts.items()}
+    tasks = {
+        k: {
+            "graded": t.graded,
+            "passed": t.passed,
+            "infra_errors": t.infra_errors,
+            "regraded": t.regraded,
+            "regrade_differs": t.regrade_differs,
+        }
+        for k, t in counts.items()
+    }
     write_json_atomic(root / TASKS_FILE, {"provider": provider, "tasks": tasks})
     return root / TASKS_FILE
 
@@ -142,9 +169,10 @@ def _provider(root: Path) -> str:
 
 
 def health_markdown(run_ids: list[str], tasks: list[TaskHealth], unreadable: list[str] | None = None) -> str:
-    """A table: a row per task, a column per run (pass rate, `-` where the run did not run it), the flag and
-    the infrastructure errors (failed or retried attempts) by provider; then the runs left out."""
-    head = ["task", *run_ids, "flag", "infra errors"]
+    """A table: a row per task, a column per run (pass rate, `-` where the run did not run it), the flags, the
+    regrades whose reward differed of those regraded, and the infrastructure errors (failed or retried attempts)
+    by provider; then the runs left out."""
+    head = ["task", *run_ids, "flag", "regrades differing", "infra errors"]
     lines = [
         f"# Task health over {len(run_ids)} runs",
         "",
@@ -155,7 +183,9 @@ def health_markdown(run_ids: list[str], tasks: list[TaskHealth], unreadable: lis
         by_run = {r.run_id: r for r in t.runs}
         cells = [_rate(by_run.get(run)) for run in run_ids]
         infra = ", ".join(f"{p}: {n}" for p, n in sorted(t.infra_by_provider.items())) or "-"
-        lines.append("| " + " | ".join([t.task, *cells, t.flag or "-", infra]) + " |")
+        differ, regraded = t.regrades
+        regrades = f"{differ} of {regraded}" if regraded else "-"
+        lines.append("| " + " | ".join([t.task, *cells, t.flag or "-", regrades, infra]) + " |")
     if unreadable:
         lines += ["", "Left out (unreadable): " + "; ".join(unreadable)]
     return "\n".join(lines) + "\n"

@@ -111,13 +111,15 @@ def _prefect(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: fl
 
 
 def tiny_config(run_id: str, output_dir: Path, model_dir: Path) -> dict:
-    """A run config the tiny random model finishes in seconds: one step, 2 prompts x 2 trials, one short turn."""
+    """A run config the tiny random model finishes in seconds: one step, 2 prompts x 2 trials, one short turn, one
+    trial per task regraded at the end."""
     return {
         "run_id": run_id,
         "output_dir": str(output_dir),
         "model": {"source": str(model_dir)},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, "max_turns": 1},
         "train": {"steps": 1, "eval_samples_per_prompt": 0},
+        "report": {"regrade_per_task": 1},  # as the nightly recipe: the morning's task health regrades trials
     }
 
 

@@ -16,6 +16,7 @@ from grpoflow.config import parse_run_config
 from grpoflow.ledger import unaccounted
 from grpoflow.prepare.presets import load_preset
 from grpoflow.run.metrics import read_step_records, training_rows
+from grpoflow.run.regrade import read_regrades
 from tests.system.deployments.conftest import POOL, artifacts_of, dumps, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -249,7 +250,9 @@ def test_two_nights_train_then_evaluate_by_event(prefect_stack, tiny_model_dir, 
         rows = read_step_records(runs / night / "metrics.jsonl")
         assert rows and all(unaccounted(r) == 0 and r["ledger/generated"] > 0 for r in training_rows(rows))
         assert (runs / night / "viewer.html").is_file()  # rendered in Chromium by tests/integration/flows
+        regrades = read_regrades(runs / night)  # one stored trial per task graded again by Harbor
+        assert regrades and all(r.error is None and not r.differs for r in regrades)
     capsys.readouterr()
     assert cli_main(["tasks", "--output-dir", str(runs)]) == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| task |"))
-    assert "| night-1 |" in header and "| night-2 |" in header
+    assert "| night-1 |" in header and "| night-2 |" in header and "| regrades differing |" in header

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="first regrade that run's stored trials with Harbor (its verifier again on each trial's recorded "
         "workdir: trials of a run with report.regrade_per_task > 0) and record the verdicts",
     )
-    p.add_argument("--per-task", type=int, default=2, metavar="K", help="trials regraded per task (default: 2)")
+    p.add_argument("--per-task", type=int, metavar="K", help="with --regrade: trials regraded per task (default: 2)")
     return parser
 
 
@@ -166,11 +166,14 @@ def _resume_or_rerun(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tasks(output_dir: Path, regrade: str | None = None, per_task: int = 2) -> int:
+def _tasks(output_dir: Path, regrade: str | None = None, per_task: int | None = None) -> int:
     from grpoflow.run.health import health_markdown, task_health
 
     if not output_dir.is_dir():
         print(f"grpoflow: error: output dir {output_dir} does not exist", file=sys.stderr)
+        return 2
+    if regrade is None and per_task is not None:
+        print("grpoflow: error: --per-task goes with --regrade RUN_ID", file=sys.stderr)
         return 2
     if regrade is not None:
         try:
@@ -178,7 +181,7 @@ def _tasks(output_dir: Path, regrade: str | None = None, per_task: int = 2) -> i
                 raise ConfigError(
                     f"--regrade {regrade!r}: a run id is lowercase letters, digits and dashes (at most 63)"
                 )
-            _regrade(output_dir / regrade, per_task)
+            _regrade(output_dir / regrade, 2 if per_task is None else per_task)
         except GrpoflowError as err:
             print(f"grpoflow: error: {err}", file=sys.stderr)
             return 2
@@ -196,20 +199,21 @@ def _regrade(root: Path, per_task: int) -> None:
     names, and count the verdicts into its tasks.json (what task health reads)."""
     from grpoflow.rollout.credentials import export_sandbox_key
     from grpoflow.run.health import write_run_tasks
-    from grpoflow.run.regrade import regrade_run, regrade_summary
-    from grpoflow.run.resume import load_saved_config
+    from grpoflow.run.regrade import pick_trials, regrade_run, regrade_summary
+    from grpoflow.run.resume import load_saved_config, run_lock
 
     if per_task < 1:
         raise ConfigError(f"--per-task {per_task}: regrade at least 1 trial per task")
     cfg = load_saved_config(root)
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
-    regrades = regrade_run(root, cfg.rollout, per_task)
-    if not regrades:
-        raise RunDirError(
-            f"run {root.name} has no graded trial that recorded its workdir (a run with report.regrade_per_task "
-            "> 0 records them): nothing to regrade"
-        )
-    write_run_tasks(root)
+    with run_lock(root):  # not while the run itself runs (it regrades at its end)
+        if not pick_trials(root, per_task)[0]:
+            raise RunDirError(
+                f"run {root.name} has no graded trial that recorded its workdir (a run with "
+                "report.regrade_per_task > 0 records them): nothing to regrade"
+            )
+        regrades = regrade_run(root, cfg.rollout, per_task)
+        write_run_tasks(root)
     print(f"grpoflow: run {root.name}: {regrade_summary(regrades)}")
     for r in regrades:
         if r.regraded is None:

@@ -532,7 +532,7 @@ class ReportConfig(_Section):
         description="When the run ends, Harbor regrades up to this many of each task's graded trials (its verifier "
         "again, in a fresh sandbox, on the workdir the trial recorded) and task health flags the task's verifier "
         "as flaky when a reward differs from the recorded one. Above 0 every trial also keeps its task's workdir "
-        "in its trial dir. 0: no regrade, nothing extra recorded.",
+        "in its trial dir; tasks that name no workdir are not regraded. 0: no regrade, nothing extra recorded.",
     )
 
 

@@ -160,10 +160,10 @@ class _StartSlot:
 @lru_cache(maxsize=4096)
 def recorded_artifacts(task_path: str) -> tuple[str, ...]:
     """What a trial of this task records for a later regrade: the task's workdir (where the built-in tasks'
-    verifiers, and most terminal tasks', read the agent's work). Nothing when the task names no workdir: then
-    there is nothing a regrade could replay, and a regrade leaves its trials out."""
+    verifiers, and most terminal tasks', read the agent's work). Nothing when the task names no workdir (or `/`):
+    then there is nothing a regrade could replay, and a regrade leaves its trials out."""
     task = TaskFile.model_validate_toml((Path(task_path) / "task.toml").read_text(encoding="utf-8"))
-    workdir = task.environment.workdir
+    workdir = (task.environment.workdir or "").rstrip("/")  # "/" would be the whole filesystem: not recorded
     return (workdir,) if workdir else ()
 
 

@@ -41,6 +41,7 @@ class TaskRun:
     infra_errors: int = 0
     regraded: int = 0  # stored trials Harbor's regrade gave a reward
     regrade_differs: int = 0  # of those, how many got another reward than the run recorded
+    regrade_failed: int = 0  # regrades that gave no reward (unreadable record, changed task, sandbox, verifier)
 
     @property
     def pass_rate(self) -> float | None:
@@ -54,9 +55,13 @@ class TaskHealth:
     infra_by_provider: dict[str, int] = field(default_factory=dict)
 
     @property
-    def regrades(self) -> tuple[int, int]:
-        """(regrades that differed, regrades), over every run."""
-        return sum(r.regrade_differs for r in self.runs), sum(r.regraded for r in self.runs)
+    def regrades(self) -> tuple[int, int, int]:
+        """(regrades that differed, regrades that gave a reward, regrades that gave none), over every run."""
+        return (
+            sum(r.regrade_differs for r in self.runs),
+            sum(r.regraded for r in self.runs),
+            sum(r.regrade_failed for r in self.runs),
+        )
 
     @property
     def flag(self) -> str:
@@ -116,9 +121,10 @@ def run_tasks(root: Path, recount: bool = False) -> tuple[str, dict[str, TaskRun
                 tr.infra_errors += 1
             tr.infra_errors += int(s.metrics.get("retries", 0))  # attempts lost to the sandbox, then retried
     for r in read_regrades(root):
-        if r.regraded is not None and r.task in seen:
-            seen[r.task].regraded += 1
-            seen[r.task].regrade_differs += r.differs
+        tr = seen.setdefault(r.task, TaskRun(root.name))
+        tr.regraded += r.regraded is not None
+        tr.regrade_differs += r.differs
+        tr.regrade_failed += r.regraded is None
     return _provider(root), seen
 
 
@@ -132,6 +138,7 @@ def write_run_tasks(root: Path) -> Path:
             "infra_errors": t.infra_errors,
             "regraded": t.regraded,
             "regrade_differs": t.regrade_differs,
+            "regrade_failed": t.regrade_failed,
         }
         for k, t in counts.items()
     }
@@ -170,8 +177,8 @@ def _provider(root: Path) -> str:
 
 def health_markdown(run_ids: list[str], tasks: list[TaskHealth], unreadable: list[str] | None = None) -> str:
     """A table: a row per task, a column per run (pass rate, `-` where the run did not run it), the flags, the
-    regrades whose reward differed of those regraded, and the infrastructure errors (failed or retried attempts)
-    by provider; then the runs left out."""
+    regrades whose reward differed of those that gave one (and how many gave none), and the infrastructure errors
+    (failed or retried attempts) by provider; then the runs left out."""
     head = ["task", *run_ids, "flag", "regrades differing", "infra errors"]
     lines = [
         f"# Task health over {len(run_ids)} runs",
@@ -183,8 +190,8 @@ def health_markdown(run_ids: list[str], tasks: list[TaskHealth], unreadable: lis
         by_run = {r.run_id: r for r in t.runs}
         cells = [_rate(by_run.get(run)) for run in run_ids]
         infra = ", ".join(f"{p}: {n}" for p, n in sorted(t.infra_by_provider.items())) or "-"
-        differ, regraded = t.regrades
-        regrades = f"{differ} of {regraded}" if regraded else "-"
+        differ, regraded, failed = t.regrades
+        regrades = f"{differ} of {regraded}" + (f", {failed} failed" if failed else "") if regraded or failed else "-"
         lines.append("| " + " | ".join([t.task, *cells, t.flag or "-", regrades, infra]) + " |")
     if unreadable:
         lines += ["", "Left out (unreadable): " + "; ".join(unreadable)]

@@ -6,7 +6,14 @@ a run with `report.regrade_per_task` > 0 has each trial record its task's workdi
 out after the agent and before the verifier; `recorded_artifacts`). When the run ends, up to that many graded
 trials of each task are regraded (passes and failures alike, `pick_trials`), and a reward that differs from the
 recorded one flags the task's verifier in task health: it is flaky, or it reads state the trial did not record;
-either way its rewards cannot be trusted for training.
+either way its rewards cannot be trusted for training. A regrade that gives no reward (the trial's record is
+unreadable, the task changed since the trial, the sandbox or the verifier failed) is recorded with why and counts
+neither way.
+
+What a regrade replays is Harbor's copy of the workdir: links out of it and setuid bits do not survive the copy,
+so a verifier that judges those may differ on regrade without being flaky. Regrades run in the flow's process at
+`rollout.concurrency` sandboxes at once, after the run's trials (not through Ray workers or the global limit on
+sandbox starts), and a failed sandbox start is not retried.
 
 Harbor regrades only with a separate-mode verifier (the trial's own sandbox is gone). A task written for shared
 mode, as the built-in ones are, is regraded through a copy of it under `<run>/regrade/tasks/` whose task.toml says
@@ -21,6 +28,8 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
+import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -32,12 +41,12 @@ from harbor.models.task.config import VerifierEnvironmentMode
 from harbor.models.task.verifier_mode import resolve_task_verifier_mode
 from harbor.models.trial.config import EnvironmentConfig, SourceTrialConfig, TaskConfig, TrialConfig
 from harbor.models.trial.result import TrialResult
-from harbor.trial.trial import Trial
+from harbor.publisher.packager import Packager
 
 from grpoflow.config import RolloutConfig
 from grpoflow.fileio import write_text_atomic
 from grpoflow.rollout.step import sandbox_config
-from grpoflow.rollout.trials import recorded_artifacts
+from grpoflow.rollout.trials import run_here
 from grpoflow.scoring import PASS, verifier_reward
 
 log = logging.getLogger(__name__)
@@ -52,13 +61,13 @@ class Regrade:
 
     task: str  # the instance id
     trial: str  # the source trial's dir, relative to the run dir
-    recorded: float  # the reward the run trained or evaluated with
+    recorded: float | None  # the verifier's reward in the trial's result.json; None when that was unreadable
     regraded: float | None  # the reward of the regrade; None when it gave none (see `error`)
-    error: str | None = None  # why the regrade gave no reward (not regradable, sandbox or verifier failure)
+    error: str | None = None  # why the regrade gave no reward
 
     @property
     def differs(self) -> bool:
-        return self.regraded is not None and abs(self.regraded - self.recorded) > 1e-9
+        return self.regraded is not None and self.recorded is not None and abs(self.regraded - self.recorded) > 1e-9
 
 
 @dataclass(frozen=True)
@@ -69,37 +78,49 @@ class StoredTrial:
     reward: float
 
 
-def pick_trials(run_root: Path, per_task: int) -> list[StoredTrial]:
-    """Up to `per_task` graded trials of each task that recorded their workdir, in the order the run ran them
-    (training steps, then evaluations), passes and failures taken in turn: a verifier that flips only one way
-    is still caught when the run has both verdicts."""
+def pick_trials(run_root: Path, per_task: int) -> tuple[list[StoredTrial], list[Regrade]]:
+    """(up to `per_task` graded trials of each task that recorded their workdir, in the order the run ran them
+    (training steps, then evaluations), passes and failures taken in turn, so that a verifier that flips only
+    one way is still caught when the run has both verdicts; a row with why for each trial dir whose record
+    could not be read)."""
     ids = _instance_ids(run_root)
     by_task: dict[str, list[StoredTrial]] = {}
+    unreadable = []
     for trial_dir in _trial_dirs(run_root):
-        stored = _stored(trial_dir, ids)
+        try:
+            stored = _stored(trial_dir, ids)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # truncated, foreign, moved
+            unreadable.append(Regrade(_task_of(trial_dir), _relative(trial_dir, run_root), None, None, _one_line(err)))
+            continue
         if stored is not None:
             by_task.setdefault(stored.task, []).append(stored)
-    picked = []
-    for task in sorted(by_task):
-        passes = [t for t in by_task[task] if t.reward >= PASS]
-        fails = [t for t in by_task[task] if t.reward < PASS]
-        alternating = [t for pair in zip_longest(passes, fails) for t in pair if t is not None]
-        picked += alternating[:per_task]
-    return picked
+    return [t for task in sorted(by_task) for t in alternate(by_task[task], per_task)], unreadable
+
+
+def alternate(trials: Sequence[StoredTrial], k: int) -> list[StoredTrial]:
+    """The first `k` of `trials` taking a pass and a failure in turn (while both last), each in its own order."""
+    passes = [t for t in trials if t.reward >= PASS]
+    fails = [t for t in trials if t.reward < PASS]
+    return [t for pair in zip_longest(passes, fails) for t in pair if t is not None][:k]
 
 
 async def regrade_trials(
-    run_root: Path, trials: Sequence[StoredTrial], environment: EnvironmentConfig, concurrency: int
+    run_root: Path,
+    trials: Sequence[StoredTrial],
+    environment: EnvironmentConfig,
+    concurrency: int,
+    unreadable: Sequence[Regrade] = (),
 ) -> list[Regrade]:
-    """Regrade `trials` with Harbor in `environment`'s sandboxes, at most `concurrency` at once; writes
-    `regrades.jsonl`. The regrade dir is remade on every call (a resumed run that ends again regrades again)."""
+    """Regrade `trials` with Harbor in `environment`'s sandboxes, at most `concurrency` at once; writes their rows,
+    after the `unreadable` ones, to `regrades.jsonl`. The regrade dir is remade on every call (a resumed run that
+    ends again regrades again)."""
     out = run_root / REGRADE_DIR
     if out.exists():
         shutil.rmtree(out)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(stored: StoredTrial) -> Regrade:
-        relative = str(stored.trial_dir.relative_to(run_root))
+        relative = _relative(stored.trial_dir, run_root)
         async with gate:
             try:
                 result = await _regrade(stored, environment, out)
@@ -111,7 +132,7 @@ async def regrade_trials(
             why = f"{exc.exception_type}: {_one_line(exc.exception_message)}" if exc else why
         return Regrade(stored.task, relative, stored.reward, regraded, why if regraded is None else None)
 
-    regrades = list(await asyncio.gather(*(one(t) for t in trials)))
+    regrades = [*unreadable, *await asyncio.gather(*(one(t) for t in trials))]
     write_text_atomic(run_root / REGRADES_FILE, "".join(json.dumps(asdict(r)) + "\n" for r in regrades))
     for r in regrades:
         if r.differs:
@@ -122,43 +143,58 @@ async def regrade_trials(
 
 
 def regrade_run(run_root: Path, rollout: RolloutConfig, per_task: int) -> list[Regrade]:
-    """`pick_trials` of the run, regraded in the sandboxes `rollout` names (empty: nothing the run recorded)."""
-    stored = pick_trials(run_root, per_task)
-    if not stored:
-        return []
-    return asyncio.run(regrade_trials(run_root, stored, sandbox_config(rollout), rollout.concurrency))
+    """`pick_trials` of the run, regraded in the sandboxes `rollout` names; `regrades.jsonl` says what came of
+    it (empty: the run recorded nothing to regrade)."""
+    stored, unreadable = pick_trials(run_root, per_task)
+    return asyncio.run(regrade_trials(run_root, stored, sandbox_config(rollout), rollout.concurrency, unreadable))
 
 
 def regrade_summary(regrades: Sequence[Regrade]) -> str:
     differ = sorted({r.task for r in regrades if r.differs})
     return (
         f"regraded {len(regrades)} trials of {len({r.task for r in regrades})} tasks: "
-        f"{sum(r.differs for r in regrades)} gave another reward than the run recorded ({', '.join(differ) or 'no task'}), "
-        f"{sum(r.regraded is None for r in regrades)} gave none"
+        f"{sum(r.differs for r in regrades)} gave another reward than the run recorded "
+        f"({', '.join(differ) or 'no task'}), {sum(r.regraded is None for r in regrades)} gave none"
     )
 
 
 def read_regrades(run_root: Path) -> list[Regrade]:
-    """The run's `regrades.jsonl`; empty when it has none."""
+    """The run's `regrades.jsonl`; empty when it has none. A damaged line is a ValueError naming file and line."""
     path = run_root / REGRADES_FILE
     if not path.is_file():
         return []
-    return [Regrade(**json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(Regrade(**json.loads(line)))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path}:{n}: not a regrade row: {_one_line(err)}") from None
+    return rows
+
+
+class TaskChangedError(Exception):
+    """The task's files are not those the trial ran with: a regrade would judge another task."""
 
 
 async def _regrade(stored: StoredTrial, environment: EnvironmentConfig, out: Path) -> TrialResult:
     source = TrialResult.model_validate_json((stored.trial_dir / "result.json").read_text(encoding="utf-8"))
+    if not (stored.task_path / "task.toml").is_file():
+        raise FileNotFoundError(f"{stored.task_path}: the task is not there any more (moved or deleted)")
+    lock = json.loads((stored.trial_dir / "lock.json").read_text(encoding="utf-8"))
+    now = "sha256:" + Packager.compute_content_hash(stored.task_path)[0]
+    if lock["task"]["digest"] != now:
+        raise TaskChangedError(f"{stored.task_path} changed since the trial ran (digest {lock['task']['digest']})")
     cfg = TrialConfig(
         task=TaskConfig(path=separate_mode_task(stored.task_path, out / "tasks")),
         trial_name=stored.trial_dir.name,
         trials_dir=out / "trials" / stored.trial_dir.parent.name,
         agent=source.config.agent,  # as Harbor's own regrade does: the agent is never run
         environment=environment,
-        artifacts=list(recorded_artifacts(str(stored.task_path))),
+        artifacts=source.config.artifacts,  # what the trial recorded, the regrade replays
         source_trial=SourceTrialConfig(action="regrade", type="local", path=stored.trial_dir),
     )
-    trial = await Trial.create(cfg)
-    return await trial.run()
+    return await run_here(cfg)
 
 
 def separate_mode_task(task_path: Path, into: Path) -> Path:
@@ -171,10 +207,16 @@ def separate_mode_task(task_path: Path, into: Path) -> Path:
         return task_path
     dest = into / hashlib.sha256(str(task_path.resolve()).encode()).hexdigest()[:12] / task_path.name
     if not dest.exists():
-        shutil.copytree(task_path, dest)
+        # Built beside and renamed into place: a copy that failed halfway is never taken for a whole one.
+        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{id(task)}"
+        shutil.copytree(task_path, tmp)
         task = task.model_copy(deep=True)
         task.verifier.environment_mode = VerifierEnvironmentMode.SEPARATE
-        (dest / "task.toml").write_text(task.model_dump_toml(), encoding="utf-8")
+        (tmp / "task.toml").write_text(task.model_dump_toml(), encoding="utf-8")
+        try:
+            tmp.rename(dest)
+        except OSError:  # another regrade of the same task made it first
+            shutil.rmtree(tmp)
     return dest
 
 
@@ -183,50 +225,62 @@ def _task_file(task_path: Path) -> TaskFile:
 
 
 def _trial_dirs(run_root: Path) -> list[Path]:
-    """The run's trial dirs: training steps in order, then evaluations in order."""
+    """The run's trial dirs: training steps in order, then evaluations in order; within one, by task, sample and
+    attempt (numbers compared as numbers)."""
 
-    def key(group: Path) -> tuple[int, int]:
-        kind, _, n = group.name.partition("_")
-        return (kind != "step", int(n) if n.isdigit() else -1)
+    def natural(name: str) -> list[tuple[int, int | str]]:
+        return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name)]
+
+    def group_key(group: Path) -> tuple[bool, list]:
+        return (not group.name.startswith("step_"), natural(group.name))
 
     root = run_root / "trials"
-    groups = sorted((g for g in root.iterdir() if g.is_dir()), key=key) if root.is_dir() else []
-    return [d for g in groups for d in sorted(g.iterdir()) if d.is_dir()]
+    groups = sorted((g for g in root.iterdir() if g.is_dir()), key=group_key) if root.is_dir() else []
+    return [d for g in groups for d in sorted((d for d in g.iterdir() if d.is_dir()), key=lambda d: natural(d.name))]
 
 
 def _instance_ids(run_root: Path) -> dict[str, str]:
-    """task_path -> instance id, from the run's prompts.jsonl."""
+    """task_path (as written, and resolved) -> instance id, from the run's prompts.jsonl."""
     path = run_root / "prompts.jsonl"
     ids = {}
     for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
         if line.strip():
             record = json.loads(line)
-            ids[record["task_path"]] = record["instance_id"]
+            ids[record["task_path"]] = ids[str(Path(record["task_path"]).resolve())] = record["instance_id"]
     return ids
 
 
 def _stored(trial_dir: Path, ids: dict[str, str]) -> StoredTrial | None:
-    """The trial, when it has a verdict and recorded what a regrade replays; else None."""
-    if not (trial_dir / "result.json").is_file():
-        return None
+    """The trial, when it has a verdict and recorded what a regrade replays; None when it is not a candidate (no
+    verdict, or a run that recorded no workdir). Raises when its record cannot be read."""
+    manifest = trial_dir / "artifacts" / "manifest.json"
+    if not manifest.is_file():
+        return None  # a trial of a run without `report.regrade_per_task`, or one killed before collection
     result = TrialResult.model_validate_json((trial_dir / "result.json").read_text(encoding="utf-8"))
     reward, _ = verifier_reward(result.verifier_result.rewards if result.verifier_result else None)
     task_path = result.config.task.path
     if reward is None or task_path is None:
         return None
-    wanted = set(recorded_artifacts(str(task_path)))
-    if not wanted or not wanted <= _manifest_sources(trial_dir):
-        return None  # a trial of a run without `report.regrade_per_task`, or one that could not collect them
-    return StoredTrial(ids.get(str(task_path), result.task_name), Path(task_path), trial_dir, reward)
+    wanted = {(a if isinstance(a, str) else a.source).rstrip("/") for a in result.config.artifacts}
+    if not wanted or not wanted <= _manifest_sources(manifest):
+        return None  # the trial was asked to keep nothing (its task names no workdir), or could not collect it
+    task = ids.get(str(task_path)) or ids.get(str(Path(task_path).resolve())) or _task_of(trial_dir)
+    return StoredTrial(task, Path(task_path), trial_dir, reward)
 
 
-def _manifest_sources(trial_dir: Path) -> set[str]:
-    """The paths the trial's artifacts manifest (Harbor's) lists as collected."""
-    path = trial_dir / "artifacts" / "manifest.json"
-    if not path.is_file():
-        return set()
-    entries = json.loads(path.read_text(encoding="utf-8"))
+def _manifest_sources(manifest: Path) -> set[str]:
+    """The paths Harbor's artifacts manifest lists as collected."""
+    entries = json.loads(manifest.read_text(encoding="utf-8"))
     return {e["source"].rstrip("/") or "/" for e in entries if e.get("status") in ("ok", "empty")}
+
+
+def _task_of(trial_dir: Path) -> str:
+    """The instance id a trial dir's name starts with (`trial_name`: `<instance id>__<sample>__a<attempt>`)."""
+    return trial_dir.name.rsplit("__", 2)[0]
+
+
+def _relative(trial_dir: Path, run_root: Path) -> str:
+    return str(trial_dir.relative_to(run_root))
 
 
 def _one_line(err: BaseException | str | None) -> str:

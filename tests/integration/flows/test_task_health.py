@@ -38,7 +38,11 @@ def test_two_nights_per_task_with_flags_and_infra_errors(tmp_path, tiny_model_di
     night1 = read_regrades(runs / "night-1")
     assert {r.task for r in night1} == {"make-ok-0", "make-ok-1", "never-ok"} and len(night1) == 6
     assert all(r.regraded == r.recorded and r.error is None for r in night1)
-    assert (runs / "night-2" / "regrades.jsonl").is_file()
+    night2 = read_regrades(runs / "night-2")  # on failing sandbox starts: a row each, a reward or why there is none
+    assert night2 and all((r.regraded is None) == (r.error is not None) for r in night2)
+    assert not any(r.differs for r in night2)
+    counted = run_tasks(runs / "night-2")[1].values()
+    assert sum(c.regraded + c.regrade_failed for c in counted) == len(night2)
     (runs / "night-2" / "tasks.json").unlink()  # a run without them is counted from its samples
     run_ids, tasks = task_health(runs)
     assert run_ids == ["night-1", "night-2"]
@@ -71,3 +75,5 @@ def test_two_nights_per_task_with_flags_and_infra_errors(tmp_path, tiny_model_di
     assert "run dir" in capfd.readouterr().err
     assert main(["tasks", "--output-dir", str(runs), "--regrade", "../night-1"]) == 2
     assert "a run id is" in capfd.readouterr().err
+    assert main(["tasks", "--output-dir", str(runs), "--per-task", "1"]) == 2
+    assert "--per-task goes with --regrade" in capfd.readouterr().err

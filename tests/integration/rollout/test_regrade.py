@@ -5,6 +5,7 @@ flagged in task health, a faithful one is not. The trials are Harbor's oracle ag
 import asyncio
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from harbor.models.trial.config import AgentConfig
@@ -13,7 +14,7 @@ from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path
 from grpoflow.rollout.step import collect_step, sandbox_config
 from grpoflow.run.health import TaskHealth, health_markdown, run_tasks
-from grpoflow.run.regrade import REGRADES_FILE, pick_trials, read_regrades, regrade_trials
+from grpoflow.run.regrade import REGRADES_FILE, StoredTrial, alternate, pick_trials, read_regrades, regrade_trials
 from tests.fakes.prompts import builtin_prompts
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -72,7 +73,8 @@ def test_regrade_flags_a_verifier_that_reads_unrecorded_state(run_root):
     assert (recorded / "app" / "hello.txt").read_text().strip() == "hello"  # the workdir, kept by Harbor
     assert not (run_root / "trials" / "step_1" / "hello-file__0__a0" / "artifacts" / "app").exists()
 
-    stored = pick_trials(run_root, per_task=5)
+    stored, unreadable = pick_trials(run_root, per_task=5)
+    assert unreadable == []
     assert sorted((t.task, t.reward) for t in stored) == [
         ("hello-file", 1.0),
         ("hello-file", 1.0),
@@ -82,7 +84,7 @@ def test_regrade_flags_a_verifier_that_reads_unrecorded_state(run_root):
         ("unsolved", 0.0),
     ]
     assert {t.trial_dir.parent.name for t in stored} == {"step_0"}
-    assert len(pick_trials(run_root, per_task=1)) == 3
+    assert len(pick_trials(run_root, per_task=1)[0]) == 3
 
     regrades = asyncio.run(regrade_trials(run_root, stored, sandbox_config(parse_run_config({}).rollout), 4))
     by_task = {}
@@ -112,12 +114,61 @@ def test_regrade_flags_a_verifier_that_reads_unrecorded_state(run_root):
     assert "| hello-file | 1.00 (4) | always 1 | 0 of 2 | - |" in table
 
 
-def test_a_trial_whose_record_is_gone_is_reported_not_graded(run_root):
-    stored = [t for t in pick_trials(run_root, per_task=1) if t.task == "hello-file"]
-    shutil.rmtree(stored[0].trial_dir / "artifacts" / "app")  # the manifest still lists it
-    (r,) = asyncio.run(regrade_trials(run_root, stored, sandbox_config(parse_run_config({}).rollout), 1))
-    assert r.regraded is None and not r.differs
-    assert r.error.startswith("RegradeError: ") and "/app" in r.error
-    assert (run_root / REGRADES_FILE).read_text().count("\n") == 1
+def test_trials_that_cannot_be_regraded_are_rows_with_why_never_verdicts(run_root, tmp_path):
+    step0 = run_root / "trials" / "step_0"
+    shutil.rmtree(step0 / "hello-file__0__a0" / "artifacts" / "app")  # the manifest still lists it
+    (step0 / "hello-file__1__a0" / "result.json").write_text('{"task_name": "hel')  # cut off mid-write
+    (step0 / "unsolved__0__a0" / "artifacts" / "manifest.json").write_text('{"not": "a list"}')
+    changed = tmp_path / "tasks" / "reads-tmp" / "tests" / "test.sh"  # the task changed after the run
+    changed.write_text(changed.read_text() + "# edited\n")
+    stored, unreadable = pick_trials(run_root, per_task=2)
+    assert [(r.task, r.trial, r.recorded, r.regraded) for r in unreadable] == [
+        ("hello-file", "trials/step_0/hello-file__1__a0", None, None),
+        ("unsolved", "trials/step_0/unsolved__0__a0", None, None),
+    ]
+    assert unreadable[0].error.startswith("ValidationError: ") and unreadable[1].error.startswith("AttributeError")
+    regrades = asyncio.run(
+        regrade_trials(run_root, stored, sandbox_config(parse_run_config({}).rollout), 4, unreadable)
+    )
+    rows = {r.trial.rsplit("/", 1)[1]: r for r in regrades}
+    assert rows["hello-file__0__a0"].error.startswith("RegradeError: ") and "/app" in rows["hello-file__0__a0"].error
+    for name in ("reads-tmp__0__a0", "reads-tmp__1__a0"):
+        assert rows[name].error.startswith("TaskChangedError: ") and "changed since the trial" in rows[name].error
+    assert rows["unsolved__1__a0"].regraded == 0.0 and rows["unsolved__1__a0"].error is None
+    assert not any(r.differs for r in regrades) and read_regrades(run_root) == regrades
     _, counts = run_tasks(run_root, recount=True)
-    assert counts["hello-file"].regraded == 0  # no verdict: neither agreeing nor differing
+    assert {k: (c.regraded, c.regrade_differs, c.regrade_failed) for k, c in counts.items()} == {
+        "hello-file": (0, 0, 2),
+        "reads-tmp": (0, 0, 2),
+        "unsolved": (1, 0, 1),
+    }
+    table = health_markdown(["run"], [TaskHealth(k, [c]) for k, c in counts.items()])
+    assert "| hello-file | 1.00 (4) | always 1 | 0 of 0, 2 failed | - |" in table
+    (run_root / REGRADES_FILE).write_text('{"task": "x"}\n')
+    with pytest.raises(ValueError, match=r"regrades.jsonl:1: not a regrade row"):
+        read_regrades(run_root)
+
+
+def test_a_task_dir_that_moved_gives_rows_with_why(run_root, tmp_path):
+    shutil.move(tmp_path / "tasks" / "unsolved", tmp_path / "elsewhere")
+    stored, unreadable = pick_trials(run_root, per_task=1)
+    assert unreadable == [] and [t.task for t in stored] == ["hello-file", "reads-tmp", "unsolved"]
+    regrades = asyncio.run(regrade_trials(run_root, stored, sandbox_config(parse_run_config({}).rollout), 4))
+    assert [r.regraded for r in regrades] == [1.0, 0.0, None]
+    assert regrades[2].error.startswith("FileNotFoundError: ") and "unsolved" in regrades[2].error
+
+
+def _stored(task: str, reward: float, n: int) -> StoredTrial:
+    return StoredTrial(task, Path("/t"), Path(f"/run/trials/step_0/{task}__{n}__a0"), reward)
+
+
+def test_picks_take_passes_and_failures_in_turn():
+    trials = [_stored("t", r, n) for n, r in enumerate([1.0, 1.0, 1.0, 0.0, 0.5])]
+    assert [(t.reward, t.trial_dir.name) for t in alternate(trials, 4)] == [
+        (1.0, "t__0__a0"),
+        (0.0, "t__3__a0"),
+        (1.0, "t__1__a0"),
+        (0.5, "t__4__a0"),
+    ]
+    assert [t.reward for t in alternate(trials, 1)] == [1.0]
+    assert [t.reward for t in alternate(trials[:3], 3)] == [1.0, 1.0, 1.0]  # no failure: passes only

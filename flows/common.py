@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import transformers.utils.logging  # noqa: E402
 from prefect.client.orchestration import get_client
 from prefect.context import refresh_global_settings_context
 from prefect.events import emit_event
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from prefect.settings import get_current_settings
 
 from grpoflow.config import RunConfig, parse_run_config
@@ -27,6 +28,7 @@ from grpoflow.engine.backends import EngineHandle, open_engine
 from grpoflow.errors import GrpoflowError
 from grpoflow.prepare.clis import CLI_PACKAGES
 from grpoflow.prepare.stage import PreparedRun
+from grpoflow.run.info import DeploymentRef
 from grpoflow.run.metrics import evaluation_rows, read_metrics, training_rows
 from tasks.preflight import engine_preflight_task, preflight_task
 from tasks.prepare import prepare_dataset_task, prepare_harness_task, prepare_model_task, prepare_prompts_task
@@ -95,7 +97,16 @@ def prepare_stage(cfg: RunConfig, stage: str) -> PreparedRun:
         prepare_harness_task(cfg.rollout.harness)
     model = prepare_model_task(cfg.model.source)
     dataset = prepare_dataset_task(cfg.dataset.path)
-    return prepare_prompts_task(cfg, model, dataset, flow_run_id=str(flow_run.id) if flow_run.id else None)
+    return prepare_prompts_task(
+        cfg, model, dataset, flow_run_id=str(flow_run.id) if flow_run.id else None, deployment=this_deployment()
+    )
+
+
+def this_deployment() -> DeploymentRef | None:
+    """The deployment this flow run was started from; None for a flow called directly (the CLI, tests)."""
+    if not deployment.id:
+        return None
+    return DeploymentRef(id=str(deployment.id), name=deployment.name or "")
 
 
 @contextmanager
@@ -139,13 +150,16 @@ def _finite(row: dict[str, Any]) -> dict[str, Any]:
     return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
 
 
-def emit_run_event(ok: bool, summary: dict[str, Any], error: BaseException | None = None) -> None:
+def emit_run_event(
+    ok: bool, summary: dict[str, Any], error: BaseException | None = None, related: list[dict[str, str]] | None = None
+) -> None:
     """`grpoflow.run.completed` / `grpoflow.run.failed` about resource `grpoflow.run.<run_id>`, related to the
-    flow run; automations match on the event name and the resource id or the `grpoflow.flow` label."""
+    flow run (and to what Prefect adds of its context: flow, deployment, tags) and to `related`; automations match
+    on the event name and the resource id or the `grpoflow.flow` label."""
     payload = dict(summary)
     if error is not None:
         payload["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
-    related = []
+    related = list(related or [])
     if flow_run.id:
         related.append(
             {
@@ -166,14 +180,29 @@ def emit_run_event(ok: bool, summary: dict[str, Any], error: BaseException | Non
     )
 
 
+@dataclass
+class RunEnd:
+    """What the block of `run_events` adds to the end event: payload items, related resources."""
+
+    payload: dict[str, Any] = field(default_factory=dict)
+    related: list[dict[str, str]] = field(default_factory=list)
+
+    def from_deployment(self, ref: DeploymentRef) -> None:
+        """Announce the run's end as from `ref` too (a resumed run: the deployment that started it)."""
+        self.related.append(
+            {"prefect.resource.id": f"prefect.deployment.{ref.id}", "prefect.resource.role": "deployment"}
+            | {"prefect.resource.name": ref.name}
+        )
+
+
 @contextmanager
-def run_events(flow: str, run_id: str, run_dir: Path) -> Iterator[dict[str, Any]]:
-    """Emit the flow's end event when the block ends, however it ends. Items the block puts in the yielded dict
-    join the payload."""
-    extra: dict[str, Any] = {}
+def run_events(flow: str, run_id: str, run_dir: Path) -> Iterator[RunEnd]:
+    """Emit the flow's end event when the block ends, however it ends, with what the block put in the yielded
+    `RunEnd`."""
+    end = RunEnd()
     try:
-        yield extra
+        yield end
     except BaseException as err:
-        emit_run_event(False, run_summary(flow, run_id, run_dir, **extra), err)
+        emit_run_event(False, run_summary(flow, run_id, run_dir, **end.payload), err, end.related)
         raise
-    emit_run_event(True, run_summary(flow, run_id, run_dir, **extra))
+    emit_run_event(True, run_summary(flow, run_id, run_dir, **end.payload), related=end.related)

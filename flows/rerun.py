@@ -55,7 +55,7 @@ def rerun_flow(run_id: RunId, output_dir: str = "runs", new_run_id: RunId | None
         raise ConfigError(f"new_run_id {new_id!r}: lowercase letters, digits and dashes, at most 63")
     original = RunPaths(Path(output_dir) / run_id)
     new = RunPaths(Path(output_dir) / new_id)
-    with run_events("rerun", new_id, new.root) as extra:
+    with run_events("rerun", new_id, new.root) as end:
         old_cfg = load_saved_config(original.root)
         then = read_run_info(original)
         if not then.trains:
@@ -90,6 +90,6 @@ def rerun_flow(run_id: RunId, output_dir: str = "runs", new_run_id: RunId | None
         create_markdown_artifact(
             key=f"{new_id}-rerun", markdown=report_markdown(report), description=f"Rerun of {run_id}"
         )
-        extra.update(rerun_of=run_id, reproduced=report["metrics_identical"] and report["weights_identical"])
+        end.payload.update(rerun_of=run_id, reproduced=report["metrics_identical"] and report["weights_identical"])
         print(report["verdict"])
         return report

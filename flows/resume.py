@@ -62,14 +62,14 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
         output_dir: Directory holding the run dirs.
     """
     root = Path(output_dir) / run_id
-    with run_events("resume", run_id, root) as extra:
+    with run_events("resume", run_id, root) as end:
         cfg = load_saved_config(root)
         if cfg.output_dir != output_dir or cfg.run_id != run_id:  # the dir was moved: it is where it is now
             cfg = cfg.model_copy(update={"output_dir": output_dir, "run_id": run_id})
         paths = RunPaths(root)
         with run_lock(root):
             point = resume_point_task(paths, cfg.train.steps)
-            extra.update(resumed_from_step=point.next_step, repairs=point.repairs)
+            end.payload.update(resumed_from_step=point.next_step, repairs=point.repairs)
             final = cfg.train.steps
             final_eval_done = final not in evaluation_versions(cfg.train) or has_row(paths.metrics, final)
             if point.next_step >= final and final_eval_done:
@@ -86,7 +86,10 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
                 from_step=point.next_step,
                 flow_run_id=str(flow_run.id) if flow_run.id else None,
             )
-            update_run_info(paths, resumes=[*read_run_info(paths).resumes, resume])
+            info = read_run_info(paths)
+            update_run_info(paths, resumes=[*info.resumes, resume])
+            if info.deployment is not None:  # what follows that deployment's runs (nightly-evaluate) follows this one
+                end.from_deployment(info.deployment)
             reused = len(read_journal(paths.details(point.next_step)))
             at = f"step {point.next_step + 1}/{final}" if point.next_step < final else "its final evaluation"
             print(

@@ -15,6 +15,7 @@ from grpoflow.prepare.clis import ensure_cli
 from grpoflow.prepare.dataset import Dataset, load_dataset
 from grpoflow.prepare.model import PreparedModel, prepare_model
 from grpoflow.prepare.stage import PreparedRun, make_prompts, record_run
+from grpoflow.run.info import DeploymentRef
 
 
 @task(name="prepare-model", cache_policy=NO_CACHE)
@@ -35,6 +36,10 @@ def prepare_harness_task(harness: str) -> str:
 
 @task(name="prepare-prompts", cache_policy=NO_CACHE)
 def prepare_prompts_task(
-    cfg: RunConfig, model: PreparedModel, dataset: Dataset, flow_run_id: str | None = None
+    cfg: RunConfig,
+    model: PreparedModel,
+    dataset: Dataset,
+    flow_run_id: str | None = None,
+    deployment: DeploymentRef | None = None,
 ) -> PreparedRun:
-    return record_run(cfg, model, dataset, make_prompts(cfg, dataset), flow_run_id=flow_run_id)
+    return record_run(cfg, model, dataset, make_prompts(cfg, dataset), flow_run_id=flow_run_id, deployment=deployment)

@@ -21,7 +21,7 @@ from grpoflow.prepare.prompts import (
     write_prompts,
 )
 from grpoflow.rollout.tokens import TemplateError, check_chat_template, load_tokenizer
-from grpoflow.run.info import Provenance, RunInfo, parent_of, read_run_info, write_run_info
+from grpoflow.run.info import DeploymentRef, Provenance, RunInfo, parent_of, read_run_info, write_run_info
 from grpoflow.run.paths import RunPaths, create_run_dir
 
 
@@ -43,9 +43,15 @@ def make_prompts(cfg: RunConfig, dataset: Dataset) -> list[PromptRecord]:
 
 
 def record_run(
-    cfg: RunConfig, model: PreparedModel, dataset: Dataset, prompts: list[PromptRecord], flow_run_id: str | None = None
+    cfg: RunConfig,
+    model: PreparedModel,
+    dataset: Dataset,
+    prompts: list[PromptRecord],
+    flow_run_id: str | None = None,
+    deployment: DeploymentRef | None = None,
 ) -> PreparedRun:
-    """Create runs/<run_id>/ and write config.json, run.json (provenance) and prompts.jsonl."""
+    """Create runs/<run_id>/ and write config.json, run.json (provenance; the flow run and the deployment that
+    started it) and prompts.jsonl."""
     if cfg.rollout.harness == "shell":  # it extends the chat token by token; the session server can re-tokenise
         try:
             check_chat_template(load_tokenizer(model.path))
@@ -55,7 +61,10 @@ def record_run(
     write_json_atomic(paths.config, cfg.model_dump(mode="json"))
     provenance = Provenance.now(model, dataset)
     parent = parent_of(cfg.model.source)  # lineage: a checkpoint of an earlier run
-    write_run_info(paths, RunInfo(run_id=cfg.run_id, flow_run_id=flow_run_id, parent=parent, **dict(provenance)))
+    write_run_info(
+        paths,
+        RunInfo(run_id=cfg.run_id, flow_run_id=flow_run_id, deployment=deployment, parent=parent, **dict(provenance)),
+    )
     write_prompts(paths.prompts, prompts)
     splits: dict[str, int] = {}
     for p in prompts:

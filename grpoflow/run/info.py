@@ -81,9 +81,19 @@ class Parent(_Record):
     checkpoint: str  # the checkpoint dir, as the model source named it
 
 
+class DeploymentRef(_Record):
+    """The Prefect deployment a run was started from (nightly-train, manual-train, ...)."""
+
+    id: str
+    name: str
+
+
 class RunInfo(Provenance):
     run_id: str
     flow_run_id: str | None = None
+    # A resumed run announces its end as from this deployment too, so what follows a nightly run (its evaluation,
+    # a trigger on the deployment) follows a crashed one that `resume` finished.
+    deployment: DeploymentRef | None = None
     flow: Literal["train", "evaluate"] | None = None  # None: prepared only
     resumes: list[Resume] = []
     rerun_of: str | None = None

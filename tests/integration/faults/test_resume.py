@@ -19,11 +19,14 @@ import pytest
 from prefect.settings import PREFECT_API_URL
 
 from flows.cli import main
+from flows.serve import read_specs
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.fileio import sha256_tree
+from grpoflow.run.info import DeploymentRef, update_run_info
 from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import complete_steps
+from tests.fakes.triggers import fires
 from tests.integration.faults.events import run_events
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
@@ -144,6 +147,8 @@ def test_killed_mid_rollout_keeps_finished_trials(setup, capfd, caplog):
     model, data, runs = setup
     _kill_run(runs, model, data, "mid-rollout", "rollout", step=1, n=3)
     root = runs / "mid-rollout"
+    nightly = DeploymentRef(id="0f6c2a53-5d8e-4a52-9d6c-6f1d1c1f0a11", name="nightly-train")
+    update_run_info(RunPaths(root), deployment=nightly)  # as a run the nightly-train deployment started records
     before = {s["rollout_id"] for s in _journal(root, 1)}
     dirs_before = _trial_dirs(root, 1)
     assert len(before) == 3 and complete_steps(RunPaths(root)) == []  # step 0 wrote no full checkpoint
@@ -164,6 +169,14 @@ def test_killed_mid_rollout_keeps_finished_trials(setup, capfd, caplog):
         STEPS,
         0,
     )
+    # ...as from the deployment that started the run, so nightly-evaluate follows it as it follows a nightly run
+    assert any(r.id == f"prefect.deployment.{nightly.id}" and r.role == "deployment" for r in ev.related)
+    (trigger,) = {s.name: s for s in read_specs()}["nightly-evaluate"].triggers
+    assert fires(trigger, ev)
+    # resuming the complete run again changes nothing and announces no second end of the nightly run
+    _resume(runs, "mid-rollout", capfd, caplog)
+    again = run_events("mid-rollout", expect=2)[-1]
+    assert again.event == "grpoflow.run.completed" and not fires(trigger, again)
 
 
 @pytest.mark.parametrize(

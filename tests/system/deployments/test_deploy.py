@@ -17,6 +17,7 @@ from grpoflow.ledger import unaccounted
 from grpoflow.prepare.presets import load_preset
 from grpoflow.run.metrics import read_step_records, training_rows
 from grpoflow.run.regrade import read_regrades
+from tests.fakes.triggers import fires
 from tests.system.deployments.conftest import POOL, artifacts_of, dumps, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -43,6 +44,31 @@ def test_yaml_declares_the_deployments_the_issue_asks_for():
     recipe = load_preset("embedded-default", {"engine.deterministic": True, "seed": 0})
     assert nightly.model_dump(exclude={"run_id"}) == recipe.model_dump(exclude={"run_id"})
     assert all(s.enforce_parameter_schema for s in specs.values())
+
+
+def _completed(flow: str, *deployments: str) -> dict:
+    related = [
+        {"prefect.resource.id": f"prefect.deployment.{n}", "prefect.resource.role": "deployment"}
+        | {"prefect.resource.name": name}
+        for n, name in enumerate(deployments)
+    ]
+    return {
+        "occurred": datetime.now(timezone.utc).isoformat(),
+        "event": "grpoflow.run.completed",
+        "resource": {"prefect.resource.id": "grpoflow.run.n1", "grpoflow.flow": flow},
+        "related": related,
+        "id": "7d7bd0c4-4bb6-4a3c-a0a7-38e9f6a8c0a1",
+    }
+
+
+def test_nightly_evaluation_follows_nightly_runs_and_their_resumes_only():
+    (trigger,) = {s.name: s for s in read_specs()}["nightly-evaluate"].triggers
+    assert fires(trigger, _completed("train", "nightly-train"))
+    # a nightly run finished by `resume`: the resume deployment's run, announced as from nightly-train too
+    assert fires(trigger, _completed("resume", "resume", "nightly-train"))
+    assert not fires(trigger, _completed("resume", "resume"))  # a resume of a manual run
+    assert not fires(trigger, _completed("train", "manual-train"))
+    assert not fires(trigger, _completed("evaluate", "nightly-train"))
 
 
 def test_deployed_as_declared(prefect_stack):
@@ -246,6 +272,7 @@ def test_two_nights_train_then_evaluate_by_event(prefect_stack, tiny_model_dir, 
     infos = [json.loads(p.read_text()) for p in runs.glob("*/run.json")]
     parents = sorted(i["parent"]["run_id"] for i in infos if i["flow"] == "evaluate")
     assert parents == ["night-1", "night-2"]  # each night evaluated once, on its own checkpoint
+    assert {i["deployment"]["name"] for i in infos} == {"nightly-train", "nightly-evaluate"}  # who started each run
     for night in ("night-1", "night-2"):
         rows = read_step_records(runs / night / "metrics.jsonl")
         assert rows and all(unaccounted(r) == 0 and r["ledger/generated"] > 0 for r in training_rows(rows))

@@ -214,10 +214,10 @@ def _regrade(root: Path, per_task: int) -> None:
             )
         regrades = regrade_run(root, cfg.rollout, per_task)
         write_run_tasks(root)
-    print(f"grpoflow: run {root.name}: {regrade_summary(regrades)}")
-    for r in regrades:
-        if r.regraded is None:
-            print(f"grpoflow: regrade of {r.trial} gave no reward: {r.error}")
+    head, *rows = regrade_summary(regrades)
+    print(f"grpoflow: run {root.name}: {head}")
+    for line in rows:
+        print(f"grpoflow: {line}")
 
 
 def _run_flow(command: str, cfg, from_run: str | None = None) -> None:

@@ -238,10 +238,10 @@ def regrade_trials_task(cfg: RunConfig, paths: RunPaths) -> list[Regrade]:
     logger = get_run_logger()
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
     regrades = regrade_run(paths.root, cfg.rollout, cfg.report.regrade_per_task)
-    logger.info(regrade_summary(regrades))
-    for r in regrades:
-        if r.regraded is None:
-            logger.warning("regrade of %s gave no reward: %s", r.trial, r.error)
+    head, *rows = regrade_summary(regrades)
+    logger.info(head)
+    for line in rows:
+        logger.warning("%s", line)
     return regrades
 
 

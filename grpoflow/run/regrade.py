@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -48,8 +47,6 @@ from grpoflow.fileio import write_text_atomic
 from grpoflow.rollout.step import sandbox_config
 from grpoflow.rollout.trials import run_here
 from grpoflow.scoring import PASS, verifier_reward
-
-log = logging.getLogger(__name__)
 
 REGRADE_DIR = "regrade"  # under the run dir: the separate-mode copies of tasks and the regrade trials' dirs
 REGRADES_FILE = "regrades.jsonl"  # one line per regraded trial: task, trial, recorded and regraded reward
@@ -134,11 +131,6 @@ async def regrade_trials(
 
     regrades = [*unreadable, *await asyncio.gather(*(one(t) for t in trials))]
     write_text_atomic(run_root / REGRADES_FILE, "".join(json.dumps(asdict(r)) + "\n" for r in regrades))
-    for r in regrades:
-        if r.differs:
-            log.warning(
-                "regrade of %s gave %s, the run recorded %s: %s's verifier", r.trial, r.regraded, r.recorded, r.task
-            )
     return regrades
 
 
@@ -149,13 +141,22 @@ def regrade_run(run_root: Path, rollout: RolloutConfig, per_task: int) -> list[R
     return asyncio.run(regrade_trials(run_root, stored, sandbox_config(rollout), rollout.concurrency, unreadable))
 
 
-def regrade_summary(regrades: Sequence[Regrade]) -> str:
+def regrade_summary(regrades: Sequence[Regrade]) -> list[str]:
+    """What a person reads of the regrades: a count line, then a line per regrade that differed or gave none."""
     differ = sorted({r.task for r in regrades if r.differs})
-    return (
+    lines = [
         f"regraded {len(regrades)} trials of {len({r.task for r in regrades})} tasks: "
         f"{sum(r.differs for r in regrades)} gave another reward than the run recorded "
         f"({', '.join(differ) or 'no task'}), {sum(r.regraded is None for r in regrades)} gave none"
-    )
+    ]
+    for r in regrades:
+        if r.differs:
+            lines.append(
+                f"{r.trial}: recorded {r.recorded}, regraded {r.regraded}: {r.task}'s verifier is flaky or reads unrecorded state"
+            )
+        elif r.regraded is None:
+            lines.append(f"{r.trial}: no reward on regrade: {r.error}")
+    return lines
 
 
 def read_regrades(run_root: Path) -> list[Regrade]:

@@ -14,7 +14,15 @@ from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path
 from grpoflow.rollout.step import collect_step, sandbox_config
 from grpoflow.run.health import TaskHealth, health_markdown, run_tasks
-from grpoflow.run.regrade import REGRADES_FILE, StoredTrial, alternate, pick_trials, read_regrades, regrade_trials
+from grpoflow.run.regrade import (
+    REGRADES_FILE,
+    StoredTrial,
+    alternate,
+    pick_trials,
+    read_regrades,
+    regrade_summary,
+    regrade_trials,
+)
 from tests.fakes.prompts import builtin_prompts
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -95,6 +103,13 @@ def test_regrade_flags_a_verifier_that_reads_unrecorded_state(run_root):
     assert by_task["unsolved"] == [(0.0, 0.0, False)] * 2
     assert by_task["reads-tmp"] == [(1.0, 0.0, True)] * 2  # /tmp/solved was the agent's sandbox's, not recorded
     assert read_regrades(run_root) == regrades
+    head, *rows = regrade_summary(regrades)  # what the flow's log and the CLI say
+    assert head == "regraded 6 trials of 3 tasks: 2 gave another reward than the run recorded (reads-tmp), 0 gave none"
+    assert sorted(rows) == [
+        f"trials/step_0/reads-tmp__{k}__a0: recorded 1.0, regraded 0.0: reads-tmp's verifier is flaky or reads "
+        "unrecorded state"
+        for k in (0, 1)
+    ]
     # Harbor's own regrade trial dirs, beside the run's; the source trials are left as they were.
     assert (run_root / "regrade" / "trials" / "step_0" / "hello-file__0__a0" / "result.json").is_file()
     source = json.loads((run_root / "trials" / "step_0" / "reads-tmp__0__a0" / "result.json").read_text())

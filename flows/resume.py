@@ -16,7 +16,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.common import run_events
-from flows.train import evaluation_versions, train_steps
+from flows.train import evaluation_versions, finish, train_steps
 from grpoflow.config import RUN_ID_PATTERN, RunConfig
 from grpoflow.prepare.stage import PreparedRun, reopen_run
 from grpoflow.rollout.journal import read_journal
@@ -72,10 +72,18 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
             end.payload.update(resumed_from_step=point.next_step, repairs=point.repairs)
             final = cfg.train.steps
             final_eval_done = final not in evaluation_versions(cfg.train) or has_row(paths.metrics, final)
-            if point.next_step >= final and final_eval_done:
+            info = read_run_info(paths)
+            done = {**point.record["metrics"], **point.record["timings"]} if point.record else {}
+            if point.next_step >= final and final_eval_done and info.ended is not None:
                 n = cfg.train.steps
                 print(f"run {run_id} is already complete ({n} of {n} steps): nothing to resume")
-                return {**point.record["metrics"], **point.record["timings"]} if point.record else {}
+                return done
+            if info.deployment is not None:  # what follows that deployment's runs (nightly-evaluate) follows this one
+                end.from_deployment(info.deployment)
+            if point.next_step >= final and final_eval_done:  # killed in its report: every step is recorded
+                print(f"run {run_id} has all {final} steps but never ended: writing its report")
+                finish(cfg, paths)
+                return done
             preflight_task(cfg, "resume")
             run = reopen_run_task(cfg)
             trainer = load_trainer(run.model.path, cfg.train, seed=cfg.seed)
@@ -86,10 +94,7 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
                 from_step=point.next_step,
                 flow_run_id=str(flow_run.id) if flow_run.id else None,
             )
-            info = read_run_info(paths)
             update_run_info(paths, resumes=[*info.resumes, resume])
-            if info.deployment is not None:  # what follows that deployment's runs (nightly-evaluate) follows this one
-                end.from_deployment(info.deployment)
             reused = len(read_journal(paths.details(point.next_step)))
             at = f"step {point.next_step + 1}/{final}" if point.next_step < final else "its final evaluation"
             print(

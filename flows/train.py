@@ -8,6 +8,7 @@ timings.jsonl, tb/) before the next step starts. `train_steps` is the loop body 
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import flow
@@ -52,6 +53,7 @@ from grpoflow.run.metrics import (
     summary_markdown,
     training_rows,
 )
+from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import run_lock
 from grpoflow.run.viewer import write_viewer
 from grpoflow.scoring import FailedSteps, drop_stale, select_trainable
@@ -214,8 +216,14 @@ def train_steps(
         raise
     finally:
         log.close()
-    report(cfg, paths)
+    finish(cfg, paths)
     return record
+
+
+def finish(cfg: RunConfig, paths: RunPaths) -> None:
+    """The end of a train run once its steps and evaluations are recorded: its report, then `ended` in run.json."""
+    report(cfg, paths)
+    update_run_info(paths, ended=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
 class RolloutAhead:

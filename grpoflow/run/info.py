@@ -94,6 +94,9 @@ class RunInfo(Provenance):
     # A resumed run announces its end as from this deployment too, so what follows a nightly run (its evaluation,
     # a trigger on the deployment) follows a crashed one that `resume` finished.
     deployment: DeploymentRef | None = None
+    # When the train run (or the resume that finished it) ended, its report written: a resume that finds every
+    # step done and no end finishes the report and announces the end.
+    ended: str | None = None
     flow: Literal["train", "evaluate"] | None = None  # None: prepared only
     resumes: list[Resume] = []
     rerun_of: str | None = None

@@ -23,7 +23,7 @@ from flows.serve import read_specs
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.fileio import sha256_tree
-from grpoflow.run.info import DeploymentRef, update_run_info
+from grpoflow.run.info import DeploymentRef, read_run_info, update_run_info
 from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import complete_steps
 from tests.fakes.triggers import fires
@@ -174,9 +174,16 @@ def test_killed_mid_rollout_keeps_finished_trials(setup, capfd, caplog):
     (trigger,) = {s.name: s for s in read_specs()}["nightly-evaluate"].triggers
     assert fires(trigger, ev)
     # resuming the complete run again changes nothing and announces no second end of the nightly run
+    assert read_run_info(RunPaths(root)).ended is not None
     _resume(runs, "mid-rollout", capfd, caplog)
     again = run_events("mid-rollout", expect=2)[-1]
     assert again.event == "grpoflow.run.completed" and not fires(trigger, again)
+    # killed in its report (every step recorded, no end): a resume writes the report and announces the end
+    update_run_info(RunPaths(root), ended=None)
+    (root / "viewer.html").unlink()
+    out = _resume(runs, "mid-rollout", capfd, caplog)
+    assert f"has all {STEPS} steps but never ended: writing its report" in out and (root / "viewer.html").is_file()
+    assert fires(trigger, run_events("mid-rollout", expect=3)[-1])
 
 
 @pytest.mark.parametrize(
@@ -199,8 +206,9 @@ def test_killed_after_rollout_resumes_without_rerunning_trials(setup, capfd, cap
     root = runs / run_id
     assert len(_journal(root, step)) == TRIALS  # the step's rollout had finished
     out = _resume(runs, run_id, capfd, caplog)
-    if resumes_at is None:
-        assert f"run {run_id} is already complete ({STEPS} of {STEPS} steps)" in out
+    if resumes_at is None:  # killed after its last row, before its report: the resume writes the report
+        assert f"run {run_id} has all {STEPS} steps but never ended: writing its report" in out
+        assert read_run_info(RunPaths(root)).ended is not None and (root / "viewer.html").is_file()
     else:
         assert f"resuming run {run_id} at step {resumes_at}/{STEPS}" in out
     if point == "metrics":

@@ -199,7 +199,7 @@ def _regrade(root: Path, per_task: int) -> None:
     names, and count the verdicts into its tasks.json (what task health reads)."""
     from grpoflow.rollout.credentials import export_sandbox_key
     from grpoflow.run.health import write_run_tasks
-    from grpoflow.run.regrade import pick_trials, regrade_run, regrade_summary
+    from grpoflow.run.regrade import regrade_run, regrade_summary
     from grpoflow.run.resume import load_saved_config, run_lock
 
     if per_task < 1:
@@ -207,12 +207,12 @@ def _regrade(root: Path, per_task: int) -> None:
     cfg = load_saved_config(root)
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
     with run_lock(root):  # not while the run itself runs (it regrades at its end)
-        if not pick_trials(root, per_task)[0]:
+        regrades = regrade_run(root, cfg.rollout, per_task)
+        if all(r.recorded is None for r in regrades):  # only rows of unreadable records, or none at all
             raise RunDirError(
                 f"run {root.name} has no graded trial that recorded its workdir (a run with "
                 "report.regrade_per_task > 0 records them): nothing to regrade"
             )
-        regrades = regrade_run(root, cfg.rollout, per_task)
         write_run_tasks(root)
     head, *rows = regrade_summary(regrades)
     print(f"grpoflow: run {root.name}: {head}")

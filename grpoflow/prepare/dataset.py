@@ -92,7 +92,7 @@ def load_dataset(path: str | Path, *, require_solution: bool = True) -> Dataset:
 def load_task(task_dir: Path, *, require_solution: bool = True) -> TaskSpec:
     """Validate one task dir and describe it; raises `DatasetError` naming the dir and the problem."""
     task_dir = Path(task_dir).resolve()
-    config = _load_config(task_dir)
+    config = task_config(task_dir)
     if config.steps:
         _fail(task_dir, "multi-step tasks ([[steps]] in task.toml) are not supported")
     instruction = _load_instruction(task_dir)
@@ -121,7 +121,8 @@ def load_task(task_dir: Path, *, require_solution: bool = True) -> TaskSpec:
     )
 
 
-def _load_config(task_dir: Path) -> TaskConfig:
+def task_config(task_dir: Path) -> TaskConfig:
+    """The task's task.toml as Harbor reads it; a `DatasetError` naming the dir when it is missing or bad."""
     config_path = task_dir / "task.toml"
     if not config_path.is_file():
         _fail(task_dir, "missing task.toml")

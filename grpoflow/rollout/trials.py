@@ -27,7 +27,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from harbor.models.task.config import TaskConfig as TaskFile
 from harbor.models.trial.config import (
     AgentConfig,
     EnvironmentConfig,
@@ -38,6 +37,7 @@ from harbor.models.trial.result import TrialResult
 from harbor.trial.hooks import TrialEvent, TrialHookEvent
 from harbor.trial.trial import Trial
 
+from grpoflow.prepare.dataset import task_config
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.environments import is_sandbox_failure_type
 
@@ -162,8 +162,9 @@ def recorded_artifacts(task_path: str) -> tuple[str, ...]:
     """What a trial of this task records for a later regrade: the task's workdir (where the built-in tasks'
     verifiers, and most terminal tasks', read the agent's work). Nothing when the task names no workdir (or `/`):
     then there is nothing a regrade could replay, and a regrade leaves its trials out."""
-    task = TaskFile.model_validate_toml((Path(task_path) / "task.toml").read_text(encoding="utf-8"))
-    workdir = (task.environment.workdir or "").rstrip("/")  # "/" would be the whole filesystem: not recorded
+    workdir = (task_config(Path(task_path)).environment.workdir or "").rstrip(
+        "/"
+    )  # "/" would be the whole filesystem: not recorded
     return (workdir,) if workdir else ()
 
 

@@ -16,7 +16,7 @@ samples, is left out.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grpoflow.config import read_config_file
@@ -131,17 +131,7 @@ def run_tasks(root: Path, recount: bool = False) -> tuple[str, dict[str, TaskRun
 def write_run_tasks(root: Path) -> Path:
     """`tasks.json` of a run that ended: what `task_health` reads of it."""
     provider, counts = run_tasks(root, recount=True)  # a resumed run ends again: count what it has now
-    tasks = {
-        k: {
-            "graded": t.graded,
-            "passed": t.passed,
-            "infra_errors": t.infra_errors,
-            "regraded": t.regraded,
-            "regrade_differs": t.regrade_differs,
-            "regrade_failed": t.regrade_failed,
-        }
-        for k, t in counts.items()
-    }
+    tasks = {k: {f: n for f, n in asdict(t).items() if f != "run_id"} for k, t in counts.items()}
     write_json_atomic(root / TASKS_FILE, {"provider": provider, "tasks": tasks})
     return root / TASKS_FILE
 

@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
 
-from harbor.models.task.config import TaskConfig as TaskFile
 from harbor.models.task.config import VerifierEnvironmentMode
 from harbor.models.task.verifier_mode import resolve_task_verifier_mode
 from harbor.models.trial.config import EnvironmentConfig, SourceTrialConfig, TaskConfig, TrialConfig
@@ -44,6 +43,7 @@ from harbor.publisher.packager import Packager
 
 from grpoflow.config import RolloutConfig
 from grpoflow.fileio import write_text_atomic
+from grpoflow.prepare.dataset import task_config
 from grpoflow.rollout.step import sandbox_config
 from grpoflow.rollout.trials import run_here
 from grpoflow.scoring import PASS, verifier_reward
@@ -201,7 +201,7 @@ async def _regrade(stored: StoredTrial, environment: EnvironmentConfig, out: Pat
 def separate_mode_task(task_path: Path, into: Path) -> Path:
     """The task as Harbor's regrade needs it: itself when its verifier already runs in a separate environment,
     else a copy under `into` (same dir name, so the same task name) with `environment_mode = "separate"`."""
-    task = _task_file(task_path)
+    task = task_config(task_path)
     if task.steps:
         raise ValueError(f"{task_path}: a multi-step task is not regraded")
     if resolve_task_verifier_mode(task) == VerifierEnvironmentMode.SEPARATE:
@@ -219,10 +219,6 @@ def separate_mode_task(task_path: Path, into: Path) -> Path:
         except OSError:  # another regrade of the same task made it first
             shutil.rmtree(tmp)
     return dest
-
-
-def _task_file(task_path: Path) -> TaskFile:
-    return TaskFile.model_validate_toml((task_path / "task.toml").read_text(encoding="utf-8"))
 
 
 def _trial_dirs(run_root: Path) -> list[Path]:

@@ -112,8 +112,11 @@ def train_steps(
             ahead = RolloutAhead(cfg, engine.url, model.path, paths, prompts, pool, lora, start_step, workers)
             pending: tuple[str, Path | None] | None = None  # trainer weights the engine does not serve yet
             engine_busy = engine_busy_seconds(sync)  # the engine's compute seconds so far, per step's row
+            cores = share_cores_with_engine(cfg, lambda: ahead.generating)
+            if cores is not None:
+                cores.attach(trainer.model)
             if cfg.train.max_staleness:
-                print(overlap_note(cfg, share_cores_with_engine(cfg)))
+                print(overlap_note(cfg, cores))
             if trainer.dp is not None:
                 print(trainer.dp.note)
             if workers is not None:
@@ -198,6 +201,8 @@ def train_steps(
                     )
             finally:
                 ahead.settle()  # a step failed while the next one's rollout ran: let it finish on the live engine
+                if cores is not None:
+                    cores.detach()
             final = cfg.train.steps
             if final in evals and not has_row(paths.metrics, final):
                 t0 = time.perf_counter()
@@ -243,6 +248,11 @@ class RolloutAhead:
     @property
     def idle(self) -> bool:
         return self._running is None
+
+    @property
+    def generating(self) -> bool:
+        """A rollout started ahead is still running (its trials generating on the engine)."""
+        return self._running is not None and not self._running[2].wrapped_future.done()
 
     def _args(self, step: int) -> tuple:
         step_prompts = select_step_prompts(self.prompts, step, self.cfg.rollout.prompts_per_step)

@@ -7,7 +7,7 @@ must match the engine's.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,20 +78,61 @@ def disable_dropout(model: torch.nn.Module) -> None:
             m.attention_dropout = 0.0
 
 
-def share_cores_with_engine(cfg: RunConfig) -> int | None:
-    """With rollouts overlapping the trainer (`train.max_staleness` > 0) and the embedded engine computing on this
-    machine's CPUs, the trainer takes the cores the engine leaves (`engine.threads`): torch's threads wait on
-    each other at every op, so one of them sharing a core with the engine slows the whole update. Returns the
-    thread count it set, or None when it left torch's own (a GPU trainer, or SGLang elsewhere). The same count on
-    every run of a config keeps CPU training deterministic."""
+class CoreShare:
+    """The torch threads the trainer may use, on CPUs it shares with the embedded engine: the cores the engine's
+    replicas leave (`engine.threads` each) while a rollout generates on them, all of torch's own otherwise.
+    torch's threads wait on each other at every op, so one of them sharing a core with the engine slows the whole
+    update; an update kept at the fewer threads would leave a core idle once the rollout is done. The count is
+    set again before each transformer layer's forward and backward (hooks on the policy while `attach`ed), so an
+    update takes the cores back within a micro-batch. The thread count does not change the update's bits on
+    these kernels (tested), so a rerun reproduces an async run whatever the timing."""
+
+    def __init__(self, beside: int, alone: int, generating: Callable[[], bool]):
+        self.beside, self.alone, self.generating = beside, alone, generating
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    def apply(self) -> None:
+        # in the training thread itself: OpenMP's thread count belongs to the thread that sets it
+        n = self.beside if self.generating() else self.alone
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        def before_backward(output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:  # the layer's backward starts once this grad is in
+                out.register_hook(lambda grad: self.apply())
+
+        for layer in _transformer_layers(model):
+            self._hooks.append(layer.register_forward_pre_hook(lambda module, args: self.apply()))
+            self._hooks.append(layer.register_forward_hook(lambda module, args, output: before_backward(output)))
+
+    def detach(self) -> None:
+        """Remove the hooks; torch gets all its threads back."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        torch.set_num_threads(self.alone)
+
+
+def _transformer_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The policy's stack of decoder layers (the longest ModuleList, under a LoRA wrapper too)."""
+    return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+
+
+def share_cores_with_engine(cfg: RunConfig, generating: Callable[[], bool]) -> CoreShare | None:
+    """The trainer's CoreShare when rollouts overlap it (`train.max_staleness` > 0) and the embedded engine
+    computes on this machine's CPUs; None when nothing is shared (a GPU trainer, SGLang elsewhere, or a
+    synchronous run, whose trainer keeps torch's own thread count)."""
     if not cfg.train.max_staleness or cfg.engine.backend != "embedded" or torch.cuda.is_available():
         return None
-    threads = max(1, (os.cpu_count() or 1) - cfg.engine.threads)
-    torch.set_num_threads(threads)
-    return threads
+    alone = torch.get_num_threads()
+    return CoreShare(max(1, alone - cfg.engine.threads * cfg.engine.replicas), alone, generating)
 
 
-def overlap_note(cfg: RunConfig, threads: int | None) -> str:
+def overlap_note(cfg: RunConfig, cores: CoreShare | None) -> str:
     """What an asynchronous run does differently, said once at its start."""
     note = f"max_staleness {cfg.train.max_staleness}: each step's rollout runs while the previous step trains"
-    return note + (f"; the trainer uses {threads} CPU threads beside the engine's" if threads else "")
+    if cores is None:
+        return note
+    return note + f"; the trainer uses {cores.beside} CPU threads while a rollout generates, {cores.alone} otherwise"

@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpoflow.config import TrainConfig
+from grpoflow.prepare.model import prepare_model
 from grpoflow.run.checkpoint import prune_checkpoints, save_checkpoint
 from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.step import (
@@ -13,7 +14,7 @@ from grpoflow.train.step import (
     prepare_samples,
     train_step,
 )
-from grpoflow.train.trainer import load_trainer
+from grpoflow.train.trainer import CoreShare, load_trainer
 from tests.fakes.samples import agentic_samples, make_sample
 
 
@@ -123,6 +124,46 @@ def test_train_step_is_deterministic_and_moves_weights(tiny_model_dir):
     assert {k: v for k, v in m1.items() if "time" not in k and "per_s" not in k} == {
         k: v for k, v in m2.items() if "time" not in k and "per_s" not in k
     }
+
+
+def test_an_update_sharing_cores_with_a_rollout_takes_them_back_within_a_micro_batch_and_keeps_its_bits():
+    """An async run's trainer runs on fewer threads while a rollout generates beside it and on all of them once it
+    is done, switching between transformer layers, forward and backward; the update must be the one a fixed
+    thread count gives, or a rerun of an async run would depend on timing. SmolLM2, the main job's model: its
+    GEMMs are wide enough to be split between threads."""
+    model = prepare_model("smollm2-135m-instruct").path
+    cfg = TrainConfig(learning_rate=1e-4)  # the whole step in one micro-batch, as on the main job
+    threads = torch.get_num_threads()
+
+    def update(cores=None, fixed=None):
+        state = load_trainer(model, cfg, seed=3)
+        samples = agentic_samples(state.model, n_groups=2, per_group=4)
+        if fixed is not None:
+            torch.set_num_threads(fixed)
+        if cores is not None:
+            cores.attach(state.model)
+        try:
+            m = train_step(state, samples, cfg, seed=7)
+        finally:
+            if cores is not None:
+                cores.detach()
+            torch.set_num_threads(threads)
+        return _weights(state.model), m
+
+    seen = []  # the thread count each time the share is asked, before it sets the next
+
+    def generating():
+        seen.append(torch.get_num_threads())
+        return len(seen) <= 40  # the rollout ends in the middle of the forward (30 layers, then 30 backward)
+
+    torch.set_num_threads(2)
+    shared, m = update(CoreShare(beside=1, alone=2, generating=generating))
+    assert m["n_micro_batches"] == 1 and m["optimizer_steps"] == 1
+    assert seen[1:41] == [1] * 40 and set(seen[42:]) == {2} and len(seen) == 60  # forward and backward, per layer
+    for fixed in (1, 2):
+        alone, m_fixed = update(fixed=fixed)
+        assert all(torch.equal(shared[k], alone[k]) for k in alone), fixed
+        assert m_fixed["loss"] == m["loss"] and m_fixed["grad_norm"] == m["grad_norm"]
 
 
 def test_kl_to_reference(tiny_model_dir):

@@ -8,13 +8,19 @@ run, over the training loop (every step's wall time, its evaluation, update, com
 evaluation left out): steps per hour and its ratio to the synchronous run, also without the evaluations' time
 (they run alone, nothing overlaps them), the engine's busy fraction (its own
 prefill/decode seconds, `time/engine_busy_s`, over the loop's wall time), the trainer's (update + commit + sync),
-the staleness of what was trained, and the reward and evaluation curves. Beside it a baseline (HF `generate`
+the staleness of what was trained, and the reward and evaluation curves. The runs' policies differ after the
+first update, so their steps train different amounts: the trainer's forward tokens per hour (w/o evals) compare
+the throughput of equal work. Under the table, the most any overlap could give on this machine, from the
+synchronous run's own seconds: its rollouts on the engine's cores beside its updates, which take the other cores
+and then all of them, its syncs alone. Beside it a baseline (HF `generate`
 tokens/s on one thread), since this machine's speed varies from day to day.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -51,10 +57,20 @@ def figures(run_dir: Path) -> dict:
         (int(key.rsplit("/", 1)[1]), n) for r in steps for key, n in r.items() if key.startswith("rollout/staleness/")
     ]
     evaluating = sum(r.get("time/eval_s", 0.0) for r in steps)
+    rollouts = sum(r["time/rollout_run_s"] for r in steps)
+    updates = sum(r["time/train_s"] + r.get("time/commit_s", 0.0) for r in steps)
+    syncs = sum(r.get("time/sync_s", 0.0) for r in steps)
+    config = json.loads((run_dir / "config.json").read_text())
+    engine_cores, cores = config["engine"]["threads"] * config["engine"]["replicas"], os.cpu_count() or 1
+    # A synchronous run's work overlapped perfectly on this machine: the rollouts generate on the engine's cores
+    # while the update (which scales with threads) has the rest, then all of them; the syncs stay alone.
+    overlapped = max(rollouts, updates, rollouts * min(engine_cores, cores) / cores + updates) + syncs
     return {
         "wall": wall,
         "per_hour": 3600 * len(steps) / wall,
         "per_hour_training": 3600 * len(steps) / (wall - evaluating),
+        "tokens_per_hour": 3600 * sum(r.get("train/n_forward_tokens", 0.0) for r in steps) / (wall - evaluating),
+        "bound": (wall - evaluating) / overlapped,
         "engine": engine / wall,
         "trainer": trainer / wall,
         "staleness": sum(a * n for a, n in ages) / sum(n for _, n in ages) if ages else 0.0,
@@ -83,13 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     base = results[args.staleness[0]]
     print(
         f"\n{'max_staleness':>13} {'loop s':>7} {'steps/h':>8} {'ratio':>6} {'w/o evals':>10} {'ratio':>6}"
-        f" {'engine busy':>12} {'trainer busy':>13} {'mean staleness':>15} {'dropped':>8}"
+        f" {'trained tok/h':>14} {'ratio':>6} {'engine busy':>12} {'trainer busy':>13} {'mean staleness':>15}"
+        f" {'dropped':>8}"
     )
     for k, r in results.items():
         print(
             f"{k:13d} {r['wall']:7.0f} {r['per_hour']:8.1f} {r['per_hour'] / base['per_hour']:5.2f}x "
             f"{r['per_hour_training']:10.1f} {r['per_hour_training'] / base['per_hour_training']:5.2f}x "
+            f"{r['tokens_per_hour']:14.0f} {r['tokens_per_hour'] / base['tokens_per_hour']:5.2f}x "
             f"{r['engine']:12.2f} {r['trainer']:13.2f} {r['staleness']:15.2f} {r['dropped']:8.0f}"
+        )
+    if args.staleness[0] == 0:
+        print(
+            f"\nthe most overlap can give on this machine's {os.cpu_count()} cores, from the synchronous run's own"
+            f" seconds (rollouts on the engine's cores, updates on the rest and then all, syncs alone):"
+            f" {base['bound']:.2f}x steps/h w/o evals"
         )
     print("\nreward per step (rollout/reward_mean)")
     for k, r in results.items():

@@ -1,7 +1,7 @@
 """Asynchronous rollout: the main job's recipe run synchronously and with `train.max_staleness` 1 and 2, side by
 side, same seeds.
 
-    .venv/bin/python bench/async.py [--steps 6] [--staleness 0 1 2] [--output-dir DIR] [--no-baseline]
+    .venv/bin/python bench/async.py [--steps 6] [--staleness 0 1 2] [--repeat 1] [--output-dir DIR] [--no-baseline]
 
 Each run is `grpoflow main` (the `embedded-default` preset) in its own process, with a fresh run_id. Printed per
 run, over the training loop (every step's wall time, its evaluation, update, commit and sync included; the final
@@ -12,7 +12,9 @@ the staleness of what was trained, and the reward and evaluation curves. The run
 first update, so their steps train different amounts: the trainer's forward tokens per hour (w/o evals) compare
 the throughput of equal work. Under the table, the most any overlap could give on this machine, from the
 synchronous run's own seconds: its rollouts on the engine's cores beside its updates, which take the other cores
-and then all of them, its syncs alone. Beside it a baseline (HF `generate`
+and then all of them, its syncs alone. `--repeat N` runs every setting N times, interleaved, and prints the median ratios: this
+machine's speed drifts within minutes, which the first evaluation's seconds (the same work in every run, with
+nothing beside it) show per run. Beside it a baseline (HF `generate`
 tokens/s on one thread), since this machine's speed varies from day to day.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +80,7 @@ def figures(run_dir: Path) -> dict:
         "dropped": sum(r.get("rollout/stale_dropped", 0.0) for r in steps),
         "reward": [r["rollout/reward_mean"] for r in steps],
         "evals": {r["step"]: r for r in evaluation_rows(records)},
+        "first_eval_s": steps[0].get("time/eval_s", float("nan")),
     }
 
 
@@ -85,36 +89,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--output-dir", help="keep the runs here (default: a temporary dir)")
+    p.add_argument("--repeat", type=int, default=1, help="run every setting this many times, interleaved")
     p.add_argument("--no-baseline", action="store_true")
     args = p.parse_args(argv)
     if not args.no_baseline:
         model = prepare_model("smollm2-135m-instruct").path
         print(f"baseline: HF generate {hf_generate_tok_s(model):.1f} tok/s on one thread")
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="grpoflow-async-"))
-    results = {}
-    for k in args.staleness:
-        run_dir, total = run(k, args.steps, out)
-        results[k] = figures(run_dir)
-        print(f"max_staleness={k}: {run_dir} ({total:.0f} s with prepare and start-up)", flush=True)
-    base = results[args.staleness[0]]
+    results: dict[tuple[int, int], dict] = {}
+    for rep in range(args.repeat):  # interleaved, so a drift in the machine's speed touches every setting alike
+        for k in args.staleness:
+            run_dir, total = run(k, args.steps, out)
+            results[k, rep] = figures(run_dir)
+            print(f"max_staleness={k}: {run_dir} ({total:.0f} s with prepare and start-up)", flush=True)
+    keys = ("per_hour", "per_hour_training", "tokens_per_hour")
+    synchronous = [r for (k, _), r in results.items() if k == args.staleness[0]]
+    base = {key: statistics.mean(r[key] for r in synchronous) for key in keys}
     print(
         f"\n{'max_staleness':>13} {'loop s':>7} {'steps/h':>8} {'ratio':>6} {'w/o evals':>10} {'ratio':>6}"
         f" {'trained tok/h':>14} {'ratio':>6} {'engine busy':>12} {'trainer busy':>13} {'mean staleness':>15}"
-        f" {'dropped':>8}"
+        f" {'dropped':>8} {'first eval s':>13}"
     )
-    for k, r in results.items():
+    for (k, _), r in sorted(results.items()):
         print(
             f"{k:13d} {r['wall']:7.0f} {r['per_hour']:8.1f} {r['per_hour'] / base['per_hour']:5.2f}x "
             f"{r['per_hour_training']:10.1f} {r['per_hour_training'] / base['per_hour_training']:5.2f}x "
             f"{r['tokens_per_hour']:14.0f} {r['tokens_per_hour'] / base['tokens_per_hour']:5.2f}x "
             f"{r['engine']:12.2f} {r['trainer']:13.2f} {r['staleness']:15.2f} {r['dropped']:8.0f}"
+            f" {r['first_eval_s']:13.1f}"
         )
+    print("(first eval s: the base policy's evaluation, the same work in every run with nothing beside it: how fast")
+    print(" the machine was during each run)")
+    if args.repeat > 1:
+        for k in args.staleness:
+            mine = [r for (kk, _), r in results.items() if kk == k]
+            ratios = [f"{statistics.median(r[key] for r in mine) / base[key]:.2f}x" for key in keys]
+            print(
+                f"max_staleness={k}, median of {args.repeat}: steps/h {ratios[0]}, w/o evals {ratios[1]},"
+                f" trained tok/h {ratios[2]}"
+            )
     if args.staleness[0] == 0:
+        bound = statistics.mean(r["bound"] for r in synchronous)
         print(
             f"\nthe most overlap can give on this machine's {os.cpu_count()} cores, from the synchronous run's own"
             f" seconds (rollouts on the engine's cores, updates on the rest and then all, syncs alone):"
-            f" {base['bound']:.2f}x steps/h w/o evals"
+            f" {bound:.2f}x steps/h w/o evals"
         )
+    results = {k: r for (k, rep), r in results.items() if rep == 0}  # the curves: a deterministic run's repeat is equal
     print("\nreward per step (rollout/reward_mean)")
     for k, r in results.items():
         print(f"  max_staleness={k}: " + " ".join(f"{x:.3f}" for x in r["reward"]))

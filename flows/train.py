@@ -8,6 +8,7 @@ timings.jsonl, tb/) before the next step starts. `train_steps` is the loop body 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -102,6 +103,7 @@ def train_steps(
             open_weight_sync(cfg, engine.replica_urls, trainer, paths.root / "sync", engine.router) as sync,
             trainer_ranks(trainer, model.path, cfg, weights),
             rollout_workers(cfg.cluster, cfg.rollout.concurrency) as workers,
+            ExitStack() as stack,  # what the loop sets up once the rollouts are ready to start
         ):
             if weights is not None:  # the trainer holds the resumed checkpoint's weights
                 sync_weights_task(sync, trainer, weights, str(start_step), None)
@@ -112,9 +114,7 @@ def train_steps(
             ahead = RolloutAhead(cfg, engine.url, model.path, paths, prompts, pool, lora, start_step, workers)
             pending: tuple[str, Path | None] | None = None  # trainer weights the engine does not serve yet
             engine_busy = engine_busy_seconds(sync)  # the engine's compute seconds so far, per step's row
-            cores = share_cores_with_engine(cfg, lambda: ahead.generating)
-            if cores is not None:
-                cores.attach(trainer.model)
+            cores = stack.enter_context(share_cores_with_engine(cfg, trainer.model, lambda: ahead.generating))
             if cfg.train.max_staleness:
                 print(overlap_note(cfg, cores))
             if trainer.dp is not None:
@@ -201,8 +201,6 @@ def train_steps(
                     )
             finally:
                 ahead.settle()  # a step failed while the next one's rollout ran: let it finish on the live engine
-                if cores is not None:
-                    cores.detach()
             final = cfg.train.steps
             if final in evals and not has_row(paths.metrics, final):
                 t0 = time.perf_counter()

@@ -7,13 +7,15 @@ must match the engine's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.train.logprobs import check_logprob_path
@@ -39,7 +41,8 @@ def load_trainer(model_path: str | Path, cfg: TrainConfig, seed: int = 0, device
     """Load the policy (and a frozen reference when `kl_coef > 0`) from an HF dir, with an AdamW over it.
 
     Determinism: on CPU, torch kernels are deterministic for a fixed thread count, so seeding is enough (steps
-    from the same seed give bitwise-equal weights; tested). On CUDA, SDPA/matmul backward may use atomics:
+    from the same seed give bitwise-equal weights; tested); on this machine's kernels the count does not change
+    the bits either (1 and 2 threads, switched within an update: tested). On CUDA, SDPA/matmul backward may use atomics:
     equal up to rounding, not bitwise.
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -80,16 +83,15 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 class CoreShare:
     """The torch threads the trainer may use, on CPUs it shares with the embedded engine: the cores the engine's
-    replicas leave (`engine.threads` each) while a rollout generates on them, all of torch's own otherwise.
-    torch's threads wait on each other at every op, so one of them sharing a core with the engine slows the whole
-    update; an update kept at the fewer threads would leave a core idle once the rollout is done. The count is
-    set again before each transformer layer's forward and backward (hooks on the policy while `attach`ed), so an
-    update takes the cores back within a micro-batch. The thread count does not change the update's bits on
-    these kernels (tested), so a rerun reproduces an async run whatever the timing."""
+    replicas leave (`engine.threads` each) until the rollout task run beside the update is done, all of torch's
+    own after. torch's threads wait on each other at every op, so one of them sharing a core with the engine
+    slows the whole update; an update kept at the fewer threads would leave a core idle once the rollout is done.
+    The count is set again before each transformer layer's forward and backward (hooks on the policy, for the
+    block of `share_cores_with_engine`), so an update takes the cores back within a micro-batch; the LM head,
+    the reference model and the optimizer step run at the count the last layer set."""
 
     def __init__(self, beside: int, alone: int, generating: Callable[[], bool]):
         self.beside, self.alone, self.generating = beside, alone, generating
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def apply(self) -> None:
         # in the training thread itself: OpenMP's thread count belongs to the thread that sets it
@@ -97,37 +99,41 @@ class CoreShare:
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 
-    def attach(self, model: torch.nn.Module) -> None:
+    def hook(self, model: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         def before_backward(output: Any) -> None:
             out = output[0] if isinstance(output, tuple) else output
             if isinstance(out, torch.Tensor) and out.requires_grad:  # the layer's backward starts once this grad is in
                 out.register_hook(lambda grad: self.apply())
 
-        for layer in _transformer_layers(model):
-            self._hooks.append(layer.register_forward_pre_hook(lambda module, args: self.apply()))
-            self._hooks.append(layer.register_forward_hook(lambda module, args, output: before_backward(output)))
-
-    def detach(self) -> None:
-        """Remove the hooks; torch gets all its threads back."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        torch.set_num_threads(self.alone)
+        handles = []
+        # transformers' decoder layers (under a LoRA wrapper too); the whole model, once per micro-batch, if none
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)] or [model]
+        for layer in layers:
+            handles.append(layer.register_forward_pre_hook(lambda module, args: self.apply()))
+            handles.append(layer.register_forward_hook(lambda module, args, output: before_backward(output)))
+        return handles
 
 
-def _transformer_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The policy's stack of decoder layers (the longest ModuleList, under a LoRA wrapper too)."""
-    return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
-
-
-def share_cores_with_engine(cfg: RunConfig, generating: Callable[[], bool]) -> CoreShare | None:
-    """The trainer's CoreShare when rollouts overlap it (`train.max_staleness` > 0) and the embedded engine
-    computes on this machine's CPUs; None when nothing is shared (a GPU trainer, SGLang elsewhere, or a
-    synchronous run, whose trainer keeps torch's own thread count)."""
+@contextmanager
+def share_cores_with_engine(
+    cfg: RunConfig, model: torch.nn.Module, generating: Callable[[], bool]
+) -> Iterator[CoreShare | None]:
+    """For the block, the policy's updates share this machine's CPUs with the embedded engine (a CoreShare) when
+    rollouts overlap them (`train.max_staleness` > 0); nothing is shared (None) for a GPU trainer, SGLang
+    elsewhere, or a synchronous run, whose trainer keeps torch's own thread count. However the block ends, the
+    hooks go and torch has all its threads back."""
     if not cfg.train.max_staleness or cfg.engine.backend != "embedded" or torch.cuda.is_available():
-        return None
+        yield None
+        return
     alone = torch.get_num_threads()
-    return CoreShare(max(1, alone - cfg.engine.threads * cfg.engine.replicas), alone, generating)
+    cores = CoreShare(max(1, alone - cfg.engine.threads * cfg.engine.replicas), alone, generating)
+    handles = cores.hook(model)
+    try:
+        yield cores
+    finally:
+        for handle in handles:
+            handle.remove()
+        torch.set_num_threads(alone)
 
 
 def overlap_note(cfg: RunConfig, cores: CoreShare | None) -> str:
@@ -135,4 +141,4 @@ def overlap_note(cfg: RunConfig, cores: CoreShare | None) -> str:
     note = f"max_staleness {cfg.train.max_staleness}: each step's rollout runs while the previous step trains"
     if cores is None:
         return note
-    return note + f"; the trainer uses {cores.beside} CPU threads while a rollout generates, {cores.alone} otherwise"
+    return note + f"; the trainer uses {cores.beside} CPU threads while a rollout runs, {cores.alone} otherwise"

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpoflow.config import TrainConfig
+from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.prepare.model import prepare_model
 from grpoflow.run.checkpoint import prune_checkpoints, save_checkpoint
 from grpoflow.train.logprobs import token_logprobs
@@ -14,7 +14,7 @@ from grpoflow.train.step import (
     prepare_samples,
     train_step,
 )
-from grpoflow.train.trainer import CoreShare, load_trainer
+from grpoflow.train.trainer import load_trainer, share_cores_with_engine
 from tests.fakes.samples import agentic_samples, make_sample
 
 
@@ -127,41 +127,43 @@ def test_train_step_is_deterministic_and_moves_weights(tiny_model_dir):
 
 
 def test_an_update_sharing_cores_with_a_rollout_takes_them_back_within_a_micro_batch_and_keeps_its_bits():
-    """An async run's trainer runs on fewer threads while a rollout generates beside it and on all of them once it
-    is done, switching between transformer layers, forward and backward; the update must be the one a fixed
-    thread count gives, or a rerun of an async run would depend on timing. SmolLM2, the main job's model: its
-    GEMMs are wide enough to be split between threads."""
+    """An async run's trainer runs on the cores the engine leaves while a rollout runs beside it and on all of them
+    once it is done, switching between transformer layers, forward and backward; the update must be the one a
+    fixed thread count gives, or a rerun of an async run would depend on timing. SmolLM2, the main job's model:
+    its GEMMs are wide enough to be split between threads. Here, on 2 threads beside a 1-thread engine."""
     model = prepare_model("smollm2-135m-instruct").path
     cfg = TrainConfig(learning_rate=1e-4)  # the whole step in one micro-batch, as on the main job
+    run = RunConfig(train=cfg.model_copy(update={"max_staleness": 1}), engine={"threads": 1})
     threads = torch.get_num_threads()
-
-    def update(cores=None, fixed=None):
-        state = load_trainer(model, cfg, seed=3)
-        samples = agentic_samples(state.model, n_groups=2, per_group=4)
-        if fixed is not None:
-            torch.set_num_threads(fixed)
-        if cores is not None:
-            cores.attach(state.model)
-        try:
-            m = train_step(state, samples, cfg, seed=7)
-        finally:
-            if cores is not None:
-                cores.detach()
-            torch.set_num_threads(threads)
-        return _weights(state.model), m
-
     seen = []  # the thread count each time the share is asked, before it sets the next
 
     def generating():
         seen.append(torch.get_num_threads())
-        return len(seen) <= 40  # the rollout ends in the middle of the forward (30 layers, then 30 backward)
+        return len(seen) <= 40  # the rollout ends 10 layers into the backward (30 layers forward, then back)
 
-    torch.set_num_threads(2)
-    shared, m = update(CoreShare(beside=1, alone=2, generating=generating))
+    def update(fixed=None):
+        state = load_trainer(model, cfg, seed=3)
+        samples = agentic_samples(state.model, n_groups=2, per_group=4)
+        torch.set_num_threads(fixed or 2)
+        try:
+            if fixed is not None:
+                m = train_step(state, samples, cfg, seed=7)
+            else:
+                with share_cores_with_engine(run, state.model, generating) as cores:
+                    assert (cores.beside, cores.alone) == (1, 2)
+                    m = train_step(state, samples, cfg, seed=7)
+                assert torch.get_num_threads() == 2  # all of them back
+            return _weights(state.model), m, state
+        finally:
+            torch.set_num_threads(threads)
+
+    shared, m, state = update()
     assert m["n_micro_batches"] == 1 and m["optimizer_steps"] == 1
-    assert seen[1:41] == [1] * 40 and set(seen[42:]) == {2} and len(seen) == 60  # forward and backward, per layer
+    assert seen[1:41] == [1] * 40 and set(seen[41:]) == {2} and len(seen) == 60  # each layer, forward and backward
+    state.model(torch.tensor([[5, 6, 7]]))
+    assert len(seen) == 60  # the block is over: no hook asks any more
     for fixed in (1, 2):
-        alone, m_fixed = update(fixed=fixed)
+        alone, m_fixed, _ = update(fixed=fixed)
         assert all(torch.equal(shared[k], alone[k]) for k in alone), fixed
         assert m_fixed["loss"] == m["loss"] and m_fixed["grad_norm"] == m["grad_norm"]
 

@@ -6,29 +6,31 @@ side, same seeds.
 Each run is `grpoflow main` (the `embedded-default` preset) in its own process, with a fresh run_id. Printed per
 run, over the training loop (every step's wall time, its evaluation, update, commit and sync included; the final
 evaluation left out): steps per hour and its ratio to the synchronous run, also without the evaluations' time
-(they run alone, nothing overlaps them), the engine's busy fraction (its own
-prefill/decode seconds, `time/engine_busy_s`, over the loop's wall time), the trainer's (update + commit + sync),
-the staleness of what was trained, and the reward and evaluation curves. The runs' policies differ after the
-first update, so their steps train different amounts: the trainer's forward tokens per hour (w/o evals) compare
-the throughput of equal work. Under the table, the most any overlap could give on this machine, from the
-synchronous run's own seconds: its rollouts on the engine's cores beside its updates, which take the other cores
-and then all of them, its syncs alone. `--repeat N` runs every setting N times, interleaved, and prints the median ratios: this
-machine's speed drifts within minutes, which the first evaluation's seconds (the same work in every run, with
-nothing beside it) show per run. Beside it a baseline (HF `generate`
-tokens/s on one thread), since this machine's speed varies from day to day.
+(they run alone, nothing overlaps them); the trainer's forward tokens per hour without them (the runs' policies
+differ after the first update, so their steps train different amounts: this compares equal work); the engine's
+busy fraction (its own prefill/decode seconds, `time/engine_busy_s`, over the loop's wall time), the trainer's
+(update + commit + sync); the staleness of what was trained; the first evaluation's seconds (the same work in
+every run, nothing beside it: how fast the machine was meanwhile, since its speed drifts within minutes); and the
+reward and evaluation curves. `--repeat N` runs every setting N times, interleaved, and prints the median ratios.
+
+Under the table, the most any overlap could give here, from the synchronous runs' own seconds: their rollouts
+beside their updates, which run on the cores the engine leaves at a measured fraction of their speed on all of
+them, then alone; their syncs alone. Beside it all a baseline (HF `generate` tokens/s on one thread), since this
+machine's speed varies from day to day.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,6 +52,36 @@ def run(k: int, steps: int, out: Path) -> tuple[Path, float]:
     return out / run_id, time.perf_counter() - t0
 
 
+def update_seconds(model_path: str, threads: int) -> float:
+    """Seconds of one forward and backward of the policy on a batch like a step's (8 x 200 tokens, the trainer's
+    own logprob path), on `threads` torch threads: an update's speed beside the engine and alone."""
+    from transformers import AutoModelForCausalLM
+
+    from grpoflow.train.logprobs import token_logprobs
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (8, 200), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(8, 199, dtype=torch.bool)
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        logprobs, _ = token_logprobs(model, ids, mask)  # (8, 199)
+        logprobs.sum().backward()
+        best = min(best, time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return best
+
+
+def overlap_bound(serial: tuple[float, float, float], speed_beside: float) -> float:
+    """How much faster a synchronous run's loop could be with its rollouts overlapping its updates, at best:
+    (rollout, update, sync seconds) as it spent them one after the other; `speed_beside`, the update's speed on
+    the cores the engine leaves over its speed on all of them. While the rollouts generate, the trainer does
+    `speed_beside` of their seconds' worth of its work; the rest, and the syncs, run alone."""
+    rollouts, updates, syncs = serial  # updates: commits too, counted as slowed alike (they are ~0 but the last)
+    return sum(serial) / (max(rollouts, updates + (1 - speed_beside) * rollouts) + syncs)
+
+
 def figures(run_dir: Path) -> dict:
     records = read_step_records(run_dir / "metrics.jsonl")  # metrics and timings merged, one row per step
     steps = training_rows(records)
@@ -63,17 +95,13 @@ def figures(run_dir: Path) -> dict:
     rollouts = sum(r["time/rollout_run_s"] for r in steps)
     updates = sum(r["time/train_s"] + r.get("time/commit_s", 0.0) for r in steps)
     syncs = sum(r.get("time/sync_s", 0.0) for r in steps)
-    config = json.loads((run_dir / "config.json").read_text())
-    engine_cores, cores = config["engine"]["threads"] * config["engine"]["replicas"], os.cpu_count() or 1
-    # A synchronous run's work overlapped perfectly on this machine: the rollouts generate on the engine's cores
-    # while the update (which scales with threads) has the rest, then all of them; the syncs stay alone.
-    overlapped = max(rollouts, updates, rollouts * min(engine_cores, cores) / cores + updates) + syncs
     return {
+        "run_id": run_dir.name,
         "wall": wall,
         "per_hour": 3600 * len(steps) / wall,
         "per_hour_training": 3600 * len(steps) / (wall - evaluating),
         "tokens_per_hour": 3600 * sum(r.get("train/n_forward_tokens", 0.0) for r in steps) / (wall - evaluating),
-        "bound": (wall - evaluating) / overlapped,
+        "serial": (rollouts, updates, syncs),  # seconds over the loop
         "engine": engine / wall,
         "trainer": trainer / wall,
         "staleness": sum(a * n for a, n in ages) / sum(n for _, n in ages) if ages else 0.0,
@@ -103,37 +131,43 @@ def main(argv: list[str] | None = None) -> int:
             results[k, rep] = figures(run_dir)
             print(f"max_staleness={k}: {run_dir} ({total:.0f} s with prepare and start-up)", flush=True)
     keys = ("per_hour", "per_hour_training", "tokens_per_hour")
-    synchronous = [r for (k, _), r in results.items() if k == args.staleness[0]]
-    base = {key: statistics.mean(r[key] for r in synchronous) for key in keys}
+    first = args.staleness[0]  # what the ratios are to: each run's own repeat of it
+    ratio = {(k, rep): {key: r[key] / results[first, rep][key] for key in keys} for (k, rep), r in results.items()}
     print(
-        f"\n{'max_staleness':>13} {'loop s':>7} {'steps/h':>8} {'ratio':>6} {'w/o evals':>10} {'ratio':>6}"
+        f"\nratios: to max_staleness={first}'s run of the same repeat\n"
+        f"{'max_staleness':>13} {'repeat':>6} {'loop s':>7} {'steps/h':>8} {'ratio':>6} {'w/o evals':>10} {'ratio':>6}"
         f" {'trained tok/h':>14} {'ratio':>6} {'engine busy':>12} {'trainer busy':>13} {'mean staleness':>15}"
         f" {'dropped':>8} {'first eval s':>13}"
     )
-    for (k, _), r in sorted(results.items()):
+    for (k, rep), r in sorted(results.items()):
+        x = ratio[k, rep]
         print(
-            f"{k:13d} {r['wall']:7.0f} {r['per_hour']:8.1f} {r['per_hour'] / base['per_hour']:5.2f}x "
-            f"{r['per_hour_training']:10.1f} {r['per_hour_training'] / base['per_hour_training']:5.2f}x "
-            f"{r['tokens_per_hour']:14.0f} {r['tokens_per_hour'] / base['tokens_per_hour']:5.2f}x "
+            f"{k:13d} {rep:6d} {r['wall']:7.0f} {r['per_hour']:8.1f} {x['per_hour']:5.2f}x "
+            f"{r['per_hour_training']:10.1f} {x['per_hour_training']:5.2f}x "
+            f"{r['tokens_per_hour']:14.0f} {x['tokens_per_hour']:5.2f}x "
             f"{r['engine']:12.2f} {r['trainer']:13.2f} {r['staleness']:15.2f} {r['dropped']:8.0f}"
             f" {r['first_eval_s']:13.1f}"
         )
     print("(first eval s: the base policy's evaluation, the same work in every run with nothing beside it: how fast")
     print(" the machine was during each run)")
     if args.repeat > 1:
-        for k in args.staleness:
-            mine = [r for (kk, _), r in results.items() if kk == k]
-            ratios = [f"{statistics.median(r[key] for r in mine) / base[key]:.2f}x" for key in keys]
+        for k in args.staleness[1:]:
+            median = {key: statistics.median(ratio[k, rep][key] for rep in range(args.repeat)) for key in keys}
             print(
-                f"max_staleness={k}, median of {args.repeat}: steps/h {ratios[0]}, w/o evals {ratios[1]},"
-                f" trained tok/h {ratios[2]}"
+                f"max_staleness={k}, median ratio of {args.repeat}: steps/h {median['per_hour']:.2f}x, w/o evals"
+                f" {median['per_hour_training']:.2f}x, trained tok/h {median['tokens_per_hour']:.2f}x"
             )
-    if args.staleness[0] == 0:
-        bound = statistics.mean(r["bound"] for r in synchronous)
+    if first == 0:
+        config = json.loads((out / results[0, 0]["run_id"] / "config.json").read_text())
+        model, alone = prepare_model(config["model"]["source"]).path, torch.get_num_threads()
+        engine = config["engine"]["threads"] * config["engine"]["replicas"]
+        beside = max(1, alone - engine)
+        speed = update_seconds(model, alone) / update_seconds(model, beside)
+        bound = statistics.mean(overlap_bound(results[0, rep]["serial"], speed) for rep in range(args.repeat))
         print(
-            f"\nthe most overlap can give on this machine's {os.cpu_count()} cores, from the synchronous run's own"
-            f" seconds (rollouts on the engine's cores, updates on the rest and then all, syncs alone):"
-            f" {bound:.2f}x steps/h w/o evals"
+            f"\nthe most overlap can give here, from the synchronous runs' own seconds: {bound:.2f}x steps/h w/o"
+            f" evals (the update runs at {speed:.2f} of its speed on {alone} threads on {beside} beside the engine's"
+            f" {engine}; rollouts and syncs as they were)"
         )
     results = {k: r for (k, rep), r in results.items() if rep == 0}  # the curves: a deterministic run's repeat is equal
     print("\nreward per step (rollout/reward_mean)")

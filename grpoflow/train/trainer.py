@@ -141,4 +141,6 @@ def overlap_note(cfg: RunConfig, cores: CoreShare | None) -> str:
     note = f"max_staleness {cfg.train.max_staleness}: each step's rollout runs while the previous step trains"
     if cores is None:
         return note
-    return note + f"; the trainer uses {cores.beside} CPU threads while a rollout runs, {cores.alone} otherwise"
+    return (
+        note + f"; the trainer's torch threads: {cores.beside} while a rollout runs beside it, {cores.alone} otherwise"
+    )

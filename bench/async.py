@@ -22,7 +22,6 @@ machine's speed varies from day to day.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.main_job import hf_generate_tok_s  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
+from grpoflow.run.resume import load_saved_config  # noqa: E402
+from grpoflow.train.trainer import threads_beside_engine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,25 +53,28 @@ def run(k: int, steps: int, out: Path) -> tuple[Path, float]:
     return out / run_id, time.perf_counter() - t0
 
 
-def update_seconds(model_path: str, threads: int) -> float:
+def update_seconds(model_path: str, threads: list[int]) -> list[float]:
     """Seconds of one forward and backward of the policy on a batch like a step's (8 x 200 tokens, the trainer's
-    own logprob path), on `threads` torch threads: an update's speed beside the engine and alone."""
+    own logprob path), on each of `threads` torch threads: an update's speed beside the engine and alone."""
     from transformers import AutoModelForCausalLM
 
     from grpoflow.train.logprobs import token_logprobs
 
-    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     ids = torch.randint(3, model.config.vocab_size, (8, 200), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(8, 199, dtype=torch.bool)
-    best = float("inf")
-    for _ in range(2):
-        t0 = time.perf_counter()
-        logprobs, _ = token_logprobs(model, ids, mask)  # (8, 199)
-        logprobs.sum().backward()
-        best = min(best, time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-    return best
+    seconds = []
+    for n in threads:
+        torch.set_num_threads(n)
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            logprobs, _ = token_logprobs(model, ids, mask)  # (8, 199)
+            logprobs.sum().backward()
+            best = min(best, time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        seconds.append(best)
+    return seconds
 
 
 def overlap_bound(serial: tuple[float, float, float], speed_beside: float) -> float:
@@ -158,16 +162,16 @@ def main(argv: list[str] | None = None) -> int:
                 f" {median['per_hour_training']:.2f}x, trained tok/h {median['tokens_per_hour']:.2f}x"
             )
     if first == 0:
-        config = json.loads((out / results[0, 0]["run_id"] / "config.json").read_text())
-        model, alone = prepare_model(config["model"]["source"]).path, torch.get_num_threads()
-        engine = config["engine"]["threads"] * config["engine"]["replicas"]
-        beside = max(1, alone - engine)
-        speed = update_seconds(model, alone) / update_seconds(model, beside)
+        config = load_saved_config(out / results[0, 0]["run_id"])
+        alone = torch.get_num_threads()
+        beside = threads_beside_engine(config, alone)
+        on_all, on_fewer = update_seconds(prepare_model(config.model.source).path, [alone, beside])
+        speed = on_all / on_fewer
         bound = statistics.mean(overlap_bound(results[0, rep]["serial"], speed) for rep in range(args.repeat))
         print(
             f"\nthe most overlap can give here, from the synchronous runs' own seconds: {bound:.2f}x steps/h w/o"
-            f" evals (the update runs at {speed:.2f} of its speed on {alone} threads on {beside} beside the engine's"
-            f" {engine}; rollouts and syncs as they were)"
+            f" evals (the update runs at {speed:.2f} of its speed on {alone} threads on the {beside} the engine"
+            f" leaves; rollouts and syncs as they were)"
         )
     results = {k: r for (k, rep), r in results.items() if rep == 0}  # the curves: a deterministic run's repeat is equal
     print("\nreward per step (rollout/reward_mean)")

@@ -162,9 +162,8 @@ def recorded_artifacts(task_path: str) -> tuple[str, ...]:
     """What a trial of this task records for a later regrade: the task's workdir (where the built-in tasks'
     verifiers, and most terminal tasks', read the agent's work). Nothing when the task names no workdir (or `/`):
     then there is nothing a regrade could replay, and a regrade leaves its trials out."""
-    workdir = (task_config(Path(task_path)).environment.workdir or "").rstrip(
-        "/"
-    )  # "/" would be the whole filesystem: not recorded
+    workdir = task_config(Path(task_path)).environment.workdir or ""
+    workdir = workdir.rstrip("/")  # "/" would be the whole filesystem: not recorded
     return (workdir,) if workdir else ()
 
 

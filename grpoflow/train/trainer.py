@@ -126,7 +126,7 @@ def share_cores_with_engine(
         yield None
         return
     alone = torch.get_num_threads()
-    cores = CoreShare(max(1, alone - cfg.engine.threads * cfg.engine.replicas), alone, generating)
+    cores = CoreShare(threads_beside_engine(cfg, alone), alone, generating)
     handles = cores.hook(model)
     try:
         yield cores
@@ -134,6 +134,12 @@ def share_cores_with_engine(
         for handle in handles:
             handle.remove()
         torch.set_num_threads(alone)
+
+
+def threads_beside_engine(cfg: RunConfig, alone: int) -> int:
+    """The torch threads an update gets beside the embedded engine's replicas (`engine.threads` each), out of the
+    `alone` it has to itself."""
+    return max(1, alone - cfg.engine.threads * cfg.engine.replicas)
 
 
 def overlap_note(cfg: RunConfig, cores: CoreShare | None) -> str:

@@ -72,6 +72,12 @@ def rerun_flow(run_id: RunId, output_dir: str = "runs", new_run_id: RunId | None
                 "engine.deterministic was off (or the engine is not the embedded one): batched generation "
                 "rounds differently from run to run, so a bit-exact rerun is not expected"
             )
+        if any(d.startswith("cpu arithmetic:") for d in diffs):
+            notes.append(
+                "the CPU or MKL's mode differs from the original's: MKL picks its kernels by CPU, so the bits may "
+                "differ (values agree within float rounding); MKL_CBWR=COMPATIBLE in both runs gives the same bits "
+                "across CPU families, at a cost in speed"
+            )
         try:
             train_flow(cfg)
         finally:

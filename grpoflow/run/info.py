@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from grpoflow.errors import RunDirError
 from grpoflow.fileio import write_json_atomic
+from grpoflow.numerics import cpu_arithmetic
 from grpoflow.prepare.dataset import Dataset
 from grpoflow.prepare.model import PreparedModel
 from grpoflow.run.paths import RunPaths
@@ -41,6 +42,9 @@ class Provenance(_Record):
     created_at: str
     python: str
     platform: str
+    # The CPU and MKL mode the run's updates ran on (`numerics.cpu_arithmetic`); None in runs made before it was
+    # recorded.
+    cpu: str | None = None
     code_commit: str | None  # `-dirty` when the checkout had local changes
     packages: dict[str, str | None]
     model: PreparedModel
@@ -52,6 +56,7 @@ class Provenance(_Record):
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             python=platform.python_version(),
             platform=platform.platform(),
+            cpu=cpu_arithmetic(),
             code_commit=code_commit(),
             packages={name: _version(name) for name in _TRACKED_PACKAGES},
             model=model,
@@ -59,8 +64,14 @@ class Provenance(_Record):
         )
 
     def differences(self, now: Provenance) -> list[str]:
-        """One line per difference: code commit, Python, package versions, dataset and model weights sha256."""
-        pairs = [("code commit", self.code_commit, now.code_commit), ("python", self.python, now.python)]
+        """One line per difference: code commit, Python, CPU arithmetic, package versions, dataset and model weights
+        sha256."""
+        pairs = [
+            ("code commit", self.code_commit, now.code_commit),
+            ("python", self.python, now.python),
+        ]
+        if self.cpu is not None:  # older run.json files have none
+            pairs.append(("cpu arithmetic", self.cpu, now.cpu))
         for name in sorted(set(self.packages) | set(now.packages)):
             pairs.append((f"package {name}", self.packages.get(name), now.packages.get(name)))
         pairs.append(("dataset sha256", self.dataset.sha256, now.dataset.sha256))

@@ -46,11 +46,49 @@ def first_metrics_difference(a: Path, b: Path) -> str | None:
     return f"the original has {len(la)} steps, the rerun {len(lb)}"
 
 
+def first_tensor_difference(a: Path, b: Path) -> str | None:
+    """None when two checkpoint dirs hold the same tensors bit for bit; else the first differing tensor in name
+    order (or one only one side has) and its largest absolute difference."""
+    from safetensors import safe_open  # the report reads weights only when they differ
+
+    def tensors(ckpt: Path) -> dict[str, tuple[Path, str]]:
+        out = {}
+        for file in sorted(ckpt.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                out.update({name: (file, name) for name in f.keys()})
+        return out
+
+    ta, tb = tensors(a), tensors(b)
+    for name in sorted(set(ta) | set(tb)):
+        if name not in ta or name not in tb:
+            return f"`{name}` only in the {'original' if name in ta else 'rerun'}"
+        with safe_open(ta[name][0], "pt") as fa, safe_open(tb[name][0], "pt") as fb:
+            x, y = fa.get_tensor(name), fb.get_tensor(name)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"`{name}`: {x.dtype}{list(x.shape)} -> {y.dtype}{list(y.shape)}"
+        differ = x.reshape(-1).view(_bits(x)) != y.reshape(-1).view(_bits(y))  # (numel,)
+        if differ.any():
+            delta = (x.double() - y.double()).abs().max().item()
+            return f"`{name}`: {int(differ.sum())} of {x.numel()} values differ, by up to {delta:.3g}"
+    return None
+
+
+def _bits(t):
+    """An integer dtype of the tensor's width: bit equality, so that -0.0 and 0.0 (or two NaNs) are told apart."""
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
 def compare_runs(original: RunPaths, rerun: RunPaths) -> dict[str, Any]:
-    """Metrics bytes and final weights of a run and its rerun."""
+    """Metrics bytes and final weights of a run and its rerun; where the weights differ, the first tensor that
+    does."""
     diff = first_metrics_difference(original.metrics, rerun.metrics)
     step_a, hash_a = final_weights_sha256(original)
     step_b, hash_b = final_weights_sha256(rerun)
+    tensor_diff = None
+    if hash_a is not None and hash_b is not None and hash_a != hash_b and step_a == step_b:
+        tensor_diff = first_tensor_difference(original.checkpoint(step_a), rerun.checkpoint(step_b))
     return {
         "metrics_identical": diff is None,
         "metrics_first_difference": diff,
@@ -59,6 +97,7 @@ def compare_runs(original: RunPaths, rerun: RunPaths) -> dict[str, Any]:
             "rerun": {"step": step_b, "weights_sha256": hash_b},
         },
         "weights_identical": hash_a is not None and (step_a, hash_a) == (step_b, hash_b),
+        "weights_first_difference": tensor_diff,
     }
 
 
@@ -72,9 +111,12 @@ def verdict_line(report: dict[str, Any]) -> str:
         what.append(f"metrics.jsonl differs ({report['metrics_first_difference']})")
     if not report["weights_identical"]:
         fc = report["final_checkpoint"]
+        first = report.get("weights_first_difference")
         what.append(
             f"final weights differ (step {fc['original']['step']} {str(fc['original']['weights_sha256'])[:12]}"
-            f" vs step {fc['rerun']['step']} {str(fc['rerun']['weights_sha256'])[:12]})"
+            f" vs step {fc['rerun']['step']} {str(fc['rerun']['weights_sha256'])[:12]}"
+            + (f"; first {first}" if first else "")
+            + ")"
         )
     return f"{head}: NOT reproduced: " + "; ".join(what)
 

@@ -7,6 +7,7 @@ must match the engine's.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from grpoflow.config import RunConfig, TrainConfig
+from grpoflow.numerics import mkl_mode
 from grpoflow.train.logprobs import check_logprob_path
 from grpoflow.train.lora import add_lora
 
@@ -40,12 +42,17 @@ class TrainerState:
 def load_trainer(model_path: str | Path, cfg: TrainConfig, seed: int = 0, device: str | None = None) -> TrainerState:
     """Load the policy (and a frozen reference when `kl_coef > 0`) from an HF dir, with an AdamW over it.
 
-    Determinism: on CPU, torch kernels are deterministic for a fixed thread count, so seeding is enough (steps
-    from the same seed give bitwise-equal weights; tested); on this machine's kernels the count does not change
-    the bits either (1 and 2 threads, switched within an update: tested). On CUDA, SDPA/matmul backward may use atomics:
-    equal up to rounding, not bitwise.
+    Determinism: on the CPU, with MKL in its reproducible mode (`grpoflow.numerics`), seeding is enough: the same
+    update gives the same bits on any thread count, switched within an update too, and in a fresh process
+    (tested). On CUDA, SDPA/matmul backward may use atomics: equal up to rounding, not bitwise.
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cpu" and mkl_mode() == "OFF":
+        warnings.warn(
+            "MKL's reproducible mode is off in this process (torch computed before grpoflow was imported, or "
+            "MKL_CBWR=OFF): an update's bits may depend on the thread count and on the process's history",
+            stacklevel=2,
+        )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(dev)
     disable_dropout(model)

@@ -63,6 +63,31 @@ def test_rerun_reports_the_first_difference(tmp_path, tiny_model_dir):
     assert first_metrics_difference(a, b) == "the original has 2 steps, the rerun 1"
 
 
+def test_rerun_names_the_first_tensor_whose_bits_differ(tmp_path):
+    """Weights that differ are traced to a tensor: the first in name order, with how many values and by how much
+    (one ulp here); -0.0 against 0.0 counts, and so does a tensor that one side lacks."""
+    import torch
+    from safetensors.torch import save_file
+
+    from grpoflow.run.rerun import first_tensor_difference
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    w = {"model.a.weight": torch.ones(3, 2), "model.b.weight": torch.zeros(4)}
+    save_file(w, a / "model.safetensors")
+    save_file({k: v.clone() for k, v in w.items()}, b / "model.safetensors")
+    assert first_tensor_difference(a, b) is None
+    w2 = {k: v.clone() for k, v in w.items()}
+    w2["model.b.weight"][1] = torch.nextafter(torch.tensor(0.0), torch.tensor(1.0))
+    save_file(w2, b / "model.safetensors")
+    assert first_tensor_difference(a, b) == "`model.b.weight`: 1 of 4 values differ, by up to 1.4e-45"
+    w2["model.b.weight"] = -torch.zeros(4)
+    save_file(w2, b / "model.safetensors")
+    assert first_tensor_difference(a, b).startswith("`model.b.weight`: 4 of 4 values differ")
+    save_file({"model.a.weight": w["model.a.weight"]}, b / "model.safetensors")
+    assert first_tensor_difference(a, b) == "`model.b.weight` only in the original"
+
+
 def test_an_in_memory_weight_sync_trains_exactly_like_a_disk_sync(tmp_path, tiny_model_dir):
     """engine.weight_sync=distributed (gloo on the CPU) gives the same run as the disk path, metric for metric,
     and writes only the full checkpoints; every sync is verified by the probe."""

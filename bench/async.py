@@ -37,7 +37,6 @@ from bench.main_job import hf_generate_tok_s  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
 from grpoflow.run.resume import load_saved_config  # noqa: E402
-from grpoflow.train.trainer import threads_beside_engine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if first == 0:
         config = load_saved_config(out / results[0, 0]["run_id"])
         alone = torch.get_num_threads()
-        beside = threads_beside_engine(config, alone)
+        beside = max(1, alone - config.engine.threads * config.engine.replicas)  # as share_cores leaves it
         on_all, on_fewer = update_seconds(prepare_model(config.model.source).path, [alone, beside])
         speed = on_all / on_fewer
         bound = statistics.mean(overlap_bound(results[0, rep]["serial"], speed) for rep in range(args.repeat))

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.main_job import hf_generate_tok_s  # noqa: E402
 from grpoflow.prepare.clis import CLI_PACKAGES, ensure_cli  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
-from grpoflow.rollout.tokens import load_tokenizer  # noqa: E402
+from grpoflow.tokens import load_tokenizer  # noqa: E402
 from tests.fakes.rollout_step import scripted_task_step  # noqa: E402
 from tests.fakes.scripted_engine import Reply  # noqa: E402
 from tests.fakes.scripted_openai import terminus_json  # noqa: E402

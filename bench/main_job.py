@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpoflow.evaluation import EVAL_SPLITS, before_after_lines, eval_metrics  # noqa: E402
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
+from grpoflow.scoring.evaluation import EVAL_SPLITS, before_after_lines, eval_metrics  # noqa: E402
 
 STAGES = ["time/eval_s", "time/rollout_s", "time/train_s", "time/commit_s", "time/sync_s"]
 WEIGHTS_FILES = ("*.safetensors",)

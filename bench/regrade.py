@@ -30,8 +30,11 @@ from grpoflow.config import parse_run_config  # noqa: E402
 from grpoflow.prepare.dataset import builtin_dataset_path, load_dataset  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.prepare.prompts import build_prompts  # noqa: E402
-from grpoflow.rollout.step import collect_step, sandbox_config  # noqa: E402
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config  # noqa: E402
+from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.run.regrade import pick_trials, regrade_trials  # noqa: E402
+from grpoflow.scoring.step import collect_step
 
 
 def trials(root: Path, prompts, samples: int, record: bool) -> float:
@@ -42,10 +45,9 @@ def trials(root: Path, prompts, samples: int, record: bool) -> float:
         collect_step(
             "bench",
             0,
-            prompts,
+            plan_group_trials(prompts, 0, cfg.rollout.n_samples_per_prompt, 0),
             cfg.rollout,
-            0,
-            lambda spec: AgentConfig(name="oracle"),
+            PolicyAccess(lambda spec: AgentConfig(name="oracle")),
             sandbox_config(cfg.rollout),
             root / "trials" / "step_0",
             root / "details" / "step_0",

@@ -25,7 +25,10 @@ from grpoflow.prepare.dataset import load_dataset  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.prepare.prompts import build_prompts  # noqa: E402
 from grpoflow.rollout.harnesses import agent_factory
-from grpoflow.rollout.step import collect_step, sandbox_config
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.step import collect_step
 
 harbor.utils.logger.logger.setLevel("WARNING")
 
@@ -41,10 +44,9 @@ def run(engine, model_path, prompts, work: Path, tag: str, **rollout) -> dict:
         collect_step(
             "bench",
             0,
-            prompts,
+            plan_group_trials(prompts, 0, cfg.rollout.n_samples_per_prompt, 0),
             cfg.rollout,
-            0,
-            agent_factory(cfg.rollout, cfg.engine, engine.url, model_path),
+            PolicyAccess(agent_factory(cfg.rollout, cfg.engine, engine.url, model_path)),
             sandbox_config(cfg.rollout, work_dir=str(work)),
             work / f"trials-{tag}",
             work / f"details-{tag}",

@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.rollout.sessions.segments import segments  # noqa: E402
-from grpoflow.rollout.sessions.server import SessionServer  # noqa: E402
+from grpoflow.rollout.sessions.server import SessionServer, SessionSettings  # noqa: E402
 from grpoflow.rollout.sessions.tree import SessionTree  # noqa: E402
-from grpoflow.rollout.tokens import (  # noqa: E402
+from grpoflow.tokens import (  # noqa: E402
     encode,
     load_tokenizer,  # noqa: E402
     render,
@@ -140,7 +140,10 @@ def overhead(name: str, backend_url: str, model: Path, args, extra: dict) -> tup
     lat: dict[str, list[float]] = {"a": [], "b": []}
     cut = {"a": 0, "b": 0}
     trees = []
-    with SessionServer(backend_url, str(model), request_timeout_s=600.0) as srv, httpx.Client(timeout=600.0) as http:
+    with (
+        SessionServer(SessionSettings(backend_url, str(model), request_timeout_s=600.0)) as srv,
+        httpx.Client(timeout=600.0) as http,
+    ):
         # warm-up (connections, template compilation, the engine's first forward): not counted
         converse(http, direct, 999, args, extra, [])
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from grpoflow.config import LoraSettings, TrainConfig, parse_run_config  # noqa: E402
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
-from grpoflow.run.checkpoint import save_checkpoint  # noqa: E402
+from grpoflow.train.checkpoint import save_checkpoint  # noqa: E402
 from grpoflow.train.sync import open_weight_sync  # noqa: E402
 from grpoflow.train.trainer import load_trainer  # noqa: E402
 

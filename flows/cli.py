@@ -197,7 +197,7 @@ def _tasks(output_dir: Path, regrade: str | None = None, per_task: int | None = 
 def _regrade(root: Path, per_task: int) -> None:
     """Regrade up to `per_task` stored trials of each task of the run at `root`, in the sandboxes its config
     names, and count the verdicts into its tasks.json (what task health reads)."""
-    from grpoflow.rollout.credentials import export_sandbox_key
+    from grpoflow.credentials import export_sandbox_key
     from grpoflow.run.health import write_run_tasks
     from grpoflow.run.regrade import regrade_run, regrade_summary
     from grpoflow.run.resume import load_saved_config, run_lock

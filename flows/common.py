@@ -24,13 +24,13 @@ from prefect.runtime import deployment, flow_run
 from prefect.settings import get_current_settings
 
 from grpoflow.config import RunConfig, parse_run_config
-from grpoflow.engine.backends import EngineHandle, open_engine
-from grpoflow.errors import GrpoflowError
+from grpoflow.errors import GrpoflowError, one_line
+from grpoflow.paths import RunPaths
 from grpoflow.prepare.clis import CLI_PACKAGES
-from grpoflow.prepare.stage import PreparedRun
 from grpoflow.run.info import DeploymentRef
 from grpoflow.run.metrics import evaluation_rows, read_metrics, training_rows
-from tasks.preflight import engine_preflight_task, preflight_task
+from grpoflow.run.start import PreparedRun
+from tasks.preflight import preflight_task
 from tasks.prepare import prepare_dataset_task, prepare_harness_task, prepare_model_task, prepare_prompts_task
 
 harbor.utils.logger.logger.setLevel(logging.WARNING)
@@ -109,24 +109,13 @@ def this_deployment() -> DeploymentRef | None:
     return DeploymentRef(id=str(deployment.id), name=deployment.name or "")
 
 
-@contextmanager
-def serving_engine(cfg: RunConfig, run: PreparedRun) -> Iterator[EngineHandle]:
-    """The run's engine for the duration of the block. One the run starts itself is checked once it is up
-    (an attached one was checked by preflight already)."""
-    with open_engine(cfg.engine, run.model.path, cfg.seed, run.paths.root / "engine.log") as engine:
-        if cfg.engine.backend != "sglang":
-            for url in engine.replica_urls:
-                engine_preflight_task(url, run.model.path)
-        yield engine
-
-
 RUN_COMPLETED, RUN_FAILED = "grpoflow.run.completed", "grpoflow.run.failed"
 
 
 def run_summary(flow: str, run_id: str, run_dir: Path, **extra: Any) -> dict[str, Any]:
     """What a flow's end event carries: run_id, flow, steps recorded, the last step's metrics, the final
     evaluation (train runs that evaluate), the run dir."""
-    metrics = Path(run_dir) / "metrics.jsonl"
+    metrics = RunPaths(Path(run_dir)).metrics
     try:
         records = read_metrics(metrics)
     except ValueError:  # a corrupt log must not hide the event that reports the run's end
@@ -158,7 +147,7 @@ def emit_run_event(
     on the event name and the resource id or the `grpoflow.flow` label."""
     payload = dict(summary)
     if error is not None:
-        payload["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
+        payload["error"] = one_line(error, 500)
     related = list(related or [])
     if flow_run.id:
         related.append(

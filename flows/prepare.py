@@ -7,7 +7,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.common import flow_run_name, prepare_stage, run_events, start_run
 from grpoflow.config import RunConfig
-from grpoflow.prepare.stage import PreparedRun
+from grpoflow.run.start import PreparedRun
 
 
 @flow(name="prepare", flow_run_name=flow_run_name("prepare"), log_prints=True)

@@ -19,10 +19,10 @@ from flows.train import train_flow
 from grpoflow.config import RUN_ID_PATTERN, RunConfig
 from grpoflow.errors import ConfigError, RunDirError
 from grpoflow.fileio import write_json_atomic
+from grpoflow.paths import RunPaths
 from grpoflow.prepare.dataset import load_dataset
 from grpoflow.prepare.model import prepare_model
 from grpoflow.run.info import Provenance, read_run_info, update_run_info
-from grpoflow.run.paths import RunPaths
 from grpoflow.run.rerun import (
     compare_runs,
     report_markdown,
@@ -92,7 +92,7 @@ def rerun_flow(run_id: RunId, output_dir: str = "runs", new_run_id: RunId | None
             **compare_runs(original, new),
         }
         report["verdict"] = verdict_line(report)
-        write_json_atomic(new.root / "rerun.json", report)
+        write_json_atomic(new.rerun, report)
         create_markdown_artifact(
             key=f"{new_id}-rerun", markdown=report_markdown(report), description=f"Rerun of {run_id}"
         )

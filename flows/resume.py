@@ -16,14 +16,13 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.common import run_events
-from flows.train import evaluation_versions, finish, train_steps
+from flows.train import PREFECT_STAGES, finish
 from grpoflow.config import RUN_ID_PATTERN, RunConfig
-from grpoflow.prepare.stage import PreparedRun, reopen_run
+from grpoflow.paths import RunPaths
 from grpoflow.rollout.journal import read_journal
-from grpoflow.run.checkpoint import restore_training_state
 from grpoflow.run.info import Resume, read_run_info, update_run_info
+from grpoflow.run.loop import evaluation_versions, train_steps
 from grpoflow.run.metrics import has_row
-from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import (
     ResumePoint,
     find_resume_point,
@@ -31,6 +30,8 @@ from grpoflow.run.resume import (
     repair_run_dir,
     run_lock,
 )
+from grpoflow.run.start import PreparedRun, reopen_run
+from grpoflow.train.checkpoint import restore_training_state
 from grpoflow.train.trainer import load_trainer
 from tasks.preflight import preflight_task
 
@@ -103,4 +104,6 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
                 + (f"; {reused} finished trials of that step are kept" if reused else "")
                 + ")"
             )
-            return train_steps(cfg, run, trainer, point.next_step, weights=point.checkpoint)
+            record = train_steps(cfg, run, trainer, point.next_step, PREFECT_STAGES, weights=point.checkpoint)
+            finish(cfg, paths)
+            return record

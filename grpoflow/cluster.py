@@ -36,9 +36,9 @@ def ray_session(cluster: ClusterConfig) -> Iterator[bool]:
 
 
 def forwarded_env() -> dict[str, str]:
-    """What a run's actors get of this process's environment: the offline settings (`grpoflow.offline`), as
-    this process has them. No credentials: Ray keeps an actor's environment where its dashboard and state API
+    """What a run's actors get of this process's environment: the offline settings (`grpoflow.offline`) and MKL's
+    reproducible mode (`grpoflow.numerics`), as this process has them. No credentials: Ray keeps an actor's environment where its dashboard and state API
     show it, so a sandbox provider's key must be in the environment each node's `ray start` ran in."""
     import os
 
-    return {k: os.environ[k] for k in OFFLINE_ENV if k in os.environ}
+    return {k: os.environ[k] for k in (*OFFLINE_ENV, "MKL_CBWR") if k in os.environ}

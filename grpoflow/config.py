@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 from harbor.models.environment_type import EnvironmentType
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from grpoflow.credentials import sandbox_key_var
 from grpoflow.errors import ConfigError
-from grpoflow.rollout.credentials import sandbox_key_var
 
 RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
@@ -159,7 +159,13 @@ class EngineConfig(_Section):
         ge=0,
         le=20,
         description="Retries of one engine request after an infrastructure fault (HTTP 5xx, timeout, refused or "
-        "dropped connection), with jittered exponential backoff; then the step fails with the last error.",
+        "dropped connection), with jittered exponential backoff, at the least.",
+    )
+    outage_wait_s: float = Field(
+        600.0,
+        ge=0,
+        description="How long a trial's engine request keeps retrying an engine that does not answer (down, "
+        "restarting, overloaded) before the trial fails as an infrastructure fault and is run again.",
     )
 
     @model_validator(mode="after")

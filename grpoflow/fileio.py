@@ -1,7 +1,9 @@
-"""Atomic file writes and content hashes.
+"""Atomic file and directory writes, and content hashes.
 
 Every file grpoflow writes under a run dir goes through `write_*_atomic`: the bytes land in a temp file in the
-same directory, are fsynced, then renamed over the target, so a crash never leaves a torn file.
+same directory, are fsynced, then renamed over the target, so a crash never leaves a torn file. A directory
+(a checkpoint, a converted model, an installed CLI, an adapter) is built beside its place and published by one
+rename (`publish_dir`), so a reader never sees a half-written one.
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +103,67 @@ def append_jsonl(path: Path, record: Any) -> None:
             os.fsync(f.fileno())
     except OSError as err:
         raise OSError(err.errno, f"cannot append to {path}: {err.strerror or err}") from err
+
+
+def temp_sibling(path: Path, kind: str) -> Path:
+    """`.<name>.<kind>-<pid>` beside `path`: where a dir is written (`tmp`) or set aside (`old`) around the rename
+    that publishes it."""
+    return path.parent / f".{path.name}.{kind}-{os.getpid()}"
+
+
+def is_temp_sibling(path: Path) -> bool:
+    """A `temp_sibling` left by an interrupted write."""
+    return re.fullmatch(r"\..+\.(tmp|old)-\d+", path.name) is not None
+
+
+@contextmanager
+def publish_dir(dest: Path, *, replace: bool = False, durable: bool = False, mode: int = 0o755) -> Iterator[Path]:
+    """A fresh dir beside `dest` to build in; when the block ends without error it becomes `dest` by one rename,
+    and however the block ends no temp dir is left behind.
+
+    `replace`: an existing `dest` is swapped out (a retried step's checkpoint); otherwise an existing one stands
+    and the new build is dropped (another process published the same content first: a conversion, an install).
+    `durable`: every file is fsynced before the rename and the rename after it. `mode`: the dir's own mode
+    (others read a cache entry: the engine, the sandbox's uid)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(dest, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if durable:  # the rename is only as durable as the bytes it points at
+            fsync_files(tmp)
+        tmp.chmod(mode)
+        if dest.exists() and replace:
+            old = temp_sibling(dest, "old")
+            dest.rename(old)
+            tmp.rename(dest)
+            shutil.rmtree(old)
+        elif not dest.exists():
+            try:
+                tmp.rename(dest)
+            except OSError:
+                if not dest.exists():  # anything but losing a race to another publisher
+                    raise
+        if durable:
+            fsync_path(dest.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fsync_files(folder: Path) -> None:
+    """Every file below `folder` and every folder inside it."""
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            fsync_path(Path(root) / name)
+        for name in dirs:
+            fsync_path(Path(root) / name)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
@@ -18,22 +17,16 @@ from typing import Literal
 import httpx
 
 from grpoflow.config import RolloutConfig, RunConfig
-from grpoflow.errors import GrpoflowError
-from grpoflow.rollout.credentials import (
+from grpoflow.credentials import (
     PROVIDERS,
     policy_key_problems,
     sandbox_key_problems,
 )
+from grpoflow.errors import GrpoflowError, one_line
+from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.rollout.harnesses import harness_problems
 
 Stage = Literal["prepare", "train", "evaluate", "resume"]  # resume: a train run whose dir exists
-
-# What LocalSandbox runs on the host: bwrap from PATH; prlimit and setpriv at the absolute paths it execs.
-LOCAL_SANDBOX_TOOLS: dict[str, tuple[str, str]] = {
-    "bwrap": ("bwrap", "bubblewrap"),
-    "prlimit": ("/usr/bin/prlimit", "util-linux"),
-    "setpriv": ("/usr/bin/setpriv", "util-linux"),
-}
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -87,15 +80,18 @@ def check_sandbox(
     return problems + check_sandbox_api(rollout.sandbox, environ, timeout_s)
 
 
-def check_local_sandbox(find: Callable[[str], str | None] = shutil.which) -> list[str]:
-    problems = []
-    for tool, (path, package) in LOCAL_SANDBOX_TOOLS.items():
-        if find(path) is None:
-            problems.append(
-                f"rollout.sandbox=local needs `{tool}` ({path}): apt-get install -y {package}, or set rollout.sandbox "
-                "to a Harbor environment type (e.g. e2b)"
-            )
-    return problems
+def check_local_sandbox() -> list[str]:
+    """The local sandbox's own preflight (Harbor's `preflight()` of the class the rollout loads by import path):
+    the host tools it runs, one line per missing one."""
+    module, name = LOCAL_SANDBOX_IMPORT_PATH.split(":")
+    try:
+        getattr(importlib.import_module(module), name).preflight()
+    except SystemExit as err:
+        return [
+            f"rollout.sandbox=local: {line}, or set rollout.sandbox to a Harbor environment type (e.g. e2b)"
+            for line in str(err.code).splitlines()
+        ]
+    return []
 
 
 def check_harbor_environment(sandbox: str) -> list[str]:
@@ -109,7 +105,7 @@ def check_harbor_environment(sandbox: str) -> list[str]:
         # Public and side-effect free; it imports the environment's module, which is what can fail.
         EnvironmentFactory.resource_capabilities(env_type)
     except ImportError as err:
-        return [f"rollout.sandbox={sandbox}: Harbor cannot load this environment: {_one_line(str(err))}"]
+        return [f"rollout.sandbox={sandbox}: Harbor cannot load this environment: {one_line(str(err), 400)}"]
     entry = _ENVIRONMENT_REGISTRY.get(env_type)
     missing = missing_extra_packages(entry.pip_extra) if entry and entry.pip_extra else []
     if missing:
@@ -152,9 +148,11 @@ def check_harbor_preflight(sandbox: str) -> list[str]:
     try:
         EnvironmentFactory.run_preflight(EnvironmentType(sandbox))
     except SystemExit as err:  # Harbor's preflights exit with the message meant for the user
-        return [f"rollout.sandbox={sandbox}: {_one_line(str(err.code))}"]
+        return [f"rollout.sandbox={sandbox}: {one_line(str(err.code), 400)}"]
     except Exception as err:  # a provider's check may fail in its own way; report it, don't crash the check
-        return [f"rollout.sandbox={sandbox}: Harbor's preflight failed: {type(err).__name__}: {_one_line(str(err))}"]
+        return [
+            f"rollout.sandbox={sandbox}: Harbor's preflight failed: {type(err).__name__}: {one_line(str(err), 400)}"
+        ]
     return []
 
 
@@ -173,7 +171,7 @@ def check_sandbox_api(sandbox: str, environ: Mapping[str, str], timeout_s: float
         return [f"{where} did not answer within {timeout_s:g}s: check this machine's route to it, or the URL setting"]
     except httpx.HTTPError as err:
         return [
-            f"{where} is unreachable ({type(err).__name__}: {_one_line(str(err))}): check this machine's route "
+            f"{where} is unreachable ({type(err).__name__}: {one_line(str(err), 400)}): check this machine's route "
             "to it, or the URL setting"
         ]
     if status >= 500:
@@ -196,7 +194,7 @@ def check_engine(
     except httpx.HTTPError as err:
         return [
             f"engine at {base}: no SGLang server answers GET /health ({type(err).__name__}: "
-            f"{_one_line(str(err)) or 'timed out'}): start it (README, Production) or fix engine.url"
+            f"{one_line(str(err), 400) or 'timed out'}): start it (README, Production) or fix engine.url"
         ]
     if health.status_code != 200:
         return [
@@ -210,7 +208,7 @@ def check_engine(
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
         return [
             f"engine at {base}: GET /model_info gave no model_path ({type(err).__name__}: "
-            f"{_one_line(str(err))}): is engine.url an SGLang server?"
+            f"{one_line(str(err), 400)}): is engine.url an SGLang server?"
         ]
     if not _same_model(str(served), expected_model):
         remedy = remedy or (
@@ -230,10 +228,15 @@ def _same_model(served: str, expected: str) -> bool:
     return os.path.realpath(Path(served).expanduser()) == os.path.realpath(Path(expected).expanduser())
 
 
+def engine_preflight(url: str, model_path: str) -> None:
+    """An engine the run started itself answers and serves the prepared model; else `PreflightError`."""
+    problems = check_engine(
+        url, model_path, "the prepared model", remedy="the engine was started on other weights than this run prepared"
+    )
+    if problems:
+        raise PreflightError(format_problems(problems))
+
+
 def format_problems(problems: list[str]) -> str:
     noun = "problem" if len(problems) == 1 else "problems"
     return f"preflight found {len(problems)} {noun}:\n" + "\n".join(f"  - {p}" for p in problems)
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())[:400]

@@ -23,6 +23,7 @@ ExitStatus = Literal[
     "SequenceLengthLimitExceeded",  # a turn hit the response-length limit (sample status TRUNCATED)
     "AgentError",  # the agent or the model failed (not retried)
     "SandboxError",  # the sandbox failed to start, died, or hit an infrastructure error (retried, then recorded)
+    "EngineError",  # the engine did not answer for longer than a request waits it out (retried, then recorded)
     "VerifierError",  # the task's verifier crashed, timed out, or wrote no valid reward
 ]
 # What the trainer does with it.
@@ -66,3 +67,6 @@ class Sample(BaseModel):
     @property
     def n_generated(self) -> int:
         return sum(self.loss_mask)
+
+
+PASS = 1.0  # a reward at least this is a pass (pass@1, pass@k, task health, regrade verdicts)

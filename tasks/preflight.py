@@ -13,8 +13,8 @@ from grpoflow.config import RunConfig
 from grpoflow.preflight import (
     PreflightError,
     Stage,
-    check_engine,
     check_run,
+    engine_preflight,
     format_problems,
 )
 
@@ -27,11 +27,4 @@ def preflight_task(cfg: RunConfig, stage: Stage) -> None:
         raise PreflightError(format_problems(problems))
 
 
-@task(name="preflight-engine", cache_policy=NO_CACHE)
-def engine_preflight_task(url: str, model_path: str) -> None:
-    """An engine the run started itself: it answers and serves the prepared model."""
-    problems = check_engine(
-        url, model_path, "the prepared model", remedy="the engine was started on other weights than this run prepared"
-    )
-    if problems:
-        raise PreflightError(format_problems(problems))
+engine_preflight_task = task(name="preflight-engine", cache_policy=NO_CACHE)(engine_preflight)

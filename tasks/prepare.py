@@ -14,8 +14,8 @@ from grpoflow.config import RunConfig
 from grpoflow.prepare.clis import ensure_cli
 from grpoflow.prepare.dataset import Dataset, load_dataset
 from grpoflow.prepare.model import PreparedModel, prepare_model
-from grpoflow.prepare.stage import PreparedRun, make_prompts, record_run
 from grpoflow.run.info import DeploymentRef
+from grpoflow.run.start import PreparedRun, make_prompts, record_run
 
 
 @task(name="prepare-model", cache_policy=NO_CACHE)

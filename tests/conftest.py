@@ -21,5 +21,5 @@ def faulty_sandbox(monkeypatch):
     sandbox faults (`fail_start_probability`, `die_after_execs`)."""
     from tests.fakes.faulty_sandbox import FAULTY_SANDBOX_IMPORT_PATH
 
-    monkeypatch.setattr("grpoflow.rollout.step.LOCAL_SANDBOX_IMPORT_PATH", FAULTY_SANDBOX_IMPORT_PATH)
+    monkeypatch.setattr("grpoflow.rollout.sandbox.LOCAL_SANDBOX_IMPORT_PATH", FAULTY_SANDBOX_IMPORT_PATH)
     return FAULTY_SANDBOX_IMPORT_PATH

@@ -24,6 +24,7 @@ class EngineHandle:
     url: str  # where generation goes: the engine, or the router in front of its replicas
     client: EngineClient
     replicas: tuple[str, ...] = ()  # each engine's own URL (weight syncs, probes); empty: just `url`
+    host_threads: int = 0  # CPU threads the run's engines use on this host, beside a CPU trainer
 
     @property
     def replica_urls(self) -> list[str]:
@@ -56,8 +57,9 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
                 )
                 for i in range(cfg.replicas)
             ]
+            threads = cfg.threads * cfg.replicas
             if len(engines) == 1:
-                yield EngineHandle(engines[0].url, engines[0].client)
+                yield EngineHandle(engines[0].url, engines[0].client, host_threads=threads)
                 return
             urls = [e.url for e in engines]
             router = stack.enter_context(
@@ -69,7 +71,7 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
                     client_retries=cfg.retries,
                 )
             )
-            yield EngineHandle(router.url, router.client, tuple(urls))
+            yield EngineHandle(router.url, router.client, tuple(urls), host_threads=threads)
         return
     if cfg.backend == "sglang-launch":
         assert cfg.sglang_python, "validated by EngineConfig"

@@ -3,7 +3,8 @@
 Every answer is validated with `grpoflow.engine.protocol` (`/get_server_info`, free-form, only as a JSON
 object); anything malformed (not JSON, a missing `finish_reason`, ...) raises `EngineError` with one line naming
 the endpoint. Infrastructure faults — 5xx, timeouts, refused or dropped connections — are retried with jittered
-exponential backoff, `retries` times after the first try, then raise `EngineError` naming the URL. A 4xx is the
+exponential backoff, at least `retries` times after the first try and for as long as `outage_s` allows (an
+engine restarting or overloaded is waited out), then raise `EngineUnavailableError` naming the URL. A 4xx is the
 caller's fault and is never retried. An aborted generation (`finish_reason.type == "abort"`, which SGLang sends
 when a request is cancelled) raises too: its output is incomplete and must not be scored.
 """
@@ -36,7 +37,7 @@ from grpoflow.engine.protocol import (
     UpdateWeightVersionRequest,
     WeightsUpdateGroupResponse,
 )
-from grpoflow.errors import EngineError
+from grpoflow.errors import EngineError, EngineUnavailableError
 
 M = TypeVar("M", bound=BaseModel)
 U = TypeVar("U", UpdateWeightsFromDiskResponse, WeightsUpdateGroupResponse, LoRAUpdateResponse)
@@ -66,10 +67,12 @@ class EngineClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         lora_path: str | None = None,
+        outage_s: float = 0.0,
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.retries = retries
+        self.outage_s = outage_s  # how long a request keeps retrying an engine that does not answer
         self.backoff_s = backoff_s
         self.lora_path = lora_path  # the LoRA adapter every generation names (a LoRA run's served adapter)
         self._client: httpx.Client | None = None
@@ -96,15 +99,6 @@ class EngineClient:
         body = _update_body(model_path, weight_version, flush_cache)
         return _checked_update(self._call("POST", "/update_weights_from_disk", body, UpdateWeightsFromDiskResponse))
 
-    async def aupdate_weights_from_disk(
-        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
-    ) -> UpdateWeightsFromDiskResponse:
-        body = _update_body(model_path, weight_version, flush_cache)
-        resp = await self._acall("POST", "/update_weights_from_disk", body, UpdateWeightsFromDiskResponse)
-        return _checked_update(resp)
-
-    # The two calls of an in-memory weight sync are never retried: each pairs with collective calls on the
-    # trainer's side, and a re-sent request would wait for a broadcast that never comes.
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
     ) -> WeightsUpdateGroupResponse:
@@ -173,9 +167,6 @@ class EngineClient:
         busy = states[0].get("busy_time_s")
         return float(busy) if isinstance(busy, int | float) else None
 
-    async def amodel_info(self) -> ModelInfo:
-        return await self._acall("GET", "/model_info", None, ModelInfo)
-
     def server_info(self) -> dict[str, Any]:
         """GET /get_server_info as a plain dict (SGLang's and the embedded engine's keys differ; see the server)."""
         return self._call("GET", "/get_server_info", None, dict)
@@ -203,20 +194,10 @@ class EngineClient:
         """OpenAI chat completion; `params` go into the body as given (max_tokens, temperature, seed, ...)."""
         return self._call("POST", "/v1/chat/completions", {"messages": messages, **params}, ChatCompletionResponse)
 
-    async def achat_completions(self, messages: list[dict], **params: Any) -> ChatCompletionResponse:
-        body = {"messages": messages, **params}
-        return await self._acall("POST", "/v1/chat/completions", body, ChatCompletionResponse)
-
     def health(self, timeout: float = 5.0) -> bool:
         """One probe of `/health`, no retries: True on 200, False if unreachable or unhealthy."""
         try:
             return self._sync_client().get(self.base_url + "/health", timeout=timeout).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    async def ahealth(self, timeout: float = 5.0) -> bool:
-        try:
-            return (await self._async_client().get(self.base_url + "/health", timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -260,28 +241,39 @@ class EngineClient:
         url = self.base_url + path
         retries = self.retries if retries is None else retries
         last: BaseException | None = None
-        for attempt in range(retries + 1):
+        start, attempt = time.monotonic(), 0
+        while True:
             try:
                 resp = self._sync_client().request(method, url, json=body)
                 return _parse(resp, path, model)
             except (_Retryable, httpx.TransportError) as e:
                 last = e
-            if attempt < retries:
-                time.sleep(self._delay(attempt))
-        raise EngineError(f"{method} {url} failed after {retries + 1} attempts: {_describe(last)}")
+            if not self._again(attempt, retries, start):
+                raise EngineUnavailableError(f"{method} {url} failed after {attempt + 1} attempts: {_describe(last)}")
+            time.sleep(self._delay(attempt))
+            attempt += 1
 
     async def _acall(self, method: str, path: str, body: dict | None, model: type[M] | type[dict]) -> M:
         url = self.base_url + path
         last: BaseException | None = None
-        for attempt in range(self.retries + 1):
+        start, attempt = time.monotonic(), 0
+        while True:
             try:
                 resp = await self._async_client().request(method, url, json=body)
                 return _parse(resp, path, model)
             except (_Retryable, httpx.TransportError) as e:
                 last = e
-            if attempt < self.retries:
-                await asyncio.sleep(self._delay(attempt))
-        raise EngineError(f"{method} {url} failed after {self.retries + 1} attempts: {_describe(last)}")
+            if not self._again(attempt, self.retries, start):
+                raise EngineUnavailableError(f"{method} {url} failed after {attempt + 1} attempts: {_describe(last)}")
+            await asyncio.sleep(self._delay(attempt))
+            attempt += 1
+
+    def _again(self, attempt: int, retries: int, start: float) -> bool:
+        """Another try after `attempt` failed ones (from 0): within `retries`, or within the outage budget."""
+        return attempt < retries or time.monotonic() - start + self._delay_cap(attempt) <= self.outage_s
+
+    def _delay_cap(self, attempt: int) -> float:
+        return min(_BACKOFF_CAP_S, self.backoff_s * 2**attempt)
 
     def _delay(self, attempt: int) -> float:
         return min(_BACKOFF_CAP_S, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.5)

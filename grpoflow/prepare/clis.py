@@ -13,11 +13,11 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.errors import ConfigError
+from grpoflow.fileio import publish_dir
 from grpoflow.prepare.model import default_cache_dir
 
 
@@ -69,18 +69,9 @@ def ensure_cli(harness: str, cache_dir: Path | None = None) -> Path:
             f"rollout.harness={harness}: npm is needed once to install {pkg.spec} for the local sandbox "
             "(apt-get install -y npm)"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+    # A dir there is a broken install: replaced. 0755 lets the sandbox's own uid read it.
+    with publish_dir(path, replace=path.exists()) as tmp:
         _install(npm, pkg, tmp)
-        tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from the sandbox's own uid
-        try:
-            tmp.rename(path)
-        except OSError:
-            if not path.exists():  # another prepare won the race: its install is as good
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

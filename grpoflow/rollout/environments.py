@@ -12,6 +12,12 @@ from harbor.models.trial.error_policy import ERROR_POLICIES, FailureCause
 
 from grpoflow.errors import GrpoflowError
 
+# The local sandbox (`grpoflow.embedded.sandbox`), as the rollout reaches it: by Harbor's `import_path`, never by
+# import. What a trial's harness needs to know of it lives here too.
+LOCAL_SANDBOX_IMPORT_PATH = "grpoflow.embedded.sandbox.local:LocalSandbox"
+BRIDGE_HOST = "127.0.0.1"  # where the bridge to the session server listens inside the local sandbox
+SANDBOX_PYTHON = "/usr/bin/python3"  # the host's, which the local sandbox sees: it runs the bridge's forwarder
+
 
 class SandboxError(GrpoflowError):
     """The sandbox itself failed (not the command run in it). Transient: retry the trial in a fresh sandbox."""
@@ -68,3 +74,14 @@ def is_sandbox_failure_type(exception_type: str | None) -> bool:
     None, agent/model errors, timeouts of the agent or verifier, reward errors, and `SandboxUnavailableError` (a
     missing tool does not heal on retry)."""
     return exception_type is not None and exception_type in SANDBOX_FAILURE_TYPES
+
+
+# The engine did not answer for longer than a request waits it out (`engine.outage_wait_s`): the trial says nothing
+# about the policy either. By name, as Harbor keeps it.
+ENGINE_FAILURE_TYPES: frozenset[str] = frozenset({"EngineUnavailableError"})
+
+
+def is_infrastructure_failure(exception_type: str | None) -> bool:
+    """Should a trial that ended with this exception be run again (in a fresh sandbox)? A sandbox failure
+    (`is_sandbox_failure_type`) or an engine outage; never the policy's, the agent's or the verifier's doing."""
+    return is_sandbox_failure_type(exception_type) or exception_type in ENGINE_FAILURE_TYPES

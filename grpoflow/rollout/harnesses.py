@@ -22,7 +22,7 @@ Keys: through the session server each trial sends its session's own token (`Tria
 whose name Harbor treats as a secret (it writes every trial's config to its trial dir, redacting those); terminus-2
 takes it from `SESSION_TOKEN_VAR` in its agent env (`GrpoTerminus2`), so it never reaches the sandbox. Straight
 to the engine, our servers take any key, so a fixed dummy is used; a real key (`rollout.policy_api_key_file`) is
-exported into this process's environment as `POLICY_KEY_VAR` (`grpoflow.rollout.credentials.export_policy_key`) and
+exported into this process's environment as `POLICY_KEY_VAR` (`grpoflow.credentials.export_policy_key`) and
 the bindings only name that variable (`AgentConfig.model_api_key_name`, or a `${VAR}` template in
 `AgentConfig.env` that Harbor resolves when it builds the agent), so a key value never goes into a config.
 """
@@ -40,10 +40,10 @@ from urllib.parse import urlsplit
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
-from grpoflow.embedded.sandbox.local import BRIDGE_HOST, SANDBOX_PYTHON
+from grpoflow.credentials import POLICY_KEY_VAR
 from grpoflow.errors import ConfigError
 from grpoflow.prepare.clis import CLI_PACKAGES
-from grpoflow.rollout.credentials import POLICY_KEY_VAR
+from grpoflow.rollout.environments import BRIDGE_HOST, SANDBOX_PYTHON
 from grpoflow.rollout.trials import TrialSpec
 
 SHELL_AGENT = "grpoflow.rollout.agents.shell:ShellAgent"
@@ -122,6 +122,7 @@ def _shell(b: BindingInput) -> AgentConfig:
             "early_truncation_exit": r.early_truncation_exit,
             "request_timeout_s": b.engine.request_timeout_s,
             "engine_retries": b.engine.retries,
+            "outage_wait_s": b.engine.outage_wait_s,
             **({"lora_path": b.lora_path} if b.lora_path else {}),
         },
     )

@@ -1,4 +1,4 @@
-"""How a step's agents reach the policy, and how a finished trial becomes training samples.
+"""How a step's agents reach the policy, and how a finished trial's sample becomes training samples.
 
 Our shell agent talks to the engine itself and keeps the exact tokens. Every OpenAI-speaking harness goes through
 a session server for the step: it keeps each trial's session token-exact, and the session's segments become the
@@ -17,35 +17,33 @@ from urllib.parse import urlsplit
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
-from grpoflow.embedded.sandbox.local import BRIDGE_HOST
 from grpoflow.engine.client import EngineClient, token_budget
 from grpoflow.prepare.clis import installed_cli
+from grpoflow.rollout.environments import BRIDGE_HOST
 from grpoflow.rollout.harnesses import agent_factory, get_binding
 from grpoflow.rollout.sessions.segments import segment_samples
-from grpoflow.rollout.sessions.server import SessionServer
+from grpoflow.rollout.sessions.server import SessionServer, SessionSettings
 from grpoflow.rollout.trials import TrialOutcome, TrialSpec
 from grpoflow.samples import Sample
-from grpoflow.scoring import to_sample
 
 log = logging.getLogger(__name__)
 
-ToSamples = Callable[[TrialOutcome, str, int], list[Sample]]  # (outcome, run_id, step) -> the trial's samples
 
-
-def trial_sample(outcome: TrialOutcome, run_id: str, step: int) -> list[Sample]:
+def one_sample(outcome: TrialOutcome, sample: Sample) -> list[Sample]:
     """The shell agent's trial: one sample, its exact tokens from the agent's own record."""
-    return [to_sample(outcome, run_id, step)]
+    return [sample]
 
 
 @dataclass
 class PolicyAccess:
-    """How one step's agents reach the policy, and how a finished trial becomes training samples."""
+    """How one step's agents reach the policy, and how a finished trial's scored sample becomes its training
+    samples (one, or one per segment of a compacted session)."""
 
     make_agent: Callable[[TrialSpec], AgentConfig]
-    to_samples: ToSamples
-    forget: Callable[[TrialSpec], None]  # drop a failed attempt's record before its retry
+    to_samples: Callable[[TrialOutcome, Sample], list[Sample]] = one_sample
+    forget: Callable[[TrialSpec], None] = lambda spec: None  # drop a failed attempt's record before its retry
     # What the local sandbox needs for this harness (the CLI dir, the bridge to the session server): kwargs of
-    # `grpoflow.rollout.step.sandbox_config`.
+    # `grpoflow.rollout.sandbox.sandbox_config`.
     sandbox_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,9 +83,9 @@ async def policy_access(
     binding = get_binding(rollout.harness)
     if not binding.via_session_server:
         make = agent_factory(rollout, engine, engine_url, tokenizer_path, lora_path=lora_path)
-        yield PolicyAccess(make, trial_sample, lambda spec: None)
+        yield PolicyAccess(make)
         return
-    server = SessionServer(
+    settings = SessionSettings(
         engine_url,
         tokenizer_path,
         max_new_tokens=rollout.max_new_tokens,
@@ -95,11 +93,12 @@ async def policy_access(
         sampling={"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k},
         request_timeout_s=engine.request_timeout_s,
         engine_retries=engine.retries,
+        outage_s=engine.outage_wait_s,
         lora_path=lora_path,
         tool_call_parser=rollout.tool_call_parser,
         truncation_ends_episode=binding.in_sandbox_cli and rollout.early_truncation_exit,
-        public_url=rollout.session_server_url,
     )
+    server = SessionServer(settings, public_url=rollout.session_server_url)
     async with server:
         sandbox_kwargs: dict[str, Any] = {}
         url_of = server.session_url
@@ -112,19 +111,27 @@ async def policy_access(
             def url_of(session_id: str, seed: int | None = None) -> str:
                 return server.session_url(session_id, seed).replace(server.url, f"http://{BRIDGE_HOST}:{at.port}", 1)
 
-        def to_samples(outcome: TrialOutcome, run_id: str, step: int) -> list[Sample]:
-            return segment_samples(to_sample(outcome, run_id, step), server.pop_session(outcome.spec.rollout_id))
+        # Each attempt of a trial has a session (and token) of its own: a harness left running in a lost worker's
+        # sandbox cannot write into its retry's session, and its requests are refused once its session ended.
+        attempts: dict[str, int] = {}
 
-        yield PolicyAccess(
-            agent_factory(
-                rollout,
-                engine,
-                engine_url,
-                tokenizer_path,
-                api_base_for=lambda spec: url_of(spec.rollout_id, seed=spec.seed),
-                token_for=lambda spec: server.session_token(spec.rollout_id),
-            ),
-            to_samples,
-            lambda spec: server.pop_session(spec.rollout_id),
-            sandbox_kwargs,
+        def session(spec: TrialSpec) -> str:
+            return f"{spec.rollout_id}.{attempts[spec.rollout_id]}"
+
+        factory = agent_factory(
+            rollout,
+            engine,
+            engine_url,
+            tokenizer_path,
+            api_base_for=lambda spec: url_of(session(spec), seed=spec.seed),
+            token_for=lambda spec: server.session_token(session(spec)),
         )
+
+        def make_agent(spec: TrialSpec) -> AgentConfig:
+            attempts[spec.rollout_id] = attempts.get(spec.rollout_id, -1) + 1
+            return factory(spec)
+
+        def to_samples(outcome: TrialOutcome, sample: Sample) -> list[Sample]:
+            return segment_samples(sample, server.pop_session(session(outcome.spec)))
+
+        yield PolicyAccess(make_agent, to_samples, lambda spec: server.pop_session(session(spec)), sandbox_kwargs)

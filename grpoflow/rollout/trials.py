@@ -15,7 +15,6 @@ being created, booted and set up — the phase providers rate-limit.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import logging
 import random
@@ -37,9 +36,11 @@ from harbor.models.trial.result import TrialResult
 from harbor.trial.hooks import TrialEvent, TrialHookEvent
 from harbor.trial.trial import Trial
 
+from grpoflow.errors import one_line
 from grpoflow.prepare.dataset import task_config
 from grpoflow.prepare.prompts import PromptRecord
-from grpoflow.rollout.environments import is_sandbox_failure_type
+from grpoflow.rollout.environments import is_infrastructure_failure
+from grpoflow.seeds import trial_seed
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +88,9 @@ def plan_group_trials(
     for p_idx, p in enumerate(prompts):
         group = f"{prefix or f'step{step}'}-{p.instance_id}"
         for k in range(n_samples):
-            seed = (base_seed * 1_000_003 + step * 10_007 + p_idx * 101 + k) % (2**31)
+            seed = trial_seed(base_seed, step, p_idx, k)
             specs.append(TrialSpec(p.instance_id, p.task_path, group, k, f"{group}-{k}", seed))
     return specs
-
-
-def turn_seed(trial_seed: int, turn: int) -> int:
-    """The sampling seed of a trial's turn (a policy call): distinct across the turns of a trial and across
-    trials, whose seeds are neighbours (a group's samples differ by 1, so `seed + turn` would give trial k's
-    second turn the noise of trial k + 1's first). Below 2**31, like the trial seeds."""
-    digest = hashlib.sha256(f"{trial_seed}/{turn}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % (2**31)
 
 
 AgentFactory = Callable[[TrialSpec], AgentConfig]
@@ -144,7 +137,7 @@ class _StartSlot:
             if not acquired.done():
                 acquired.set_exception(err)
             else:
-                log.warning("sandbox gate: giving back a slot failed: %s: %s", type(err).__name__, _one_line(str(err)))
+                log.warning("sandbox gate: giving back a slot failed: %s: %s", type(err).__name__, one_line(str(err)))
 
     async def release(self, _event: TrialHookEvent | None = None) -> None:
         """Give the slot back (or stop waiting for one); idempotent, so every end-of-start hook may call it."""
@@ -247,7 +240,7 @@ async def run_trial(
             attempts.append(
                 Attempt(str(trials_dir / cfg.trial_name), "WorkerLost", str(lost), time.perf_counter() - t0)
             )
-            log.warning("trial %s: %s; running it again on another worker", spec.rollout_id, _one_line(str(lost)))
+            log.warning("trial %s: %s; running it again on another worker", spec.rollout_id, one_line(str(lost)))
             if on_retry:
                 on_retry(spec, attempts[-1])
             continue
@@ -260,14 +253,14 @@ async def run_trial(
                 wall_time_s=time.perf_counter() - t0,
             )
         )
-        if exc is None or not is_sandbox_failure_type(exc.exception_type) or failures == retries:
+        if exc is None or not is_infrastructure_failure(exc.exception_type) or failures == retries:
             return TrialOutcome(spec, result, attempts)
         log.warning(
-            "trial %s attempt %d: sandbox failure %s: %s; retrying in a fresh sandbox",
+            "trial %s attempt %d: infrastructure failure %s: %s; retrying in a fresh sandbox",
             spec.rollout_id,
             len(attempts) - 1,
             exc.exception_type,
-            _one_line(exc.exception_message),
+            one_line(exc.exception_message),
         )
         if on_retry:
             on_retry(spec, attempts[-1])
@@ -318,7 +311,3 @@ async def run_trials(
         return out
 
     return list(await asyncio.gather(*(one(s) for s in specs)))
-
-
-def _one_line(text: str | None) -> str:
-    return " ".join((text or "").split())[:300]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -20,17 +21,10 @@ from typing import Any
 
 import torch
 
-from grpoflow.run.checkpoint import (
-    OPTIMIZER_FILE,
-    STEP_FILE,
-    TRAINER_FILE,
-    fsync_files,
-    fsync_path,
-    prune_checkpoints,
-    save_checkpoint,
-)
+from grpoflow.fileio import fsync_files, fsync_path, is_temp_sibling
+from grpoflow.paths import RunPaths, step_of
 from grpoflow.run.metrics import MetricsLog, split_record
-from grpoflow.run.paths import RunPaths
+from grpoflow.train.checkpoint import OPTIMIZER_FILE, STEP_FILE, TRAINER_FILE, save_checkpoint
 from grpoflow.train.trainer import TrainerState
 
 
@@ -157,3 +151,19 @@ def log_step(paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog
     """The step's metrics/timings rows, then pruning of older checkpoints that are not full."""
     log.log(step, record)
     prune_checkpoints(paths.checkpoint(step).parent, latest=step)
+
+
+def prune_checkpoints(root: str | Path, latest: int) -> list[Path]:
+    """Delete `root/step_<n>` dirs with n < latest that are not full checkpoints (no optimizer state); return
+    the deleted paths.
+
+    Full checkpoints (resume points) and the latest step are kept, and steps after `latest` are left alone.
+    Leftover temp dirs of an interrupted save are removed too.
+    """
+    removed = []
+    for p in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
+        n = step_of(p)
+        if is_temp_sibling(p) or (n is not None and n < latest and not (p / OPTIMIZER_FILE).is_file()):
+            shutil.rmtree(p)
+            removed.append(p)
+    return removed

@@ -20,13 +20,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grpoflow.config import read_config_file
-from grpoflow.errors import ConfigError, RunDirError
+from grpoflow.errors import ConfigError, RunDirError, one_line
 from grpoflow.fileio import write_json_atomic
+from grpoflow.paths import RunPaths
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.info import read_run_info
-from grpoflow.run.paths import RunPaths
 from grpoflow.run.regrade import read_regrades
-from grpoflow.scoring import PASS
+from grpoflow.samples import PASS
 
 INFRA_STATUSES = ("SandboxError", "VerifierError")  # no verdict, and not the policy's doing
 
@@ -83,7 +83,7 @@ def run_dirs(output_dir: Path) -> list[tuple[str, Path]]:
     """(created_at, run dir) of every run under `output_dir` with a readable run.json, oldest first."""
     out = []
     for root in sorted(Path(output_dir).iterdir()) if Path(output_dir).is_dir() else []:
-        if not (root / "run.json").is_file():
+        if not RunPaths(root).run_info.is_file():
             continue
         try:
             info = read_run_info(RunPaths(root))
@@ -93,13 +93,12 @@ def run_dirs(output_dir: Path) -> list[tuple[str, Path]]:
     return sorted(out)
 
 
-TASKS_FILE = "tasks.json"  # a run's own counts per task, written when it ends: the index reads these, not samples
-
-
 def run_tasks(root: Path, recount: bool = False) -> tuple[str, dict[str, TaskRun]]:
     """(sandbox provider, per task its counts) of one run: from its `tasks.json`, or counted from its samples
-    (`recount`, a run that has not ended, or one from before the file existed)."""
-    path = root / TASKS_FILE
+    (`recount`, a run that has not ended, or one from before the file existed). Written when a run ends: the
+    index reads these, not samples."""
+    paths = RunPaths(root)
+    path = paths.tasks
     if path.is_file() and not recount:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -107,7 +106,7 @@ def run_tasks(root: Path, recount: bool = False) -> tuple[str, dict[str, TaskRun
         except (ValueError, KeyError, TypeError, AttributeError):
             pass  # damaged: count again from the samples
     seen: dict[str, TaskRun] = {}
-    for details in sorted((root / "details").glob("*")) if (root / "details").is_dir() else []:
+    for details in sorted(paths.all_details.glob("*")) if paths.all_details.is_dir() else []:
         if not (details / SAMPLES).is_file():
             continue
         for s in read_samples(details):
@@ -132,8 +131,9 @@ def write_run_tasks(root: Path) -> Path:
     """`tasks.json` of a run that ended: what `task_health` reads of it."""
     provider, counts = run_tasks(root, recount=True)  # a resumed run ends again: count what it has now
     tasks = {k: {f: n for f, n in asdict(t).items() if f != "run_id"} for k, t in counts.items()}
-    write_json_atomic(root / TASKS_FILE, {"provider": provider, "tasks": tasks})
-    return root / TASKS_FILE
+    path = RunPaths(root).tasks
+    write_json_atomic(path, {"provider": provider, "tasks": tasks})
+    return path
 
 
 def task_health(output_dir: Path, unreadable: list[str] | None = None) -> tuple[list[str], list[TaskHealth]]:
@@ -146,7 +146,7 @@ def task_health(output_dir: Path, unreadable: list[str] | None = None) -> tuple[
             provider, seen = run_tasks(root)
         except (OSError, ValueError) as err:  # a damaged samples.jsonl, or one of another grpoflow's schema
             if unreadable is not None:
-                unreadable.append(f"{root.name}: {type(err).__name__}: {' '.join(str(err).split())[:200]}")
+                unreadable.append(f"{root.name}: {one_line(err, 200)}")
             continue
         if seen:
             run_ids.append(root.name)
@@ -160,7 +160,7 @@ def task_health(output_dir: Path, unreadable: list[str] | None = None) -> tuple[
 
 def _provider(root: Path) -> str:
     try:
-        return str(read_config_file(root / "config.json")["rollout"]["sandbox"])
+        return str(read_config_file(RunPaths(root).config)["rollout"]["sandbox"])
     except (ConfigError, KeyError, TypeError):
         return "unknown"
 

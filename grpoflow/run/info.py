@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from grpoflow.errors import RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.numerics import cpu_arithmetic
+from grpoflow.paths import RunPaths
 from grpoflow.prepare.dataset import Dataset
 from grpoflow.prepare.model import PreparedModel
-from grpoflow.run.paths import RunPaths
 
 _TRACKED_PACKAGES = ("grpoflow", "torch", "transformers", "tokenizers", "safetensors", "harbor", "prefect", "gguf")
 
@@ -139,7 +139,7 @@ def parent_of(model_source: str) -> Parent | None:
     run.json), else None."""
     path = Path(model_source)
     run_dir = path.parent.parent
-    if path.parent.name != "checkpoints" or not (run_dir / "run.json").is_file():
+    if path.parent.name != RunPaths(run_dir).checkpoints.name or not RunPaths(run_dir).run_info.is_file():
         return None
     return Parent(run_id=run_dir.name, checkpoint=str(path))
 
@@ -149,14 +149,14 @@ def final_checkpoint(run_dir: Path) -> Path:
     with weights (a LoRA run's merged model). One line naming the run dir when it is no run, or not finished."""
     from grpoflow.config import read_config_file
 
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
+    run_dir, paths = Path(run_dir), RunPaths(Path(run_dir))
+    if not paths.config.is_file():
         raise RunDirError(f"{run_dir}: no such run (no config.json)")
     try:
-        steps = int(read_config_file(run_dir / "config.json")["train"]["steps"])
+        steps = int(read_config_file(paths.config)["train"]["steps"])
     except (KeyError, TypeError, ValueError) as err:
-        raise RunDirError(f"{run_dir / 'config.json'}: no train.steps ({err})") from None
-    last = run_dir / "checkpoints" / f"step_{steps - 1}"
+        raise RunDirError(f"{paths.config}: no train.steps ({err})") from None
+    last = paths.checkpoint(steps - 1)
     if steps < 1 or not (last / "step.json").is_file() or not any(last.glob("*.safetensors")):
         raise RunDirError(f"{run_dir}: not a finished train run (no complete checkpoint of its last step, {last.name})")
     return last

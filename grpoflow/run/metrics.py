@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.fileio import append_jsonl
-
-TIMINGS_FILE = "timings.jsonl"
+from grpoflow.paths import RunPaths
 
 
 def is_timing(key: str) -> bool:
@@ -33,7 +32,7 @@ def split_record(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 
 
 def timings_path(metrics_path: Path) -> Path:
-    return Path(metrics_path).with_name(TIMINGS_FILE)
+    return RunPaths(Path(metrics_path).parent).timings  # beside it, in the same run dir
 
 
 def append_step(metrics_path: Path, step: int, record: dict[str, Any]) -> None:

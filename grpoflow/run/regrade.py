@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import re
 import shutil
 from collections.abc import Sequence
@@ -42,14 +41,16 @@ from harbor.models.trial.result import TrialResult
 from harbor.publisher.packager import Packager
 
 from grpoflow.config import RolloutConfig
-from grpoflow.fileio import write_text_atomic
+from grpoflow.errors import one_line
+from grpoflow.fileio import publish_dir, write_text_atomic
+from grpoflow.paths import RunPaths
 from grpoflow.prepare.dataset import task_config
-from grpoflow.rollout.step import sandbox_config
+from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import run_here
-from grpoflow.scoring import PASS, verifier_reward
+from grpoflow.samples import PASS
+from grpoflow.scoring.outcome import verifier_reward
 
 REGRADE_DIR = "regrade"  # under the run dir: the separate-mode copies of tasks and the regrade trials' dirs
-REGRADES_FILE = "regrades.jsonl"  # one line per regraded trial: task, trial, recorded and regraded reward
 
 
 @dataclass
@@ -87,7 +88,7 @@ def pick_trials(run_root: Path, per_task: int) -> tuple[list[StoredTrial], list[
         try:
             stored = _stored(trial_dir, ids)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # truncated, foreign, moved
-            unreadable.append(Regrade(_task_of(trial_dir), _relative(trial_dir, run_root), None, None, _one_line(err)))
+            unreadable.append(Regrade(_task_of(trial_dir), _relative(trial_dir, run_root), None, None, one_line(err)))
             continue
         if stored is not None:
             by_task.setdefault(stored.task, []).append(stored)
@@ -122,15 +123,15 @@ async def regrade_trials(
             try:
                 result = await _regrade(stored, environment, out)
             except Exception as err:  # not regradable, or Harbor failed: recorded with why, never a verdict
-                return Regrade(stored.task, relative, stored.reward, None, _one_line(err))
+                return Regrade(stored.task, relative, stored.reward, None, one_line(err))
         exc = result.exception_info
         regraded, why = verifier_reward(result.verifier_result.rewards if result.verifier_result else None)
         if regraded is None:
-            why = f"{exc.exception_type}: {_one_line(exc.exception_message)}" if exc else why
+            why = f"{exc.exception_type}: {one_line(exc.exception_message)}" if exc else why
         return Regrade(stored.task, relative, stored.reward, regraded, why if regraded is None else None)
 
     regrades = [*unreadable, *await asyncio.gather(*(one(t) for t in trials))]
-    write_text_atomic(run_root / REGRADES_FILE, "".join(json.dumps(asdict(r)) + "\n" for r in regrades))
+    write_text_atomic(RunPaths(run_root).regrades, "".join(json.dumps(asdict(r)) + "\n" for r in regrades))
     return regrades
 
 
@@ -161,7 +162,7 @@ def regrade_summary(regrades: Sequence[Regrade]) -> list[str]:
 
 def read_regrades(run_root: Path) -> list[Regrade]:
     """The run's `regrades.jsonl`; empty when it has none. A damaged line is a ValueError naming file and line."""
-    path = run_root / REGRADES_FILE
+    path = RunPaths(run_root).regrades
     if not path.is_file():
         return []
     rows = []
@@ -170,7 +171,7 @@ def read_regrades(run_root: Path) -> list[Regrade]:
             try:
                 rows.append(Regrade(**json.loads(line)))
             except (ValueError, TypeError) as err:
-                raise ValueError(f"{path}:{n}: not a regrade row: {_one_line(err)}") from None
+                raise ValueError(f"{path}:{n}: not a regrade row: {one_line(err)}") from None
     return rows
 
 
@@ -208,16 +209,12 @@ def separate_mode_task(task_path: Path, into: Path) -> Path:
         return task_path
     dest = into / hashlib.sha256(str(task_path.resolve()).encode()).hexdigest()[:12] / task_path.name
     if not dest.exists():
-        # Built beside and renamed into place: a copy that failed halfway is never taken for a whole one.
-        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{id(task)}"
-        shutil.copytree(task_path, tmp)
-        task = task.model_copy(deep=True)
-        task.verifier.environment_mode = VerifierEnvironmentMode.SEPARATE
-        (tmp / "task.toml").write_text(task.model_dump_toml(), encoding="utf-8")
-        try:
-            tmp.rename(dest)
-        except OSError:  # another regrade of the same task made it first
-            shutil.rmtree(tmp)
+        # Published whole: a copy that failed halfway is never taken for a whole one.
+        with publish_dir(dest) as tmp:
+            shutil.copytree(task_path, tmp, dirs_exist_ok=True)
+            task = task.model_copy(deep=True)
+            task.verifier.environment_mode = VerifierEnvironmentMode.SEPARATE
+            (tmp / "task.toml").write_text(task.model_dump_toml(), encoding="utf-8")
     return dest
 
 
@@ -231,14 +228,14 @@ def _trial_dirs(run_root: Path) -> list[Path]:
     def group_key(group: Path) -> tuple[bool, list]:
         return (not group.name.startswith("step_"), natural(group.name))
 
-    root = run_root / "trials"
+    root = RunPaths(run_root).all_trials
     groups = sorted((g for g in root.iterdir() if g.is_dir()), key=group_key) if root.is_dir() else []
     return [d for g in groups for d in sorted((d for d in g.iterdir() if d.is_dir()), key=lambda d: natural(d.name))]
 
 
 def _instance_ids(run_root: Path) -> dict[str, str]:
     """task_path (as written, and resolved) -> instance id, from the run's prompts.jsonl."""
-    path = run_root / "prompts.jsonl"
+    path = RunPaths(run_root).prompts
     ids = {}
     for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
         if line.strip():
@@ -278,8 +275,3 @@ def _task_of(trial_dir: Path) -> str:
 
 def _relative(trial_dir: Path, run_root: Path) -> str:
     return str(trial_dir.relative_to(run_root))
-
-
-def _one_line(err: BaseException | str | None) -> str:
-    text = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else (err or "")
-    return " ".join(text.split())[:300]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.fileio import sha256_tree
-from grpoflow.run.paths import RunPaths
+from grpoflow.paths import RunPaths
 from grpoflow.run.resume import complete_steps
 
 

@@ -22,23 +22,21 @@ from typing import Any
 
 from grpoflow.config import RunConfig, parse_run_config, read_config_file
 from grpoflow.errors import RunDirError
-from grpoflow.fileio import append_jsonl, write_text_atomic
-from grpoflow.run.checkpoint import (
+from grpoflow.fileio import append_jsonl, is_temp_sibling, write_text_atomic
+from grpoflow.paths import RunPaths, step_of
+from grpoflow.run.info import read_run_info
+from grpoflow.run.metrics import split_record, timings_path
+from grpoflow.train.checkpoint import (
     OPTIMIZER_FILE,
     STEP_FILE,
 )
-from grpoflow.run.info import read_run_info
-from grpoflow.run.metrics import split_record, timings_path
-from grpoflow.run.paths import RunPaths, is_temp_sibling, step_of
-
-LOCK_FILE = "run.lock"
 
 
 @contextmanager
 def run_lock(root: Path) -> Iterator[None]:
     """Hold the run dir for one process while it trains: a resume started while the run is still alive would
     repair files under its feet. The kernel drops the lock when the holder dies, however it dies."""
-    path = Path(root) / LOCK_FILE
+    path = RunPaths(Path(root)).lock
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -59,7 +57,7 @@ def load_saved_config(root: Path) -> RunConfig:
 
     config.json holds every field the run had. One without `train.eval_samples_per_prompt` was made before runs
     evaluated themselves: it keeps running without evaluations, so a resume or rerun does what the run did."""
-    path = Path(root) / "config.json"
+    path = RunPaths(Path(root)).config
     if not Path(root).is_dir():
         raise RunDirError(f"run dir {root} does not exist")
     data = read_config_file(path)
@@ -71,7 +69,7 @@ def load_saved_config(root: Path) -> RunConfig:
 
 def complete_steps(paths: RunPaths) -> list[int]:
     """Steps with a full checkpoint (step.json and the optimizer state: a resume point), ascending."""
-    root = paths.root / "checkpoints"
+    root = paths.checkpoints
     steps = []
     for p in root.iterdir() if root.is_dir() else []:
         n = step_of(p)
@@ -94,9 +92,9 @@ class ResumePoint:
 
 def find_resume_point(paths: RunPaths) -> ResumePoint:
     """The last complete step of a run dir (nothing is changed on disk)."""
-    for name in ("config.json", "run.json", "prompts.jsonl"):
-        if not (paths.root / name).is_file():
-            raise RunDirError(f"{paths.root / name} is missing: the run never finished preparing; start a new run")
+    for path in (paths.config, paths.run_info, paths.prompts):
+        if not path.is_file():
+            raise RunDirError(f"{path} is missing: the run never finished preparing; start a new run")
     info = read_run_info(paths)
     if not info.trains:
         raise RunDirError(
@@ -123,7 +121,7 @@ def repair_run_dir(paths: RunPaths, point: ResumePoint, steps: int | None = None
     metrics, timings = split_record(point.record["metrics"] | point.record["timings"]) if point.record else ({}, {})
     for path, row in ((paths.metrics, metrics), (timings_path(paths.metrics), timings)):
         notes += _repair_log(path, last, row if point.record else None, keep)
-    ckpts = paths.root / "checkpoints"
+    ckpts = paths.checkpoints
     for p in sorted(ckpts.iterdir()) if ckpts.is_dir() else []:
         step = step_of(p)
         if is_temp_sibling(p):
@@ -132,10 +130,10 @@ def repair_run_dir(paths: RunPaths, point: ResumePoint, steps: int | None = None
         elif step is not None and step > last:  # after the resume point: the step is done again
             shutil.rmtree(p)
             notes.append(f"removed checkpoints/{p.name}: step {step} is done again from {_point_name(point)}")
-    for tmp in [*paths.root.glob(".*.tmp"), *paths.root.glob("details/*/.*.tmp")]:
+    for tmp in [*paths.root.glob(".*.tmp"), *paths.all_details.glob("*/.*.tmp")]:
         tmp.unlink()
         notes.append(f"removed {tmp.relative_to(paths.root)}, left by an interrupted write")
-    for d in sorted((paths.root / "details").glob("step_*")):
+    for d in sorted(paths.all_details.glob("step_*")):
         # Journals are kept (their finished trials are reused, evaluations' too); samples.jsonl of a step done
         # again is rewritten when the step completes.
         n = step_of(d)

@@ -15,11 +15,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from grpoflow.fileio import write_text_atomic
+from grpoflow.paths import RunPaths
 from grpoflow.rollout.journal import SAMPLES, read_samples
-from grpoflow.run.paths import RunPaths
 from grpoflow.samples import Sample
-
-VIEWER = "viewer.html"
 
 _CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0 auto;max-width:1100px;padding:1em 2em;color:#222}
@@ -97,7 +95,7 @@ def _trial_html(s: Sample, label: str) -> str:
 
 def render_viewer(paths: RunPaths, run_id: str) -> str:
     sections, nav = [], []
-    root = paths.root / "details"
+    root = paths.all_details
     details = [d for d in root.glob("*") if (d / SAMPLES).is_file()] if root.is_dir() else []
     for d in sorted(details, key=_order):
         groups = _trials(read_samples(d))
@@ -125,6 +123,6 @@ def render_viewer(paths: RunPaths, run_id: str) -> str:
 
 def write_viewer(paths: RunPaths, run_id: str) -> Path:
     """(Re)write `viewer.html` in the run dir; returns its path."""
-    out = paths.root / VIEWER
+    out = paths.viewer
     write_text_atomic(out, render_viewer(paths, run_id))
     return out

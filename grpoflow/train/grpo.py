@@ -12,17 +12,19 @@ Textbook GRPO (DeepSeekMath) with these choices:
 - dual-clip bounds the loss of a negative advantage (verl's `clip_ratio_c`): past ratio `dual_clip` the token
   keeps no gradient, so one mismatched token cannot set the step's direction.
 - the optional KL penalty to a reference is the k3 estimator (Schulman), added to the per-token loss.
-- `denominator` lets a caller that splits a batch into micro-batches normalise every micro-batch by the
-  global count, so the accumulated gradients equal those of the whole batch.
+- `LossInputs.denominator` lets a caller that splits a batch into micro-batches normalise every micro-batch by
+  the global count, so the accumulated gradients equal those of the whole batch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
+
+from grpoflow.config import TrainConfig
 
 # |log ratio| beyond this is clipped anyway (exp(20) >> 1 + eps); the clamp keeps exp() finite, so a token
 # with a wild rollout logprob cannot turn the loss into inf * 0 = nan.
@@ -81,92 +83,112 @@ def zero_std_groups(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> lis
     return [g for g, rows in _group_rows(group_ids).items() if bool((rewards[rows] == rewards[rows[0]]).all())]
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    aggregation: Literal["token", "sample"],
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    entropy: torch.Tensor | None = None,
-    denominator: float | None = None,
-    sample_tokens: torch.Tensor | None = None,
-    dual_clip: float | None = None,
-    behaviour_logprobs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
-    mismatch_band: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clipped GRPO loss; returns (scalar loss, detached metrics).
+@dataclass
+class LossInputs:
+    """One micro-batch of the loss: B rows (samples), T positions (position t scores token t + 1)."""
 
-    logprobs, old_logprobs, loss_mask, ref_logprobs, entropy: (B, T); advantages: (B,).
-    aggregation `token`: sum over masked tokens / masked tokens in the batch; `sample`: per-sample masked mean,
-    summed / samples. `denominator` overrides that count (masked tokens or samples of the *global* batch).
-    `sample_tokens` (B,), for `sample`: what each row's token sum is divided by instead of its own masked count —
-    the masked tokens of the row's whole rollout when a rollout is split into segments, so that a rollout
-    weighs as one sample (pass the number of rollouts as `denominator`).
-    Masked-out positions never reach the loss or its gradient, whatever their values.
+    logprobs: torch.Tensor  # (B, T) the trainer's, with grad
+    old_logprobs: torch.Tensor  # (B, T) the ratio's old policy: the engine's, or the trainer's recomputed
+    advantages: torch.Tensor  # (B,)
+    loss_mask: torch.Tensor  # (B, T) the generated tokens; masked-out positions never reach loss or gradient
+    behaviour_logprobs: torch.Tensor | None = None  # (B, T) the engine's, when old_logprobs are recomputed
+    ref_logprobs: torch.Tensor | None = None  # (B, T) the reference policy's (KL penalty)
+    entropy: torch.Tensor | None = None  # (B, T) for the metrics only
+    # `sample` aggregation: what each row's token sum is divided by instead of its own masked count (the trained
+    # tokens of the row's whole rollout, when a rollout is split into segments, so a rollout weighs as one sample)
+    sample_tokens: torch.Tensor | None = None  # (B,)
+    # the count the sum is divided by (masked tokens or rollouts of the *global* batch), for micro-batches whose
+    # accumulated gradients must equal the whole batch's; None: this micro-batch's own count
+    denominator: float | None = None
 
-    Off-policy correction: `dual_clip` (> 1) caps the loss of a token with a negative advantage at
-    `-dual_clip * A`. `behaviour_logprobs` (B, T) are the engine's when `old_logprobs` are the trainer's: the
-    per-token behaviour weight w = exp(old - behaviour) masks the token when it leaves
-    [1 / mismatch_band, mismatch_band] and, capped at `tis_cap`, multiplies its policy-gradient loss (detached).
-    """
-    mask = loss_mask.bool()  # (B, T)
-    adv = advantages.float()[:, None]  # (B, 1)
-    behaviour_log_w = None
-    if behaviour_logprobs is not None:  # (B, T): log(old / behaviour), the engine-vs-trainer mismatch
-        behaviour_log_w = torch.where(mask, old_logprobs - behaviour_logprobs, 0.0).clamp(
-            -_MAX_LOG_RATIO, _MAX_LOG_RATIO
-        )
-    in_band = mask
-    if behaviour_log_w is not None and mismatch_band is not None:
-        in_band = mask & (behaviour_log_w.abs() <= math.log(mismatch_band))
-    trained = in_band  # (B, T): the tokens that reach the loss
-    log_ratio = torch.where(trained, logprobs - old_logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = log_ratio.exp()  # (B, T)
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T)
-    if dual_clip is not None:
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
-    if behaviour_log_w is not None and tis_cap is not None:
-        per_token = per_token * behaviour_log_w.exp().clamp(max=tis_cap).detach()
-    if ref_logprobs is not None and kl_coef > 0:
-        d = torch.where(mask, ref_logprobs - logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        # k3: unbiased, always >= 0, low variance; capped (as verl does) so one far token cannot dominate the loss
-        kl = (d.exp() - d - 1).clamp(max=_MAX_K3)
-        per_token = per_token + kl_coef * kl
-    per_token = torch.where(trained, per_token, 0.0)
 
+def behaviour_log_weights(x: LossInputs) -> torch.Tensor | None:
+    """(B, T) log(old / behaviour): the engine-vs-trainer mismatch when the old logprobs are the trainer's
+    recomputed ones; None when the old policy is the engine itself."""
+    if x.behaviour_logprobs is None:
+        return None
+    mask = x.loss_mask.bool()
+    return torch.where(mask, x.old_logprobs - x.behaviour_logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def in_mismatch_band(mask: torch.Tensor, log_w: torch.Tensor | None, band: float | None) -> torch.Tensor:
+    """(B, T) the tokens whose trainer/engine ratio lies in [1 / band, band] (IcePop); all of `mask` without one."""
+    if log_w is None or band is None:
+        return mask
+    return mask & (log_w.abs() <= math.log(band))
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """(B, T) PPO's pessimistic clipped loss, with the asymmetric clip range (DAPO's clip-higher) and dual-clip:
+    past ratio `dual_clip` a token with a negative advantage keeps no gradient (verl's `clip_ratio_c`)."""
+    clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    if cfg.dual_clip is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
+    return per_token
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) Schulman's k3 estimate of KL(policy || reference): unbiased, >= 0, low variance; capped (as verl
+    does) so one far token cannot dominate the loss."""
+    d = torch.where(mask, ref_logprobs - logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return (d.exp() - d - 1).clamp(max=_MAX_K3)
+
+
+def aggregate(per_token: torch.Tensor, trained: torch.Tensor, x: LossInputs, how: str) -> torch.Tensor:
+    """The scalar loss: `token`, the sum over trained tokens / their count; `sample`, each row's mean (over
+    `sample_tokens` when given), summed / rows; either over `denominator` when given."""
     n_tok = trained.sum(-1)  # (B,)
-    if aggregation == "token":
-        total = per_token.sum()
-        count = n_tok.sum().clamp(min=1)
-    elif aggregation == "sample":
-        per_row = n_tok if sample_tokens is None else sample_tokens.to(n_tok.device)
-        total = (per_token.sum(-1) / per_row.clamp(min=1)).sum()
-        count = (n_tok > 0).sum().clamp(min=1)
+    if how == "token":
+        total, count = per_token.sum(), n_tok.sum().clamp(min=1)
+    elif how == "sample":
+        per_row = n_tok if x.sample_tokens is None else x.sample_tokens.to(n_tok.device)
+        total, count = (per_token.sum(-1) / per_row.clamp(min=1)).sum(), (n_tok > 0).sum().clamp(min=1)
     else:
-        raise ValueError(f"aggregation must be `token` or `sample`, got {aggregation!r}")
-    loss = total / (count if denominator is None else denominator)
+        raise ValueError(f"aggregation must be `token` or `sample`, got {how!r}")
+    return total / (count if x.denominator is None else x.denominator)
 
+
+def policy_loss(x: LossInputs, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO loss of one micro-batch (`cfg`: the clip range, dual-clip, the KL coefficient, the mismatch
+    corrections, the aggregation); returns (scalar loss, detached metrics).
+
+    With behaviour logprobs (recomputed old logprobs) the mismatch is corrected apart: tokens outside the band
+    are masked, and the rest's loss is weighted by w = old / behaviour capped at `tis_cap` (truncated importance
+    sampling, detached)."""
+    mask = x.loss_mask.bool()  # (B, T)
+    adv = x.advantages.float()[:, None]  # (B, 1)
+    log_w = behaviour_log_weights(x)
+    trained = in_mismatch_band(mask, log_w, cfg.mismatch_band)  # (B, T): the tokens that reach the loss
+    log_ratio = torch.where(trained, x.logprobs - x.old_logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_ratio.exp()  # (B, T)
+    per_token = clipped_surrogate(ratio, adv, cfg)
+    if log_w is not None and cfg.tis_cap is not None:
+        per_token = per_token * log_w.exp().clamp(max=cfg.tis_cap).detach()
+    kl = None
+    if x.ref_logprobs is not None and cfg.kl_coef > 0:
+        kl = k3_kl(x.logprobs, x.ref_logprobs, mask)
+        per_token = per_token + cfg.kl_coef * kl
+    per_token = torch.where(trained, per_token, 0.0)
+    loss = aggregate(per_token, trained, x, cfg.loss_aggregation)
+    return loss, _loss_metrics(x, cfg, mask, trained, ratio, adv, kl)
+
+
+def _loss_metrics(x: LossInputs, cfg: TrainConfig, mask, trained, ratio, adv, kl) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         # the engine-vs-trainer mismatch: log(trainer / engine) on every token of the mask
-        mismatch = (
-            (logprobs - old_logprobs) if behaviour_logprobs is None else (old_logprobs - behaviour_logprobs)
-        ).detach()
+        behaviour = x.behaviour_logprobs
+        mismatch = ((x.logprobs - x.old_logprobs) if behaviour is None else (x.old_logprobs - behaviour)).detach()
         gap = mismatch.abs()[mask]  # (M,)
         log_r = mismatch.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         mismatch_ratio = log_r.exp()
         metrics = {
             "n_tokens": trained.sum(),
             # tokens whose gradient the clip removed: ratio past the bound on the side the advantage pushes to
-            "clip_frac_low": ((ratio < 1 - eps_low) & (adv < 0) & trained).sum() / n,
-            "clip_frac_high": ((ratio > 1 + eps_high) & (adv > 0) & trained).sum() / n,
-            "dual_clip_frac": ((ratio > (dual_clip or math.inf)) & (adv < 0) & trained).sum() / n,
+            "clip_frac_low": ((ratio < 1 - cfg.eps_low) & (adv < 0) & trained).sum() / n,
+            "clip_frac_high": ((ratio > 1 + cfg.eps_high) & (adv > 0) & trained).sum() / n,
+            "dual_clip_frac": ((ratio > (cfg.dual_clip or math.inf)) & (adv < 0) & trained).sum() / n,
             "logprob_gap_mean": gap.sum() / n,
             "logprob_gap_max": gap.max() if gap.numel() else gap.new_zeros(()),
             # k3 estimate of KL(engine || trainer) over the engine's own samples
@@ -174,8 +196,8 @@ def policy_loss(
             "mismatch_ratio_max": mismatch_ratio[mask].max() if gap.numel() else gap.new_zeros(()),
             "mismatch_masked_frac": (mask & ~trained).sum() / n,
         }
-        if ref_logprobs is not None and kl_coef > 0:
+        if kl is not None:
             metrics["kl"] = torch.where(mask, kl, 0.0).sum() / n
-        if entropy is not None:
-            metrics["entropy"] = torch.where(mask, entropy, 0.0).sum() / n
-    return loss, metrics
+        if x.entropy is not None:
+            metrics["entropy"] = torch.where(mask, x.entropy, 0.0).sum() / n
+    return metrics

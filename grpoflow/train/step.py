@@ -19,9 +19,10 @@ import torch
 
 from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.samples import Sample
-from grpoflow.train.grpo import group_advantages, policy_loss, zero_std_groups
+from grpoflow.seeds import step_seed
+from grpoflow.train.grpo import LossInputs, group_advantages, policy_loss, zero_std_groups
 from grpoflow.train.logprobs import token_logprobs
-from grpoflow.train.ranks import all_reduce_grads, all_reduce_sums, local_rows
+from grpoflow.train.parallel import all_reduce_grads, all_reduce_sums, local_rows
 from grpoflow.train.trainer import TrainerState
 
 
@@ -120,24 +121,18 @@ def backward_minibatch(
         if state.ref_model is not None:
             with torch.no_grad():
                 ref, _ = token_logprobs(state.ref_model, ids, mask, state.autocast_dtype, temperature)
-        loss, m = policy_loss(
-            logp,
-            old_lp,
-            advantages[idx].to(state.device),
-            mask,
-            cfg.eps_low,
-            cfg.eps_high,
-            cfg.loss_aggregation,
-            ref_logprobs=ref,
-            kl_coef=cfg.kl_coef,
-            entropy=ent,
-            denominator=denom,
-            sample_tokens=row_tokens[idx],
-            dual_clip=cfg.dual_clip,
+        inputs = LossInputs(
+            logprobs=logp,
+            old_logprobs=old_lp,
+            advantages=advantages[idx].to(state.device),
+            loss_mask=mask,
             behaviour_logprobs=behaviour if old is not None else None,
-            tis_cap=cfg.tis_cap,
-            mismatch_band=cfg.mismatch_band,
+            ref_logprobs=ref,
+            entropy=ent,
+            sample_tokens=row_tokens[idx],
+            denominator=denom,
         )
+        loss, m = policy_loss(inputs, cfg)
         loss.backward()
         sums["loss"] += loss.item()
         sums["n_tokens"] += int(m.pop("n_tokens"))
@@ -294,11 +289,6 @@ def train_step(
     return out
 
 
-def step_seed(run_seed: int, step: int) -> int:
-    """The seed of step `step`'s minibatch order and torch RNG: distinct per step, reproducible per run."""
-    return run_seed * 1_000_003 + step
-
-
 def _turn_lengths(s: Sample) -> list[int]:
     """Lengths of the generated runs of a sample (its turns' outputs)."""
     runs, n = [], 0
@@ -345,9 +335,7 @@ def shape_overlong(samples: list[Sample], cfg: RunConfig) -> tuple[list[Sample],
 
 def grpo_update(state: TrainerState, samples: list[Sample], cfg: RunConfig, step: int) -> dict[str, float]:
     """Step `step`'s GRPO update on its trainable samples. With none (every group dropped) the weights stay as
-    they are and the metrics say so (`n_samples` 0)."""
-    if not samples:
-        return {"n_samples": 0.0, "optimizer_steps": 0.0}
+    they are and the metrics, every key of them, say so (`n_samples` 0)."""
     masked = sum(_n_trained(s) for s in samples if s.status == "TRUNCATED") if cfg.train.truncated == "mask" else 0
     samples, shaped = shape_overlong(samples, cfg)
     shaped["discarded/masked_overlong"] = masked  # their tokens left every loss (grpoflow.ledger)

@@ -44,7 +44,9 @@ from grpoflow.engine.update_group import (
     leave_update_group,
 )
 from grpoflow.errors import EngineError
+from grpoflow.fileio import publish_dir
 from grpoflow.train.lora import save_adapter, serving_tensors
+from grpoflow.train.probe import SyncProbe, check_logprob_agreement
 from grpoflow.train.trainer import TrainerState
 
 T = TypeVar("T")
@@ -191,11 +193,8 @@ class AdapterSync:
 
     def push(self, trainer: TrainerState, version: str | None, ckpt: Path | None = None) -> dict[str, float]:
         out = self.dir / f"adapter-{version or 'start'}"
-        tmp = out.with_name(f".{out.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_adapter(trainer.model, tmp, self.dtype)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        with publish_dir(out, replace=True) as tmp:
+            save_adapter(trainer.model, tmp, self.dtype)
         if self._current is not None:
             self.client.unload_lora_adapter(SERVED_ADAPTER)
         self.client.load_lora_adapter(SERVED_ADAPTER, str(out.resolve()))
@@ -211,10 +210,10 @@ class AdapterSync:
 
 
 class ReplicaSyncs:
-    """One sync per engine replica (`engine.replicas`, or the servers behind a router): each push reaches every
-    live replica, and each must then report the new weight version, or the sync fails naming it. A replica that
-    no longer answers /health is left out from then on (the router stops routing to it too), and said so; with
-    none left the sync fails."""
+    """One sync per engine (one, or each replica: `engine.replicas`, or the servers behind a router): each push
+    reaches every live engine, and each must then report the new weight version, or the sync fails naming it. A
+    replica that no longer answers /health is left out from then on (the router stops routing to it too), and
+    said so; with none left the sync fails."""
 
     def __init__(self, syncs: list[WeightSync], router: str | None = None):
         self.syncs = syncs
@@ -253,6 +252,15 @@ class ReplicaSyncs:
                 )
         return {"bytes": moved, "replicas": float(len(self.syncs)), "replicas_lost": float(len(self.lost))}
 
+    def label(self, version: str) -> None:
+        """Every engine reports `version` for the weights it serves now (SGLang's /update_weight_version)."""
+        for s in self.syncs:
+            s.client.update_weight_version(version)
+            if (served := s.client.model_info().weight_version) != version:
+                raise EngineError(
+                    f"engine {s.client.base_url} reports weight version {served} after labelling {version}"
+                )
+
     def busy_seconds(self) -> float | None:
         busy = [s.client.busy_seconds() for s in self.syncs]
         return None if any(b is None for b in busy) else sum(busy)
@@ -275,37 +283,53 @@ def _answers(client: EngineClient, tries: int = 3) -> bool:
 WeightSync = DiskSync | DistributedSync | TensorSync | AdapterSync
 
 
-def sync_clients(sync: WeightSync | ReplicaSyncs) -> list[EngineClient]:
-    """Every engine a sync reaches (the probes check each)."""
-    return sync.clients if isinstance(sync, ReplicaSyncs) else [sync.client]
+def sync_weights(
+    syncs: ReplicaSyncs, trainer: TrainerState, ckpt: Path | None, version: str, probe: SyncProbe | None
+) -> dict[str, float]:
+    """The trainer's weights into every engine as weight version `version` (the number of GRPO updates in them),
+    from the step's checkpoint dir or in memory (`engine.weight_sync`); each engine must then report that
+    version, and with `probe` prove that it serves them. Returns the `sync/...` metrics."""
+    moved = syncs.push(trainer, version, ckpt)
+    checked: dict[str, float] = {}
+    for client in syncs.clients if probe is not None else []:
+        gap = probe.check(client, trainer, version)["probe_gap"]
+        checked["probe_gap"] = max(gap, checked.get("probe_gap", 0.0))
+    return {f"sync/{k}": v for k, v in moved.items()} | {f"sync/{k}": v for k, v in checked.items()}
 
 
-def engine_busy_seconds(sync: WeightSync | ReplicaSyncs) -> float | None:
-    """The engines' compute seconds so far, summed over replicas; None when one does not report it."""
-    return sync.busy_seconds() if isinstance(sync, ReplicaSyncs) else sync.client.busy_seconds()
+def probe_engines(
+    trainer: TrainerState, syncs: ReplicaSyncs, cfg: RunConfig, sync_probe: SyncProbe | None
+) -> dict[str, float]:
+    """Before the first step: engine and trainer score a probe reply alike (`check_logprob_agreement`), or the
+    run fails here; the sync probe takes its first reading of every engine. Through the weight sync's client: it
+    names the adapter a LoRA run's engine serves. {} when the run has no probe."""
+    if cfg.train.max_probe_logprob_gap is None:
+        return {}
+    gap = check_logprob_agreement(syncs.client, trainer, cfg)
+    for client in syncs.clients if sync_probe is not None else []:
+        sync_probe.check(client, trainer, "start")
+    return gap
 
 
 @contextmanager
 def open_weight_sync(
     cfg: RunConfig,
-    engine_urls: str | list[str],
+    engine_urls: list[str],
     trainer: TrainerState,
     sync_dir: Path | None = None,
     router: str | None = None,
-) -> Iterator[WeightSync | ReplicaSyncs]:
-    """The run's weight sync (`RunConfig.weight_sync_mode`) to the engine at `engine_urls`, or to each of
-    several replicas (behind `router`), for the block. `sync_dir`: where an adapter sync writes the adapter (the
-    run's `sync/`; one subdir per replica)."""
-    urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
-    if len(urls) == 1:
-        with _open_one(cfg, urls[0], trainer, sync_dir) as sync:
-            yield sync
-        return
+) -> Iterator[ReplicaSyncs]:
+    """The run's weight sync (`RunConfig.weight_sync_mode`) to each engine at `engine_urls` (one, or several
+    replicas behind `router`), for the block. `sync_dir`: where an adapter sync writes the adapter (the run's
+    `sync/`; one subdir per replica when there are several)."""
+    several = len(engine_urls) > 1
     with ExitStack() as stack:
         yield ReplicaSyncs(
             [
-                stack.enter_context(_open_one(cfg, url, trainer, sync_dir / f"replica-{i}" if sync_dir else None))
-                for i, url in enumerate(urls)
+                stack.enter_context(
+                    _open_one(cfg, url, trainer, sync_dir / f"replica-{i}" if sync_dir and several else sync_dir)
+                )
+                for i, url in enumerate(engine_urls)
             ],
             router,
         )

@@ -8,23 +8,20 @@ must match the engine's.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-from transformers.modeling_layers import GradientCheckpointingLayer
 
-from grpoflow.config import RunConfig, TrainConfig
+from grpoflow.config import TrainConfig
 from grpoflow.numerics import mkl_mode
 from grpoflow.train.logprobs import check_logprob_path
 from grpoflow.train.lora import add_lora
 
 if TYPE_CHECKING:
-    from grpoflow.train.ranks import DataParallel
+    from grpoflow.train.parallel import DataParallel
 
 
 @dataclass
@@ -86,74 +83,3 @@ def disable_dropout(model: torch.nn.Module) -> None:
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0
-
-
-class CoreShare:
-    """The torch threads the trainer may use, on CPUs it shares with the embedded engine: the cores the engine's
-    replicas leave (`engine.threads` each) until the rollout task run beside the update is done, all of torch's
-    own after. torch's threads wait on each other at every op, so one of them sharing a core with the engine
-    slows the whole update; an update kept at the fewer threads would leave a core idle once the rollout is done.
-    The count is set again before each transformer layer's forward and backward (hooks on the policy, for the
-    block of `share_cores_with_engine`), so an update takes the cores back within a micro-batch; the LM head,
-    the reference model and the optimizer step run at the count the last layer set."""
-
-    def __init__(self, beside: int, alone: int, generating: Callable[[], bool]):
-        self.beside, self.alone, self.generating = beside, alone, generating
-
-    def apply(self) -> None:
-        # in the training thread itself: OpenMP's thread count belongs to the thread that sets it
-        n = self.beside if self.generating() else self.alone
-        if n != torch.get_num_threads():
-            torch.set_num_threads(n)
-
-    def hook(self, model: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-        def before_backward(output: Any) -> None:
-            out = output[0] if isinstance(output, tuple) else output
-            if isinstance(out, torch.Tensor) and out.requires_grad:  # the layer's backward starts once this grad is in
-                out.register_hook(lambda grad: self.apply())
-
-        handles = []
-        # transformers' decoder layers (under a LoRA wrapper too); the whole model, once per micro-batch, if none
-        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)] or [model]
-        for layer in layers:
-            handles.append(layer.register_forward_pre_hook(lambda module, args: self.apply()))
-            handles.append(layer.register_forward_hook(lambda module, args, output: before_backward(output)))
-        return handles
-
-
-@contextmanager
-def share_cores_with_engine(
-    cfg: RunConfig, model: torch.nn.Module, generating: Callable[[], bool]
-) -> Iterator[CoreShare | None]:
-    """For the block, the policy's updates share this machine's CPUs with the embedded engine (a CoreShare) when
-    rollouts overlap them (`train.max_staleness` > 0); nothing is shared (None) for a GPU trainer, SGLang
-    elsewhere, or a synchronous run, whose trainer keeps torch's own thread count. However the block ends, the
-    hooks go and torch has all its threads back."""
-    if not cfg.train.max_staleness or cfg.engine.backend != "embedded" or torch.cuda.is_available():
-        yield None
-        return
-    alone = torch.get_num_threads()
-    cores = CoreShare(threads_beside_engine(cfg, alone), alone, generating)
-    handles = cores.hook(model)
-    try:
-        yield cores
-    finally:
-        for handle in handles:
-            handle.remove()
-        torch.set_num_threads(alone)
-
-
-def threads_beside_engine(cfg: RunConfig, alone: int) -> int:
-    """The torch threads an update gets beside the embedded engine's replicas (`engine.threads` each), out of the
-    `alone` it has to itself."""
-    return max(1, alone - cfg.engine.threads * cfg.engine.replicas)
-
-
-def overlap_note(cfg: RunConfig, cores: CoreShare | None) -> str:
-    """What an asynchronous run does differently, said once at its start."""
-    note = f"max_staleness {cfg.train.max_staleness}: each step's rollout runs while the previous step trains"
-    if cores is None:
-        return note
-    return (
-        note + f"; the trainer's torch threads: {cores.beside} while a rollout runs beside it, {cores.alone} otherwise"
-    )

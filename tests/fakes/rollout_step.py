@@ -8,7 +8,9 @@ from grpoflow.config import RunConfig, parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.policy import policy_access
-from grpoflow.rollout.step import StepRollout, collect_step, sandbox_config
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.step import StepRollout, collect_step
 from tests.fakes.scripted_engine import ScriptedEngine
 
 
@@ -22,9 +24,8 @@ def run_step(
             return await collect_step(
                 "t",
                 0,
-                prompts,
+                plan_group_trials(prompts, 0, cfg.rollout.n_samples_per_prompt, 0),
                 cfg.rollout,
-                0,
                 policy,
                 sandbox_config(cfg.rollout, **policy.sandbox_kwargs),
                 out / "trials",

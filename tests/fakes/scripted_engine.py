@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from grpoflow.engine.protocol import GenerateRequest
-from grpoflow.rollout.tokens import load_tokenizer
+from grpoflow.tokens import load_tokenizer
 from tests.fakes.app_thread import AppThread
 
 

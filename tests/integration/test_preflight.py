@@ -93,18 +93,37 @@ def _e2b(**rollout):
 
 @pytest.mark.parametrize(
     "missing, package",
-    [("bwrap", "bubblewrap"), ("/usr/bin/prlimit", "util-linux"), ("/usr/bin/setpriv", "util-linux")],
+    [
+        ("bwrap", "bubblewrap"),
+        ("/usr/bin/prlimit", "util-linux"),
+        ("/usr/bin/setpriv", "util-linux"),
+        ("/usr/bin/nsenter", "util-linux"),
+        ("/bin/bash", "bash"),
+    ],
 )
-def test_each_missing_local_tool_names_its_package(missing, package):
-    problems = check_local_sandbox(find=lambda path: None if path == missing else path)
+def test_each_missing_local_tool_names_its_package(missing, package, monkeypatch):
+    """Preflight asks the sandbox itself (its Harbor `preflight()`), so it passes no machine the sandbox refuses."""
+    import shutil
+
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda path: None if path == missing else real(path) or path)
+    problems = check_local_sandbox()
     assert len(problems) == 1
     tool = missing.rsplit("/", 1)[-1]
-    assert problems[0].startswith(f"rollout.sandbox=local needs `{tool}`")
-    assert f"apt-get install -y {package}" in problems[0] and "rollout.sandbox" in problems[0]
+    assert problems[0].startswith(f"rollout.sandbox=local: the local sandbox needs `{tool}`")
+    assert f"apt-get install -y {package}" in problems[0] and "rollout.sandbox to" in problems[0]
 
 
-def test_all_local_tools_missing_lists_all():
-    assert len(check_local_sandbox(find=lambda path: None)) == 3
+def test_all_local_tools_missing_lists_all(monkeypatch):
+    import shutil
+
+    from grpoflow.embedded.sandbox.processes import HOST_TOOLS, require_tools
+    from grpoflow.rollout.environments import SandboxUnavailableError
+
+    monkeypatch.setattr(shutil, "which", lambda path: None)
+    assert len(check_local_sandbox()) == len(HOST_TOOLS) == 5
+    with pytest.raises(SandboxUnavailableError, match="nsenter"):  # the sandbox refuses what preflight names
+        require_tools()
 
 
 def test_local_tools_present_here_pass():

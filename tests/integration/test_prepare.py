@@ -5,7 +5,7 @@ import pytest
 from grpoflow.config import parse_run_config
 from grpoflow.errors import DatasetError, ModelError, RunDirError
 from grpoflow.prepare.prompts import load_prompts
-from grpoflow.prepare.stage import prepare_run
+from grpoflow.run.start import prepare_run
 
 
 def _cfg(tmp_path, model, **extra):

@@ -6,13 +6,13 @@ import json
 import torch
 
 from grpoflow.config import TrainConfig
+from grpoflow.paths import RunPaths
 from grpoflow.prepare.model import PreparedModel
-from grpoflow.run.checkpoint import restore_training_state
 from grpoflow.run.commit import StepCommits, save_step
 from grpoflow.run.info import DatasetInfo, RunInfo, write_run_info
 from grpoflow.run.metrics import MetricsLog, read_step_records, split_record
-from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import find_resume_point, repair_run_dir
+from grpoflow.train.checkpoint import restore_training_state
 from grpoflow.train.step import train_step
 from grpoflow.train.trainer import load_trainer
 from tests.fakes.samples import agentic_samples

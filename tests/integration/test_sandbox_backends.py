@@ -20,18 +20,18 @@ from harbor.models.environment_type import EnvironmentType
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import parse_run_config
-from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
-from grpoflow.errors import ConfigError
-from grpoflow.preflight import missing_extra_packages
-from grpoflow.rollout.credentials import (
+from grpoflow.credentials import (
     PROVIDERS,
     CredentialError,
     _e2b_api_base,
     export_sandbox_key,
     read_key_file,
 )
-from grpoflow.rollout.environments import PROVIDER_SANDBOX_FAILURES, is_sandbox_failure_type
-from grpoflow.rollout.step import collect_step, sandbox_config
+from grpoflow.errors import ConfigError
+from grpoflow.preflight import missing_extra_packages
+from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH, PROVIDER_SANDBOX_FAILURES, is_sandbox_failure_type
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.scoring.step import collect_step
 from tests.fakes.prompts import builtin_prompts
 from tests.integration.test_preflight import StandIn
 

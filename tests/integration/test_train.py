@@ -6,7 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.prepare.model import prepare_model
-from grpoflow.run.checkpoint import prune_checkpoints, save_checkpoint
+from grpoflow.run.commit import prune_checkpoints
+from grpoflow.train.checkpoint import save_checkpoint
 from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.step import (
     backward_minibatch,
@@ -14,7 +15,8 @@ from grpoflow.train.step import (
     prepare_samples,
     train_step,
 )
-from grpoflow.train.trainer import load_trainer, share_cores_with_engine
+from grpoflow.train.threads import share_cores
+from grpoflow.train.trainer import load_trainer
 from tests.fakes.samples import agentic_samples, make_sample
 
 
@@ -133,7 +135,6 @@ def test_an_update_sharing_cores_with_a_rollout_takes_them_back_within_a_micro_b
     its GEMMs are wide enough to be split between threads. Here, on 2 threads beside a 1-thread engine."""
     model = prepare_model("smollm2-135m-instruct").path
     cfg = TrainConfig(learning_rate=1e-4)  # the whole step in one micro-batch, as on the main job
-    run = RunConfig(train=cfg.model_copy(update={"max_staleness": 1}), engine={"threads": 1})
     threads = torch.get_num_threads()
     seen = []  # the thread count each time the share is asked, before it sets the next
 
@@ -149,7 +150,7 @@ def test_an_update_sharing_cores_with_a_rollout_takes_them_back_within_a_micro_b
             if fixed is not None:
                 m = train_step(state, samples, cfg, seed=7)
             else:
-                with share_cores_with_engine(run, state.model, generating) as cores:
+                with share_cores(state.model, 1, generating) as cores:  # beside a 1-thread engine
                     assert (cores.beside, cores.alone) == (1, 2)
                     m = train_step(state, samples, cfg, seed=7)
                 assert torch.get_num_threads() == 2  # all of them back
@@ -227,7 +228,7 @@ def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
 
 def test_a_lora_checkpoint_holds_the_adapter_and_the_merged_model_the_engine_serves(tiny_model_dir, tmp_path):
     from grpoflow.embedded.engine.weights import load_safetensors_dir
-    from grpoflow.run.checkpoint import restore_training_state
+    from grpoflow.train.checkpoint import restore_training_state
     from grpoflow.train.lora import has_lora
 
     cfg = TrainConfig(learning_rate=1e-2, lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
@@ -454,3 +455,17 @@ def test_an_engines_copy_of_the_adapter_is_in_its_dtype(tiny_model_dir, tmp_path
     half, full = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("sglang", "checkpoint"))
     assert {t.dtype for t in half.values()} == {torch.bfloat16} and {t.dtype for t in full.values()} == {torch.float32}
     assert half.keys() == full.keys()
+
+
+def test_an_update_without_samples_keeps_the_weights_and_reports_every_metric(tiny_model_dir):
+    """A step whose every group was dropped: no optimizer step, and the same metric columns as any other step,
+    so metrics.jsonl and the plots keep steady columns."""
+    from grpoflow.train.step import grpo_update
+
+    cfg = RunConfig(train={"weight_decay": 0.1})
+    state = load_trainer(tiny_model_dir, cfg.train, seed=0)
+    full = grpo_update(state, agentic_samples(state.model), cfg, step=0)
+    before = _weights(state.model)
+    empty = grpo_update(state, [], cfg, step=1)
+    assert set(empty) == set(full) and empty["n_samples"] == 0 and empty["optimizer_steps"] == 0
+    assert all(torch.equal(before[k], v) for k, v in _weights(state.model).items())

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from grpoflow.config import parse_run_config
-from grpoflow.train.ranks import RankError, local_rows, run_update, split_rollouts, trainer_ranks
+from grpoflow.train.parallel import local_rows, split_rollouts
+from grpoflow.train.ranks import RankError, run_update, trainer_ranks
 from grpoflow.train.trainer import load_trainer
 from tests.fakes.samples import agentic_samples
 

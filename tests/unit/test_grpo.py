@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from grpoflow.train.grpo import group_advantages, policy_loss, zero_std_groups
+from grpoflow.config import TrainConfig
+from grpoflow.train.grpo import LossInputs, group_advantages, policy_loss, zero_std_groups
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
@@ -36,8 +37,14 @@ def test_equal_rewards_give_exact_zero_and_are_reported():
     assert zero_std_groups(r, gids) == ["x", "z"]
 
 
+LOSS_SETTINGS = ("kl_coef", "dual_clip", "tis_cap", "mismatch_band")
+
+
 def _loss(lp, old, adv, mask, agg="token", **kw):
-    return policy_loss(lp, old, adv, mask, EPS_LOW, EPS_HIGH, agg, **kw)
+    """The loss with the clip range above, no correction unless given (`kw`: LossInputs fields and settings)."""
+    settings = {"dual_clip": None, "tis_cap": None} | {k: kw.pop(k) for k in LOSS_SETTINGS if k in kw}
+    cfg = TrainConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH, loss_aggregation=agg, **settings)
+    return policy_loss(LossInputs(lp, old, adv, mask, **kw), cfg)
 
 
 def test_clipping_both_sides_removes_the_gradient():

@@ -5,7 +5,10 @@ import random
 
 import pytest
 
-from grpoflow.evaluation import (
+from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.samples import Sample
+from grpoflow.scoring.evaluation import (
     base_pass_rates,
     before_after_lines,
     eval_metrics,
@@ -16,9 +19,6 @@ from grpoflow.evaluation import (
     task_rewards,
     wilson_interval,
 )
-from grpoflow.prepare.prompts import PromptRecord
-from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.samples import Sample
 
 
 def _prompt(name: str, split: str) -> PromptRecord:

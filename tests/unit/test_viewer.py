@@ -2,7 +2,7 @@
 escaped."""
 
 from grpoflow.fileio import write_jsonl_atomic
-from grpoflow.run.paths import RunPaths
+from grpoflow.paths import RunPaths
 from grpoflow.run.viewer import best_and_worst, render_viewer
 from tests.fakes.samples import make_sample
 

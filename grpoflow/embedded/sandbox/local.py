@@ -41,6 +41,7 @@ from grpoflow.embedded.sandbox.processes import (
     kill_sandbox,
     kill_uid,
     limits_argv,
+    missing_tools,
     process_exit,
     read_marker,
     reap_after_kill,
@@ -66,7 +67,7 @@ from grpoflow.embedded.sandbox.rootfs import (
     rmtree,
     scrub_log_symlinks,
 )
-from grpoflow.rollout.environments import SandboxDiedError, SandboxStartError
+from grpoflow.rollout.environments import BRIDGE_HOST, SANDBOX_PYTHON, SandboxDiedError, SandboxStartError
 
 PROCESS_SCOPES = ("exec", "trial")
 # Trial scope: after a command exits, how long to keep reading output a background process may still write.
@@ -76,13 +77,18 @@ TIMEOUT_EXIT_CODE = 124  # what GNU `timeout` returns; Harbor's singularity envi
 DEFAULT_WORKDIR = "/app"
 BRIDGE_DIR = PurePosixPath("/run/grpoflow")  # the bridge's socket and forwarder, read-only in the sandbox
 CLI_DIR = PurePosixPath("/opt/grpoflow/cli")  # `cli_dir`, read-only; its node_modules/.bin goes on PATH
-BRIDGE_HOST = "127.0.0.1"  # where the bridge's forwarder listens inside the sandbox
 LOOPBACK_HOSTS = frozenset({BRIDGE_HOST, "localhost", "::1"})
-SANDBOX_PYTHON = "/usr/bin/python3"  # the host's, which the sandbox sees: it runs the bridge's forwarder
 
 
 class LocalSandbox(BaseEnvironment):
     """A Harbor environment: per-trial host dirs, each `exec()` in its own bubblewrap sandbox (see module doc)."""
+
+    @classmethod
+    def preflight(cls) -> None:
+        """Harbor's check before any trial: the host tools the sandbox runs, each missing one on a line."""
+        problems = missing_tools()
+        if problems:
+            raise SystemExit("\n".join(problems))
 
     def __init__(
         self,
@@ -203,10 +209,6 @@ class LocalSandbox(BaseEnvironment):
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
         # No cgroups: the task's cpus/memory are neither limits nor requests here (see the kwargs for rlimits).
         return EnvironmentResourceCapabilities(fractional_cpus=True)
-
-    @classmethod
-    def preflight(cls) -> None:
-        require_tools()
 
     def _validate_definition(self) -> None:
         # The Dockerfile is not used: the image is the host's /usr. Only environment/app/ matters, and it is

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 from grpoflow.rollout.environments import SandboxStartError, SandboxUnavailableError
 
@@ -31,20 +32,33 @@ _uid_lock = threading.Lock()
 _uids_in_use: set[int] = set()
 
 
+# What the sandbox runs on the host, and the Debian package each comes in: bwrap from PATH, the others at the
+# absolute paths it execs (inside the sandbox too).
+HOST_TOOLS: dict[str, str] = {
+    "bwrap": "bubblewrap",
+    PRLIMIT: "util-linux",
+    SETPRIV: "util-linux",
+    NSENTER: "util-linux",
+    "/bin/bash": "bash",
+}
+
+
+def missing_tools(find: Callable[[str], str | None] | None = None) -> list[str]:
+    """One line per host tool the sandbox needs and this machine lacks, naming its package."""
+    find = find or shutil.which
+    return [
+        f"the local sandbox needs `{tool.rsplit('/', 1)[-1]}` ({tool}): apt-get install -y {package}"
+        for tool, package in HOST_TOOLS.items()
+        if find(tool) is None
+    ]
+
+
 def require_tools() -> dict[str, str]:
     """Host tools the sandbox needs; a clear error naming the package when one is missing."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        raise SandboxUnavailableError(
-            "bubblewrap (`bwrap`) is not installed or not on PATH; LocalSandbox needs it: "
-            "apt-get install -y bubblewrap (or your distribution's bubblewrap package)"
-        )
-    for tool in (PRLIMIT, SETPRIV, NSENTER, "/bin/bash"):
-        if not os.access(tool, os.X_OK):
-            raise SandboxUnavailableError(
-                f"{tool} is missing; LocalSandbox runs it inside the sandbox: apt-get install -y util-linux bash"
-            )
-    return {"bwrap": bwrap, "nsenter": NSENTER}
+    problems = missing_tools()
+    if problems:
+        raise SandboxUnavailableError("; ".join(problems))
+    return {"bwrap": shutil.which("bwrap") or "bwrap", "nsenter": NSENTER}
 
 
 # ---- sandbox uids and limits ----------------------------------------------------------------------------------

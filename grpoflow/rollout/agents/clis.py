@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpoflow.errors import one_line
 from grpoflow.offline import apply_offline_env
 
 apply_offline_env()  # before Harbor imports LiteLLM
@@ -35,7 +36,7 @@ async def _has_pinned_cli(agent: Any, harness: str, environment: BaseEnvironment
         return True
     cli_dir = getattr(environment, "cli_dir", None)
     if cli_dir is not None:  # the local sandbox showed prepare's install, and it has no network to install another
-        out = " ".join(f"{found.stdout or ''} {found.stderr or ''}".split())[:300]
+        out = one_line(f"{found.stdout or ''} {found.stderr or ''}")
         raise RuntimeError(
             f"{pkg.bin} from {cli_dir} does not run in the sandbox as {pkg.spec} (exit {found.return_code}): {out}"
         )

@@ -33,8 +33,8 @@ from grpoflow.rollout.record import (
     END_TRUNCATED,
     TrialRecord,
 )
-from grpoflow.rollout.tokens import TokenTrajectory, is_cut_off, load_tokenizer, stop_ids
-from grpoflow.rollout.trials import turn_seed
+from grpoflow.seeds import turn_seed
+from grpoflow.tokens import TokenTrajectory, is_cut_off, load_tokenizer, stop_ids
 
 SYSTEM_PROMPT = """You are a shell agent working in a Linux sandbox; your working directory is /app.
 Reply with exactly one bash command in a fenced code block, like this:
@@ -87,6 +87,7 @@ class ShellAgent(BaseAgent):
         early_truncation_exit: bool = True,
         request_timeout_s: float = 300.0,
         engine_retries: int = 3,
+        outage_wait_s: float = 0.0,
         lora_path: str | None = None,
         **kwargs: Any,
     ):
@@ -103,6 +104,7 @@ class ShellAgent(BaseAgent):
         self.early_truncation_exit = early_truncation_exit
         self.request_timeout_s = request_timeout_s
         self.engine_retries = engine_retries
+        self.outage_wait_s = outage_wait_s
         self.lora_path = lora_path  # the LoRA adapter the engine serves the policy as, if any
 
     @staticmethod
@@ -124,7 +126,11 @@ class ShellAgent(BaseAgent):
         traj = TokenTrajectory.start(tokenizer, messages)
         rec = TrialRecord()
         client = EngineClient(
-            self.engine_url, timeout=self.request_timeout_s, retries=self.engine_retries, lora_path=self.lora_path
+            self.engine_url,
+            timeout=self.request_timeout_s,
+            retries=self.engine_retries,
+            lora_path=self.lora_path,
+            outage_s=self.outage_wait_s,
         )
         try:
             rec.end_reason = await self._loop(traj, environment, client, rec, context)

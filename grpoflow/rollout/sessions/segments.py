@@ -1,7 +1,7 @@
 """A session's tree -> training samples: one `Sample` per linear segment (root-to-leaf path).
 
 Every segment of a trial is the same rollout: it carries the trial's `rollout_id`, reward, status and exit status
-(copied from the trial's own sample, as `grpoflow.scoring.to_sample` built it), and `group_advantages` counts the
+(copied from the trial's own sample, as `grpoflow.scoring.outcome.to_sample` built it), and `group_advantages` counts the
 rollout once in its GRPO group. A token position that several segments share (a common prefix that holds
 generated tokens, e.g. the history a summarisation request and the main loop both continue) is trained in the
 first segment that holds it and loss-masked in the others, so it trains once. A path is trained only up to its last
@@ -34,16 +34,17 @@ def segments(tree: SessionTree) -> list[Segment]:
     owned: set[tuple[int, int]] = set()  # (id(node), offset) positions already trained by an earlier segment
     out = []
     ends = _turn_ends(tree)
+    side = tree.side_requests()
     emitted: set[tuple[int, int]] = set()  # (id(node), depth) of the segment ends so far
     for leaf in tree.leaves():
         turn_ids = sorted(
             i
             for n in _chain(leaf)
             for i in ends.get(id(n), [])
-            if tree.turns[i].end.depth <= leaf.depth and not tree.turns[i].abandoned
+            if tree.turns[i].end.depth <= leaf.depth and not tree.turns[i].abandoned and i not in side
         )
         if not turn_ids:
-            continue  # only abandoned replies made this path
+            continue  # only abandoned replies or side requests made this path
         # a path that goes on past its last used turn (an abandoned reply at its end) is cut there
         deepest = max(turn_ids, key=lambda i: tree.turns[i].end.depth)
         end = leaf if tree.turns[deepest].end.depth == leaf.depth else tree.turns[deepest].end
@@ -85,7 +86,7 @@ def segment_samples(trial: Sample, tree: SessionTree) -> list[Sample]:
 
     A session with no turns still gives one (empty) sample, so the rollout keeps its place in its GRPO group.
     A session with a turn cut off at the token limit makes a COMPLETED trial TRUNCATED
-    (`SequenceLengthLimitExceeded`), as `grpoflow.scoring.classify` does for the shell agent; the reward stands.
+    (`SequenceLengthLimitExceeded`), as `grpoflow.scoring.outcome.classify` does for the shell agent; the reward stands.
     Each sample's metrics gain the session's counters (`requests`, `retokenize_mismatches`, ...) and `segments`
     (trial-level values, repeated on every segment: sum them once per `rollout_id`); `segment_index` orders the
     segments.
@@ -93,7 +94,9 @@ def segment_samples(trial: Sample, tree: SessionTree) -> list[Sample]:
     segs = segments(tree)
     stats = tree.stats()
     common: dict[str, Any] = {"metrics": {**trial.metrics, **stats, "segments": float(len(segs))}}
-    if stats["truncated_turns"] and trial.status == "COMPLETED":
+    if stats["engine_failures"] and trial.status == "FAILED":  # the harness died of the engine's outage
+        common.update(exit_status="EngineError", exit_reason=f"the engine did not answer; {trial.exit_reason}")
+    elif stats["truncated_turns"] and trial.status == "COMPLETED":
         common.update(
             status="TRUNCATED",
             exit_status="SequenceLengthLimitExceeded",

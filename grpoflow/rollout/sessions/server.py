@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from grpoflow.engine.client import EngineClient, token_budget
 from grpoflow.engine.protocol import ChatParams, SamplingParams
-from grpoflow.errors import EngineError
+from grpoflow.errors import EngineError, EngineUnavailableError
 from grpoflow.rollout.sessions.tool_calls import ParsedReply, loads, message_key, parse_reply, parsed_key
 from grpoflow.rollout.sessions.tree import SessionTree, Turn
 from grpoflow.rollout.sessions.wire import (
@@ -74,7 +74,8 @@ from grpoflow.rollout.sessions.wire import (
     openai_chunks,
     openai_finish_reason,
 )
-from grpoflow.rollout.tokens import (
+from grpoflow.seeds import turn_seed
+from grpoflow.tokens import (
     TemplateError,
     encode,
     is_cut_off,
@@ -83,7 +84,6 @@ from grpoflow.rollout.tokens import (
     stop_ids,
     suffix_ids,
 )
-from grpoflow.rollout.trials import turn_seed
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +163,17 @@ class SessionStore:
     sessions: dict[str, _Session] = field(default_factory=dict)
     # counters of popped sessions, so stats() covers the whole run
     _done: dict[str, float] = field(default_factory=dict)
+    _closed: set[str] = field(default_factory=set)  # popped: a late request must not open them again
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def get(self, session_id: str) -> _Session:
+        """The live session; a request for one already popped (its trial ended, or its attempt was retried) is
+        refused: a harness left running in a lost sandbox must not write turns that would train."""
         with self._lock:
+            if session_id in self._closed:
+                raise RequestRefused(
+                    f"session {session_id} has ended: its trial finished or was run again", "session_closed", status=410
+                )
             s = self.sessions.get(session_id)
             if s is None:
                 s = self.sessions[session_id] = _Session(SessionTree(session_id))
@@ -174,11 +181,14 @@ class SessionStore:
 
     def register(self, session_id: str, seed: int | None) -> None:
         with self._lock:
+            if session_id in self._closed:
+                raise ValueError(f"session {session_id} has ended; a new attempt needs a session of its own")
             s = self.sessions.setdefault(session_id, _Session(SessionTree(session_id)))
             s.seed = seed
 
     def pop(self, session_id: str) -> SessionTree:
         with self._lock:
+            self._closed.add(session_id)
             s = self.sessions.pop(session_id, None)
             tree = s.tree if s is not None else SessionTree(session_id)
             for k, v in tree.stats().items():
@@ -200,37 +210,42 @@ class SessionStore:
         return out
 
 
-def create_app(
-    engine_url: str,
-    tokenizer_path: str,
-    store: SessionStore,
-    *,
-    secret: bytes,
-    model_name: str = "policy",
-    max_new_tokens: int | None = None,
-    context_length: int | None = None,
-    request_timeout_s: float = 600.0,
-    engine_retries: int = 3,
-    sampling: Mapping[str, Any] | None = None,
-    lora_path: str | None = None,
-    tool_call_parser: str | None = None,
-    truncation_ends_episode: bool = False,
-) -> FastAPI:
-    """The session server app. `max_new_tokens` caps every turn (the training config's limit wins over the
-    harness's `max_tokens`); `context_length` bounds prompt + output (default: what the engine's context
-    allows, `grpoflow.engine.client.token_budget`).
-    `sampling` (`temperature`, `top_p`, `top_k`) pins what every turn samples with, whatever the harness sends:
-    the trainer scores the tokens under the run's sampling, so the engine must sample under it too.
-    `lora_path`: the adapter every generation names (a LoRA run's adapter sync, `grpoflow.train.sync`).
-    `secret`: the key of the per-session tokens (`session_token`). `tool_call_parser`: how replies are parsed
-    into tool calls (None: never). `truncation_ends_episode`: see the module doc."""
-    tokenizer = load_tokenizer(str(tokenizer_path))
+@dataclass(frozen=True)
+class SessionSettings:
+    """What the session server does with every session. `max_new_tokens` caps every turn (the training config's
+    limit wins over the harness's `max_tokens`); `context_length` bounds prompt + output (default: what the
+    engine's context allows, `grpoflow.engine.client.token_budget`). `sampling` (`temperature`, `top_p`,
+    `top_k`) pins what every turn samples with, whatever the harness sends: the trainer scores the tokens under
+    the run's sampling, so the engine must sample under it too. `lora_path`: the adapter every generation names
+    (a LoRA run's adapter sync, `grpoflow.train.sync`). `tool_call_parser`: how replies are parsed into tool calls
+    (None: never). `truncation_ends_episode`: see the module doc."""
+
+    engine_url: str
+    tokenizer_path: str
+    model_name: str = "policy"
+    max_new_tokens: int | None = None
+    context_length: int | None = None
+    request_timeout_s: float = 600.0
+    engine_retries: int = 3
+    outage_s: float = 0.0  # how long a turn waits out an engine that does not answer
+    sampling: Mapping[str, Any] | None = None
+    lora_path: str | None = None
+    tool_call_parser: str | None = None
+    truncation_ends_episode: bool = False
+
+
+def create_app(settings: SessionSettings, store: SessionStore, secret: bytes) -> FastAPI:
+    """The session server app; `secret`: the key of the per-session tokens (`session_token`)."""
+    c = settings
+    tokenizer = load_tokenizer(str(c.tokenizer_path))
     stop = stop_ids(tokenizer)  # the template's turn end and the EOS; a template without one fails here, at start
     # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
     # does all tokenising, off the event loop.
     tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-tokenizer")
-    engine = EngineClient(engine_url, timeout=request_timeout_s, retries=engine_retries, lora_path=lora_path)
-    limits: dict[str, int | None] = {"context_length": context_length}
+    engine = EngineClient(
+        c.engine_url, timeout=c.request_timeout_s, retries=c.engine_retries, lora_path=c.lora_path, outage_s=c.outage_s
+    )
+    limits: dict[str, int | None] = {"context_length": c.context_length}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -252,7 +267,7 @@ def create_app(
         return limits["context_length"] or None
 
     def _card() -> dict:
-        return {"id": model_name, "object": "model", "created": 0, "owned_by": "grpoflow"}
+        return {"id": c.model_name, "object": "model", "created": 0, "owned_by": "grpoflow"}
 
     def _authorise(session_id: str, request: Request) -> None:
         if not _SESSION_ID.match(session_id):
@@ -292,7 +307,7 @@ def create_app(
                 f"n={req.n}: a session records one path per request, so n must be 1", "unsupported_parameter"
             )
         turn, parsed, prompt_ids, logprobs = await _serve(session_id, req, request, "call_")
-        body = _response(tokenizer, req, model_name, prompt_ids, turn, parsed, logprobs, truncation_ends_episode)
+        body = _response(tokenizer, req, c.model_name, prompt_ids, turn, parsed, logprobs, c.truncation_ends_episode)
         if req.stream:
             usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(openai_chunks(body, usage), media_type="text/event-stream")
@@ -302,11 +317,11 @@ def create_app(
     async def messages(session_id: str, req: MessagesRequest, request: Request):
         _authorise(session_id, request)
         turn, parsed, prompt_ids, _ = await _serve(session_id, req.chat(), request, "toolu_")
-        finish = _reported_finish(turn, truncation_ends_episode)
+        finish = _reported_finish(turn, c.truncation_ends_episode)
         body = anthropic_message(
             parsed,
             anthropic_stop_reason(parsed, finish),
-            req.model or model_name,
+            req.model or c.model_name,
             len(prompt_ids),
             len(turn.output_ids),
         )
@@ -336,7 +351,7 @@ def create_app(
             turn, prompt_ids, logprobs = await _turn(session, req)
             # A cut reply is never parsed: its last call may be cut, and the cut action must not run. A request
             # without tools (terminus-2) gets the text as written.
-            parser = tool_call_parser if req.tools and not turn.truncated else None
+            parser = c.tool_call_parser if req.tools and not turn.truncated else None
             parsed = parse_reply(turn.reply, parser, id_prefix=id_prefix)
             session.replies[parsed_key(parsed)] = turn.reply
             if await request.is_disconnected():  # the harness gave up on this request: it never sees the reply
@@ -347,7 +362,7 @@ def create_app(
         tree = session.tree
         loop = asyncio.get_running_loop()
         messages = [_template_message(m, session.replies) for m in req.messages]
-        prev = tree.extended_turn(messages)
+        prev = tree.extended_turn(messages, req.tools)
         if prev is not None and prev.truncated:
             tree.refused += 1
             raise _closed(tree.session_id, prev.index)
@@ -358,16 +373,23 @@ def create_app(
             tree.refused += 1
             raise _closed(tree.session_id, closed.index)
         params = _sampling(
-            req, len(prompt_ids), max_new_tokens, await _context_length(), session, len(tree.turns), sampling or {}
+            req, len(prompt_ids), c.max_new_tokens, await _context_length(), session, len(tree.turns), c.sampling or {}
         )
         params.stop_token_ids = sorted({*(params.stop_token_ids or []), *stop})  # the turn end too
         t0 = time.perf_counter()
-        resp = await engine.agenerate(prompt_ids, params, return_logprob=True)
+        try:
+            resp = await engine.agenerate(prompt_ids, params, return_logprob=True)
+        except EngineUnavailableError:
+            tree.engine_failures += 1  # the trial then fails for the engine, not for the policy
+            raise
         gen_s = time.perf_counter() - t0
         out_ids, logprobs = list(resp.output_ids), resp.logprobs
         if len(logprobs) != len(out_ids):
             raise EngineError(f"/generate: {len(out_ids)} output ids but {len(logprobs)} logprobs")
-        truncated = is_cut_off(resp.meta_info.finish_reason.type, out_ids, stop)
+        cut = is_cut_off(resp.meta_info.finish_reason.type, out_ids, stop)
+        # A harness's own, smaller `max_tokens` (a title request) ends the reply where it asked: the harness sees
+        # "length", but the policy was not cut short by the run's limit, so the trial is not over-long.
+        own = _own_limit(req, c.max_new_tokens)
         mismatch_at = first_difference(prompt_ids, full_ids)
         turn = tree.add_turn(
             messages,
@@ -375,12 +397,14 @@ def create_app(
             out_ids,
             logprobs,
             reply=resp.text,
-            finish_reason="length" if truncated else "stop",
-            truncated=truncated,
+            finish_reason="length" if cut else "stop",
+            truncated=cut and not (own is not None and len(out_ids) >= own),
+            own_limit=own is not None,
             extends=extends,
             retokenize_mismatch=mismatch_at is not None,
             first_mismatch=mismatch_at,
             sampling=params.model_dump(include={"temperature", "top_p", "top_k", "sampling_seed"}),
+            tools=req.tools,
             weight_version=resp.meta_info.weight_version,
             generation_time_s=gen_s,
         )
@@ -447,6 +471,12 @@ def _prompt_plan(tokenizer, tree: SessionTree, messages, tools, prev) -> tuple[l
         return full_ids, full_ids, None
     base, _, _ = tree.path(prev.end)
     return base + suffix, full_ids, prev.index
+
+
+def _own_limit(req: ChatRequest, cap: int | None) -> int | None:
+    """The request's own token limit when it is below the run's (`max_new_tokens`), else None."""
+    wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return wanted if wanted is not None and cap is not None and wanted < cap else None
 
 
 def _sampling(
@@ -567,6 +597,11 @@ def _install_error_handlers(app: FastAPI) -> None:
             parts.append(f"{loc}: {err.get('msg')}")  # never the input: it is the harness's text
         return _error(request, 400, f"{request.url.path}: " + "; ".join(parts), "invalid_request_error", "invalid_body")
 
+    @app.exception_handler(EngineUnavailableError)
+    async def _unavailable(request: Request, exc: EngineUnavailableError) -> JSONResponse:
+        log.warning("engine unavailable on %s: %s", request.url.path, exc)
+        return _error(request, 503, f"the engine is unavailable: {exc}", "api_error", "engine_unavailable")
+
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         log.warning("engine call failed on %s: %s", request.url.path, exc)
@@ -592,7 +627,7 @@ class SessionServer:
 
     Usable from sync and async code alike (`start`/`stop` block briefly; `with` and `async with` work):
 
-        with SessionServer(engine_url, tokenizer_path, max_new_tokens=256) as srv:
+        with SessionServer(SessionSettings(engine_url, tokenizer_path, max_new_tokens=256)) as srv:
             api_base = srv.session_url(rollout_id, seed=trial_seed)   # ends in /v1
             api_key = srv.session_token(rollout_id)
             ... the harness talks to api_base with api_key ...
@@ -600,48 +635,19 @@ class SessionServer:
             samples = segment_samples(trial_sample, tree)
     """
 
-    def __init__(
-        self,
-        engine_url: str,
-        tokenizer_path: str,
-        *,
-        model_name: str = "policy",
-        max_new_tokens: int | None = None,
-        context_length: int | None = None,
-        host: str = "127.0.0.1",
-        request_timeout_s: float = 600.0,
-        engine_retries: int = 3,
-        sampling: Mapping[str, Any] | None = None,
-        lora_path: str | None = None,
-        tool_call_parser: str | None = None,
-        truncation_ends_episode: bool = False,
-        public_url: str | None = None,
-    ):
+    def __init__(self, settings: SessionSettings, *, host: str = "127.0.0.1", public_url: str | None = None):
         """`public_url`: the URL sandboxes elsewhere reach this server at (`rollout.session_server_url`); the
         server then listens on every interface at its port. Without it, on `host` (loopback) at a free port."""
-        self.store = SessionStore()
+        self.settings, self.store = settings, SessionStore()
         self._secret = secrets.token_bytes(32)  # per server: tokens of another run's server are refused
-        self._app_kwargs = dict(
-            model_name=model_name,
-            max_new_tokens=max_new_tokens,
-            context_length=context_length,
-            request_timeout_s=request_timeout_s,
-            engine_retries=engine_retries,
-            sampling=sampling,
-            lora_path=lora_path,
-            tool_call_parser=tool_call_parser,
-            truncation_ends_episode=truncation_ends_episode,
-            secret=self._secret,
-        )
-        self._engine_url, self._tokenizer_path, self._host = engine_url, tokenizer_path, host
-        self._port = 0
+        self._host, self._port = host, 0
         self._public_url = public_url.rstrip("/") if public_url else None
         if self._public_url:
             port = urlsplit(self._public_url).port
             if port is None:
                 raise ValueError(f"session server URL {public_url!r}: give the port it listens on")
             self._host, self._port = "0.0.0.0", port
-        self.model_name = model_name
+        self.model_name = settings.model_name
         self.url = ""
         self._server = None
         self._thread: threading.Thread | None = None
@@ -656,7 +662,7 @@ class SessionServer:
             return self
         for s in self.store.sessions.values():  # a restarted server runs a new event loop: old locks are bound
             s.lock = None
-        app = create_app(self._engine_url, self._tokenizer_path, self.store, **self._app_kwargs)
+        app = create_app(self.settings, self.store, self._secret)
         self._sock = bind_socket(self._host, self._port)
         self.url = self._public_url or f"http://{self._host}:{self._sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
@@ -698,7 +704,7 @@ class SessionServer:
 
     def pop_session(self, session_id: str) -> SessionTree:
         """The session's recorded tree, forgotten here (a session that made no request gives an empty tree).
-        Call it after the trial ended; a later request with the same id starts a new session."""
+        Call it after the trial ended; a later request with the same id is refused (410)."""
         return self.store.pop(session_id)
 
     def stats(self) -> dict[str, float]:

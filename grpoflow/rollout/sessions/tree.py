@@ -16,6 +16,7 @@ used turn.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,7 @@ class Turn:
     end: Mark = field(repr=False)  # the end of prompt + output in the tree
     sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, sampling_seed used
     abandoned: bool = False  # the harness never used the reply (it asked again, or hung up): never trained
+    own_limit: bool = False  # the harness asked for fewer tokens than the run allows (`side_requests`)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -113,6 +115,7 @@ class SessionTree:
         # message-prefix key (the turn's messages + its reply) -> turn index, to find the turn a request extends
         self._states: dict[tuple, int] = {}
         self._continued: set[int] = set()  # turns a later request continued (their reply was used)
+        self.engine_failures = 0  # requests the engine did not answer within its outage budget
         self.refused = 0  # requests refused because they extended a closed (truncated) path
         self.extend_failures = 0  # requests that continued a turn the template could not extend token-exactly
 
@@ -170,13 +173,15 @@ class SessionTree:
                 return t
         return None
 
-    def extended_turn(self, messages: list[dict[str, Any]]) -> Turn | None:
-        """The turn with the longest message history (its messages + its reply) that `messages` continue."""
+    def extended_turn(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> Turn | None:
+        """The turn with the longest message history (its messages + its reply) that `messages` continue, offered
+        the same `tools`: a new tool list renders another prompt (the tools sit in the system turn), so a turn
+        asked with other tools is no prefix to reuse."""
         keys = [_msg_key(m) for m in messages]
         for k in range(len(keys) - 1, 0, -1):  # at least one new message after the matched state
             if keys[k - 1][0] != "assistant":
                 continue
-            i = self._states.get(tuple(keys[:k]))
+            i = self._states.get((_tools_key(tools), *keys[:k]))
             if i is not None:
                 return self.turns[i]
         return None
@@ -199,6 +204,8 @@ class SessionTree:
         weight_version: str | None,
         generation_time_s: float,
         sampling: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
+        own_limit: bool = False,
     ) -> Turn:
         if len(output_ids) != len(output_logprobs):
             raise ValueError(f"{len(output_ids)} output ids but {len(output_logprobs)} logprobs")
@@ -209,7 +216,7 @@ class SessionTree:
         last = self.turns[-1] if self.turns else None
         if last is not None and last.index not in self._continued and _asked_key(last) == asked:
             last.abandoned = True
-        if (prev := self.extended_turn(messages)) is not None:
+        if (prev := self.extended_turn(messages, tools)) is not None:
             self._continued.add(prev.index)
             prev.abandoned = False
         self._insert(prompt_ids, [0] * len(prompt_ids), [0.0] * len(prompt_ids))
@@ -233,9 +240,10 @@ class SessionTree:
             generation_time_s=generation_time_s,
             end=end,
             sampling=dict(sampling or {}),
+            own_limit=own_limit,
         )
         self.turns.append(turn)
-        self._states[asked + (("assistant", reply),)] = turn.index
+        self._states[(_tools_key(tools), *asked, ("assistant", reply))] = turn.index
         return turn
 
     def abandon(self, turn: Turn) -> None:
@@ -273,17 +281,27 @@ class SessionTree:
         """Share of requests whose re-tokenised history differs from the tokens the policy was given."""
         return sum(t.retokenize_mismatch for t in self.turns) / len(self.turns) if self.turns else 0.0
 
+    def side_requests(self) -> set[int]:
+        """Turns beside the episode: one-off requests (they extend no turn and no turn extends them) with a token
+        limit of the harness's own, in a session that has other turns, such as opencode's title request. They
+        are not the policy acting in its task: never trained, and a cut one does not make the trial over-long."""
+        side = {t.index for t in self.turns if t.own_limit and t.extends is None and t.index not in self._continued}
+        return side if len(side) < len(self.turns) else set()
+
     def stats(self) -> dict[str, float]:
         n = len(self.turns)
+        side = self.side_requests()
         return {
             "requests": float(n),
             "requests_extended": float(sum(t.extends is not None for t in self.turns)),
             "retokenize_mismatches": float(sum(t.retokenize_mismatch for t in self.turns)),
             "retokenize_mismatch_rate": self.mismatch_rate,
-            "truncated_turns": float(sum(t.truncated and not t.abandoned for t in self.turns)),
+            "truncated_turns": float(sum(t.truncated and not t.abandoned and t.index not in side for t in self.turns)),
+            "side_requests": float(len(side)),
             "abandoned_turns": float(sum(t.abandoned for t in self.turns)),
             "refused_requests": float(self.refused),
             "extend_failures": float(self.extend_failures),
+            "engine_failures": float(self.engine_failures),
             "generation_time_s": sum(t.generation_time_s for t in self.turns),
         }
 
@@ -297,6 +315,11 @@ def _agree(tokens: list[int], ids: list[int], at: int) -> int:
     while tokens[n] == ids[at + n]:
         n += 1
     return n
+
+
+def _tools_key(tools: list[dict] | None) -> str:
+    """What must be equal for two requests to offer the same tools: the list, in its order, as JSON."""
+    return json.dumps(tools or [], sort_keys=True, default=str)
 
 
 def _asked_key(turn: Turn) -> tuple:

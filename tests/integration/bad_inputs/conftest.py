@@ -9,7 +9,7 @@ import pytest
 
 from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path
-from grpoflow.prepare.stage import prepare_run
+from grpoflow.run.start import prepare_run
 
 
 def assert_one_line(err: BaseException, *names: object) -> str:

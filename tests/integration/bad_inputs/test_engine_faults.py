@@ -1,6 +1,7 @@
 """A misbehaving engine. The client against the SGLang stand-in: `EngineError`, one line naming the endpoint (or
 the URL once retries run out). The shell agent in real Harbor trials against such an engine: each trial is FAILED
-with exit status AgentError and reward None (never 0), not retried as a sandbox fault, its group dropped."""
+with reward None (never 0) and its group dropped; an engine that answers nonsense is the agent's error (AgentError,
+not retried), one that does not answer is infrastructure (EngineError, run again in a fresh sandbox first)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from grpoflow.errors import EngineError
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.harnesses import agent_factory
-from grpoflow.rollout.step import collect_step, sandbox_config
-from grpoflow.scoring import select_trainable
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.groups import select_trainable
+from grpoflow.scoring.step import collect_step
 
 # tests/integration/engine is not a package: its modules import each other by bare name, as pytest's rootdir insertion lets
 # them; do the same (the stand-in imports SGLang's field lists from test_sglang_contract).
@@ -68,7 +72,7 @@ def agent_trials(tmp_path_factory, tiny_model_dir):
     prompts = [PromptRecord(instance_id=k, task_path=str(task.path), instruction=task.instruction) for k in servers]
     cfg = parse_run_config(
         {
-            "engine": {"retries": 1, "request_timeout_s": 10},
+            "engine": {"retries": 1, "request_timeout_s": 10, "outage_wait_s": 0},
             "rollout": {
                 "n_samples_per_prompt": 1,
                 "max_turns": 2,
@@ -84,10 +88,9 @@ def agent_trials(tmp_path_factory, tiny_model_dir):
             collect_step(
                 "bad",
                 0,
-                prompts,
+                plan_group_trials(prompts, 0, cfg.rollout.n_samples_per_prompt, 0),
                 cfg.rollout,
-                0,
-                lambda spec: factories[spec.instance_id](spec),
+                PolicyAccess(lambda spec: factories[spec.instance_id](spec)),
                 sandbox_config(cfg.rollout),
                 root / "trials",
                 root / "details",
@@ -99,14 +102,19 @@ def agent_trials(tmp_path_factory, tiny_model_dir):
     return {s.instance_id: s for s in res.samples}, res
 
 
+UNAVAILABLE = {"5xx", "drop"}  # the engine did not answer: infrastructure
+
+
 @pytest.mark.parametrize("kind", list(FAULTS))
-def test_engine_fault_in_a_trial_is_agent_error_with_no_reward(agent_trials, kind):
+def test_engine_fault_in_a_trial_fails_it_with_no_reward_and_names_why(agent_trials, kind):
     samples, _ = agent_trials
     s = samples[kind]
     assert s.reward is None, f"{kind}: scored {s.reward!r} ({s.exit_status}: {s.exit_reason})"
-    assert (s.status, s.exit_status) == ("FAILED", "AgentError"), (s.status, s.exit_status, s.exit_reason)
-    assert s.exit_reason.startswith("EngineError: ") and "/generate" in s.exit_reason and "\n" not in s.exit_reason
-    assert s.metrics["retries"] == 0  # a model/engine error is not a sandbox failure: never retried
+    status = "EngineError" if kind in UNAVAILABLE else "AgentError"
+    assert (s.status, s.exit_status) == ("FAILED", status), (s.status, s.exit_status, s.exit_reason)
+    error = "EngineUnavailableError: " if kind in UNAVAILABLE else "EngineError: "
+    assert s.exit_reason.startswith(error) and "/generate" in s.exit_reason and "\n" not in s.exit_reason
+    assert s.metrics["retries"] == (2 if kind in UNAVAILABLE else 0)  # rollout.sandbox_retries for infrastructure
 
 
 def test_healthy_engine_trial_is_scored_and_faulty_groups_dropped(agent_trials):
@@ -115,4 +123,6 @@ def test_healthy_engine_trial_is_scored_and_faulty_groups_dropped(agent_trials):
     assert healthy.status in ("COMPLETED", "TRUNCATED") and healthy.reward is not None
     kept, dropped = select_trainable(list(samples.values()), "drop_group")
     assert [s.instance_id for s in kept] == ["healthy"] and dropped == len(FAULTS)
-    assert res.metrics["exit/AgentError"] == len(FAULTS) and res.metrics["scored"] == 1
+    assert (
+        res.metrics["exit/AgentError"] + res.metrics["exit/EngineError"] == len(FAULTS) and res.metrics["scored"] == 1
+    )

@@ -47,7 +47,7 @@ def test_bad_input_with_an_existing_run_dir_still_leaves_it_alone(prepare, datas
 
 def test_output_dir_that_is_a_file(tmp_path, tiny_model_dir, dataset):
     from grpoflow.config import parse_run_config
-    from grpoflow.prepare.stage import prepare_run
+    from grpoflow.run.start import prepare_run
 
     f = tmp_path / "runs-file"
     f.write_text("not a dir\n")
@@ -68,7 +68,7 @@ def test_output_dir_that_is_a_file(tmp_path, tiny_model_dir, dataset):
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_read_only_output_dir(tmp_path, tiny_model_dir, dataset):
     from grpoflow.config import parse_run_config
-    from grpoflow.prepare.stage import prepare_run
+    from grpoflow.run.start import prepare_run
 
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o555)

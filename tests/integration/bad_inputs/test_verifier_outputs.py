@@ -14,8 +14,11 @@ from harbor.models.trial.config import AgentConfig
 from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import load_task
 from grpoflow.prepare.prompts import PromptRecord
-from grpoflow.rollout.step import collect_step, sandbox_config
-from grpoflow.scoring import select_trainable
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.groups import select_trainable
+from grpoflow.scoring.step import collect_step
 
 from .conftest import copy_task
 
@@ -61,10 +64,9 @@ def outcome(tmp_path_factory):
         collect_step(
             "bad",
             0,
-            prompts,
+            plan_group_trials(prompts, 0, cfg.rollout.n_samples_per_prompt, 0),
             cfg.rollout,
-            0,
-            lambda spec: AgentConfig(name="oracle"),
+            PolicyAccess(lambda spec: AgentConfig(name="oracle")),
             sandbox_config(cfg.rollout),
             root / "trials",
             root / "details",

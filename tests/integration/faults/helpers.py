@@ -10,7 +10,10 @@ from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.harnesses import agent_factory
-from grpoflow.rollout.step import collect_step, sandbox_config
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.step import collect_step
 
 
 def prompt(name_or_path) -> PromptRecord:
@@ -33,10 +36,9 @@ def collect(tmp_path, engine_url, tiny_model_dir, prompts, engine=None, **rollou
         collect_step(
             "faults",
             0,
-            prompts,
+            plan_group_trials(prompts, 0, cfg.rollout.n_samples_per_prompt, 0),
             cfg.rollout,
-            0,
-            make_agent,
+            PolicyAccess(make_agent),
             sandbox_config(cfg.rollout),
             tmp_path / "trials",
             tmp_path / "details",
@@ -57,6 +59,7 @@ def accounted(res, n_trials: int) -> None:
             "SequenceLengthLimitExceeded",
             "AgentError",
             "SandboxError",
+            "EngineError",
             "VerifierError",
         }
         if s["status"] == "FAILED":

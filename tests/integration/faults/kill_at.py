@@ -71,16 +71,16 @@ def arm(point: str, step: int, n: int) -> None:
 
         train_step_mod.train_step = train_step
     elif point == "checkpoint":
-        import grpoflow.run.checkpoint as checkpoint
+        import grpoflow.fileio as fileio
 
-        real_fsync = checkpoint.fsync_path
+        real_fsync = fileio.fsync_path
 
         def fsync(path):
             if Path(path).parent.name == f"step_{step}":  # making the step's dir a full checkpoint
                 die()
             real_fsync(path)
 
-        checkpoint.fsync_path = fsync  # fsync_files, which makes a step dir durable, calls it
+        fileio.fsync_path = fsync  # fsync_files, which makes a step dir durable, calls it
     elif point == "metrics":
         import grpoflow.run.metrics as reporting
 

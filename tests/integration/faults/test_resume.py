@@ -23,8 +23,8 @@ from flows.serve import read_specs
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.fileio import sha256_tree
+from grpoflow.paths import RunPaths
 from grpoflow.run.info import DeploymentRef, read_run_info, update_run_info
-from grpoflow.run.paths import RunPaths
 from grpoflow.run.resume import complete_steps
 from tests.fakes.triggers import fires
 from tests.integration.faults.events import run_events

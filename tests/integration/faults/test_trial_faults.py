@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from grpoflow.scoring import select_trainable
+from grpoflow.scoring.groups import select_trainable
 from tests.fakes.scripted_engine import Reply, ScriptedEngine
 from tests.integration.faults.helpers import accounted, collect, load_standin, prompt
 
@@ -103,7 +103,11 @@ def test_transient_engine_fault_is_recovered(tmp_path, tiny_model_dir, scripted,
 
 
 @pytest.mark.parametrize("fault", ["5xx", "slow", "drop"])
-def test_persistent_engine_fault_fails_samples_not_the_step(tmp_path, tiny_model_dir, scripted, fault):
+def test_persistent_engine_fault_fails_samples_as_infrastructure_not_the_step(
+    tmp_path, tiny_model_dir, scripted, fault
+):
+    """An engine that stays down past the outage budget: each trial is run again (an infrastructure fault, like a
+    dead sandbox), then recorded as an EngineError, never as the policy's failure or a silent 0."""
     engine = scripted(lambda ids, i: Reply(SOLVE))
     Standin = load_standin()
     with Standin(str(tiny_model_dir), upstream=engine.url) as front:
@@ -113,15 +117,51 @@ def test_persistent_engine_fault_fails_samples_not_the_step(tmp_path, tiny_model
             front.url,
             tiny_model_dir,
             [prompt("hello-file"), prompt("make-dir")],
-            engine={"request_timeout_s": 0.5, "retries": 1},
+            engine={"request_timeout_s": 0.5, "retries": 1, "outage_wait_s": 0},
+            sandbox_retries=1,
         )
     accounted(res, 2)
     for s in res.samples:
-        assert (s.status, s.exit_status, s.reward) == ("FAILED", "AgentError", None)  # never a silent 0
-        assert "EngineError" in s.exit_reason and "failed after 2 attempts" in s.exit_reason
-        assert s.metrics["retries"] == 0  # an engine fault is not a sandbox fault: no trial retry
-    assert retried == [] and res.metrics["scored"] == 0 and res.metrics["exit/AgentError"] == 2
+        assert (s.status, s.exit_status, s.reward) == ("FAILED", "EngineError", None)  # never a silent 0
+        assert "EngineUnavailableError" in s.exit_reason and "failed after 2 attempts" in s.exit_reason
+        assert s.metrics["retries"] == 1  # run again in a fresh sandbox, as infrastructure
+    assert len(retried) == 2 and res.metrics["scored"] == 0 and res.metrics["exit/EngineError"] == 2
     assert select_trainable(res.samples, "drop_group") == ([], 2)
+
+
+@pytest.mark.parametrize("outage_s", [5])
+def test_an_engine_outage_mid_step_is_waited_out_and_drops_nothing(tmp_path, tiny_model_dir, scripted, outage_s):
+    """The engine goes away for `outage_s` seconds while trials generate (every request fails in that time):
+    requests wait it out (`engine.outage_wait_s`), so every trial is scored and no group is dropped; the
+    long generations are not the ones lost. bench/chaos.py runs it with longer outages on a real model."""
+    import threading
+
+    replies = [SOLVE, "DONE"]
+    engine = scripted(lambda ids, i: Reply(replies[0 if len(ids) < 200 else 1]))
+    Standin = load_standin()
+    with Standin(str(tiny_model_dir), upstream=engine.url) as front:
+
+        def outage():
+            while front.count("/generate") < 2:  # mid-step: after the first generations
+                time.sleep(0.05)
+            front.faults.inject("drop", times=None)
+            time.sleep(outage_s)
+            front.faults.clear()
+
+        down = threading.Thread(target=outage, daemon=True)
+        down.start()
+        res, retried = collect(
+            tmp_path,
+            front.url,
+            tiny_model_dir,
+            [prompt("hello-file"), prompt("make-dir"), prompt("copy-file")],
+            n_samples_per_prompt=2,
+            engine={"request_timeout_s": 5, "retries": 1, "outage_wait_s": 60},
+        )
+        down.join()
+    accounted(res, 6)
+    assert retried == [] and res.metrics["scored"] == 6
+    assert select_trainable(res.samples, "drop_group")[1] == 0
 
 
 def test_crashing_verifier_is_a_verifier_error_and_its_group_dropped(tmp_path, tiny_model_dir, scripted):

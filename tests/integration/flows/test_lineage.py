@@ -10,8 +10,8 @@ from flows.evaluate import evaluate_flow
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.errors import RunDirError
+from grpoflow.paths import RunPaths
 from grpoflow.run.info import read_run_info
-from grpoflow.run.paths import RunPaths
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
 pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path
-from grpoflow.rollout.tokens import load_tokenizer
 from grpoflow.run.metrics import read_metrics
+from grpoflow.tokens import load_tokenizer
 from tests.fakes.scripted_openai import terminus_json
 from tests.fakes.sglang_standin import ScriptedModel, StandinServer
 

@@ -98,6 +98,8 @@ def test_evaluate_flow_scores_the_eval_split_without_training(tmp_path, tiny_mod
     m = evaluate_flow(_cfg(tmp_path, tiny_model_dir, "eval-1", prompts={}), split="eval")
     root = tmp_path / "eval-1"
     n_eval = sum(json.loads(line)["split"] == "eval" for line in (root / "prompts.jsonl").read_text().splitlines())
-    assert m["trials"] == n_eval * 2 and not (root / "checkpoints").exists()
-    assert read_metrics(root / "metrics.jsonl")[0]["trials"] == m["trials"]
+    n = parse_run_config(json.loads((root / "config.json").read_text())).train.eval_samples_per_prompt
+    assert m["eval/heldout/trials"] == n_eval * n and not (root / "checkpoints").exists()
+    assert "eval/trained/trials" not in m  # the eval split only
+    assert read_metrics(root / "metrics.jsonl")[0]["eval/heldout/trials"] == m["eval/heldout/trials"]
     assert "eval-1-evaluation" in _artifact_keys("eval-1")

@@ -10,8 +10,9 @@ import pytest
 
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
+from grpoflow.paths import RunPaths
 from grpoflow.rollout.journal import read_samples
-from grpoflow.run.viewer import VIEWER, best_and_worst
+from grpoflow.run.viewer import best_and_worst
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 from tests.system.deployments.browser import Browser, chromium_path
 
@@ -30,7 +31,7 @@ def run_dir(tmp_path_factory, tiny_model_dir):
 
 
 def test_the_viewer_shows_the_best_and_worst_trial_of_every_group(run_dir):
-    page = (run_dir / VIEWER).read_text()
+    page = RunPaths(run_dir).viewer.read_text()
     assert "<script" not in page and "http" not in page  # offline: nothing to fetch, nothing to run
     for details in ("step_0", "step_1", "eval_0", "eval_2"):
         assert f"id='{details}'" in page, details
@@ -49,7 +50,7 @@ def test_the_viewer_shows_the_best_and_worst_trial_of_every_group(run_dir):
 @pytest.mark.skipif(chromium_path() is None, reason="chromium is not installed (./run.sh test installs it)")
 def test_the_viewer_renders_in_chromium(run_dir, tmp_path):
     with Browser(tmp_path / "profile", width=1300, height=1400) as browser:
-        text = browser.open((run_dir / VIEWER).resolve().as_uri(), ["Trajectories of run viewed", "step_1"])
+        text = browser.open(RunPaths(run_dir).viewer.resolve().as_uri(), ["Trajectories of run viewed", "step_1"])
         assert "reward" in text and "assistant" in text
         shot = browser.screenshot(OUTPUT / "viewer.png")
     assert shot.stat().st_size > 10_000

@@ -10,12 +10,12 @@ import pytest
 from harbor.agents.factory import AgentFactory
 
 from grpoflow.config import parse_run_config
-from grpoflow.errors import ConfigError
-from grpoflow.rollout.credentials import (
+from grpoflow.credentials import (
     POLICY_KEY_VAR,
     CredentialError,
     export_policy_key,
 )
+from grpoflow.errors import ConfigError
 from grpoflow.rollout.harnesses import (
     LOCAL_API_KEY,
     SESSION_TOKEN_VAR,
@@ -25,9 +25,9 @@ from grpoflow.rollout.harnesses import (
     model_alias,
     sampling_params,
 )
-from grpoflow.rollout.step import sandbox_config
+from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import TrialOutcome, TrialSpec
-from grpoflow.scoring import classify
+from grpoflow.scoring.outcome import classify
 
 SPEC = TrialSpec("hello-file", "/tasks/hello-file", "g", 3, "step0-hello-file-3", 1234)
 SESSION = "http://10.0.0.5:8100/sessions/step0-hello-file-3/v1"
@@ -203,7 +203,7 @@ def _outcome(exc: str | None, reward: float | None, meta: dict | None = None) ->
         (None, 0.0, {"end_reason": "truncated", "truncated": True}, ("SequenceLengthLimitExceeded", "TRUNCATED", 0.0)),
         (None, None, {}, ("VerifierError", "FAILED", None)),
         # Harbor verifies after these: the reward stands where the policy is to blame.
-        ("AgentTimeoutError", 0.0, {}, ("TimeLimitExceeded", "COMPLETED", 0.0)),
+        ("AgentTimeoutError", 0.0, {}, ("TimeLimitExceeded", "TRUNCATED", 0.0)),
         ("OutputTokenExceededError", 0.0, {}, ("SequenceLengthLimitExceeded", "TRUNCATED", 0.0)),
         ("ContextWindowExceededError", 1.0, {}, ("SequenceLengthLimitExceeded", "TRUNCATED", 1.0)),
         # A harness that failed after a cut turn: still a truncation (the verifier ran).

@@ -49,7 +49,7 @@ def _policy(harness: str, tok):
 
 @pytest.mark.parametrize("harness", HARNESSES)
 def test_the_real_cli_solves_a_task_token_exact_with_tool_output_masked(tmp_path, tiny_model_dir, harness):
-    from grpoflow.rollout.tokens import load_tokenizer
+    from grpoflow.tokens import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
     res, engine = _run(tmp_path, tiny_model_dir, harness, _policy(harness, tok))
@@ -74,7 +74,7 @@ def test_the_real_cli_solves_a_task_token_exact_with_tool_output_masked(tmp_path
 
 @pytest.mark.parametrize("harness", HARNESSES)
 def test_a_cut_off_turn_ends_the_episode_truncated_and_its_action_never_runs(tmp_path, tiny_model_dir, harness):
-    from grpoflow.rollout.tokens import load_tokenizer
+    from grpoflow.tokens import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
     cut = _call(harness)[:-30]  # the call, cut before its end: it must not run

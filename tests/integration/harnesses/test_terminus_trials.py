@@ -17,8 +17,10 @@ from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.harnesses import agent_factory
-from grpoflow.rollout.step import collect_step, sandbox_config
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.step import collect_step
 from tests.fakes.scripted_openai import Reply, ScriptedOpenAI, terminus_json
 
 pytestmark = pytest.mark.skipif(
@@ -49,10 +51,9 @@ def _run(tmp_path: Path, url: str, tokenizer_path: str, *, model: str | None = "
         collect_step(
             "t",
             0,
-            [_prompt("hello-file")],
+            plan_group_trials([_prompt("hello-file")], 0, cfg.rollout.n_samples_per_prompt, 0),
             cfg.rollout,
-            0,
-            make_agent,
+            PolicyAccess(make_agent),
             sandbox_config(cfg.rollout),
             tmp_path / "trials",
             tmp_path / "details",
@@ -126,7 +127,7 @@ def test_max_turns_zero_means_no_policy_call_not_unlimited(tmp_path):
 
 
 def test_the_policy_key_comes_from_a_file_and_is_written_nowhere(tmp_path, monkeypatch):
-    from grpoflow.rollout.credentials import POLICY_KEY_VAR, export_policy_key
+    from grpoflow.credentials import POLICY_KEY_VAR, export_policy_key
 
     key = "sk-policy-test-4242"
     key_file = tmp_path / "policy.key"

@@ -9,9 +9,11 @@ import pytest
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import parse_run_config
-from grpoflow.rollout.step import GroupRefill, collect_step, sandbox_config
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring import informative_groups
+from grpoflow.scoring.groups import informative_groups
+from grpoflow.scoring.step import GroupRefill, collect_step
 from tests.fakes.prompts import builtin_prompts
 from tests.fakes.samples import make_sample
 
@@ -41,10 +43,9 @@ def _collect(tmp_path, step_prompts, pool, rounds):
         collect_step(
             "t",
             3,
-            step_prompts,
+            plan_group_trials(step_prompts, 3, cfg.rollout.n_samples_per_prompt, 5),
             cfg.rollout,
-            5,
-            _agent,
+            PolicyAccess(_agent),
             sandbox_config(cfg.rollout, work_dir=str(tmp_path / "sb")),
             tmp_path / "trials",
             tmp_path / "details",

@@ -13,7 +13,7 @@ from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.agents.shell import SYSTEM_PROMPT
 from grpoflow.rollout.policy import fit_to_engine
-from grpoflow.rollout.tokens import TokenTrajectory, load_tokenizer
+from grpoflow.tokens import TokenTrajectory, load_tokenizer
 from tests.fakes.rollout_step import run_step
 from tests.fakes.sglang_standin import StandinServer
 

@@ -11,7 +11,9 @@ from harbor.models.trial.result import AgentInfo, ExceptionInfo, TrialResult
 from harbor.models.verifier.result import VerifierResult
 
 from grpoflow.rollout.trials import Attempt, TrialOutcome, TrialSpec
-from grpoflow.scoring import select_trainable, step_metrics, to_sample, verifier_reward
+from grpoflow.scoring.groups import select_trainable
+from grpoflow.scoring.metrics import step_metrics
+from grpoflow.scoring.outcome import to_sample, verifier_reward
 
 
 def _outcome(reward=None, rewards=None, exc=None, end_reason="done", n_attempts=1, group="g", k=0, gen=3):
@@ -69,7 +71,7 @@ def test_truncated_episode_is_scored_and_marked():
 @pytest.mark.parametrize(
     "exc, reward, exit_status, status",
     [
-        ("AgentTimeoutError", 1.0, "TimeLimitExceeded", "COMPLETED"),  # verifier ran: the reward stands
+        ("AgentTimeoutError", 1.0, "TimeLimitExceeded", "TRUNCATED"),  # verifier ran: the reward stands, cut short
         ("EnvironmentStartTimeoutError", None, "TimeLimitExceeded", "FAILED"),
         ("SandboxStartError", None, "SandboxError", "FAILED"),
         ("EngineError", None, "AgentError", "FAILED"),
@@ -167,7 +169,7 @@ def test_the_trial_record_is_typed_both_ways():
 
 def test_steps_whose_every_trial_failed_stop_the_run_after_the_limit_with_the_reasons():
     from grpoflow.errors import RolloutError
-    from grpoflow.scoring import FailedSteps
+    from grpoflow.scoring.groups import FailedSteps
 
     failed = [to_sample(_outcome(reward=None, group=g, exc="SandboxStartError"), "r", 0) for g in ("a", "b")]
     ok = [to_sample(_outcome(reward=1.0, group="c"), "r", 0)]
@@ -186,3 +188,15 @@ def test_a_full_context_window_is_an_over_long_ending():
     s = to_sample(_outcome(reward=0.0, end_reason="token_budget"), "r", 0)
     assert (s.exit_status, s.status, s.reward) == ("SequenceLengthLimitExceeded", "TRUNCATED", 0.0)
     assert s.exit_reason == "the context window is full"
+
+
+def test_a_wall_clock_cut_is_masked_like_a_cut_turn():
+    """An episode Harbor's agent timeout cut keeps its reward but did not end by itself: `truncated=mask` keeps
+    its tokens out of the loss, as it does a turn cut at max_new_tokens."""
+    from grpoflow.config import RunConfig
+    from grpoflow.train.step import shape_overlong
+
+    s = to_sample(_outcome(reward=1.0, exc="AgentTimeoutError"), "r", 0)
+    assert s.status == "TRUNCATED" and s.reward == 1.0 and sum(s.loss_mask) > 0
+    shaped, m = shape_overlong([s], RunConfig(train={"truncated": "mask"}))
+    assert sum(shaped[0].loss_mask) == 0 and m == {"truncated_masked": 1.0}

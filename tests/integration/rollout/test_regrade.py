@@ -11,11 +11,13 @@ import pytest
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import parse_run_config
+from grpoflow.paths import RunPaths
 from grpoflow.prepare.dataset import builtin_dataset_path
-from grpoflow.rollout.step import collect_step, sandbox_config
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.run.health import TaskHealth, health_markdown, run_tasks
 from grpoflow.run.regrade import (
-    REGRADES_FILE,
     StoredTrial,
     alternate,
     pick_trials,
@@ -23,6 +25,7 @@ from grpoflow.run.regrade import (
     regrade_summary,
     regrade_trials,
 )
+from grpoflow.scoring.step import collect_step
 from tests.fakes.prompts import builtin_prompts
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -63,10 +66,9 @@ def run_root(tmp_path):
             collect_step(
                 "t",
                 step,
-                prompts,
+                plan_group_trials(prompts, step, cfg.rollout.n_samples_per_prompt, 0),
                 cfg.rollout,
-                0,
-                lambda spec: AgentConfig(name="oracle"),
+                PolicyAccess(lambda spec: AgentConfig(name="oracle")),
                 sandbox_config(cfg.rollout),
                 root / "trials" / f"step_{step}",
                 root / "details" / f"step_{step}",
@@ -159,7 +161,7 @@ def test_trials_that_cannot_be_regraded_are_rows_with_why_never_verdicts(run_roo
     }
     table = health_markdown(["run"], [TaskHealth(k, [c]) for k, c in counts.items()])
     assert "| hello-file | 1.00 (4) | always 1 | 0 of 0, 2 failed | - |" in table
-    (run_root / REGRADES_FILE).write_text('{"task": "x"}\n')
+    RunPaths(run_root).regrades.write_text('{"task": "x"}\n')
     with pytest.raises(ValueError, match=r"regrades.jsonl:1: not a regrade row"):
         read_regrades(run_root)
 

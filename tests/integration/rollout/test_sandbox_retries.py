@@ -7,8 +7,11 @@ import pytest
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import parse_run_config
-from grpoflow.rollout.step import collect_step, sandbox_config
-from grpoflow.scoring import select_trainable
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.groups import select_trainable
+from grpoflow.scoring.step import collect_step
 from tests.fakes.prompts import builtin_prompts
 
 pytestmark = [
@@ -26,10 +29,9 @@ def _collect(tmp_path, prompts, retries, **sandbox_kwargs):
         collect_step(
             "t",
             0,
-            prompts,
+            plan_group_trials(prompts, 0, cfg.rollout.n_samples_per_prompt, 0),
             cfg.rollout,
-            0,
-            lambda spec: AgentConfig(name="oracle"),
+            PolicyAccess(lambda spec: AgentConfig(name="oracle")),
             sandbox_config(cfg.rollout, work_dir=str(tmp_path / "sb"), **sandbox_kwargs),
             tmp_path / "trials",
             tmp_path / "details",

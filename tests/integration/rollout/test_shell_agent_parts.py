@@ -1,7 +1,7 @@
 import pytest
 
 from grpoflow.rollout.agents.shell import format_output, parse_command
-from grpoflow.rollout.tokens import TemplateError, TokenTrajectory, load_tokenizer
+from grpoflow.tokens import TemplateError, TokenTrajectory, load_tokenizer
 
 
 @pytest.mark.parametrize(

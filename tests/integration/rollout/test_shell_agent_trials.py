@@ -9,7 +9,10 @@ from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.harnesses import agent_factory
-from grpoflow.rollout.step import collect_step, sandbox_config
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.step import collect_step
 from tests.fakes.scripted_engine import Reply, ScriptedEngine
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -27,10 +30,9 @@ def _run(tmp_path, engine, tiny_model_dir, prompts, **rollout):
         collect_step(
             "t",
             0,
-            prompts,
+            plan_group_trials(prompts, 0, cfg.rollout.n_samples_per_prompt, 0),
             cfg.rollout,
-            0,
-            make_agent,
+            PolicyAccess(make_agent),
             sandbox_config(cfg.rollout),
             tmp_path / "trials",
             tmp_path / "details",

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from grpoflow.errors import ModelError
 from grpoflow.prepare.model import prepare_model
-from grpoflow.rollout.tokens import TokenTrajectory, is_cut_off, stop_ids, turn_end
+from grpoflow.tokens import TokenTrajectory, is_cut_off, stop_ids, turn_end
 
 
 def _base_layout(tiny_model_dir):
@@ -58,7 +58,7 @@ def test_a_template_that_does_not_close_turns_with_a_special_token_fails_at_prep
 def test_a_template_that_rewrites_earlier_turns_is_refused_for_the_shell_agent_only(tiny_model_dir, tmp_path):
     from grpoflow.config import parse_run_config
     from grpoflow.prepare.dataset import load_dataset
-    from grpoflow.prepare.stage import make_prompts, record_run
+    from grpoflow.run.start import make_prompts, record_run
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -82,3 +82,19 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_for_the_shell_agent_o
             assert not (tmp_path / "runs" / harness).exists()  # refused before anything was written
         else:
             assert record_run(cfg, model, dataset, make_prompts(cfg, dataset)).paths.root.is_dir()
+
+
+def test_every_eos_of_the_generation_config_ends_a_turn(tiny_model_dir, tmp_path):
+    """A model whose generation_config.json lists EOS ids beside the tokenizer's (Llama-3.1 ends a tool-call turn
+    with `<|eom_id|>`): a turn that ends on one ended by itself, it was not cut off."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    extra = 7
+    assert extra not in stop_ids(tok)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, extra]}))
+    tok = AutoTokenizer.from_pretrained(model)
+    assert extra in stop_ids(tok) and tok.eos_token_id in stop_ids(tok)
+    assert not is_cut_off("length", [5, extra], stop_ids(tok))  # ended on it, at the limit too
+    (model / "generation_config.json").write_text("{not json")
+    assert extra not in stop_ids(AutoTokenizer.from_pretrained(model))  # unreadable: the template's stops remain

@@ -33,9 +33,9 @@ from harbor.models.trial.paths import EnvironmentPaths, TrialPaths
 from harbor.trial.trial import Trial
 from harbor.utils.scripts import build_execution_command
 
-from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.prepare.dataset import TaskSpec, load_dataset
+from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH
 
 TASKS = load_dataset("builtin").tasks
 CONCURRENCY = 8  # as in test_sandbox_harbor.py: each trial mostly waits on short bwrap processes

@@ -16,9 +16,8 @@ from harbor.models.trial.config import (
 from harbor.models.trial.result import TrialResult
 from harbor.trial.trial import Trial
 
-from grpoflow.embedded.sandbox import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.prepare.dataset import load_dataset
-from grpoflow.rollout.environments import is_sandbox_failure_type
+from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH, is_sandbox_failure_type
 from tests.fakes.faulty_sandbox import FAULTY_SANDBOX_IMPORT_PATH
 from tests.integration.sandbox.sandbox_helpers import new_marker, wait_gone
 

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from grpoflow.rollout.sessions.server import SessionServer
-from grpoflow.rollout.tokens import load_tokenizer
+from grpoflow.rollout.sessions.server import SessionServer, SessionSettings
+from grpoflow.tokens import load_tokenizer
 from tests.fakes.app_thread import AppThread
 from tests.fakes.scripted_engine import Reply, ScriptedEngine
 
@@ -31,7 +31,7 @@ def scripted(tiny_model_dir) -> Iterator[Callable[..., tuple[ScriptedEngine, Ses
     def make(script, **kwargs):
         engine = ScriptedEngine(str(tiny_model_dir), script)
         kwargs.setdefault("context_length", 2048)
-        server = SessionServer(engine.url, str(tiny_model_dir), **kwargs).start()
+        server = SessionServer(SessionSettings(engine.url, str(tiny_model_dir), **kwargs)).start()
         started.append((engine, server))
         return engine, server
 

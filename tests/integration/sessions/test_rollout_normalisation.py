@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpoflow.config import TrainConfig
 from grpoflow.samples import Sample
-from grpoflow.train.grpo import group_advantages, policy_loss
+from grpoflow.train.grpo import LossInputs, group_advantages, policy_loss
 from grpoflow.train.step import _rollout_minibatches
 
 
@@ -34,7 +35,8 @@ def test_sample_aggregation_weighs_a_segmented_rollout_as_one_sample():
 
     def run(rows_lp, rows_old, masks, adv, **kw):
         lp = rows_lp.clone().requires_grad_(True)
-        loss, _ = policy_loss(lp, rows_old, adv, masks, 0.2, 0.28, "sample", **kw)
+        cfg = TrainConfig(eps_low=0.2, eps_high=0.28, loss_aggregation="sample", dual_clip=None, tis_cap=None)
+        loss, _ = policy_loss(LossInputs(lp, rows_old, adv, masks, **kw), cfg)
         loss.backward()
         return loss.item(), lp.grad
 

@@ -13,8 +13,8 @@ import pytest
 
 from grpoflow.config import TrainConfig
 from grpoflow.rollout.sessions.segments import segment_samples
-from grpoflow.rollout.trials import turn_seed
 from grpoflow.samples import Sample
+from grpoflow.seeds import turn_seed
 from grpoflow.train.step import prepare_samples
 from tests.integration.sessions.conftest import Out
 
@@ -301,13 +301,13 @@ def test_seed_cap_and_context_limit(scripted, tok):
 
 
 def test_runner_works_from_async_code(tiny_model_dir, tok):
-    from grpoflow.rollout.sessions.server import SessionServer
+    from grpoflow.rollout.sessions.server import SessionServer, SessionSettings
     from tests.integration.sessions.conftest import ScriptedEngine
 
     engine = ScriptedEngine(str(tiny_model_dir), lambda ids, i: Out([9, tok.eos_token_id]))
 
     async def main() -> SessionServer:
-        async with SessionServer(engine.url, str(tiny_model_dir), context_length=512) as srv:
+        async with SessionServer(SessionSettings(engine.url, str(tiny_model_dir), context_length=512)) as srv:
             client = openai.AsyncOpenAI(
                 base_url=srv.session_url("a-1"), api_key=srv.session_token("a-1"), max_retries=0
             )
@@ -391,3 +391,45 @@ def test_a_reply_after_the_harness_hung_up_is_not_trained(scripted, tok):
     assert len(tree.turns) == 1 and tree.turns[0].abandoned
     [sample] = segment_samples(_trial("t-1"), tree)
     assert sum(sample.loss_mask) == 0
+
+
+def test_a_request_for_an_ended_session_is_refused_not_opened_again(scripted, tok):
+    """A harness still running after its trial ended (a lost worker's sandbox) gets 410 and leaves no session
+    behind: its turns would otherwise train, and the session would live for the rest of the run."""
+    engine, server = scripted(lambda ids, i: Out(tok.encode("ls", add_special_tokens=False) + [tok.eos_token_id]))
+    url, token = server.session_url("late-0"), server.session_token("late-0")
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    headers = {"Authorization": f"Bearer {token}"}
+    assert httpx.post(f"{url}/chat/completions", json=body, headers=headers).status_code == 200
+    assert len(server.pop_session("late-0").turns) == 1
+    late = httpx.post(f"{url}/chat/completions", json=body, headers=headers)
+    assert late.status_code == 410 and late.json()["error"]["code"] == "session_closed"
+    assert "late-0" not in server.store.sessions and len(engine.calls) == 1
+    with pytest.raises(ValueError, match="has ended"):
+        server.session_url("late-0", seed=1)
+
+
+def test_each_attempt_of_a_trial_gets_a_session_and_token_of_its_own(tiny_model_dir, tmp_path):
+    """`policy_access` for a harness behind the session server: a retried trial's second attempt talks to
+    another session with another token, and the first attempt's session is closed by `forget`."""
+    from grpoflow.config import parse_run_config
+    from grpoflow.rollout.policy import policy_access
+    from grpoflow.rollout.trials import TrialSpec
+    from tests.fakes.scripted_engine import ScriptedEngine
+
+    cfg = parse_run_config({"rollout": {"harness": "terminus-2"}})
+    engine = ScriptedEngine(str(tiny_model_dir), lambda ids, i: Out([tok_id for tok_id in ids[:1]]))
+    spec = TrialSpec("task", "/tasks/task", "g", 0, "g-0", 7)
+
+    async def attempts():
+        async with policy_access(cfg.rollout, cfg.engine, engine.url, str(tiny_model_dir)) as policy:
+            first = policy.make_agent(spec)
+            policy.forget(spec)  # the first attempt failed in its sandbox: it is run again
+            second = policy.make_agent(spec)
+            return first, second
+
+    first, second = asyncio.run(attempts())
+    assert first.kwargs["api_base"] != second.kwargs["api_base"]
+    assert first.kwargs["api_base"].endswith("/sessions/g-0.0/v1") and second.kwargs["api_base"].endswith("g-0.1/v1")
+    keys = [a.env["GRPOFLOW_SESSION_TOKEN"] for a in (first, second)]
+    assert keys[0] != keys[1]

@@ -221,3 +221,44 @@ def test_count_tokens_is_the_prompt_the_policy_would_get(scripted, tok):
         anthropic.Anthropic(base_url=client.base_url, api_key="guess", max_retries=0).messages.count_tokens(
             model="policy", messages=msgs
         )
+
+
+def test_a_turn_offered_other_tools_is_not_extended_from_the_turn_before(scripted, tok):
+    """When a harness changes its tool list mid-session, the next prompt is rendered afresh (the tools sit in the
+    system turn): extending the earlier turn's tokens would hide the new tools from the policy."""
+    engine, server = scripted(lambda ids, i: Out(_ids(tok, f"reply {i}")))
+    client = openai.OpenAI(base_url=server.session_url("tl-0"), api_key=server.session_token("tl-0"), max_retries=0)
+    more = TOOLS_OPENAI + [{"type": "function", "function": {"name": "Read", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    first = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS_OPENAI)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "go"}]
+    client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS_OPENAI)
+    msgs += [{"role": "assistant", "content": "reply 1"}, {"role": "user", "content": "again"}]
+    client.chat.completions.create(model="policy", messages=msgs, tools=more)
+    tree = server.pop_session("tl-0")
+    assert [t.extends for t in tree.turns] == [None, 0, None]  # the same tools: extended; other tools: afresh
+
+
+def test_a_side_request_with_its_own_small_limit_neither_trains_nor_truncates_the_trial(scripted, tok):
+    """opencode asks for a title beside the episode, with a `max_tokens` of its own far below the run's: cut at
+    that limit it is answered `length` as asked, but the trial is not over-long, and its reply never trains."""
+    title = tok.encode("Fix the app", add_special_tokens=False)[:3]
+
+    def script(ids, i):
+        return Out(title, finish="length") if i == 1 else Out(_ids(tok, f"step {i}"))
+
+    engine, server = scripted(script, max_new_tokens=64)
+    client = openai.OpenAI(base_url=server.session_url("sd-0"), api_key=server.session_token("sd-0"), max_retries=0)
+    msgs = [{"role": "user", "content": "fix it"}]
+    first = client.chat.completions.create(model="policy", messages=msgs)
+    side = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "title for: fix it"}], max_tokens=len(title)
+    )
+    assert side.choices[0].finish_reason == "length"  # the harness hears what it asked for
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "ok"}]
+    client.chat.completions.create(model="policy", messages=msgs)
+    tree = server.pop_session("sd-0")
+    assert tree.side_requests() == {1} and tree.stats()["truncated_turns"] == 0
+    samples = segment_samples(_trial("sd-0"), tree)
+    assert [s.status for s in samples] == ["COMPLETED"]  # one segment: the episode; the title is not trained
+    assert _trained(samples[0]) == _ids(tok, "step 0") + _ids(tok, "step 2")

@@ -27,10 +27,13 @@ import pytest
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import new_run_id, parse_run_config
+from grpoflow.credentials import export_sandbox_key, sandbox_key_var
 from grpoflow.preflight import check_run, format_problems
 from grpoflow.prepare.prompts import load_prompts
-from grpoflow.rollout.credentials import export_sandbox_key, sandbox_key_var
-from grpoflow.rollout.step import collect_step, sandbox_config
+from grpoflow.rollout.policy import PolicyAccess
+from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.step import collect_step
 
 SANDBOX = os.environ.get("GRPOFLOW_E2E_SANDBOX", "").strip()
 KEY_VAR = sandbox_key_var(SANDBOX) if SANDBOX else None
@@ -42,9 +45,7 @@ def _skip_reason() -> str | None:
     if not SANDBOX:
         return "set GRPOFLOW_E2E_SANDBOX (e.g. e2b) and its key variable to run the real-sandbox check"
     if KEY_VAR is None:
-        return (
-            f"GRPOFLOW_E2E_SANDBOX={SANDBOX}: grpoflow knows no key variable for it (see grpoflow.rollout.credentials)"
-        )
+        return f"GRPOFLOW_E2E_SANDBOX={SANDBOX}: grpoflow knows no key variable for it (see grpoflow.credentials)"
     if not (os.environ.get(KEY_VAR, "").strip() or KEY_FILE):
         return f"set {KEY_VAR} (or GRPOFLOW_E2E_KEY_FILE) to run the real-sandbox check on {SANDBOX}"
     return None
@@ -99,10 +100,9 @@ def test_oracle_trials_on_the_real_sandbox_are_verified(prefect_server, tmp_path
         collect_step(
             cfg.run_id,
             0,
-            prompts,
+            plan_group_trials(prompts, 0, cfg.rollout.n_samples_per_prompt, cfg.seed),
             cfg.rollout,
-            cfg.seed,
-            lambda spec: AgentConfig(name="oracle"),
+            PolicyAccess(lambda spec: AgentConfig(name="oracle")),
             sandbox_config(cfg.rollout),
             trials_dir,
             run.paths.details(0),

@@ -10,8 +10,10 @@ mask 0): `suffix_ids`. The shell agent's `TokenTrajectory` and the session serve
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 
@@ -55,8 +57,22 @@ def turn_end(tokenizer: Any) -> tuple[str, int]:
 
 
 def stop_ids(tokenizer: Any) -> frozenset[int]:
-    """Token ids that end a turn by themselves: the template's turn end and the tokenizer's EOS."""
-    return frozenset(i for i in (turn_end(tokenizer)[1], tokenizer.eos_token_id) if i is not None)
+    """Token ids that end a turn by themselves: the template's turn end, the tokenizer's EOS, and every EOS the
+    model's `generation_config.json` lists beside it (Llama-3.1's `<|eom_id|>` after a tool call): a turn that
+    ends on one ended by itself, it was not cut off."""
+    ids = {turn_end(tokenizer)[1], tokenizer.eos_token_id, *generation_eos_ids(tokenizer.name_or_path)}
+    return frozenset(i for i in ids if i is not None)
+
+
+def generation_eos_ids(model_dir: str | Path) -> list[int]:
+    """`eos_token_id` of the model dir's generation_config.json (an id or a list of them); [] without one."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return []  # unreadable: the template's turn end and the tokenizer's EOS still stop a turn
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def check_chat_template(tokenizer: Any) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from grpoflow.config import RunConfig
 from grpoflow.errors import ModelError, RunDirError
 from grpoflow.fileio import write_json_atomic
+from grpoflow.paths import RunPaths, create_run_dir
 from grpoflow.prepare.dataset import Dataset, load_dataset
 from grpoflow.prepare.model import PreparedModel, prepare_model
 from grpoflow.prepare.prompts import (
@@ -20,9 +21,8 @@ from grpoflow.prepare.prompts import (
     load_prompts,
     write_prompts,
 )
-from grpoflow.rollout.tokens import TemplateError, check_chat_template, load_tokenizer
 from grpoflow.run.info import DeploymentRef, Provenance, RunInfo, parent_of, read_run_info, write_run_info
-from grpoflow.run.paths import RunPaths, create_run_dir
+from grpoflow.tokens import TemplateError, check_chat_template, load_tokenizer
 
 
 @dataclass(frozen=True)

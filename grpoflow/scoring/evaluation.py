@@ -17,18 +17,23 @@ away, so its curve shows what the training changed.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+from grpoflow.config import RunConfig
+from grpoflow.paths import RunPaths
 from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.rollout.trials import EVAL_SEED_STEP, TrialSpec, plan_group_trials
-from grpoflow.samples import Sample
+from grpoflow.samples import PASS, Sample
+from grpoflow.scoring.step import RolloutHooks, RolloutSetup, collect_with
 
 # metric-key name of a split -> the prompts.jsonl split it evaluates
 EVAL_SPLITS = {"trained": "train", "heldout": "eval"}
-SUCCESS = 1.0  # a trial passes when the verifier's reward reaches this (as `pass_at_1` of the rollout metrics)
 Z95 = 1.959963984540054
 
 
@@ -88,7 +93,7 @@ def paired_change(before: Sequence[bool], after: Sequence[bool], z: float = Z95)
 
 
 def _passed(s: Sample) -> float:
-    return float(s.reward is not None and s.reward >= SUCCESS)
+    return float(s.reward is not None and s.reward >= PASS)
 
 
 def _trials(samples: Sequence[Sample]) -> dict[tuple[str, int], Sample]:
@@ -204,3 +209,25 @@ def before_after_lines(first: Mapping[str, float], last: Mapping[str, float]) ->
             f"{verdict} ({int(last.get(p + 'paired_trials', last[p + 'scored']))} paired trials)"
         )
     return lines
+
+
+def evaluate_policy(
+    cfg: RunConfig,
+    version: int,
+    prompts: Sequence[PromptRecord],
+    setup: RolloutSetup,
+    paths: RunPaths,
+    base: Path | None = None,
+    hooks: RolloutHooks | None = None,
+) -> dict[str, float]:
+    """Evaluate the engine's weights (version `version`: updates so far) on the train tasks and the held-out
+    split, with the same trials as every other evaluation of the run; returns the `eval/...` metrics, each split
+    compared with the evaluation whose details dir is `base` (default: the run's first one, version 0)."""
+    plan = eval_plan(prompts, version, cfg.train.eval_samples_per_prompt, cfg.seed)
+    specs = [s for group in plan.values() for s in group]
+    trials, details = paths.eval_trials(version), paths.eval_details(version)
+    result = asyncio.run(collect_with(cfg, version, specs, setup, trials, details, f"eval-{version}", hooks))
+    if base is None and version > 0:
+        base = paths.eval_details(0)
+    baseline = read_samples(base) if base is not None and (base / SAMPLES).is_file() else None
+    return plan_metrics(plan, result.samples, baseline)

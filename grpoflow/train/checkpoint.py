@@ -1,19 +1,17 @@
 """Checkpoint files: an HF dir written atomically (a LoRA run's: its adapter, and the merged model when asked),
 optionally with the AdamW state, trainer counters and the step's record (then it is a full checkpoint, a resume
-point), and pruning of the ones nothing resumes from."""
+point), and the trainer's state restored from one."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from grpoflow.run.paths import is_temp_sibling, step_of, temp_sibling
+from grpoflow.fileio import publish_dir
 from grpoflow.train.lora import ADAPTER_DIR, has_lora, load_adapter, save_adapter, serving_tensors
 from grpoflow.train.trainer import TrainerState
 
@@ -47,38 +45,25 @@ def save_checkpoint(
     dtype it serves); the model's own otherwise.
     """
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(out_dir, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     lora = has_lora(model)
-    if lora:
-        save_adapter(model, tmp / ADAPTER_DIR)
-    if weights or not lora:  # a model without adapters always writes its weights: they are its trained state
-        tensors = serving_tensors(model) if lora or dtype is not None else None  # None: save_pretrained's own
-        if dtype is not None:
-            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=tensors)
-    else:
-        model.config.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-    if counters is not None:
-        (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
-    if step_record is not None:  # written last: the rename below publishes it with everything else
-        (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
-    if durable:  # the rename is only as durable as the bytes it points at
-        fsync_files(tmp)
-    if out_dir.exists():
-        old = temp_sibling(out_dir, "old")
-        out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out_dir)
-    if durable:
-        fsync_path(out_dir.parent)
+    with publish_dir(out_dir, replace=True, durable=durable) as tmp:
+        if lora:
+            save_adapter(model, tmp / ADAPTER_DIR)
+        if weights or not lora:  # a model without adapters always writes its weights: they are its trained state
+            tensors = serving_tensors(model) if lora or dtype is not None else None  # None: save_pretrained's own
+            if dtype is not None:
+                tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=tensors)
+        else:
+            model.config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if counters is not None:
+            (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
+        if step_record is not None:  # the rename that publishes the dir publishes it with everything else
+            (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
     return out_dir
 
 
@@ -112,36 +97,3 @@ def _restore_optimizer(state: TrainerState, ckpt: Path) -> dict[str, Any]:
     counters = json.loads((ckpt / TRAINER_FILE).read_text(encoding="utf-8"))
     state.optimizer_steps = int(counters.get("optimizer_steps", 0))
     return counters
-
-
-def fsync_files(folder: Path) -> None:
-    """Every file below `folder` and every folder inside it (a LoRA checkpoint keeps its adapter in `adapter/`)."""
-    for root, dirs, files in os.walk(folder):
-        for name in files:
-            fsync_path(Path(root) / name)
-        for name in dirs:
-            fsync_path(Path(root) / name)
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def prune_checkpoints(root: str | Path, latest: int) -> list[Path]:
-    """Delete `root/step_<n>` dirs with n < latest that are not full checkpoints (no optimizer state); return
-    the deleted paths.
-
-    Full checkpoints (resume points) and the latest step are kept, and steps after `latest` are left alone.
-    Leftover temp dirs of an interrupted `save_checkpoint` are removed too.
-    """
-    removed = []
-    for p in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
-        n = step_of(p)
-        if is_temp_sibling(p) or (n is not None and n < latest and not (p / OPTIMIZER_FILE).is_file()):
-            shutil.rmtree(p)
-            removed.append(p)
-    return removed

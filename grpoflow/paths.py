@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,34 +33,67 @@ class RunPaths:
         return self.root / "timings.jsonl"
 
     @property
+    def engine_log(self) -> Path:  # the engine the run started (`engine-<i>.log` per replica)
+        return self.root / "engine.log"
+
+    @property
     def tb(self) -> Path:
         return self.root / "tb"
 
+    @property
+    def lock(self) -> Path:  # held by the process running the run (`grpoflow.run.resume.run_lock`)
+        return self.root / "run.lock"
+
+    @property
+    def sync(self) -> Path:  # what an adapter weight sync writes for the engine to load
+        return self.root / "sync"
+
+    @property
+    def tasks(self) -> Path:  # the run's own counts per task (`grpoflow.run.health`)
+        return self.root / "tasks.json"
+
+    @property
+    def regrades(self) -> Path:  # one line per regraded trial (`grpoflow.run.regrade`)
+        return self.root / "regrades.jsonl"
+
+    @property
+    def rerun(self) -> Path:  # a rerun's comparison with the run it reran
+        return self.root / "rerun.json"
+
+    @property
+    def viewer(self) -> Path:  # best and worst trial of every group, offline
+        return self.root / "viewer.html"
+
+    @property
+    def summary_plot(self) -> Path:
+        return self.root / "summary.png"
+
+    @property
+    def all_trials(self) -> Path:  # Harbor's trial dirs, one dir per step and per evaluation
+        return self.root / "trials"
+
+    @property
+    def all_details(self) -> Path:  # our samples and journals, one dir per step and per evaluation
+        return self.root / "details"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
     def trials(self, step: int) -> Path:
-        return self.root / "trials" / f"step_{step}"
+        return self.all_trials / f"step_{step}"
 
     def details(self, step: int) -> Path:
-        return self.root / "details" / f"step_{step}"
+        return self.all_details / f"step_{step}"
 
     def eval_trials(self, version: int) -> Path:  # the evaluation of the weights after `version` updates
-        return self.root / "trials" / f"eval_{version}"
+        return self.all_trials / f"eval_{version}"
 
     def eval_details(self, version: int) -> Path:
-        return self.root / "details" / f"eval_{version}"
+        return self.all_details / f"eval_{version}"
 
     def checkpoint(self, step: int) -> Path:
-        return self.root / "checkpoints" / f"step_{step}"
-
-
-def temp_sibling(path: Path, kind: str) -> Path:
-    """`.<name>.<kind>-<pid>` beside `path`: where a dir is written (`tmp`) or set aside (`old`) around the rename
-    that publishes it."""
-    return path.parent / f".{path.name}.{kind}-{os.getpid()}"
-
-
-def is_temp_sibling(path: Path) -> bool:
-    """A `temp_sibling` left by an interrupted write."""
-    return re.fullmatch(r"\..+\.(tmp|old)-\d+", path.name) is not None
+        return self.checkpoints / f"step_{step}"
 
 
 def step_of(path: Path) -> int | None:

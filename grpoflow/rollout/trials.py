@@ -88,7 +88,7 @@ def plan_group_trials(
     for p_idx, p in enumerate(prompts):
         group = f"{prefix or f'step{step}'}-{p.instance_id}"
         for k in range(n_samples):
-            seed = trial_seed(base_seed, step, p_idx, k)
+            seed = trial_seed(base_seed, step, p.instance_id, k)
             specs.append(TrialSpec(p.instance_id, p.task_path, group, k, f"{group}-{k}", seed))
     return specs
 

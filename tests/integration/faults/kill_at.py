@@ -59,17 +59,17 @@ def arm(point: str, step: int, n: int) -> None:
 
         journal.append_jsonl = append
     elif point == "train":
-        import grpoflow.train.step as train_step_mod
+        import grpoflow.train.ranks as ranks
 
-        real_step = train_step_mod.train_step
+        real_update = ranks.grpo_update
 
-        def train_step(state, samples, cfg, seed, temperature=1.0):
-            out = real_step(state, samples, cfg, seed, temperature)
-            if seed % 1_000_003 >= step:  # seed = run seed * 1_000_003 + step
+        def grpo_update(state, samples, cfg, at):
+            out = real_update(state, samples, cfg, at)
+            if at >= step:  # after the update, before its commit
                 die()
             return out
 
-        train_step_mod.train_step = train_step
+        ranks.grpo_update = grpo_update
     elif point == "checkpoint":
         import grpoflow.fileio as fileio
 

@@ -5,8 +5,9 @@ loss the optimizer stepped on) or discarded for one reason, the first that appli
 them:
 
 - `stale`: its group had a sample older than `train.max_staleness` allows (`scoring.drop_stale`);
-- `failed_trial`: its trial FAILED (no verifier reward); `dropped_group`: another trial of its group did
-  (`rollout.on_retries_exhausted=drop_group`);
+- `infrastructure`: its trial FAILED for the sandbox or the engine, after its retries (`SandboxError`,
+  `EngineError`); `failed_trial`: its trial FAILED otherwise (no verifier reward); `dropped_group`: another trial
+  of its group failed (`rollout.on_retries_exhausted=drop_group`);
 - `masked_overlong`: its trial was TRUNCATED and `train.truncated=mask`;
 - `zero_std_group`: its group's rewards were all equal (`train.filter_zero_std`);
 - `zero_advantage`, `nonfinite`: its optimizer minibatch was skipped (every advantage zero; a gradient norm not
@@ -26,10 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from grpoflow.samples import Sample
+from grpoflow.samples import INFRASTRUCTURE_STATUSES, Sample
 
 REASONS = (
     "stale",
+    "infrastructure",
     "failed_trial",
     "dropped_group",
     "masked_overlong",
@@ -52,9 +54,11 @@ def rollout_discards(
     less the failed trials and their groups (`trainable`)."""
     kept = {id(s) for s in trainable}
     dropped = [s for s in fresh if id(s) not in kept]
+    infra = [s for s in dropped if s.status == "FAILED" and s.exit_status in INFRASTRUCTURE_STATUSES]
     return {
         "stale": float(tokens(rolled) - tokens(fresh)),
-        "failed_trial": float(tokens([s for s in dropped if s.status == "FAILED"])),
+        "infrastructure": float(tokens(infra)),
+        "failed_trial": float(tokens([s for s in dropped if s.status == "FAILED"]) - tokens(infra)),
         "dropped_group": float(tokens([s for s in dropped if s.status != "FAILED"])),
     }
 

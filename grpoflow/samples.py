@@ -26,6 +26,9 @@ ExitStatus = Literal[
     "EngineError",  # the engine did not answer for longer than a request waits it out (retried, then recorded)
     "VerifierError",  # the task's verifier crashed, timed out, or wrote no valid reward
 ]
+# Exit statuses of trials that failed for the machinery around the policy (after their retries): never the
+# policy's outcome, and counted apart from its failures.
+INFRASTRUCTURE_STATUSES: frozenset[str] = frozenset({"SandboxError", "EngineError"})
 # What the trainer does with it.
 SampleStatus = Literal["COMPLETED", "TRUNCATED", "FAILED"]
 

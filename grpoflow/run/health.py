@@ -26,9 +26,9 @@ from grpoflow.paths import RunPaths
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.info import read_run_info
 from grpoflow.run.regrade import read_regrades
-from grpoflow.samples import PASS
+from grpoflow.samples import INFRASTRUCTURE_STATUSES, PASS
 
-INFRA_STATUSES = ("SandboxError", "VerifierError")  # no verdict, and not the policy's doing
+INFRA_STATUSES = INFRASTRUCTURE_STATUSES | {"VerifierError"}  # no verdict, and not the policy's doing
 
 
 @dataclass

@@ -13,11 +13,14 @@ def _s(group, k, status="COMPLETED", n=3, reward=1.0):
 def test_rollout_discards_count_stale_then_failed_then_their_groups():
     stale = [_s("a", 0, n=5), _s("a", 1, n=5)]
     failed_group = [_s("b", 0, "FAILED", n=2), _s("b", 1, n=4)]
+    engine_down = [_s("d", 0, "FAILED", n=7), _s("d", 1, n=3)]
+    failed_group[0].exit_status = "AgentError"  # the policy's (or its agent's) failure
+    engine_down[0].exit_status = "EngineError"  # the engine did not answer: its own reason, not the policy's
     kept = [_s("c", 0, n=1), _s("c", 1, n=1)]
-    rolled = stale + failed_group + kept
-    fresh = failed_group + kept
+    rolled = stale + failed_group + engine_down + kept
+    fresh = failed_group + engine_down + kept
     out = rollout_discards(rolled, fresh, kept)
-    assert out == {"stale": 10.0, "failed_trial": 2.0, "dropped_group": 4.0}
+    assert out == {"stale": 10.0, "infrastructure": 7.0, "failed_trial": 2.0, "dropped_group": 7.0}
 
 
 def test_a_step_row_balances_and_the_train_keys_move_into_the_ledger():

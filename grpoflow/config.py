@@ -314,11 +314,10 @@ class RolloutConfig(_Section):
         1.0,
         gt=0.0,
         le=1.0,
-        description="Nucleus sampling threshold. Engine and trainer both score tokens under the unfiltered "
-        "softmax(logits / temperature), SGLang's default, so below 1 the tokens come from a narrower distribution "
-        "than the one the PPO ratio assumes.",
+        description="Nucleus sampling threshold. Engine and trainer score tokens under the unfiltered "
+        "softmax(logits / temperature), so a train run refuses values below 1; an evaluate run may filter.",
     )
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off); scored like `top_p`, unfiltered.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off); refused by a train run, as `top_p` is.")
     max_context_tokens: int = Field(
         2048, ge=64, le=1_048_576, description="Token budget of a whole episode (prompt, turns, tool output)."
     )

@@ -45,10 +45,26 @@ def check_run(
     if stage == "prepare" or harbor:  # prepare needs no sandbox or engine; without harbor the sandbox checks can't run
         return problems
     problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.policy_api_key_file)
+    if stage in ("train", "resume"):
+        problems += sampling_problems(cfg.rollout)
     problems += check_sandbox(cfg.rollout, env, timeout_s)
     if cfg.engine.backend == "sglang" and cfg.engine.url:
         problems += check_engine(cfg.engine.url, cfg.model.source, "model.source", timeout_s)
     return problems
+
+
+def sampling_problems(rollout: RolloutConfig) -> list[str]:
+    """A train run samples its trials from the distribution the trainer scores: engine and trainer both score
+    tokens under the unfiltered softmax(logits / temperature), so a nucleus or top-k filter would train another
+    objective than the one sampled (and the start-of-run probe would not see it)."""
+    filters = [f"top_p={rollout.top_p}"] * (rollout.top_p < 1.0) + [f"top_k={rollout.top_k}"] * (rollout.top_k > 0)
+    if not filters:
+        return []
+    return [
+        f"rollout.{' and rollout.'.join(filters)}: a train run samples from the distribution the trainer scores "
+        "(the unfiltered softmax at rollout.temperature); leave top_p at 1 and top_k at -1 (an evaluate run may "
+        "filter)"
+    ]
 
 
 def check_run_dir(cfg: RunConfig) -> list[str]:

@@ -446,3 +446,13 @@ def test_missing_policy_key_file_is_a_problem(tmp_path):
     )
     problems = check_run(cfg, "train")
     assert any("rollout.policy_api_key_file" in p for p in problems)
+
+
+@pytest.mark.parametrize("sampling", [{"top_p": 0.9}, {"top_k": 20}])
+def test_a_train_run_refuses_a_filtered_sampling_an_evaluation_may_use(sampling):
+    """Top-p / top-k would make the trials come from a narrower distribution than the one the trainer and the
+    engine score: the run would optimise another objective than it samples."""
+    cfg = parse_run_config({"rollout": sampling})
+    (problem,) = preflight.sampling_problems(cfg.rollout)
+    assert problem.startswith(f"rollout.{next(iter(sampling))}=") and "the trainer scores" in problem
+    assert preflight.sampling_problems(parse_run_config({}).rollout) == []

@@ -17,6 +17,10 @@ Through `prepare_run` (model -> dataset -> prompts -> run dir), every failure be
 | dataset dir with no task dirs (only hidden ones) | `DatasetError`: `holds no task directories` |
 | two task dirs whose names collide case-folded | `DatasetError`: `duplicate task name ...` |
 | dataset path that is a file | `DatasetError`: `does not exist or is not a directory` |
+| a task file or dir (instruction.md, task.toml, tests/, solution/, environment/...) that is a symlink out of the task dir | `DatasetError`: `<rel> is a symlink to <target>, outside the task directory (not read)`; nothing of it read or written |
+| a FIFO, socket or device in a task dir | `DatasetError`: `<rel> is a FIFO, not a regular file` (reading it would block) |
+| a task dir that is a symlink out of the dataset dir | `DatasetError`: `outside the dataset directory` |
+| task.toml time `inf`, `nan`, `1e300`, negative, or a time limit of 0 (agent, verifier, build, ...) | `DatasetError` naming the key: refused, not capped (a cap would change the task's contract silently) |
 | **prompts jsonl** (`test_prompts_file.py`) | every error names `file:line` |
 | a line that is not JSON / not an object / a JSON array | `DatasetError` `<file>:<n>: not valid JSON` / `must be a JSON object` |
 | duplicate instance_id | `DatasetError` `<file>:3: duplicate instance_id `x` (first on line 1)` |

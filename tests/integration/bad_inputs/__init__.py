@@ -42,6 +42,7 @@ Through `prepare_run` (model -> dataset -> prompts -> run dir), every failure be
 | HF dir without tokenizer / config.json / *.safetensors | `no tokenizer` / `no config.json` / `no *.safetensors weights` |
 | tokenizer larger than the model's vocab_size | `tokenizer has N tokens but the model's vocab_size is 16` |
 | config.json not JSON; tokenizer without a chat template | `cannot load config/tokenizer` / `no chat_template` |
+| model.safetensors cut short / empty / garbled header / trailing bytes; an index naming a missing shard | `model.safetensors is truncated or corrupt (...)` / `names <shard>, which the dir lacks`, from the header alone, before config.json or run.json |
 | corrupt GGUF; empty GGUF | `GGUF <file>: cannot read it (corrupt or unsupported)`; no cache entry left |
 | a file that is not .gguf; an unknown built-in name | `a file must be a .gguf`; names the built-ins |
 | **engine** (`test_engine_faults.py`, SGLang stand-in) | |

@@ -19,6 +19,7 @@ from grpoflow.config import (
 )
 from grpoflow.errors import ConfigError, GrpoflowError, RunDirError
 from grpoflow.prepare.presets import PRESETS, layered_run_config
+from grpoflow.run.paths import run_dir_problems
 
 
 def _parse_value(text: str) -> Any:
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})",
             flush=True,
         )
+        if problems := run_dir_problems(cfg.output_dir, cfg.run_id):  # said before Prefect's slow start
+            raise RunDirError("; ".join(problems))
         _run_flow(args.command, cfg, getattr(args, "from_run", None))  # Prefect only now: it is slow to import
     except GrpoflowError as err:
         print(f"grpoflow: error: {err}", file=sys.stderr)

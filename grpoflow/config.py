@@ -662,6 +662,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file (give the JSON file itself)") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config file: {err.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: not valid JSON: {err}") from None
     if not isinstance(data, dict):

@@ -25,6 +25,7 @@ from grpoflow.rollout.credentials import (
     sandbox_key_problems,
 )
 from grpoflow.rollout.harnesses import harness_problems
+from grpoflow.run.paths import run_dir_problems
 
 Stage = Literal["prepare", "train", "evaluate", "resume"]  # resume: a train run whose dir exists
 
@@ -59,9 +60,8 @@ def check_run(
 
 
 def check_run_dir(cfg: RunConfig) -> list[str]:
-    if cfg.run_id and cfg.run_dir.exists():
-        return [f"run dir {cfg.run_dir} already exists: choose another run_id (runs are never overwritten)"]
-    return []
+    """The run dir does not exist yet, and the output dir can hold it (a writable dir, or one that can be made)."""
+    return run_dir_problems(cfg.output_dir, cfg.run_id) if cfg.run_id else []
 
 
 def check_harbor(import_module: Callable[[str], object] = importlib.import_module) -> list[str]:

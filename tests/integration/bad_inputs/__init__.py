@@ -1,7 +1,7 @@
 """Bad inputs: each case gets one clear error (one line, naming the file or field) before anything is written, or a
 recorded per-trial exit status — never a crash mid-step, never a silent 0 reward.
 
-Through `prepare_run` (model -> dataset -> prompts -> run dir), every failure below also leaves no run dir behind.
+Through `prepare_run` (dataset -> model -> prompts -> run dir), every failure below also leaves no run dir behind.
 
 | input | what the system does |
 |---|---|
@@ -37,7 +37,7 @@ Through `prepare_run` (model -> dataset -> prompts -> run dir), every failure be
 | cross-field: sglang-launch without sglang_python, sglang without url | field named |
 | a credential in the config (`rollout.api_key`, `sandbox_kwargs.auth_token`) | refused, field named, value never echoed |
 | bad run_id (upper case, space, `../escape`, leading dash, 64 chars, underscore) | ``field `run_id` `` named, nothing created |
-| `--config` not JSON / not an object / not UTF-8 / empty / missing / bad field | error names the file (and the field) |
+| `--config` not JSON / not an object / not UTF-8 / empty / missing / a directory / bad field | error names the file (and the field) |
 | **model** (`test_model_dirs.py`) | `ModelError` naming the dir or file |
 | HF dir without tokenizer / config.json / *.safetensors | `no tokenizer` / `no config.json` / `no *.safetensors weights` |
 | tokenizer larger than the model's vocab_size | `tokenizer has N tokens but the model's vocab_size is 16` |
@@ -59,5 +59,8 @@ Through `prepare_run` (model -> dataset -> prompts -> run dir), every failure be
 | **run dir** (`test_run_dir.py`) | |
 | run dir exists | `RunDirError`: `already exists`; its files byte-for-byte and mtime unchanged |
 | bad dataset with an existing run dir | `DatasetError`; the run dir untouched |
-| output_dir is a file (read-only dir: skipped as root) | `RunDirError`: `cannot create run dir <path>` |
+| output_dir is a file, or below one | `RunDirError`: `output dir <dir>: <path> is a file, not a directory` (not "already exists") |
+| output_dir on a read-only filesystem (a ro tmpfs; a 0555 dir as non-root) | preflight: `output dir <dir>: <path> is not writable` |
+| through the CLI: run dir exists / output dir a file or below one | exit 2, one line, said before Prefect is imported |
+| a bad dataset with a model that would be converted | the `DatasetError`: the dataset is validated before the model is looked at |
 """

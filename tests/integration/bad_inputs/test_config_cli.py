@@ -96,6 +96,13 @@ def test_missing_config_file_names_the_file(tmp_path, capfd):
     assert str(f) in err and "not found" in err
 
 
+def test_config_that_is_a_directory_names_it(tmp_path, capfd):
+    d = tmp_path / "configs"
+    d.mkdir()
+    err = _run(tmp_path, capfd, "--config", str(d))
+    assert str(d) in err and "is a directory" in err
+
+
 def test_saved_config_with_a_bad_override_names_the_field(tmp_path, capfd):
     # A config.json saved by a run is valid; an override on top of it is still checked field by field.
     f = tmp_path / "config.json"

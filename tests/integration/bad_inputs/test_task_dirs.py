@@ -152,6 +152,18 @@ def test_timeouts_within_a_day_are_accepted(dataset):
     assert load_dataset(dataset).by_name("make-dir").agent_timeout_sec == 86400
 
 
+def test_a_bad_dataset_is_said_before_the_model_is_touched(tmp_path, dataset, prepare):
+    call, runs = prepare
+    _rm(dataset / "make-dir", "instruction.md")
+    corrupt = tmp_path / "policy.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 8)  # converting it would fail (and cost)
+    with pytest.raises(DatasetError) as info:
+        call(dataset={"path": str(dataset)}, model={"source": str(corrupt)})
+    assert_one_line(info.value, "make-dir", "instruction.md")
+    assert not (tmp_path / "cache").exists()  # the model was never looked at: no GGUF read, no conversion dir
+    assert_nothing_written(runs)
+
+
 def test_unknown_toml_section_is_accepted_like_harbor_does(dataset):
     # Harbor's TaskConfig allows extra tables (forward compatibility), so grpoflow does too: no error, and the
     # task's known fields are still read.

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from harbor.models.environment_type import EnvironmentType
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from grpoflow.embedded.sandbox.settings import sandbox_kwargs_problem
 from grpoflow.errors import ConfigError
 from grpoflow.rollout.credentials import sandbox_key_var
 
@@ -265,8 +266,8 @@ class RolloutConfig(_Section):
     sandbox_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments of the sandbox environment (Harbor's `EnvironmentConfig.kwargs`), e.g. "
-        "`sandbox_timeout_secs` for e2b or `memory_mb` for local. Harbor writes them to every trial's "
-        "config.json: credentials never go here.",
+        "`sandbox_timeout_secs` for e2b or `memory_mb` for local (whose keys and values are checked here). Harbor "
+        "writes them to every trial's config.json: credentials never go here.",
     )
     sandbox_api_key_file: str | None = Field(
         None,
@@ -359,6 +360,8 @@ class RolloutConfig(_Section):
                 "to every trial's config.json; put the key in the provider's environment variable or name a key "
                 "file in rollout.sandbox_api_key_file"
             )
+        if self.sandbox == "local" and (problem := sandbox_kwargs_problem(self.sandbox_kwargs)):
+            raise ValueError(problem)
         if self.sandbox_api_key_file is not None and sandbox_key_var(self.sandbox) is None:
             why = (
                 "the local sandbox needs no key"

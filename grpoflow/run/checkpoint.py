@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from grpoflow.errors import CheckpointError
 from grpoflow.run.paths import is_temp_sibling, step_of, temp_sibling
 from grpoflow.train.lora import ADAPTER_DIR, has_lora, load_adapter, save_adapter, serving_tensors
 from grpoflow.train.trainer import TrainerState
@@ -50,26 +51,33 @@ def save_checkpoint(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    lora = has_lora(model)
-    if lora:
-        save_adapter(model, tmp / ADAPTER_DIR)
-    if weights or not lora:  # a model without adapters always writes its weights: they are its trained state
-        tensors = serving_tensors(model) if lora or dtype is not None else None  # None: save_pretrained's own
-        if dtype is not None:
-            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=tensors)
-    else:
-        model.config.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-    if counters is not None:
-        (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
-    if step_record is not None:  # written last: the rename below publishes it with everything else
-        (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
-    if durable:  # the rename is only as durable as the bytes it points at
-        fsync_files(tmp)
+    try:
+        lora = has_lora(model)
+        if lora:
+            save_adapter(model, tmp / ADAPTER_DIR)
+        if weights or not lora:  # a model without adapters always writes its weights: they are its trained state
+            tensors = serving_tensors(model) if lora or dtype is not None else None  # None: save_pretrained's own
+            if dtype is not None:
+                tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=tensors)
+        else:
+            model.config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if counters is not None:
+            (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
+        if step_record is not None:  # written last: the rename below publishes it with everything else
+            (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
+        if durable:  # the rename is only as durable as the bytes it points at
+            fsync_files(tmp)
+    except BaseException as err:
+        failure = write_failure(out_dir, err)  # before the cleanup frees the space it measures
+        shutil.rmtree(tmp, ignore_errors=True)
+        if failure is None:
+            raise
+        raise failure from err
     if out_dir.exists():
         old = temp_sibling(out_dir, "old")
         out_dir.rename(old)
@@ -80,6 +88,29 @@ def save_checkpoint(
     if durable:
         fsync_path(out_dir.parent)
     return out_dir
+
+
+def write_failure(path: Path, err: BaseException) -> CheckpointError | None:
+    """`err`, raised while writing the checkpoint `path`, as one line if the filesystem is at fault (an OS error,
+    safetensors' I/O error, or anything raised on a full disk: torch.save's is a bare RuntimeError); else None."""
+    try:
+        fs = os.statvfs(path.parent)
+        free = fs.f_bavail * fs.f_frsize
+    except OSError:
+        free = None
+    if isinstance(err, OSError):
+        why = err.strerror or str(err)
+    elif type(err).__name__ == "SafetensorError" or (
+        isinstance(err, RuntimeError) and free is not None and free < FULL
+    ):
+        why = " ".join(str(err).split())[:200]
+    else:
+        return None
+    room = "" if free is None else f" ({free // 1024} KiB free on its filesystem)"
+    return CheckpointError(f"cannot write checkpoint {path}: {why}{room}")
+
+
+FULL = 1 << 20  # bytes: a filesystem with less free space is taken to be full
 
 
 def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, Any]:

@@ -36,6 +36,7 @@ Through `prepare_run` (dataset -> model -> prompts -> run dir), every failure be
 | unknown section / unknown key (`trian.steps`, `rollout.temprature`), unknown harness or sandbox | field named |
 | cross-field: sglang-launch without sglang_python, sglang without url | field named |
 | a credential in the config (`rollout.api_key`, `sandbox_kwargs.auth_token`) | refused, field named, value never echoed |
+| local sandbox kwargs: `memory_mb` -5 / "lots" / true, `cpu_time_sec` 0, `max_output_bytes` 1.5, `process_scope` forever, an unknown key (`memroy_mb`) | ``field `rollout.sandbox_kwargs.<key>` `` named (an unknown key's value not echoed; the line lists what the sandbox takes), before anything is written |
 | bad run_id (upper case, space, `../escape`, leading dash, 64 chars, underscore) | ``field `run_id` `` named, nothing created |
 | `--config` not JSON / not an object / not UTF-8 / empty / missing / a directory / bad field | error names the file (and the field) |
 | **model** (`test_model_dirs.py`) | `ModelError` naming the dir or file |
@@ -56,6 +57,10 @@ Through `prepare_run` (dataset -> model -> prompts -> run dir), every failure be
 | reward.json with a non-numeric reward / a JSON array | FAILED, VerifierError (`Non-numeric reward ...`), reward None |
 | verifier exits 1 without writing a reward | FAILED, VerifierError (`RewardFileNotFoundError`), reward None, not retried |
 | reward.json `{"reward": true}` | accepted as 1.0 (Harbor reads a bool as a number) |
+| **a full disk** (`test_disk_full.py`, a small tmpfs, or a write that fails) | |
+| the weights / the AdamW state do not fit in `save_checkpoint` | `CheckpointError`: `cannot write checkpoint <dir>: No space left on device (... KiB free ...)`; no `.step_N.tmp-<pid>/` left |
+| the AdamW state of a full checkpoint does not fit (background completion) | `CheckpointError` from `flush()`; the step dir stays as published, no temp file, no metrics row |
+| any other error while writing | raised as it is (not dressed as a disk error); the temp dir removed all the same |
 | **run dir** (`test_run_dir.py`) | |
 | run dir exists | `RunDirError`: `already exists`; its files byte-for-byte and mtime unchanged |
 | bad dataset with an existing run dir | `DatasetError`; the run dir untouched |

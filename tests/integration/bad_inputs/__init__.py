@@ -68,4 +68,7 @@ Through `prepare_run` (dataset -> model -> prompts -> run dir), every failure be
 | output_dir on a read-only filesystem (a ro tmpfs; a 0555 dir as non-root) | preflight: `output dir <dir>: <path> is not writable` |
 | through the CLI: run dir exists / output dir a file or below one | exit 2, one line, said before Prefect is imported |
 | a bad dataset with a model that would be converted | the `DatasetError`: the dataset is validated before the model is looked at |
+| **elsewhere** (they need a Prefect server of their own, or a killed run) | |
+| an error inside a flow, through the real CLI with no server configured (`flows/test_command_server.py`) | the one-line error is the last line printed: the temporary server stops before it |
+| `kill -9` of `grpoflow main` while preparing, in a rollout, in the update (`faults/test_kill_debris.py`) | 10 s later no process (Prefect's server, engine, sandboxes) and no sandbox dir is left |
 """

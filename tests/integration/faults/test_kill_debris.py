@@ -102,6 +102,11 @@ def test_kill_9_of_grpoflow_main_leaves_no_process_and_no_sandbox_dir(setup, poi
                     pass
             reaper.kill()
         reaper.wait()
+    for pid, _ in left:  # reparented to init once the reaper is gone: a failed test must not leave them running
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert left == [], f"left running after kill -9: {left}"
     dirs = sorted(p.name for p in tmp.iterdir() if p.name.startswith(("grpoflow-sandbox-", "grpoflow-bridge-")))
     assert dirs == [], f"left on disk after kill -9: {dirs}"

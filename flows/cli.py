@@ -18,6 +18,7 @@ from grpoflow.config import (
     parse_run_config,
 )
 from grpoflow.errors import ConfigError, GrpoflowError, RunDirError
+from grpoflow.paths import run_dir_problems
 from grpoflow.prepare.presets import PRESETS, layered_run_config
 
 
@@ -124,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})",
             flush=True,
         )
+        if problems := run_dir_problems(cfg.output_dir, cfg.run_id):  # said before Prefect's slow start
+            raise RunDirError("; ".join(problems))
         _run_flow(args.command, cfg, getattr(args, "from_run", None))  # Prefect only now: it is slow to import
     except GrpoflowError as err:
+        sys.stdout.flush()  # what was printed comes first, also when stdout is a pipe
         print(f"grpoflow: error: {err}", file=sys.stderr)
         return 2
     root = (Path(cfg.output_dir) / cfg.run_id).resolve()
@@ -144,15 +148,19 @@ def _resume_or_rerun(args: argparse.Namespace) -> int:
             raise RunDirError(f"run dir {Path(args.output_dir) / args.run_id} does not exist")
         if args.command == "resume":
             from flows.resume import resume_flow
+            from flows.server import command_server
 
             print(f"grpoflow: resume run {args.run_id} (in {args.output_dir})", flush=True)
-            resume_flow(args.run_id, args.output_dir)
+            with command_server():
+                resume_flow(args.run_id, args.output_dir)
             run_id = args.run_id
         else:
             from flows.rerun import rerun_flow
+            from flows.server import command_server
 
             print(f"grpoflow: rerun of run {args.run_id} (in {args.output_dir})", flush=True)
-            report = rerun_flow(args.run_id, args.output_dir, args.new_run_id)
+            with command_server():
+                report = rerun_flow(args.run_id, args.output_dir, args.new_run_id)
             run_id = report["run_id"]
             for diff in report["provenance_differences"]:
                 print(f"grpoflow: changed since {args.run_id}: {diff}")
@@ -160,6 +168,7 @@ def _resume_or_rerun(args: argparse.Namespace) -> int:
                 print(f"grpoflow: note: {note}")
             print(f"grpoflow: {report['verdict']}")
     except GrpoflowError as err:
+        sys.stdout.flush()  # what was printed comes first, also when stdout is a pipe
         print(f"grpoflow: error: {err}", file=sys.stderr)
         return 2
     print(f"grpoflow: run {run_id} finished; artifacts in {(Path(args.output_dir) / run_id).resolve()}")
@@ -221,18 +230,19 @@ def _regrade(root: Path, per_task: int) -> None:
 
 
 def _run_flow(command: str, cfg, from_run: str | None = None) -> None:
+    kwargs = {}
     if command == "prepare":
-        from flows.prepare import prepare_flow
-
-        prepare_flow(cfg)
+        from flows.prepare import prepare_flow as flow
     elif command == "evaluate":
-        from flows.evaluate import evaluate_flow
+        from flows.evaluate import evaluate_flow as flow
 
-        evaluate_flow(cfg, from_run=from_run)
+        kwargs["from_run"] = from_run
     else:
-        from flows.train import train_flow
+        from flows.train import train_flow as flow
+    from flows.server import command_server  # after the flow's modules: flows.common sets the startup wait
 
-        train_flow(cfg)
+    with command_server():  # stopped before the command's last line; dies with this process
+        flow(cfg, **kwargs)
 
 
 if __name__ == "__main__":

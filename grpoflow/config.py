@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from grpoflow.credentials import sandbox_key_var
 from grpoflow.errors import ConfigError
+from grpoflow.sandbox_settings import sandbox_kwargs_problem
 
 RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
@@ -271,8 +272,8 @@ class RolloutConfig(_Section):
     sandbox_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments of the sandbox environment (Harbor's `EnvironmentConfig.kwargs`), e.g. "
-        "`sandbox_timeout_secs` for e2b or `memory_mb` for local. Harbor writes them to every trial's "
-        "config.json: credentials never go here.",
+        "`sandbox_timeout_secs` for e2b or `memory_mb` for local (whose keys and values are checked here). Harbor "
+        "writes them to every trial's config.json: credentials never go here.",
     )
     sandbox_api_key_file: str | None = Field(
         None,
@@ -364,6 +365,8 @@ class RolloutConfig(_Section):
                 "to every trial's config.json; put the key in the provider's environment variable or name a key "
                 "file in rollout.sandbox_api_key_file"
             )
+        if self.sandbox == "local" and (problem := sandbox_kwargs_problem(self.sandbox_kwargs)):
+            raise ValueError(problem)
         if self.sandbox_api_key_file is not None and sandbox_key_var(self.sandbox) is None:
             why = (
                 "the local sandbox needs no key"
@@ -667,6 +670,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file (give the JSON file itself)") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config file: {err.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: not valid JSON: {err}") from None
     if not isinstance(data, dict):

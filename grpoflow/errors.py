@@ -30,6 +30,10 @@ class RunDirError(GrpoflowError):
     """A run directory cannot be created or would be overwritten."""
 
 
+class CheckpointError(GrpoflowError):
+    """A checkpoint could not be written (a full disk, a lost mount); nothing half-written is left."""
+
+
 class RolloutError(GrpoflowError):
     """Rollouts keep producing nothing to train on (every trial of several steps in a row failed)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,11 +103,39 @@ def step_of(path: Path) -> int | None:
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
+def run_dir_problems(output_dir: str | Path, run_id: str) -> list[str]:
+    """Why `output_dir/run_id` cannot be created, one line each (empty: it can), without creating anything."""
+    root = Path(output_dir) / run_id
+    if root.exists() or root.is_symlink():
+        return [f"run dir {root} already exists: choose another run_id (runs are never overwritten)"]
+    problem = output_dir_problem(output_dir)
+    return [problem] if problem else []
+
+
+def output_dir_problem(output_dir: str | Path) -> str | None:
+    """Whether run dirs can be made in `output_dir`: its nearest existing ancestor (itself, once it exists) must be
+    a writable dir."""
+    out = Path(output_dir)
+    here = out.absolute()
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        return f"output dir {out}: {here} is a file, not a directory"
+    if not os.access(here, os.W_OK | os.X_OK):  # also false for root on a read-only filesystem
+        return f"output dir {out}: {here} is not writable"
+    return None
+
+
 def create_run_dir(output_dir: str | Path, run_id: str) -> RunPaths:
     """Create `output_dir/run_id`; refuse (one line) if it already exists, so no run is ever overwritten."""
     root = Path(output_dir) / run_id
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(
+            output_dir_problem(output_dir) or f"cannot create output dir {root.parent}: {err.strerror}"
+        ) from None
+    try:
         root.mkdir()
     except FileExistsError:
         raise RunDirError(

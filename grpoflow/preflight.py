@@ -23,6 +23,7 @@ from grpoflow.credentials import (
     sandbox_key_problems,
 )
 from grpoflow.errors import GrpoflowError, one_line
+from grpoflow.paths import run_dir_problems
 from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.rollout.harnesses import harness_problems
 
@@ -68,9 +69,8 @@ def sampling_problems(rollout: RolloutConfig) -> list[str]:
 
 
 def check_run_dir(cfg: RunConfig) -> list[str]:
-    if cfg.run_id and cfg.run_dir.exists():
-        return [f"run dir {cfg.run_dir} already exists: choose another run_id (runs are never overwritten)"]
-    return []
+    """The run dir does not exist yet, and the output dir can hold it (a writable dir, or one that can be made)."""
+    return run_dir_problems(cfg.output_dir, cfg.run_id) if cfg.run_id else []
 
 
 def check_harbor(import_module: Callable[[str], object] = importlib.import_module) -> list[str]:

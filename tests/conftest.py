@@ -19,7 +19,8 @@ def tiny_model_dir(tmp_path_factory):
 def faulty_sandbox(monkeypatch):
     """`rollout.sandbox=local` runs `tests.fakes.faulty_sandbox.FaultySandbox`: `rollout.sandbox_kwargs` can inject
     sandbox faults (`fail_start_probability`, `die_after_execs`)."""
-    from tests.fakes.faulty_sandbox import FAULTY_SANDBOX_IMPORT_PATH
+    from tests.fakes.faulty_sandbox import FAULTY_SANDBOX_IMPORT_PATH, FaultySandboxSettings
 
     monkeypatch.setattr("grpoflow.rollout.sandbox.LOCAL_SANDBOX_IMPORT_PATH", FAULTY_SANDBOX_IMPORT_PATH)
+    monkeypatch.setattr("grpoflow.sandbox_settings.SETTINGS", FaultySandboxSettings)  # its kwargs pass
     return FAULTY_SANDBOX_IMPORT_PATH

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import sha256_tree
+from grpoflow.prepare.task_files import check_task_times, check_task_tree
 
 BUILTIN = "builtin"
 MAX_INSTRUCTION_BYTES = 64 * 1024
@@ -81,6 +82,10 @@ def load_dataset(path: str | Path, *, require_solution: bool = True) -> Dataset:
     if not root.is_dir():
         raise DatasetError(f"{root}: dataset directory does not exist or is not a directory")
     task_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not _is_hidden(p))
+    for p in task_dirs:
+        real = p.resolve()
+        if not real.is_relative_to(root):
+            raise DatasetError(f"{p}: a symlink to {real}, outside the dataset directory (not read)")
     if not task_dirs:
         raise DatasetError(f"{root}: dataset directory holds no task directories")
     tasks = tuple(load_task(d, require_solution=require_solution) for d in task_dirs)
@@ -91,7 +96,11 @@ def load_dataset(path: str | Path, *, require_solution: bool = True) -> Dataset:
 def load_task(task_dir: Path, *, require_solution: bool = True) -> TaskSpec:
     """Validate one task dir and describe it; raises `DatasetError` naming the dir and the problem."""
     task_dir = Path(task_dir).resolve()
+    if task_dir.is_dir() and (problem := check_task_tree(task_dir)):  # before any of its files is read
+        _fail(task_dir, problem)
     config = task_config(task_dir)
+    if problem := check_task_times(config.model_dump(mode="python")):
+        _fail(task_dir, problem)
     if config.steps:
         _fail(task_dir, "multi-step tasks ([[steps]] in task.toml) are not supported")
     instruction = _load_instruction(task_dir)

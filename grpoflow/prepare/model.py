@@ -23,6 +23,7 @@ from pathlib import Path
 
 from grpoflow.errors import ModelError, one_line
 from grpoflow.fileio import publish_dir, sha256_file, sha256_tree, write_json_atomic
+from grpoflow.prepare.weights import safetensors_problem
 from grpoflow.tokens import TemplateError, turn_end
 
 
@@ -85,6 +86,8 @@ def check_hf_dir(path: Path) -> None:
         raise ModelError(f"model dir {path}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
     if not list(path.glob("*.safetensors")):
         raise ModelError(f"model dir {path}: no *.safetensors weights")
+    if problem := safetensors_problem(path):
+        raise ModelError(f"model dir {path}: {problem}")
 
 
 def _from_hf_dir(path: Path, source: str) -> PreparedModel:

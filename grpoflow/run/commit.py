@@ -24,7 +24,7 @@ import torch
 from grpoflow.fileio import fsync_files, fsync_path, is_temp_sibling
 from grpoflow.paths import RunPaths, step_of
 from grpoflow.run.metrics import MetricsLog, split_record
-from grpoflow.train.checkpoint import OPTIMIZER_FILE, STEP_FILE, TRAINER_FILE, save_checkpoint
+from grpoflow.train.checkpoint import OPTIMIZER_FILE, STEP_FILE, TRAINER_FILE, save_checkpoint, write_failure
 from grpoflow.train.trainer import TrainerState
 
 
@@ -108,12 +108,11 @@ class StepCommits:
         self._thread.start()
 
     def _complete(self, ckpt: Path, state: dict[str, Any], counters: dict[str, Any], final: dict[str, Any]) -> None:
+        tmp, record_tmp = ckpt / f".{OPTIMIZER_FILE}.tmp", ckpt / f".{STEP_FILE}.tmp"
         try:
-            tmp = ckpt / f".{OPTIMIZER_FILE}.tmp"
             torch.save(state, tmp)
             (ckpt / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
             # the step's whole record: the one save_step wrote was taken before the weight sync
-            record_tmp = ckpt / f".{STEP_FILE}.tmp"
             record_tmp.write_text(json.dumps(final) + "\n", encoding="utf-8")
             record_tmp.rename(ckpt / STEP_FILE)
             fsync_files(ckpt)  # the publishing rename is only as durable as the bytes it points at
@@ -121,7 +120,12 @@ class StepCommits:
             fsync_path(ckpt)
             fsync_path(ckpt.parent)  # the step dir's own entry (its rename into checkpoints/ was not synced)
         except BaseException as err:  # raised again in the run's thread by flush()
-            self._error = err
+            failure = write_failure(ckpt, err)  # measured before the cleanup frees the space
+            if failure is not None:
+                failure.__cause__ = err
+            self._error = failure or err
+            tmp.unlink(missing_ok=True)  # the dir stays what save_step published: no resume point, nothing torn
+            record_tmp.unlink(missing_ok=True)
 
     def flush(self) -> None:
         """Wait for a full checkpoint being completed, then log its step's rows."""

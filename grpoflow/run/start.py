@@ -1,4 +1,4 @@
-"""Prepare a run: resolve the model, validate the dataset, build prompts, then write the run dir.
+"""Prepare a run: validate the dataset, resolve the model, build prompts, then write the run dir.
 
 Everything that can fail on bad input (model path, GGUF, task dirs, prompts file) runs before the run dir is
 created, so a failed prepare leaves no half-written run behind and never touches an existing one.
@@ -73,8 +73,8 @@ def record_run(
 
 
 def prepare_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
+    dataset = load_dataset(cfg.dataset.path)  # first: cheap, and a bad task set needs no model converted
     model = prepare_model(cfg.model.source, cache_dir)
-    dataset = load_dataset(cfg.dataset.path)
     return record_run(cfg, model, dataset, make_prompts(cfg, dataset))
 
 

@@ -5,12 +5,14 @@ point), and the trainer's state restored from one."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from grpoflow.errors import CheckpointError
 from grpoflow.fileio import publish_dir
 from grpoflow.train.lora import ADAPTER_DIR, has_lora, load_adapter, save_adapter, serving_tensors
 from grpoflow.train.trainer import TrainerState
@@ -47,24 +49,53 @@ def save_checkpoint(
     out_dir = Path(out_dir)
     lora = has_lora(model)
     with publish_dir(out_dir, replace=True, durable=durable) as tmp:
-        if lora:
-            save_adapter(model, tmp / ADAPTER_DIR)
-        if weights or not lora:  # a model without adapters always writes its weights: they are its trained state
-            tensors = serving_tensors(model) if lora or dtype is not None else None  # None: save_pretrained's own
-            if dtype is not None:
-                tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=tensors)
-        else:
-            model.config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        if counters is not None:
-            (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
-        if step_record is not None:  # the rename that publishes the dir publishes it with everything else
-            (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
+        try:
+            if lora:
+                save_adapter(model, tmp / ADAPTER_DIR)
+            if weights or not lora:  # a model without adapters always writes its weights: its trained state
+                tensors = serving_tensors(model) if lora or dtype is not None else None  # None: save_pretrained's
+                if dtype is not None:
+                    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+                model.save_pretrained(tmp, safe_serialization=True, state_dict=tensors)
+            else:
+                model.config.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            if optimizer is not None:
+                torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+            if counters is not None:
+                (tmp / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
+            if step_record is not None:  # the rename that publishes the dir publishes it with everything else
+                (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
+        except BaseException as err:
+            failure = write_failure(out_dir, err)  # here, before the temp dir's removal frees the space it measures
+            if failure is None:
+                raise
+            raise failure from err
     return out_dir
+
+
+def write_failure(path: Path, err: BaseException) -> CheckpointError | None:
+    """`err`, raised while writing the checkpoint `path`, as one line if the filesystem is at fault (an OS error,
+    safetensors' I/O error, or anything raised on a full disk: torch.save's is a bare RuntimeError); else None."""
+    try:
+        fs = os.statvfs(path.parent)
+        free = fs.f_bavail * fs.f_frsize
+    except OSError:
+        free = None
+    if isinstance(err, OSError):
+        why = err.strerror or str(err)
+    elif type(err).__name__ == "SafetensorError" or (
+        isinstance(err, RuntimeError) and free is not None and free < FULL
+    ):
+        why = " ".join(str(err).split())[:200]
+    else:
+        return None
+    room = "" if free is None else f" ({free // 1024} KiB free on its filesystem)"
+    return CheckpointError(f"cannot write checkpoint {path}: {why}{room}")
+
+
+FULL = 1 << 20  # bytes: a filesystem with less free space is taken to be full
 
 
 def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, Any]:

@@ -12,10 +12,21 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from pydantic import Field
+
 from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.rollout.environments import SandboxDiedError, SandboxStartError
+from grpoflow.sandbox_settings import LocalSandboxSettings
 
 FAULTY_SANDBOX_IMPORT_PATH = "tests.fakes.faulty_sandbox:FaultySandbox"
+
+
+class FaultySandboxSettings(LocalSandboxSettings):
+    """The keywords a run config may give `FaultySandbox` (the `faulty_sandbox` fixture has the config check them)."""
+
+    fail_start_probability: float = Field(0.0, ge=0.0, le=1.0, strict=False)
+    fail_start_seed: int | None = None
+    die_after_execs: int | None = Field(None, ge=0)
 
 
 class FaultySandbox(LocalSandbox):

@@ -236,7 +236,7 @@ BAD_TASKS = [
     ("missing-tests-dir", _rm("tests"), "missing tests/test.sh"),
     ("missing-solution", _rm("solution/solve.sh"), "missing solution/solve.sh"),
     ("missing-environment", _rm("environment"), "missing environment/"),
-    ("input-escapes-task", _escaping_symlink, "Harbor rejects the task"),
+    ("input-escapes-task", _escaping_symlink, "tests/data is a symlink to /etc, outside the task directory"),
 ]
 
 

@@ -30,6 +30,7 @@ from harbor.environments.capabilities import (
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 
 from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
+from grpoflow.embedded.sandbox.orphans import claim
 from grpoflow.embedded.sandbox.processes import (
     CappedOutput,
     allocate_uid,
@@ -442,6 +443,7 @@ class LocalSandbox(BaseEnvironment):
     def _make_root(self, tools: dict[str, str]) -> None:
         root = make_trial_dir(self.work_dir, self.session_id)
         self._root = root  # mkdtemp's 0700 stays: bwrap binds it as root, the sandbox only sees the mount
+        claim(root)  # removed by the janitor if this process dies before stop() (outside rootfs: unseen inside)
         if os.geteuid() == 0:
             self._uid = allocate_uid()
         app = self.environment_dir / "app"
@@ -455,6 +457,7 @@ class LocalSandbox(BaseEnvironment):
         if self._bridge_to is not None:
             # Not in the trial dir: a unix socket's path must stay under 108 bytes, and trial dirs can be deep.
             bridge = self._bridge_dir = Path(tempfile.mkdtemp(prefix="grpoflow-bridge-"))
+            claim(bridge)
             bridge.chmod(0o755)
             shutil.copy2(FORWARDER, bridge / "forward.py")
             own.append(Bind(BRIDGE_DIR, bridge, read_only=True))

@@ -52,6 +52,15 @@ WRONG = [
     ("engine.backend=sglang-launch", "engine.sglang_python"),  # cross-field: launch needs its python
     ("engine.backend=sglang", "engine.url"),  # cross-field: an external server needs its URL
     ('rollout.sandbox_kwargs={"auth_token": "x"}', "rollout.sandbox_kwargs.auth_token"),
+    # the local sandbox's kwargs, checked here rather than when the first trial starts
+    ('rollout.sandbox_kwargs={"memory_mb": -5}', "rollout.sandbox_kwargs.memory_mb"),
+    ("rollout.sandbox_kwargs.memory_mb=-5", "rollout.sandbox_kwargs.memory_mb"),
+    ('rollout.sandbox_kwargs={"memory_mb": "lots"}', "rollout.sandbox_kwargs.memory_mb"),
+    ('rollout.sandbox_kwargs={"memory_mb": true}', "rollout.sandbox_kwargs.memory_mb"),
+    ('rollout.sandbox_kwargs={"cpu_time_sec": 0}', "rollout.sandbox_kwargs.cpu_time_sec"),
+    ('rollout.sandbox_kwargs={"max_output_bytes": 1.5}', "rollout.sandbox_kwargs.max_output_bytes"),
+    ('rollout.sandbox_kwargs={"process_scope": "forever"}', "rollout.sandbox_kwargs.process_scope"),
+    ('rollout.sandbox_kwargs={"memroy_mb": 512}', "rollout.sandbox_kwargs.memroy_mb"),  # unknown key
 ]
 
 
@@ -66,6 +75,20 @@ def test_bad_run_id_is_refused(tmp_path, capfd, run_id):
     err = _run(tmp_path, capfd, f"--run-id={run_id}")
     assert "field `run_id`" in err
     assert not (tmp_path / "escape").exists()
+
+
+def test_unknown_sandbox_kwarg_says_what_the_local_sandbox_takes_without_echoing_it(tmp_path, capfd):
+    err = _run(tmp_path, capfd, "--set", 'rollout.sandbox_kwargs={"memroy_mb": "x-secretish-9"}')
+    assert "not a setting of the local sandbox" in err and "memory_mb" in err and "x-secretish-9" not in err
+
+
+def test_valid_local_sandbox_kwargs_and_another_sandbox_s_kwargs_pass():
+    from grpoflow.config import parse_run_config
+
+    local = {"memory_mb": 512, "cpu_time_sec": 60, "process_scope": "trial", "work_dir": "/tmp/sb"}
+    assert parse_run_config({"rollout": {"sandbox_kwargs": local}}).rollout.sandbox_kwargs == local
+    e2b = {"sandbox_timeout_secs": 600}  # not the local sandbox's: Harbor's environment checks its own
+    assert parse_run_config({"rollout": {"sandbox": "e2b", "sandbox_kwargs": e2b}}).rollout.sandbox_kwargs == e2b
 
 
 def test_credential_in_config_is_refused_without_echoing_it(tmp_path, capfd):
@@ -94,6 +117,13 @@ def test_missing_config_file_names_the_file(tmp_path, capfd):
     f = tmp_path / "missing.json"
     err = _run(tmp_path, capfd, "--config", str(f))
     assert str(f) in err and "not found" in err
+
+
+def test_config_that_is_a_directory_names_it(tmp_path, capfd):
+    d = tmp_path / "configs"
+    d.mkdir()
+    err = _run(tmp_path, capfd, "--config", str(d))
+    assert str(d) in err and "is a directory" in err
 
 
 def test_saved_config_with_a_bad_override_names_the_field(tmp_path, capfd):

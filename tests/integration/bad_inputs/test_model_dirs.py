@@ -41,6 +41,35 @@ def _no_chat_template(m):
         (m / extra).unlink(missing_ok=True)
 
 
+def _cut(keep):
+    """model.safetensors cut to `keep(size)` bytes, as an interrupted download or copy leaves it."""
+
+    def change(m):
+        f = m / "model.safetensors"
+        size = f.stat().st_size
+        with open(f, "r+b") as w:
+            w.truncate(keep(size))
+
+    return change
+
+
+def _garble_header(m):
+    with open(m / "model.safetensors", "r+b") as w:
+        w.seek(12)
+        w.write(b"\xff\xfe\x00")
+
+
+def _append(m):
+    with open(m / "model.safetensors", "ab") as w:
+        w.write(b"\x00" * 64)
+
+
+def _index_naming_a_missing_shard(m):
+    (m / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
+    )
+
+
 CASES = [
     ("no-tokenizer", _drop("tokenizer*.json"), ["no tokenizer"]),
     ("no-config", _drop("config.json"), ["no config.json"]),
@@ -48,6 +77,13 @@ CASES = [
     ("tokenizer-larger-than-vocab", _edit_config(vocab_size=16), ["vocab_size is 16"]),
     ("config-not-json", lambda m: (m / "config.json").write_text("{ nope"), ["cannot load config/tokenizer"]),
     ("no-chat-template", _no_chat_template, ["chat_template"]),
+    # checked from the header alone (no weights read): fails at prepare, before config.json or run.json exist
+    ("safetensors-cut-in-half", _cut(lambda n: n // 2), ["model.safetensors is truncated or corrupt"]),
+    ("safetensors-one-byte-short", _cut(lambda n: n - 1), ["model.safetensors is truncated or corrupt"]),
+    ("safetensors-empty", _cut(lambda n: 0), ["model.safetensors is truncated or corrupt"]),
+    ("safetensors-header-garbled", _garble_header, ["model.safetensors is truncated or corrupt"]),
+    ("safetensors-trailing-bytes", _append, ["model.safetensors is truncated or corrupt"]),
+    ("shard-missing", _index_naming_a_missing_shard, ["model-00002-of-00002.safetensors", "lacks"]),
 ]
 
 

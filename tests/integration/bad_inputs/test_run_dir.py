@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from grpoflow.errors import DatasetError, RunDirError
 
 from .conftest import assert_one_line
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _snapshot(root):
@@ -61,7 +66,8 @@ def test_output_dir_that_is_a_file(tmp_path, tiny_model_dir, dataset):
     )
     with pytest.raises(RunDirError) as info:
         prepare_run(cfg, cache_dir=tmp_path / "cache")
-    assert_one_line(info.value, f / "r1")
+    msg = assert_one_line(info.value, f, "is a file, not a directory")
+    assert "already exists" not in msg
     assert f.read_text() == "not a dir\n"
 
 
@@ -83,3 +89,69 @@ def test_read_only_output_dir(tmp_path, tiny_model_dir, dataset):
     with pytest.raises(RunDirError) as info:
         prepare_run(cfg, cache_dir=tmp_path / "cache")
     assert_one_line(info.value, ro / "r1")
+
+
+def test_output_dir_below_a_file(tmp_path, prepare, dataset):
+    call, runs = prepare
+    runs.parent.mkdir(parents=True, exist_ok=True)
+    runs.write_text("not a dir\n")  # output_dir is runs/: its parent chain holds a file
+    with pytest.raises(RunDirError) as info:
+        call(dataset={"path": str(dataset)}, output_dir=str(runs / "nightly"))
+    assert_one_line(info.value, runs, "is a file, not a directory")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A dir on a read-only filesystem (a tmpfs mounted ro): unwritable even for root."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield ro
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_preflight_says_a_read_only_output_dir_is_not_writable(read_only_dir, tiny_model_dir, dataset):
+    from grpoflow.config import parse_run_config
+    from grpoflow.preflight import check_run
+
+    cfg = parse_run_config({"run_id": "r1", "output_dir": str(read_only_dir / "runs")})
+    problems = check_run(cfg, "prepare")
+    assert problems == [f"output dir {read_only_dir / 'runs'}: {read_only_dir} is not writable"]
+
+
+def _run_dir_exists(tmp_path):
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    return tmp_path / "runs"
+
+
+def _a_file(tmp_path, below=""):
+    (tmp_path / "runs").write_text("not a dir\n")
+    return tmp_path / "runs" / below
+
+
+CLI_CASES = [
+    # id, how the output dir is broken (a function of tmp_path, returning the --output-dir), words of the line
+    ("run-dir-exists", _run_dir_exists, ["already exists"]),
+    ("output-dir-is-a-file", _a_file, ["is a file, not a directory"]),
+    ("output-dir-below-a-file", lambda t: _a_file(t, "nightly"), ["is a file, not a directory"]),
+]
+
+
+@pytest.mark.parametrize(("make", "words"), [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_run_dir_problems_are_said_before_prefect_starts(tmp_path, tiny_model_dir, make, words):
+    # A fresh interpreter: whether the flow modules (and Prefect with them) were imported is then this call's doing.
+    out = make(tmp_path)
+    probe = (
+        "import sys\nfrom flows.cli import main\n"
+        f"rc = main(['prepare', '--run-id', 'r1', '--model', {str(tiny_model_dir)!r}, '--output-dir', {str(out)!r}])\n"
+        "print(rc, 'flows.common' in sys.modules, 'prefect' in sys.modules)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.stdout.splitlines()[-1] == "2 False False", res.stdout + res.stderr
+    err = res.stderr.strip()
+    assert "\n" not in err and err.startswith("grpoflow: error: "), err
+    assert all(w in err for w in words), err

@@ -3,6 +3,7 @@ file at fault), raised before the run dir exists."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -20,6 +21,42 @@ def _write(task, rel, data):
 def _rm(task, rel):
     p = task / rel
     shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+SECRET = "grpoflow-test-secret-5f3a"  # the content of a host file outside the task dir
+
+
+def _link_out(rel, *, as_dir=False):
+    """Replace `rel` in the task by a symlink to a host file (or dir) outside it, as a hostile dataset would."""
+
+    def breaker(task):
+        outside = task.parents[1] / "host" / rel.replace("/", "_")
+        outside.parent.mkdir(exist_ok=True)
+        if as_dir:
+            shutil.copytree(task / rel, outside)
+            (outside / "stolen.txt").write_text(SECRET + "\n")
+        else:
+            outside.write_text(SECRET + "\n")
+        _rm(task, rel)
+        (task / rel).symlink_to(outside)
+
+    return breaker
+
+
+def _set_toml(section, key, value):
+    def breaker(task):
+        out, current = [], None
+        for line in (task / "task.toml").read_text().splitlines():
+            if line.startswith("["):
+                current = line.strip("[] ")
+            if not (current == section and line.startswith(f"{key} =")):  # the task's own value goes
+                out.append(line)
+            if line == f"[{section}]":
+                out.append(f"{key} = {value}")
+        assert f"{key} = {value}" in out, section
+        _write(task, "task.toml", "\n".join(out) + "\n")
+
+    return breaker
 
 
 CASES = [
@@ -54,6 +91,20 @@ CASES = [
     ("tests-test-sh-missing", lambda t: _rm(t, "tests/test.sh"), ["tests/test.sh"]),
     ("solution-missing", lambda t: _rm(t, "solution"), ["solution/solve.sh"]),
     ("environment-missing", lambda t: _rm(t, "environment"), ["environment/"]),
+    # a dataset is third-party input: nothing in a task dir may make grpoflow read a host file outside it
+    ("instruction-symlink-out", _link_out("instruction.md"), ["instruction.md is a symlink", "outside the task"]),
+    ("task-toml-symlink-out", _link_out("task.toml"), ["task.toml is a symlink", "outside the task"]),
+    ("test-sh-symlink-out", _link_out("tests/test.sh"), ["tests/test.sh is a symlink", "outside the task"]),
+    ("solution-dir-symlink-out", _link_out("solution", as_dir=True), ["solution is a symlink", "outside the task"]),
+    ("environment-file-symlink-out", _link_out("environment/Dockerfile"), ["environment/Dockerfile is a symlink"]),
+    ("fifo-in-tests", lambda t: os.mkfifo(t / "tests" / "data"), ["tests/data is a FIFO"]),
+    # a task may not choose to run without a time limit (or with none worth the name)
+    ("agent-timeout-inf", _set_toml("agent", "timeout_sec", "inf"), ["`agent.timeout_sec` = inf"]),
+    ("agent-timeout-1e300", _set_toml("agent", "timeout_sec", "1e300"), ["`agent.timeout_sec` = 1e+300"]),
+    ("verifier-timeout-inf", _set_toml("verifier", "timeout_sec", "inf"), ["`verifier.timeout_sec` = inf"]),
+    ("verifier-timeout-nan", _set_toml("verifier", "timeout_sec", "nan"), ["`verifier.timeout_sec` = nan"]),
+    ("agent-timeout-zero", _set_toml("agent", "timeout_sec", "0"), ["`agent.timeout_sec` = 0"]),
+    ("build-timeout-negative", _set_toml("environment", "build_timeout_sec", "-5.0"), ["build_timeout_sec` = -5"]),
 ]
 
 
@@ -65,6 +116,51 @@ def test_broken_task_fails_prepare_with_one_line_and_no_run_dir(dataset, prepare
     with pytest.raises(DatasetError) as info:
         call(dataset={"path": str(dataset)})
     assert_one_line(info.value, task.resolve(), *words)
+    assert_nothing_written(runs)
+
+
+def test_nothing_outside_a_task_dir_reaches_an_error_or_an_artifact(tmp_path, dataset, prepare):
+    call, runs = prepare
+    _link_out("instruction.md")(dataset / "make-dir")
+    with pytest.raises(DatasetError) as info:
+        call(dataset={"path": str(dataset)})
+    assert SECRET not in str(info.value)
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink() and "host" not in p.parts]
+    assert not [p for p in written if SECRET.encode() in p.read_bytes()]
+
+
+def test_symlinks_inside_the_task_dir_are_followed(dataset):
+    task = dataset / "make-dir"
+    (task / "docs").mkdir()
+    (task / "instruction.md").rename(task / "docs" / "instruction.md")
+    (task / "instruction.md").symlink_to("docs/instruction.md")
+    assert "/app/out" in load_dataset(dataset).by_name("make-dir").instruction
+
+
+def test_a_task_dir_linked_from_outside_the_dataset_is_refused(tmp_path, dataset, prepare):
+    call, runs = prepare
+    elsewhere = copy_task(tmp_path / "elsewhere", "hello-file", as_name="outside-task")
+    (dataset / "linked").symlink_to(elsewhere)
+    with pytest.raises(DatasetError) as info:
+        call(dataset={"path": str(dataset)})
+    assert_one_line(info.value, dataset / "linked", "outside the dataset directory")
+    assert_nothing_written(runs)
+
+
+def test_timeouts_within_a_day_are_accepted(dataset):
+    _set_toml("agent", "timeout_sec", "86400")(dataset / "make-dir")
+    assert load_dataset(dataset).by_name("make-dir").agent_timeout_sec == 86400
+
+
+def test_a_bad_dataset_is_said_before_the_model_is_touched(tmp_path, dataset, prepare):
+    call, runs = prepare
+    _rm(dataset / "make-dir", "instruction.md")
+    corrupt = tmp_path / "policy.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 8)  # converting it would fail (and cost)
+    with pytest.raises(DatasetError) as info:
+        call(dataset={"path": str(dataset)}, model={"source": str(corrupt)})
+    assert_one_line(info.value, "make-dir", "instruction.md")
+    assert not (tmp_path / "cache").exists()  # the model was never looked at: no GGUF read, no conversion dir
     assert_nothing_written(runs)
 
 

@@ -67,3 +67,17 @@ def test_prepare_prints_where_the_artifacts_are(tmp_path, tiny_model_dir, capfd)
     assert main(["prepare", "--output-dir", str(tmp_path), "--run-id", "ok-1", "--model", str(tiny_model_dir)]) == 0
     out = capfd.readouterr().out
     assert f"artifacts in {(tmp_path / 'ok-1').resolve()}" in out and "prompts.jsonl" in out
+
+
+def test_a_bad_dataset_is_said_before_the_model_is_touched(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("GRPOFLOW_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "tasks"
+    shutil.copytree(builtin_dataset_path() / "hello-file", data / "hello-file")
+    (data / "hello-file" / "instruction.md").unlink()
+    corrupt = tmp_path / "policy.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 8)  # converting it would fail (and cost)
+    argv = ["prepare", "--output-dir", str(tmp_path / "runs"), "--run-id", "d2", "--model", str(corrupt)]
+    assert main([*argv, "--dataset", str(data)]) == 2
+    line = _err_line(capfd)
+    assert str(data / "hello-file") in line and "instruction.md" in line, line
+    assert not (tmp_path / "cache").exists()  # no GGUF read, no conversion dir: the model was never looked at

@@ -1,0 +1,44 @@
+"""The local sandbox's settings as `rollout.sandbox_kwargs` gives them, checked when the run config is, so a bad
+value is one line naming the key before anything is written (the sandbox's constructor would refuse it only once
+the first trial starts). `LocalSandbox.__init__` takes the same keywords with the same defaults (a test holds the
+two together); grpoflow sets its other keywords (the session bridge, the CLI dir) itself."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class LocalSandboxSettings(BaseModel):
+    # strict: the constructor takes ints, not "512" or 512.0 or true
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    cpu_time_sec: int = Field(300, gt=0, le=2**31 - 1, description="RLIMIT_CPU of every process, in CPU seconds.")
+    memory_mb: int = Field(2048, gt=0, le=2**30, description="RLIMIT_AS of every process (address space), in MiB.")
+    max_processes: int = Field(256, gt=0, le=2**22, description="RLIMIT_NPROC: processes the sandbox may have.")
+    max_file_size_mb: int = Field(1024, gt=0, le=2**30, description="RLIMIT_FSIZE: the largest file, in MiB.")
+    max_output_bytes: int = Field(
+        1_000_000, gt=0, le=2**31 - 1, description="stdout and stderr of one exec are each cut to this many bytes."
+    )
+    work_dir: str | None = Field(None, min_length=1, description="Where the per-trial dirs go (default: the temp dir).")
+    process_scope: Literal["exec", "trial"] = Field(
+        "exec", description="`exec`: processes die with their exec; `trial`: they live until the agent phase ends."
+    )
+
+
+# What `sandbox_kwargs_problem` checks against: a test sandbox that takes more keywords puts its own model here.
+SETTINGS: type[LocalSandboxSettings] = LocalSandboxSettings
+
+
+def sandbox_kwargs_problem(kwargs: dict[str, Any], field: str = "rollout.sandbox_kwargs") -> str | None:
+    """The first bad key of `kwargs` as one line naming `field.<key>`, or None."""
+    try:
+        SETTINGS.model_validate(kwargs)
+    except ValidationError as err:
+        e = err.errors()[0]
+        key = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":  # the value is not echoed: an unknown key may hold anything
+            return f"`{field}.{key}`: not a setting of the local sandbox (it takes {', '.join(SETTINGS.model_fields)})"
+        return f"`{field}.{key}`: {e['msg']} (got {e.get('input')!r})"
+    return None

@@ -39,6 +39,7 @@ from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.run.checkpoint import save_checkpoint  # noqa: E402
 from grpoflow.train.sync import open_weight_sync, sync_dtype  # noqa: E402
 from grpoflow.train.trainer import load_trainer  # noqa: E402
+from tests.fakes.proc import descendants  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALLER = ROOT / "tests" / "engines" / "install_sglang.sh"
@@ -58,22 +59,12 @@ def install_sglang() -> tuple[str, float | None, int]:
 
 def tree_rss(pid: int) -> int:
     """Resident bytes of `pid` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
+    total = 0
+    for p in [pid, *descendants(pid)]:
         try:
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.isdigit() else 0
-        except (OSError, IndexError):
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # it ended while we looked
             continue
-        children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            rss_pages = int(Path(f"/proc/{p}/statm").read_text().split()[1])
-        except OSError:
-            continue
-        total += rss_pages * os.sysconf("SC_PAGE_SIZE")
     return total
 
 

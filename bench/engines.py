@@ -150,24 +150,26 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(prepare_model(args.model).path)
     base = hf_generate_tok_s(model_dir, args.new_tokens)
     trainer = load_trainer(model_dir, TrainConfig(), seed=0)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="grpoflow-bench-engines-") as tmp:
-        for name in args.engines:
-            rows.append(run_engine(name, model_dir, trainer, args, Path(tmp)))
-    print(f"model {args.model}; HF generate (fp32, 1 thread): {base:.1f} tok/s")
+    print(f"model {args.model}; HF generate (fp32, 1 thread): {base:.1f} tok/s", flush=True)
     print(
         f"{'engine':<12}{'install':>16}{'start':>8}{'memory':>9}{'1 session':>11}{'8 sessions':>12}"
-        f"{'sync disk':>11}{'sync dist.':>11}"
+        f"{'sync disk':>11}{'sync dist.':>11}",
+        flush=True,
     )
-    for r in rows:
-        install = (
-            "-" if "install_bytes" not in r else f"{r.get('install_s') or 0:.0f}s {r['install_bytes'] / 2**20:.0f}MB"
-        )
-        print(
-            f"{r['engine']:<12}{install:>16}{r['start_s']:>7.1f}s{r['rss_bytes'] / 2**30:>7.2f}GB"
-            f"{r['tok_s_1']:>7.1f}tok/s{r['tok_s_8']:>8.1f}tok/s"
-            f"{r['sync_disk_s']:>10.2f}s{r['sync_distributed_s']:>10.2f}s"
-        )
+    with tempfile.TemporaryDirectory(prefix="grpoflow-bench-engines-") as tmp:
+        for name in args.engines:  # each row as soon as it is measured
+            r = run_engine(name, model_dir, trainer, args, Path(tmp))
+            install = (
+                "-"
+                if "install_bytes" not in r
+                else f"{r.get('install_s') or 0:.0f}s {r['install_bytes'] / 2**20:.0f}MB"
+            )
+            print(
+                f"{r['engine']:<12}{install:>16}{r['start_s']:>7.1f}s{r['rss_bytes'] / 2**30:>7.2f}GB"
+                f"{r['tok_s_1']:>7.1f}tok/s{r['tok_s_8']:>8.1f}tok/s"
+                f"{r['sync_disk_s']:>10.2f}s{r['sync_distributed_s']:>10.2f}s",
+                flush=True,
+            )
     return 0
 
 

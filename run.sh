@@ -62,12 +62,20 @@ ensure_venv() {
   echo "$want" > "$stamp"
 }
 
+# The live SGLang lane (tests/engines/) runs real SGLang on the CPU from an environment of its own, cached outside
+# the repo (tests/engines/install_sglang.sh: about two minutes and 400 MB the first time). A failed install does not
+# stop the suite: the lane's tests fail with its reason.
+ensure_sglang() {
+  tests/engines/install_sglang.sh .venv/bin/python >/dev/null ||
+    echo "run.sh: SGLang for the live lane did not install; the lane's tests will fail with the reason" >&2
+}
+
 # Offline hygiene (nothing phones home) is set by the `flows` package itself, for the CLI and the tests alike.
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   main) ensure_system_tools; ensure_venv; exec .venv/bin/grpoflow main "$@" ;;
-  test) ensure_system_tools; ensure_test_tools; ensure_venv; exec .venv/bin/python -m pytest "$@" ;;
+  test) ensure_system_tools; ensure_test_tools; ensure_venv; ensure_sglang; exec .venv/bin/python -m pytest "$@" ;;
   *) echo "usage: ./run.sh main [grpoflow options] | ./run.sh test [pytest options]" >&2; exit 2 ;;
 esac

@@ -91,6 +91,17 @@ class EngineConfig(_Section):
         description="Python of the separate SGLang environment, e.g. `/opt/sglang-venv/bin/python` "
         "(backend `sglang-launch` only; SGLang pins its own torch and cannot share grpoflow's environment).",
     )
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda",
+        description="Where a launched SGLang runs: `cuda`, or `cpu` on its torch-native attention and sampling "
+        "(no CUDA kernels needed), for CPU machines and tests.",
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        ge=256,
+        description="SGLang `--max-total-tokens`: tokens its KV cache holds over all requests. Empty: sized from "
+        "`mem_fraction_static` on a GPU, 16384 on the CPU (where SGLang would size it from the host's free memory).",
+    )
     tp_size: int = Field(1, ge=1, le=64, description="SGLang `--tp-size`: GPUs one server shards the model over.")
     mem_fraction_static: float = Field(
         0.8,
@@ -102,7 +113,8 @@ class EngineConfig(_Section):
     sglang_args: list[str] = Field(
         default_factory=list,
         description='Extra `sglang.launch_server` arguments, e.g. ["--context-length", "32768"]. The flags '
-        "grpoflow sets itself (model path, host, port, tp size, mem fraction) are refused here.",
+        "grpoflow sets itself (model path, host, port, tp size, mem fraction, device, seed, KV tokens) are refused "
+        "here.",
     )
     startup_timeout_s: float = Field(
         900.0, gt=0, description="How long a launched SGLang server may take to answer /health (load, CUDA graphs)."
@@ -180,6 +192,13 @@ class EngineConfig(_Section):
                     "`engine.url`: must be empty when engine.backend is `sglang-launch` "
                     "(the launched server's URL is chosen when it starts)"
                 )
+        if self.backend == "sglang-launch" and self.device == "cpu" and self.deterministic:
+            # SGLang honours sampling_seed only under --enable-deterministic-inference, which refuses the
+            # torch_native attention a CPU launch runs on (its DETERMINISTIC_ATTENTION_BACKEND_CHOICES).
+            raise ValueError(
+                "`engine.deterministic`: SGLang's deterministic inference needs a GPU attention backend; on the CPU "
+                "(engine.device=cpu) it refuses to start, and its sampling_seed is ignored"
+            )
         if self.replicas > 1 and self.backend != "embedded":
             raise ValueError(
                 "`engine.replicas`: starts embedded engines; for SGLang servers, run sglang-router in front of "
@@ -189,7 +208,7 @@ class EngineConfig(_Section):
         if reserved:
             raise ValueError(
                 f"`engine.sglang_args`: {', '.join(reserved)} is set by grpoflow itself; use the "
-                "engine.* fields (tp_size, mem_fraction_static) instead"
+                "engine.* fields (tp_size, mem_fraction_static, device, max_total_tokens) or the run's seed instead"
             )
         return self
 
@@ -206,6 +225,9 @@ SGLANG_RESERVED_FLAGS = frozenset(
         "--tensor-parallel-size",
         "--tp",
         "--mem-fraction-static",
+        "--device",
+        "--random-seed",
+        "--max-total-tokens",
     }
 )
 

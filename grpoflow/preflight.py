@@ -22,6 +22,7 @@ from grpoflow.credentials import (
     policy_key_problems,
     sandbox_key_problems,
 )
+from grpoflow.engine.router import replica_urls
 from grpoflow.errors import GrpoflowError, one_line
 from grpoflow.paths import run_dir_problems
 from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH
@@ -50,7 +51,9 @@ def check_run(
         problems += sampling_problems(cfg.rollout)
     problems += check_sandbox(cfg.rollout, env, timeout_s)
     if cfg.engine.backend == "sglang" and cfg.engine.url:
-        problems += check_engine(cfg.engine.url, cfg.model.source, "model.source", timeout_s)
+        # each server behind a router (which has no /model_info of its own), or the one server
+        for url in replica_urls(cfg.engine.url, timeout_s):
+            problems += check_engine(url, cfg.model.source, "model.source", timeout_s)
     return problems
 
 
@@ -202,8 +205,10 @@ def check_engine(
     url: str, expected_model: str, expected_from: str, timeout_s: float = DEFAULT_TIMEOUT_S, remedy: str | None = None
 ) -> list[str]:
     """The engine at `url` is healthy and serves `expected_model` (`/model_info`'s `model_path`, compared as a
-    string and as a local path). `expected_from` names the setting the expectation came from and `remedy` what to
-    do about a mismatch (default: for an SGLang server the user started)."""
+    string and as a local path; or the `model_path` it was started with, `/get_server_info`'s: SGLang's
+    `/model_info` names the dir it last loaded weights from, a run's checkpoint after a disk sync).
+    `expected_from` names the setting the expectation came from and `remedy` what to do about a mismatch
+    (default: for an SGLang server the user started)."""
     base = url.rstrip("/")
     try:
         health = httpx.get(base + "/health", timeout=timeout_s)
@@ -226,7 +231,7 @@ def check_engine(
             f"engine at {base}: GET /model_info gave no model_path ({type(err).__name__}: "
             f"{one_line(str(err), 400)}): is engine.url an SGLang server?"
         ]
-    if not _same_model(str(served), expected_model):
+    if not (_same_model(str(served), expected_model) or _same_model(_started_on(base, timeout_s), expected_model)):
         remedy = remedy or (
             f"start SGLang with --model-path {expected_model}, or set {expected_from} to the served model's directory"
         )
@@ -237,7 +242,19 @@ def check_engine(
     return []
 
 
+def _started_on(base: str, timeout_s: float) -> str:
+    """The `model_path` the engine was started with (`/get_server_info`), or "" when it does not say."""
+    try:
+        info = httpx.get(base + "/get_server_info", timeout=timeout_s)
+        info.raise_for_status()
+        return str(info.json().get("model_path") or "")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return ""
+
+
 def _same_model(served: str, expected: str) -> bool:
+    if not served:
+        return False
     if served == expected:
         return True
     # A relative and an absolute spelling of one directory, or a symlink to it, are the same model.

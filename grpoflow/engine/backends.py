@@ -15,7 +15,7 @@ from grpoflow.config import EngineConfig
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.router import replica_urls, start_router
-from grpoflow.engine.sglang_launch import start_sglang_server
+from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server
 from grpoflow.errors import EngineError
 
 
@@ -75,12 +75,14 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
         return
     if cfg.backend == "sglang-launch":
         assert cfg.sglang_python, "validated by EngineConfig"
+        extra_args, env = launch_settings(cfg, seed)
         with start_sglang_server(
             cfg.sglang_python,
             model_path,
             tp_size=cfg.tp_size,
             mem_fraction_static=cfg.mem_fraction_static,
-            extra_args=cfg.sglang_args + (["--enable-deterministic-inference"] if cfg.deterministic else []),
+            extra_args=extra_args,
+            env=env,
             log_path=log_path,
             startup_timeout=cfg.startup_timeout_s,
             client_timeout=cfg.request_timeout_s,

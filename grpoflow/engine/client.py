@@ -21,7 +21,9 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from grpoflow.engine.protocol import (
+    BeginWeightUpdateRequest,
     ChatCompletionResponse,
+    EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResponse,
     InitWeightsUpdateGroupRequest,
@@ -45,7 +47,10 @@ U = TypeVar("U", UpdateWeightsFromDiskResponse, WeightsUpdateGroupResponse, LoRA
 _WEIGHT_UPDATES = (
     "/update_weights_from_disk",
     "/init_weights_update_group",
+    "/begin_weight_update",
     "/update_weights_from_distributed",
+    "/update_weights_from_tensor",
+    "/end_weight_update",
     "/load_lora_adapter",
     "/unload_lora_adapter",
 )
@@ -111,6 +116,19 @@ class EngineClient:
             backend=backend,
         ).model_dump()
         path = "/init_weights_update_group"
+        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+
+    # SGLang takes in-memory updates only inside a weight-update session (`grpoflow.train.sync.update_session`).
+    # Neither call is retried: a re-sent begin that had gone through is refused as "already open", an end as
+    # "no session open".
+    def begin_weight_update(self) -> WeightsUpdateGroupResponse:
+        path = "/begin_weight_update"
+        body = BeginWeightUpdateRequest().model_dump()
+        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+
+    def end_weight_update(self) -> WeightsUpdateGroupResponse:
+        path = "/end_weight_update"
+        body = EndWeightUpdateRequest().model_dump()
         return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
 
     def update_weights_from_distributed(

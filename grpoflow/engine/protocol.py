@@ -16,6 +16,13 @@ Where each name comes from (sgl-project/sglang, read at commits 001067ff / 00c17
     `{"success", "message"}`, 200 or 400. The engine joins the trainer's group with a TCP store at
     `master_address:master_port`, keys under `<group_name>/` (`init_custom_process_group`), and receives each
     named tensor by a broadcast from rank 0, in the order of `names`.
+  - `BeginWeightUpdateReqInput` (`selector`: "all") and `EndWeightUpdateReqInput` (no fields), `POST
+    /begin_weight_update` and `/end_weight_update`, answer `{"success", "message"}`, 200 or 400. The scheduler
+    (`managers/scheduler_components/weight_updater.py`) refuses `update_weights_from_distributed` and
+    `update_weights_from_tensor` outside a session with 400 "<route name> must run between begin_weight_update()
+    and end_weight_update()", a second begin with "a weight-update session is already open; call
+    end_weight_update() first", an end without a begin with "no weight-update session is open; call
+    begin_weight_update() first" (`WEIGHT_SESSION_*` below).
   - `LoadLoRAAdapterReqInput`: `lora_name`, `lora_path`, `pinned`; `UnloadLoRAAdapterReqInput`: `lora_name`; both
     answer `LoRAUpdateOutput` `{"success", "error_message", "loaded_adapters"}` (400 on failure). A request names
     its adapter in `GenerateReqInput.lora_path`. `UpdateWeightVersionReqInput`: `new_version`,
@@ -40,6 +47,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# SGLang's refusals around its weight-update session, word for word (see the module doc).
+WEIGHT_SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+WEIGHT_SESSION_NOT_OPEN = "no weight-update session is open; call begin_weight_update() first"
+
+
+def outside_weight_session(route: str) -> str:
+    """SGLang's refusal of `route` (`update_weights_from_distributed`, `update_weights_from_tensor`) outside a
+    weight-update session."""
+    return f"{route} must run between begin_weight_update() and end_weight_update()"
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -58,7 +75,9 @@ class SamplingParams(_Request):
     top_k: int = Field(-1, description="Keep the k most likely tokens; -1 keeps the whole vocabulary.")
     stop: str | list[str] | None = Field(None, description="Stop strings; the text is cut before the match.")
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation (kept in output_ids).")
-    ignore_eos: bool = Field(False, description="Do not stop at the tokenizer's EOS (stop_token_ids still apply).")
+    ignore_eos: bool = Field(
+        False, description="Stop at no token: neither EOS nor `stop_token_ids` (SGLang's rule); stop strings apply."
+    )
     sampling_seed: int | None = Field(None, ge=0, description="Per-request seed; same seed, same tokens.")
 
     @field_validator("top_k")
@@ -200,6 +219,17 @@ class LoRAUpdateResponse(_Response):
 class UpdateWeightVersionRequest(_Request):
     new_version: str = Field(..., min_length=1)
     abort_all_requests: bool = False
+
+
+class BeginWeightUpdateRequest(_Request):
+    """Open SGLang's weight-update session: `/update_weights_from_distributed` and `/update_weights_from_tensor`
+    are refused outside one (`/update_weights_from_disk` needs none)."""
+
+    selector: Literal["target", "draft", "all"] = Field("all", description="Which model runners (speculative).")
+
+
+class EndWeightUpdateRequest(_Request):
+    """Close the session `/begin_weight_update` opened (SGLang finalizes the loaded weights here)."""
 
 
 class WeightsUpdateGroupResponse(_Response):

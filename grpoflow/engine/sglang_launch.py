@@ -4,9 +4,13 @@ SGLang pins its own torch, transformers and CUDA kernels (and conflicts with Har
 a separate interpreter (`engine.sglang_python`) and grpoflow only talks to it over HTTP. The command is
 
     <sglang_python> -m sglang.launch_server --model-path M --host 127.0.0.1 --port P --tp-size N
-        --mem-fraction-static F [extra args]
+        --mem-fraction-static F --random-seed S [--max-total-tokens T] [CPU flags] [engine.sglang_args]
 
 with flag names from sgl-project/sglang `python/sglang/srt/server_args.py` (`ServerArgs.add_cli_args`).
+`engine.device = "cpu"` runs it on the CPU (`launch_settings`): `SGLANG_USE_CPU_ENGINE=1`, `--device cpu`,
+`--attention-backend torch_native` (SGLang's CPU attention kernels come from `sgl_kernel`'s CPU build, which the
+torch-native backend does not need), `--sleep-on-idle` (else its idle scheduler polls on a full core) and a KV
+cache of `engine.max_total_tokens` (else SGLang sizes it from the host's free memory).
 SGLang has no "bind port 0 and report it" option, so a free port is picked here just before the start; if another
 process takes it in between, SGLang dies at startup and the error below says so with its log.
 
@@ -24,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from grpoflow.config import EngineConfig
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import EngineProcess, log_tail, stop_process_group
 from grpoflow.errors import EngineError
@@ -34,6 +39,23 @@ from grpoflow.sockets import free_port
 _HEALTH_PROBE_TIMEOUT_S = 10.0
 _POLL_S = 0.5
 _ENV_DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+CPU_MAX_TOTAL_TOKENS = 16384  # the KV cache of a CPU launch unless engine.max_total_tokens says otherwise
+
+
+def launch_settings(cfg: EngineConfig, seed: int) -> tuple[list[str], dict[str, str]]:
+    """The flags a launch from `cfg` passes after grpoflow's own (`sglang_command`), `cfg.sglang_args` last, and
+    the environment variables it sets (see the module doc)."""
+    args, env = ["--random-seed", str(seed)], {}
+    total = cfg.max_total_tokens
+    if cfg.device == "cpu":
+        args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        total = total or CPU_MAX_TOTAL_TOKENS
+    if total:
+        args += ["--max-total-tokens", str(total)]
+    if cfg.deterministic:
+        args.append("--enable-deterministic-inference")
+    return args + cfg.sglang_args, env
 
 
 def sglang_command(
@@ -71,6 +93,7 @@ def start_sglang_server(
     tp_size: int = 1,
     mem_fraction_static: float = 0.8,
     extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
     log_path: str | Path | None = None,
     startup_timeout: float = 900.0,
     client_timeout: float = 300.0,
@@ -78,7 +101,7 @@ def start_sglang_server(
 ) -> EngineProcess:
     """Spawn SGLang on 127.0.0.1 (a free port) and return once `/health` answers 200.
 
-    Raises `EngineError` when the interpreter is missing, when the server exits during startup (with the exit
+    `env`: variables set for the server on top of ours (less the `_ENV_DROPPED`). Raises `EngineError` when the interpreter is missing, when the server exits during startup (with the exit
     code and the log's tail), or when it is not healthy within `startup_timeout` (it is stopped first).
     """
     exe = shutil.which(python)
@@ -95,12 +118,17 @@ def start_sglang_server(
     cmd = sglang_command(
         exe, model_path, port, tp_size=tp_size, mem_fraction_static=mem_fraction_static, extra_args=extra_args
     )
-    env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED}
+    child_env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED} | (env or {})
     with open(log_path, "ab") as log_file:
         log_file.write(f"grpoflow: starting {' '.join(cmd)}\n".encode())
         log_file.flush()
         proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
     try:

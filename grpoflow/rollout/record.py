@@ -33,6 +33,9 @@ class TrialRecord(BaseModel):
     generation_time_s: float = 0.0
     tool_time_s: float = 0.0
     tokens_after_truncation: int = 0  # generated after a cut-off turn (only with the early exit off)
+    # The weight version the engine served each turn with (SGLang's meta_info.weight_version), in turn order; the
+    # trial's `weight_version` is its oldest turn's, so a sample is as stale as its oldest turn.
+    turn_weight_versions: list[str] = []
     weight_version: str | None = None
     # The exact token trajectory (shell agent; harnesses behind the session server leave these empty): aligned,
     # length T each.

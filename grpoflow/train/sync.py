@@ -12,7 +12,9 @@
   `/update_weights_from_tensor` tells the engine where each tensor lies (`grpoflow.engine.shared_tensors`); the
   engine copies them into its own. Nothing is written for the sync.
 
-Both say what they moved (`bytes`), so the step's record shows the cost of the sync.
+SGLang takes the two in-memory updates only inside its weight-update session (`/begin_weight_update` ...
+`/end_weight_update`, `update_session`). Every sync says what it moved (`bytes`), so the step's record shows the
+cost of the sync, and ends by reading the engine's weight version back (`check_served_version`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from grpoflow.config import SERVED_ADAPTER, EngineConfig, RunConfig
 from grpoflow.engine.client import EngineClient
+from grpoflow.engine.protocol import WEIGHT_SESSION_ALREADY_OPEN
 from grpoflow.engine.router import remove_worker
 from grpoflow.engine.shared_tensors import serialize_named_tensors, shared_buffer
 from grpoflow.engine.update_group import (
@@ -65,6 +68,7 @@ class DiskSync:
         if ckpt is None:
             raise ValueError("a disk weight sync needs the step's checkpoint dir")
         self.client.update_weights_from_disk(str(ckpt), weight_version=version)
+        check_served_version(self.client, version)
         return {"bytes": float(sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors")))}
 
 
@@ -98,16 +102,18 @@ class DistributedSync:
             with torch.no_grad():
                 return broadcast_tensors(self.group, (t.to(self.device, self.dtype) for t in named.values()))
 
-        sent = self._paired(
-            send,
-            lambda: self.client.update_weights_from_distributed(
-                list(named),
-                [dtype_name(self.dtype)] * len(named),
-                [list(t.shape) for t in named.values()],
-                self.group_name,
-                version,
-            ),
-        )
+        with update_session(self.client):
+            sent = self._paired(
+                send,
+                lambda: self.client.update_weights_from_distributed(
+                    list(named),
+                    [dtype_name(self.dtype)] * len(named),
+                    [list(t.shape) for t in named.values()],
+                    self.group_name,
+                    version,
+                ),
+            )
+        check_served_version(self.client, version)
         return {"bytes": float(sent)}
 
     def _paired(self, ours: Callable[[], T], engines: Callable[[], object]) -> T:
@@ -165,7 +171,9 @@ class TensorSync:
         # The engine answers once it copied every tensor: the buffer is free for the next sync after this call.
         # One dump per rank: torch counts each dump's handles as one reference that one reader gives back.
         entries = [serialize_named_tensors(views) for _ in range(self.ranks)]
-        self.client.update_weights_from_tensor(entries, weight_version=version)
+        with update_session(self.client):
+            self.client.update_weights_from_tensor(entries, weight_version=version)
+        check_served_version(self.client, version)
         return {"bytes": float(self._flat.numel() * self._flat.element_size())}
 
     def close(self) -> None:
@@ -200,6 +208,7 @@ class AdapterSync:
         self.client.load_lora_adapter(SERVED_ADAPTER, str(out.resolve()))
         if version is not None:
             self.client.update_weight_version(version)
+            check_served_version(self.client, version)
         previous, self._current = self._current, out
         if previous is not None and previous != out:
             shutil.rmtree(previous, ignore_errors=True)  # loaded into the engine's memory: the files are spent
@@ -243,13 +252,8 @@ class ReplicaSyncs:
         if not self.syncs:
             raise EngineError(f"no engine replica answers /health (lost: {', '.join(self.lost)})")
         moved = 0.0
-        for s in self.syncs:
+        for s in self.syncs:  # each reads its replica's weight version back
             moved += s.push(trainer, version, ckpt)["bytes"]
-            served = s.client.model_info().weight_version
-            if served != version:
-                raise EngineError(
-                    f"engine replica {s.client.base_url} serves weight version {served} after the sync to {version}"
-                )
         if len(self.syncs) + len(self.lost) == 1:  # one engine: nothing to count
             return {"bytes": moved}
         return {"bytes": moved, "replicas": float(len(self.syncs)), "replicas_lost": float(len(self.lost))}
@@ -258,10 +262,7 @@ class ReplicaSyncs:
         """Every engine reports `version` for the weights it serves now (SGLang's /update_weight_version)."""
         for s in self.syncs:
             s.client.update_weight_version(version)
-            if (served := s.client.model_info().weight_version) != version:
-                raise EngineError(
-                    f"engine {s.client.base_url} reports weight version {served} after labelling {version}"
-                )
+            check_served_version(s.client, version)
 
     def busy_seconds(self) -> float | None:
         busy = [s.client.busy_seconds() for s in self.syncs]
@@ -270,6 +271,36 @@ class ReplicaSyncs:
     def close(self) -> None:
         for s in self.syncs:
             s.close()
+
+
+@contextmanager
+def update_session(client: EngineClient) -> Iterator[None]:
+    """SGLang's weight-update session around an in-memory update (`/begin_weight_update` ...
+    `/end_weight_update`): it refuses `/update_weights_from_distributed` and `/update_weights_from_tensor` outside
+    one, and finalizes the loaded weights at the end.
+
+    A session an earlier sync left open (a run stopped between the two calls) is closed and a new one opened,
+    with a warning. The session is closed only when the update succeeded: after a failed one the engine may still
+    wait for its side of the broadcast, and an end request would queue behind it until the group's timeout."""
+    try:
+        client.begin_weight_update()
+    except EngineError as e:
+        if WEIGHT_SESSION_ALREADY_OPEN not in str(e):
+            raise
+        logger.warning(
+            "engine %s had a weight-update session open (an earlier sync stopped): closing it", client.base_url
+        )
+        client.end_weight_update()
+        client.begin_weight_update()
+    yield
+    client.end_weight_update()
+
+
+def check_served_version(client: EngineClient, version: str) -> None:
+    """The engine reports `version` after the sync to it, or EngineError naming the engine."""
+    served = client.model_info().weight_version
+    if served != version:
+        raise EngineError(f"engine {client.base_url} serves weight version {served} after the sync to {version}")
 
 
 def _answers(client: EngineClient, tries: int = 3) -> bool:
@@ -316,7 +347,7 @@ def probe_engines(
 @contextmanager
 def open_weight_sync(
     cfg: RunConfig,
-    engine_urls: list[str],
+    engine_urls: str | list[str],
     trainer: TrainerState,
     sync_dir: Path | None = None,
     router: str | None = None,
@@ -324,6 +355,7 @@ def open_weight_sync(
     """The run's weight sync (`RunConfig.weight_sync_mode`) to each engine at `engine_urls` (one, or several
     replicas behind `router`), for the block. `sync_dir`: where an adapter sync writes the adapter (the run's
     `sync/`; one subdir per replica when there are several)."""
+    engine_urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
     several = len(engine_urls) > 1
     with ExitStack() as stack:
         yield ReplicaSyncs(

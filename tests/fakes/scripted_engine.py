@@ -27,6 +27,7 @@ class Reply:
     status: int = 200  # an HTTP error status makes the engine fail this call
     ids: list[int] | None = None
     logprobs: list[float] | None = None  # default: -0.1 * (position + 1), so misaligned logprobs show
+    weight_version: str = "7"  # what meta_info says the engine served the turn with
 
     def output_ids(self, tokenizer) -> list[int]:
         if self.ids is not None:
@@ -64,7 +65,7 @@ class ScriptedEngine:
                     "prompt_tokens": len(req.input_ids),
                     "completion_tokens": len(ids),
                     "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=True)],
-                    "weight_version": "7",
+                    "weight_version": reply.weight_version,
                 },
             }
 

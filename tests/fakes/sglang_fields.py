@@ -106,6 +106,7 @@ SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT = {
     "abort_all_requests",
     "weight_version",
     "load_format",
+    "selector",
     "torch_empty_cache",
 }
 SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT = {"success", "message"}  # both outputs
@@ -118,8 +119,13 @@ SGLANG_UPDATE_WEIGHTS_FROM_TENSOR_REQ_INPUT = {
     "abort_all_requests",
     "weight_version",
     "disable_draft_model",
+    "selector",
     "torch_empty_cache",
 }
+
+# io_struct.py (0.5.23): BeginWeightUpdateReqInput, EndWeightUpdateReqInput; both answer success, message
+SGLANG_BEGIN_WEIGHT_UPDATE_REQ_INPUT = {"selector"}
+SGLANG_END_WEIGHT_UPDATE_REQ_INPUT: set[str] = set()
 
 # io_struct.py: LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, LoRAUpdateOutput (both answers),
 # UpdateWeightVersionReqInput

@@ -25,6 +25,9 @@ Endpoints and shapes, from sgl-project/sglang `python/sglang/srt/entrypoints/htt
   answered by `_create_error_response`: 400 `{"error": {"message"}}`.
 - `POST /update_weights_from_disk`: `{"success", "message", "num_paused_requests"}`, 200 or 400; with a
   `weight_version` the message gains " Weight version updated to V." and the server reports V from then on.
+- `POST /begin_weight_update`, `/end_weight_update`: the weight-update session; `/update_weights_from_distributed`
+  and `/update_weights_from_tensor` are refused outside one with SGLang's 400 `{"success": false, "message"}`
+  (`managers/scheduler_components/weight_updater.py`, 0.5.23); inside one the scripted model has no weights to take.
 - `GET /v1/models`: `ModelList` of `ModelCard(id, object="model", created, owned_by="sglang", root, max_model_len)`
   (`entrypoints/openai/protocol.py`).
 - `POST /v1/chat/completions`: OpenAI chat completion; token ids with `return_token_ids` in the vLLM/SGLang shape
@@ -35,7 +38,8 @@ Endpoints and shapes, from sgl-project/sglang `python/sglang/srt/entrypoints/htt
 Faults (`StandinServer.faults.inject`), each for the next N matching requests (or every one): `5xx` (an error
 status with an SGLang error body), `slow` (answer after `delay_s`, past a client's timeout), `drop` (close the
 connection without an answer), `malformed_json` (a cut-off body), `missing_finish_reason` (a well-formed answer
-without `finish_reason`). With `upstream=URL` the server relays every request it does not fault to that URL, so
+without `finish_reason`), `ignore_version` (a weight update applied without its `weight_version`, as an engine
+that acknowledges the label but keeps its old one). With `upstream=URL` the server relays every request it does not fault to that URL, so
 the same faults apply in front of the embedded engine.
 """
 
@@ -59,12 +63,17 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from grpoflow.engine.protocol import ChatCompletionRequest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests.`
+# Run as a script: this checkout's root first, for `tests.` and for its own `grpoflow` (not an installed one).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from grpoflow.engine.protocol import (  # noqa: E402
+    WEIGHT_SESSION_ALREADY_OPEN,
+    WEIGHT_SESSION_NOT_OPEN,
+    ChatCompletionRequest,
+    outside_weight_session,
+)
 from tests.fakes.sglang_fields import SGLANG_GENERATE_REQ_INPUT, SGLANG_SAMPLING_PARAMS  # noqa: E402
 
-FAULT_KINDS = ("5xx", "slow", "drop", "malformed_json", "missing_finish_reason")
+FAULT_KINDS = ("5xx", "slow", "drop", "malformed_json", "missing_finish_reason", "ignore_version")
 STANDIN_VERSION = "0.0.0-standin"
 
 
@@ -136,6 +145,7 @@ class ScriptedModel:
     model_type: str | None = None
     architectures: list[str] | None = None
     weight_version: str = "default"
+    weight_session: bool = False  # between /begin_weight_update and /end_weight_update
     _rng: random.Random = field(default_factory=random.Random)
 
     @classmethod
@@ -182,8 +192,10 @@ class ScriptedModel:
         if seed_key is None:
             seed_key = self._rng.getrandbits(64)
         stop_ids = set(sp.get("stop_token_ids") or [])
-        if self.eos_token_id is not None and not sp.get("ignore_eos", False):
+        if self.eos_token_id is not None:
             stop_ids.add(self.eos_token_id)
+        if sp.get("ignore_eos", False):  # schedule_batch.py _check_token_based_finish: no token ends the reply
+            stop_ids = set()
         stop = sp.get("stop") or []
         stop_strs = [stop] if isinstance(stop, str) else [s for s in stop if s]
 
@@ -271,6 +283,33 @@ def _handle_update_weights(model: ScriptedModel, body: Any) -> tuple[int, dict]:
         model.weight_version = str(body["weight_version"])
         message += f" Weight version updated to {model.weight_version}."
     return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+
+def _handle_begin_weight_update(model: ScriptedModel, body: Any) -> tuple[int, dict]:
+    # managers/scheduler_components/weight_updater.py begin_weight_update / end_weight_update (0.5.23)
+    if model.weight_session:
+        return 400, {"success": False, "message": WEIGHT_SESSION_ALREADY_OPEN}
+    model.weight_session = True
+    return 200, {"success": True, "message": "Success"}
+
+
+def _handle_end_weight_update(model: ScriptedModel, body: Any) -> tuple[int, dict]:
+    if not model.weight_session:
+        return 400, {"success": False, "message": WEIGHT_SESSION_NOT_OPEN}
+    model.weight_session = False
+    return 200, {"success": True, "message": "Success"}
+
+
+def _in_memory_update(route: str):
+    """SGLang refuses an in-memory update outside a weight-update session before anything else; inside one the
+    scripted model has no weights to take, which it says (a stand-in relaying to an engine passes them on)."""
+
+    def handle(model: ScriptedModel, body: Any) -> tuple[int, dict]:
+        if not model.weight_session:
+            return 400, {"success": False, "message": outside_weight_session(route)}
+        return 400, {"success": False, "message": f"{route}: the stand-in's scripted model has no weights to update"}
+
+    return handle
 
 
 def _model_info(model: ScriptedModel) -> dict:
@@ -453,6 +492,10 @@ class StandinServer:
         handlers = {
             "/generate": _handle_generate,
             "/update_weights_from_disk": _handle_update_weights,
+            "/begin_weight_update": _handle_begin_weight_update,
+            "/end_weight_update": _handle_end_weight_update,
+            "/update_weights_from_distributed": _in_memory_update("update_weights_from_distributed"),
+            "/update_weights_from_tensor": _in_memory_update("update_weights_from_tensor"),
             "/v1/chat/completions": _handle_chat,
         }
         if method == "POST" and path in handlers:
@@ -506,6 +549,8 @@ def _make_handler(server: StandinServer) -> type[BaseHTTPRequestHandler]:
                 return
             if fault is not None and fault.kind == "slow":
                 time.sleep(fault.delay_s)
+            if fault is not None and fault.kind == "ignore_version" and raw:
+                raw = json.dumps({k: v for k, v in json.loads(raw).items() if k != "weight_version"}).encode()
             if server.upstream is not None:
                 status, payload = server.relay(self.command, path, raw)
             else:
@@ -557,6 +602,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--log-level", default="info")
     p.add_argument("--skip-server-warmup", action="store_true")
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--sleep-on-idle", action="store_true")
+    p.add_argument("--enable-deterministic-inference", action="store_true")
     return p.parse_args(argv)  # unknown flags: exit 2, as SGLang's parser
 
 
@@ -574,6 +625,13 @@ def main(argv: list[str] | None = None) -> None:
         "tp_size": args.tp_size,
         "mem_fraction_static": args.mem_fraction_static,
         "context_length": args.context_length,
+        "random_seed": args.random_seed,
+        "device": args.device,
+        "attention_backend": args.attention_backend,
+        "max_total_tokens": args.max_total_tokens,
+        "sleep_on_idle": args.sleep_on_idle,
+        "enable_deterministic_inference": args.enable_deterministic_inference,
+        "use_cpu_engine": os.environ.get("SGLANG_USE_CPU_ENGINE"),
         "standin_pid": os.getpid(),
         "standin_child_pid": child.pid,
     }

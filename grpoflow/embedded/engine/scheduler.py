@@ -35,7 +35,12 @@ from grpoflow.embedded.engine.packed_linear import pack_linears, repack_linears
 from grpoflow.embedded.engine.prefix_cache import PrefixCache
 from grpoflow.embedded.engine.sampling import sample_next_tokens
 from grpoflow.embedded.engine.weights import load_named_tensors, read_safetensors_dir
-from grpoflow.engine.protocol import SamplingParams
+from grpoflow.engine.protocol import (
+    WEIGHT_SESSION_ALREADY_OPEN,
+    WEIGHT_SESSION_NOT_OPEN,
+    SamplingParams,
+    outside_weight_session,
+)
 from grpoflow.engine.shared_tensors import deserialize_named_tensors
 from grpoflow.engine.update_group import (
     UPDATE_GROUP_TIMEOUT_S,
@@ -148,6 +153,7 @@ class Scheduler:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model_path = str(model_path)
+        self.weights_path = self.model_path  # the dir the weights were last loaded from (SGLang's /model_info)
         if not Path(self.model_path, "config.json").is_file():
             raise ModelError(f"model path {self.model_path} has no config.json")
         if threads:
@@ -168,6 +174,7 @@ class Scheduler:
         # weight-update process groups joined, by name
         self.update_groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._shared_tensors: dict[str, torch.Tensor] = {}  # the last update_weights_from_tensor's, mapped
+        self._weight_session = False  # between begin_weight_update and end_weight_update (SGLang's rule)
         self.adapter = AdapterSlot(self.model)  # the LoRA adapter merged into the served weights, if any
         self.stats = SchedulerStats()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)  # touched by the scheduler thread only
@@ -208,7 +215,9 @@ class Scheduler:
             future=Future(),
             generator=torch.Generator(),
             max_new_tokens=min(params.max_new_tokens, self.context_length - len(input_ids)),
-            stop_ids=frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_ids),
+            # SGLang's rule (schedule_batch.py _check_token_based_finish): ignore_eos ends no reply at any token,
+            # stop_token_ids included; stop strings still apply.
+            stop_ids=frozenset() if params.ignore_eos else frozenset(params.stop_token_ids or ()) | self.eos_ids,
         )
         # Under the lock, so nothing is queued behind the shutdown marker (it would never be answered).
         with self._lock:
@@ -261,8 +270,40 @@ class Scheduler:
             self._inbox.put(upd)
         return upd.future
 
+    def begin_weight_update(self) -> WeightUpdateResult:
+        """Open the weight-update session the in-memory updates need, as SGLang's scheduler does (its messages)."""
+        with self._lock:
+            if self._weight_session:
+                return WeightUpdateResult(False, WEIGHT_SESSION_ALREADY_OPEN, self.weight_version)
+            self._weight_session = True
+        return WeightUpdateResult(True, "Success", self.weight_version)
+
+    def end_weight_update(self) -> WeightUpdateResult:
+        with self._lock:
+            if not self._weight_session:
+                return WeightUpdateResult(False, WEIGHT_SESSION_NOT_OPEN, self.weight_version)
+            self._weight_session = False
+        return WeightUpdateResult(True, "Success", self.weight_version)
+
+    def _refused_outside_session(self, route: str) -> Future | None:
+        """A resolved refusal of `route` outside a weight-update session (SGLang checks it before anything else),
+        else None."""
+        with self._lock:
+            if self._weight_session:
+                return None
+        refused: Future = Future()
+        refused.set_result(WeightUpdateResult(False, outside_weight_session(route), self.weight_version))
+        return refused
+
     def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> Future:
-        return self.update_weights(lambda: read_safetensors_dir(model_path), str(model_path), weight_version)
+        fut = self.update_weights(lambda: read_safetensors_dir(model_path), str(model_path), weight_version)
+
+        def loaded(done: Future) -> None:  # in the scheduler's thread, before the caller hears of it
+            if done.result().success:
+                self.weights_path = str(model_path)
+
+        fut.add_done_callback(loaded)
+        return fut
 
     def init_weights_update_group(
         self, address: str, port: int, rank: int, world_size: int, group_name: str, backend: str
@@ -283,7 +324,11 @@ class Scheduler:
         group_name: str,
         weight_version: str | None = None,
     ) -> Future:
-        """Queue an update whose tensors the trainer broadcasts over `group_name` (received in order)."""
+        """Queue an update whose tensors the trainer broadcasts over `group_name` (received in order); only inside
+        a weight-update session."""
+        refused = self._refused_outside_session("update_weights_from_distributed")
+        if refused is not None:
+            return refused
         group = self.update_groups.get(group_name)
         if group is None:
             raise InvalidRequest(f"no weight update group {group_name!r}: POST /init_weights_update_group first")
@@ -301,7 +346,11 @@ class Scheduler:
     def update_weights_from_tensor(
         self, serialized: list[str], load_format: str | None, weight_version: str | None = None
     ) -> Future:
-        """Queue an update from tensors in this host's shared memory (`grpoflow.engine.shared_tensors`)."""
+        """Queue an update from tensors in this host's shared memory (`grpoflow.engine.shared_tensors`); only
+        inside a weight-update session."""
+        refused = self._refused_outside_session("update_weights_from_tensor")
+        if refused is not None:
+            return refused
         if load_format is not None:
             raise InvalidRequest(f"load_format {load_format!r}: the embedded engine reads (name, tensor) pairs only")
         if len(serialized) != 1:

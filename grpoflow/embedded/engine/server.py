@@ -9,6 +9,7 @@ picking and binding), writes the port to `--port-file` atomically and prints
 `grpoflow-engine listening on http://HOST:PORT`.
 
 Endpoints: POST /generate, POST /update_weights_from_disk, POST /init_weights_update_group (gloo),
+POST /begin_weight_update and /end_weight_update (the session the next two need, as in SGLang),
 POST /update_weights_from_distributed, POST /update_weights_from_tensor (same host), POST /load_lora_adapter, POST /unload_lora_adapter (one adapter, merged),
 POST /update_weight_version, GET /health, GET /model_info,
 GET /get_server_info, POST /flush_cache, POST /v1/chat/completions, GET /v1/models. A bad request gets 400 with a
@@ -42,7 +43,9 @@ from grpoflow.embedded.engine.scheduler import (
     Scheduler,
 )
 from grpoflow.engine.protocol import (
+    BeginWeightUpdateRequest,
     ChatCompletionRequest,
+    EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResponse,
     InitWeightsUpdateGroupRequest,
@@ -83,7 +86,7 @@ def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> Fa
     async def model_info() -> dict:
         hf_config = scheduler.model.config
         return ModelInfo(
-            model_path=scheduler.model_path,
+            model_path=scheduler.weights_path,  # SGLang's: the last dir loaded (/get_server_info: the launch one)
             tokenizer_path=scheduler.model_path,
             is_generation=True,
             weight_version=scheduler.weight_version,
@@ -150,6 +153,18 @@ def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> Fa
             req.backend,
         )
         return JSONResponse(WeightsUpdateGroupResponse(success=True, message="joined").model_dump())
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(req: BeginWeightUpdateRequest) -> JSONResponse:
+        return _session_answer(scheduler.begin_weight_update())
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(req: EndWeightUpdateRequest) -> JSONResponse:
+        return _session_answer(scheduler.end_weight_update())
+
+    def _session_answer(res) -> JSONResponse:
+        body = WeightsUpdateGroupResponse(success=res.success, message=res.message).model_dump()
+        return JSONResponse(body, status_code=200 if res.success else 400)
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:

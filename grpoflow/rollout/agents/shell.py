@@ -156,7 +156,8 @@ class ShellAgent(BaseAgent):
             rec.generation_time_s += time.perf_counter() - t0
             rec.policy_calls += 1
             rec.turns += 1
-            rec.weight_version = resp.meta_info.weight_version
+            rec.turn_weight_versions.append(resp.meta_info.weight_version)
+            rec.weight_version = rec.turn_weight_versions[0]  # the oldest turn's (versions only grow)
             if rec.truncated:  # only reachable with the early exit switched off (benchmarks)
                 rec.tokens_after_truncation += len(resp.output_ids)
             reply = traj.add_generated(resp.output_ids, resp.logprobs)

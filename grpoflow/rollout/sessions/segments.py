@@ -25,7 +25,7 @@ class Segment:
     prompt_len: int  # tokens before the path's first generated token
     turns: list[int]  # indices of the session's turns that end on this path, in order
     messages: list[dict[str, Any]]  # the last turn's messages and its reply
-    weight_version: str | None  # the engine's weight version at the path's last turn
+    weight_version: str | None  # the engine's weight version at the path's first (oldest) turn
     truncated: bool  # the path's last turn was cut off at the token limit
 
 
@@ -66,6 +66,7 @@ def segments(tree: SessionTree) -> list[Segment]:
                         owned.add(key)
                 pos += 1
         last = tree.turns[turn_ids[-1]]
+        oldest = tree.turns[turn_ids[0]]  # a segment is as stale as its oldest turn (versions only grow)
         out.append(
             Segment(
                 tokens=tokens,
@@ -74,7 +75,7 @@ def segments(tree: SessionTree) -> list[Segment]:
                 prompt_len=next((i for i, m in enumerate(mask) if m), len(tokens)),
                 turns=turn_ids,
                 messages=last.messages + [{"role": "assistant", "content": last.reply}],
-                weight_version=last.weight_version,
+                weight_version=oldest.weight_version,
                 truncated=last.truncated,
             )
         )

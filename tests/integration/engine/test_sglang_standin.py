@@ -25,7 +25,7 @@ from grpoflow.engine.backends import open_engine
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import SamplingParams
-from grpoflow.engine.sglang_launch import sglang_command, start_sglang_server
+from grpoflow.engine.sglang_launch import launch_settings, sglang_command, start_sglang_server
 from grpoflow.errors import ConfigError, EngineError
 from tests.fakes.sglang_standin import StandinServer
 
@@ -90,7 +90,8 @@ def test_stop_token_ends_generation_and_is_kept(target: Target):
     with target.client(direct=True) as c:
         full = c.generate([3, 4, 5], GREEDY).output_ids
         stop = full[2]
-        cut = c.generate([3, 4, 5], GREEDY.model_copy(update={"stop_token_ids": [stop]}))
+        # without ignore_eos: SGLang's ignore_eos switches stop_token_ids off too
+        cut = c.generate([3, 4, 5], GREEDY.model_copy(update={"stop_token_ids": [stop], "ignore_eos": False}))
     k = full.index(stop)
     assert cut.output_ids == full[: k + 1]
     assert cut.meta_info.finish_reason.type == "stop" and cut.meta_info.finish_reason.matched == stop
@@ -274,6 +275,21 @@ def test_launch_health_generate_stop(fake_sglang_python, tiny_model_dir, tmp_pat
     assert "The server is fired up and ready to roll!" in text
 
 
+def test_a_cpu_launch_passes_sglangs_cpu_flags_and_environment(fake_sglang_python, tiny_model_dir, tmp_path):
+    cfg = EngineConfig(backend="sglang-launch", sglang_python=fake_sglang_python, device="cpu", startup_timeout_s=60)
+    with open_engine(cfg, str(tiny_model_dir), seed=7, log_path=tmp_path / "engine.log") as engine:
+        info = httpx.get(engine.url + "/get_server_info").json()
+    assert {k: info[k] for k in ("device", "attention_backend", "max_total_tokens", "random_seed")} == {
+        "device": "cpu",
+        "attention_backend": "torch_native",
+        "max_total_tokens": 16384,
+        "random_seed": 7,
+    }
+    assert info["sleep_on_idle"] and info["use_cpu_engine"] == "1" and not info["enable_deterministic_inference"]
+    gpu = EngineConfig(backend="sglang-launch", sglang_python="/p", max_total_tokens=4096, sglang_args=["--x"])
+    assert launch_settings(gpu, seed=3) == (["--random-seed", "3", "--max-total-tokens", "4096", "--x"], {})
+
+
 def test_launch_command_uses_sglang_flag_names():
     cmd = sglang_command(
         "/opt/sglang/bin/python",
@@ -348,6 +364,12 @@ def test_missing_sglang_python_is_a_clear_error(tiny_model_dir, tmp_path):
         ({"backend": "sglang-launch", "sglang_python": "/p", "url": "http://h:1"}, "`engine.url`: must be empty"),
         ({"sglang_args": ["--port=9"]}, "`engine.sglang_args`: --port=9 is set by grpoflow"),
         ({"sglang_args": ["--tp", "2"]}, "`engine.sglang_args`: --tp is set by grpoflow"),
+        ({"sglang_args": ["--random-seed", "2"]}, "`engine.sglang_args`: --random-seed is set by grpoflow"),
+        ({"sglang_args": ["--device=cpu"]}, "`engine.sglang_args`: --device=cpu is set by grpoflow"),
+        (
+            {"backend": "sglang-launch", "sglang_python": "/p", "device": "cpu", "deterministic": True},
+            "`engine.deterministic`: SGLang's deterministic inference needs a GPU attention backend",
+        ),
         ({"retries": -1}, "`engine.retries`"),
     ],
 )

@@ -29,7 +29,7 @@ from grpoflow.errors import EngineError
 from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.lora import serving_tensors
 from grpoflow.train.probe import SyncProbe
-from grpoflow.train.sync import AdapterSync, DiskSync, DistributedSync, TensorSync, open_weight_sync
+from grpoflow.train.sync import AdapterSync, DiskSync, DistributedSync, TensorSync, open_weight_sync, update_session
 from grpoflow.train.trainer import load_trainer
 from tests.fakes.sglang_fields import (
     SGLANG_GENERATE_REQ_INPUT,
@@ -42,6 +42,7 @@ from tests.fakes.sglang_fields import (
     SGLANG_UPDATE_WEIGHTS_FROM_TENSOR_REQ_INPUT,
     SGLANG_WEIGHTS_UPDATE_GROUP_REQ_OUTPUT,
 )
+from tests.fakes.sglang_standin import StandinServer
 
 PROMPT = [1, 5, 9, 14, 3, 7]
 
@@ -83,6 +84,7 @@ def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, 
     before = _engine_logprobs(client)
     cfg = parse_run_config({"engine": {"weight_sync": mode}})
     with open_weight_sync(cfg, engine.url, trainer) as sync:
+        sync = sync.syncs[0]  # the one engine's own sync
         assert isinstance(sync, kind) and not sync.needs_dir
         moved = sync.push(trainer, "7")
         ids, lps = _engine_logprobs(client)
@@ -114,20 +116,29 @@ def test_the_engine_refuses_tensor_updates_that_name_anything_but_tensors(engine
 
     body = base64.b64encode(pickle.dumps([("w", Payload())])).decode()
     before = _engine_logprobs(engine.client)
-    with pytest.raises(EngineError, match=r"\.system is not part of a tensor handle"):
-        engine.client.update_weights_from_tensor([body], weight_version="x")
-    assert not marker.exists()
-    with pytest.raises(EngineError, match="one rank"):
-        engine.client.update_weights_from_tensor([body, body])
+    with update_session(engine.client):
+        with pytest.raises(EngineError, match=r"\.system is not part of a tensor handle"):
+            engine.client.update_weights_from_tensor([body], weight_version="x")
+        assert not marker.exists()
+        with pytest.raises(EngineError, match="one rank"):
+            engine.client.update_weights_from_tensor([body, body])
     assert _engine_logprobs(engine.client) == before
 
 
-def test_a_refused_update_fails_at_once_with_the_engines_reason(engine, tiny_model_dir):
+def test_a_refused_update_fails_at_once_with_the_engines_reason(engine, tiny_model_dir, caplog):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
+        sync = sync.syncs[0]  # the one engine's own sync
         sync.group_name = "no-such-group"  # the engine refuses before any tensor is sent
         with pytest.raises(EngineError, match="no weight update group 'no-such-group'"):
             sync.push(trainer, "9")
+    # The failed sync left the engine's weight-update session open (as it would leave SGLang's): the next run's
+    # first sync closes it, says so, and goes through.
+    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
+        sync = sync.syncs[0]  # the one engine's own sync
+        sync.push(trainer, "9")
+    assert "had a weight-update session open" in caplog.text
+    assert engine.client.model_info().weight_version == "9"
     with pytest.raises(EngineError, match="only `gloo`"):
         engine.client.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", "nccl")
 
@@ -136,15 +147,34 @@ def test_disk_sync_loads_the_step_dir(engine, tiny_model_dir, tmp_path):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     trainer.model.save_pretrained(tmp_path / "step_0")
     with open_weight_sync(parse_run_config({"engine": {"weight_sync": "disk"}}), engine.url, trainer) as sync:
+        sync = sync.syncs[0]  # the one engine's own sync
         assert isinstance(sync, DiskSync) and sync.needs_dir
         assert sync.push(trainer, "10", tmp_path / "step_0")["bytes"] > 0
     assert engine.client.model_info().weight_version == "10"
+
+
+def test_a_sync_fails_when_the_engine_does_not_report_the_new_version(engine, tiny_model_dir, tmp_path):
+    """The version is read back after every sync, one engine or many: an engine that loaded the weights but kept
+    its old label would make every sample of the next step look stale (or fresh) by mistake."""
+    trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    trainer.model.save_pretrained(tmp_path / "step_0")
+    with StandinServer(str(tiny_model_dir), upstream=engine.url) as front:
+        front.faults.inject("ignore_version", path="/update_weights_from_disk")
+        cfg = parse_run_config({"engine": {"weight_sync": "disk"}})
+        with open_weight_sync(cfg, front.url, trainer) as sync:
+            sync = sync.syncs[0]  # the one engine's own sync
+            # (a label the engine's own numbering, which counts up from the last number, cannot hit by chance)
+            with pytest.raises(EngineError, match=r"serves weight version \S+ after the sync to sync-a"):
+                sync.push(trainer, "sync-a", tmp_path / "step_0")
+            sync.push(trainer, "sync-b", tmp_path / "step_0")  # the fault is spent: the version is read back
+    assert engine.client.model_info().weight_version == "sync-b"
 
 
 def test_the_sync_probe_fails_when_the_engine_did_not_apply_a_sync(engine, tiny_model_dir):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     probe = SyncProbe(limit=0.1)
     with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
+        sync = sync.syncs[0]  # the one engine's own sync
         sync.push(trainer, "20")
         assert probe.check(engine.client, trainer, "20")["probe_gap"] < 1e-4
         with torch.no_grad():  # an update the engine never receives, as if it acknowledged a sync and ignored it
@@ -160,6 +190,7 @@ def test_the_sync_probe_fails_when_the_engine_did_not_apply_a_sync(engine, tiny_
 def test_the_sync_probe_bounds_the_gap_to_the_trainer(engine, tiny_model_dir):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
+        sync = sync.syncs[0]  # the one engine's own sync
         sync.push(trainer, "30")
         with torch.no_grad():  # far from what the engine serves, at the first check (nothing to compare with)
             for p in trainer.model.parameters():
@@ -189,12 +220,14 @@ def _lora_trainer(tiny_model_dir):
 def test_an_adapter_sync_serves_base_plus_adapter_and_only_to_requests_that_name_it(engine, tiny_model_dir, tmp_path):
     base = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     with open_weight_sync(parse_run_config({"engine": {"weight_sync": "disk"}}), engine.url, base) as sync:
+        sync = sync.syncs[0]  # the one engine's own sync
         base.model.save_pretrained(tmp_path / "base")
         sync.push(base, "40", tmp_path / "base")  # the engine serves the plain base model
     trainer = _lora_trainer(tiny_model_dir)
     cfg = parse_run_config({"engine": {"weight_sync": "adapter"}, "train": {"lora": {"rank": 4}}})
     assert cfg.weight_sync_mode() == "adapter"
     with open_weight_sync(cfg, engine.url, trainer, tmp_path / "sync") as sync:
+        sync = sync.syncs[0]  # the one engine's own sync
         assert isinstance(sync, AdapterSync) and sync.client.lora_path == SERVED_ADAPTER
         moved = sync.push(trainer, "41")
         model_bytes = sum(t.numel() * 4 for t in serving_tensors(base.model).values())
@@ -231,7 +264,8 @@ def test_a_failure_on_the_trainers_side_raises_at_once(tiny_model_dir, tmp_path,
     with start_embedded_engine(tiny_model_dir, log_path=tmp_path / "engine.log") as own_engine:
         with open_weight_sync(
             parse_run_config({"engine": {"weight_sync": "distributed"}}), own_engine.url, trainer
-        ) as s:
+        ) as syncs:
+            s = syncs.syncs[0]  # the one engine's own sync
             monkeypatch.setattr(sync_module, "broadcast_tensors", broken)
             t0 = time.monotonic()
             with pytest.raises(RuntimeError, match="out of memory casting"):

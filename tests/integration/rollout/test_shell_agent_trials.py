@@ -1,6 +1,7 @@
 """The shell agent in real Harbor trials, in the local sandbox, against a scripted policy."""
 
 import asyncio
+import json
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ from grpoflow.rollout.harnesses import agent_factory
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import plan_group_trials
+from grpoflow.scoring.groups import drop_stale
 from grpoflow.scoring.step import collect_step
 from tests.fakes.scripted_engine import Reply, ScriptedEngine
 
@@ -60,6 +62,27 @@ def test_solving_policy_scores_one_with_token_exact_trajectory(tmp_path, tiny_mo
     assert sum(s.loss_mask) == sum(len(engine.tokenizer.encode(r)) + 1 for r in replies)
     assert "exit code 0" in s.messages[3]["content"] and s.weight_version == "7"
     assert (res.details_path).read_text().count("\n") == 1
+
+
+def test_each_turn_records_its_weight_version_and_the_sample_is_as_old_as_its_oldest(tmp_path, tiny_model_dir):
+    """An engine whose weights change between two turns of one trial (an attached SGLang synced by another
+    trainer, a router's replicas mid-sync): the trial records both versions, and its sample counts as the older."""
+    replies = [
+        Reply("```bash\necho hello > /app/hello.txt\n```", weight_version="3"),
+        Reply("DONE", weight_version="4"),
+    ]
+    engine = ScriptedEngine(str(tiny_model_dir), lambda ids, i: replies[min(i, 1)])
+    try:
+        res = _run(tmp_path, engine, tiny_model_dir, [_prompt("hello-file")])
+    finally:
+        engine.stop()
+    [s] = res.samples
+    assert s.metrics["turns"] == 2 and s.weight_version == "3"
+    [result] = (tmp_path / "trials").rglob("result.json")
+    record = json.loads(result.read_text())["agent_result"]["metadata"]["grpoflow"]
+    assert record["turn_weight_versions"] == ["3", "4"] and record["weight_version"] == "3"
+    kept, metrics = drop_stale([s], step=4, launched=4, max_staleness=0)
+    assert not kept and metrics["staleness/1"] == 1.0  # the newer turn does not make the sample fresh
 
 
 def test_truncated_turn_ends_episode_without_running_the_cut_command(tmp_path, tiny_model_dir):

@@ -4,7 +4,7 @@ from grpoflow.rollout.sessions.segments import segments
 from grpoflow.rollout.sessions.tree import SessionTree
 
 
-def _turn(tree, prompt, out, *, truncated=False, messages=None, reply="r"):
+def _turn(tree, prompt, out, *, truncated=False, messages=None, reply="r", version="1"):
     return tree.add_turn(
         messages or [{"role": "user", "content": str(prompt)}],
         prompt,
@@ -16,7 +16,7 @@ def _turn(tree, prompt, out, *, truncated=False, messages=None, reply="r"):
         extends=None,
         retokenize_mismatch=False,
         first_mismatch=None,
-        weight_version="1",
+        weight_version=version,
         generation_time_s=0.0,
     )
 
@@ -45,6 +45,14 @@ def test_shared_generated_tokens_train_once():
     assert sorted(trained) == sorted([[10, 11, 12, 20], [30, 31]])
     # every generated position of the tree is trained exactly once over all segments
     assert sum(sum(s.loss_mask) for s in segs) == 3 + 1 + 2
+
+
+def test_a_segment_is_as_old_as_its_oldest_turn():
+    tree = SessionTree("s")
+    _turn(tree, [1, 2], [10, 11], version="3")
+    _turn(tree, [1, 2, 10, 11, 5], [20], version="4")  # the weights changed between the two turns
+    _turn(tree, [7], [30], version="4")  # a fresh context after the change
+    assert sorted((s.tokens[0], s.weight_version) for s in segments(tree)) == [(1, "3"), (7, "4")]
 
 
 def test_a_prompt_that_equals_generated_tokens_inherits_them_once():

@@ -1,0 +1,91 @@
+"""The train flow against real SGLang on the CPU (`engine.backend = "sglang"`): two short steps with each weight
+sync a real run uses there, the start-of-run probe, the served-weights probe after every sync (`sync/probe_gap`)
+and the weight version read back (the run fails otherwise); then sglang-router in front of two SGLang servers,
+one killed mid-run.
+
+The policy is the test-only fence policy (`tests.integration.faults.policy`), which earns rewards half the time,
+so every step really moves the weights and the probes tell the new ones from the old. The lane's server loads it
+with `/update_weights_from_disk` first (and the base model again after: `restore_base`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+
+from flows.train import train_flow
+from grpoflow.config import EngineConfig, parse_run_config
+from grpoflow.engine.router import start_router
+from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server
+from grpoflow.run.metrics import read_metrics
+from tests.engines.conftest import CONTEXT_LENGTH
+from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.flow,
+    pytest.mark.usefixtures("prefect_server"),
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed"),
+]
+
+
+def _run(tmp_path, sglang, run_id: str, url: str, mode: str, steps: int = 2) -> list[dict]:
+    policy = fence_policy(sglang.model_dir, tmp_path / "policy")
+    sglang.client.update_weights_from_disk(str(policy), weight_version="policy")
+    cfg = run_config(tmp_path / "runs", policy, reward_tasks(tmp_path / "tasks"), run_id, steps=steps)
+    cfg["engine"] = {"backend": "sglang", "url": url, "weight_sync": mode}
+    train_flow(parse_run_config(cfg))
+    return read_metrics(tmp_path / "runs" / run_id / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("mode", ["disk", "distributed"])
+def test_two_steps_sync_and_probe_the_served_weights(sglang, mode, tmp_path, restore_base):
+    rows = _run(tmp_path, sglang, f"sglang-{mode}", sglang.url, mode)
+    assert [r["step"] for r in rows] == [0, 1] and [r["weight_version"] for r in rows] == ["1", "2"]
+    assert sum(r["train/optimizer_steps"] for r in rows) >= 1  # the weights moved: the probes had work to do
+    for r in rows:  # every step's sync reached SGLang and the probe found the trainer's weights there
+        assert r["sync/bytes"] > 0 and 0 <= r["sync/probe_gap"] < 0.1 and r["rollout/scored"] == 8
+    assert sglang.client.model_info().weight_version == "2"
+    details = tmp_path / "runs" / f"sglang-{mode}" / "details" / "step_1" / "samples.jsonl"
+    assert {json.loads(x)["weight_version"] for x in details.open()} == {"1"}  # generated after step 0's sync
+
+
+def test_a_server_killed_behind_the_router_is_left_out_and_the_run_goes_on(
+    sglang, sglang_python, tmp_path, restore_base
+):
+    """sglang-router in front of the lane's server and a second one; the second is killed once step 0 is
+    recorded: its requests go to the other, the next sync leaves it out (and takes it out of the router)."""
+    cfg = EngineConfig(backend="sglang-launch", sglang_python=sglang_python, device="cpu")
+    args, env = launch_settings(cfg.model_copy(update={"sglang_args": ["--context-length", str(CONTEXT_LENGTH)]}), 1)
+    policy = fence_policy(sglang.model_dir, tmp_path / "policy")
+    metrics = tmp_path / "runs" / "routed" / "metrics.jsonl"
+    killed: list[int] = []
+    with (
+        start_sglang_server(
+            sglang_python, policy, extra_args=args, env=env, log_path=tmp_path / "second.log"
+        ) as second,
+        start_router([sglang.url, second.url], policy="round_robin", log_path=tmp_path / "router.log") as router,
+    ):
+
+        def kill_second_after_step_0() -> None:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+                time.sleep(0.1)
+            killed.append(second.pid)
+            os.killpg(second.pid, signal.SIGKILL)  # the server and its scheduler and detokenizer
+
+        killer = threading.Thread(target=kill_second_after_step_0, daemon=True)
+        killer.start()
+        rows = _run(tmp_path, sglang, "routed", router.url, "disk")
+        killer.join(5)
+    assert killed
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["rollout/scored"] == 8 for r in rows)  # no trial failed for the lost server
+    assert rows[0]["sync/replicas"] == 2
+    assert rows[-1]["sync/replicas"] == 1 and rows[-1]["sync/replicas_lost"] == 1

@@ -30,7 +30,9 @@ from grpoflow.credentials import (
 from grpoflow.errors import ConfigError
 from grpoflow.preflight import missing_extra_packages
 from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH, PROVIDER_SANDBOX_FAILURES, is_sandbox_failure_type
+from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.scoring.step import collect_step
 from tests.fakes.prompts import builtin_prompts
 from tests.integration.test_preflight import StandIn
@@ -260,10 +262,9 @@ def _collect(tmp_path, rollout):
         collect_step(
             "leak",
             0,
-            builtin_prompts("hello-file"),
+            plan_group_trials(builtin_prompts("hello-file"), 0, rollout.n_samples_per_prompt, 0),
             rollout,
-            0,
-            lambda spec: AgentConfig(name="oracle"),
+            PolicyAccess(lambda spec: AgentConfig(name="oracle")),
             sandbox_config(rollout),
             tmp_path / "run" / "trials",
             tmp_path / "run" / "details",
@@ -343,11 +344,12 @@ def test_gate_bounds_sandbox_starts_but_not_the_trials(tmp_path):
         collect_step(
             "g",
             0,
-            builtin_prompts("hello-file", "make-dir"),
+            plan_group_trials(builtin_prompts("hello-file", "make-dir"), 0, cfg.rollout.n_samples_per_prompt, 0),
             cfg.rollout,
-            0,
-            lambda spec: AgentConfig(
-                import_path="tests.integration.sandbox.sandbox_test_agents:SleepAgent", kwargs={"marker": "2"}
+            PolicyAccess(
+                lambda spec: AgentConfig(
+                    import_path="tests.integration.sandbox.sandbox_test_agents:SleepAgent", kwargs={"marker": "2"}
+                )
             ),
             sandbox_config(cfg.rollout, work_dir=str(tmp_path)),
             tmp_path / "trials",
@@ -378,10 +380,9 @@ def test_a_failing_gate_fails_the_trial_without_retry(tmp_path):
         collect_step(
             "g",
             0,
-            builtin_prompts("hello-file"),
+            plan_group_trials(builtin_prompts("hello-file"), 0, cfg.rollout.n_samples_per_prompt, 0),
             cfg.rollout,
-            0,
-            lambda spec: AgentConfig(name="oracle"),
+            PolicyAccess(lambda spec: AgentConfig(name="oracle")),
             sandbox_config(cfg.rollout, work_dir=str(tmp_path)),
             tmp_path / "trials",
             tmp_path / "details",

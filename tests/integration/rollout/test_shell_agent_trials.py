@@ -81,7 +81,7 @@ def test_each_turn_records_its_weight_version_and_the_sample_is_as_old_as_its_ol
     [result] = (tmp_path / "trials").rglob("result.json")
     record = json.loads(result.read_text())["agent_result"]["metadata"]["grpoflow"]
     assert record["turn_weight_versions"] == ["3", "4"] and record["weight_version"] == "3"
-    kept, metrics = drop_stale([s], step=4, launched=4, max_staleness=0)
+    kept, metrics = drop_stale([s], step=4, max_staleness=0)
     assert not kept and metrics["staleness/1"] == 1.0  # the newer turn does not make the sample fresh
 
 

@@ -40,6 +40,9 @@ def _run(tmp_path, sglang, run_id: str, url: str, mode: str, steps: int = 2) -> 
     sglang.client.update_weights_from_disk(str(policy), weight_version="policy")
     cfg = run_config(tmp_path / "runs", policy, reward_tasks(tmp_path / "tasks"), run_id, steps=steps)
     cfg["engine"] = {"backend": "sglang", "url": url, "weight_sync": mode}
+    # SGLang on the CPU ignores sampling seeds, so the rewards are a draw: 4 turns per trial (each solves with
+    # p ~ 1/8) make a step with no reward spread, and so no update, rare (p ~ 1e-4 for the 2 steps together).
+    cfg["rollout"]["max_turns"] = 4
     train_flow(parse_run_config(cfg))
     return read_metrics(tmp_path / "runs" / run_id / "metrics.jsonl")
 

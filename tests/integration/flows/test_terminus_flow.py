@@ -2,8 +2,9 @@
 session server, samples trained.
 
 The policy server is a stand-in at the GPU-server boundary (SGLang's HTTP API, tests/fakes/sglang_standin.py)
-whose replies are terminus-2 JSON that solves the task for odd sampling seeds and not for even ones, so each GRPO
-group of 2 has reward spread and the step really trains. Everything else is real: Harbor's terminus-2 driving
+whose replies are terminus-2 JSON that solves the task on the turns of the group's second trial (told apart by the
+sampling seeds the session server derives from its trial seed) and not on the first's, so the GRPO group of 2 has
+reward spread and the step really trains. Everything else is real: Harbor's terminus-2 driving
 tmux in the local sandbox, the task's verifier, the session server, and the trainer on the tiny model over the
 exact tokens the stand-in produced."""
 
@@ -20,6 +21,7 @@ from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path
 from grpoflow.run.metrics import read_metrics
+from grpoflow.seeds import trial_seed, turn_seed
 from grpoflow.tokens import load_tokenizer
 from tests.fakes.scripted_openai import terminus_json
 from tests.fakes.sglang_standin import ScriptedModel, StandinServer
@@ -34,12 +36,15 @@ MISS = terminus_json(["ls /app"], done=True)
 
 
 class TerminusScript(ScriptedModel):
-    """Replies with terminus-2 JSON chosen by the request's sampling seed; logprob -0.5 per token."""
+    """Replies with terminus-2 JSON chosen by the request's sampling seed (`solving`: the seeds that solve);
+    logprob -0.5 per token."""
+
+    solving: frozenset[int] = frozenset()
 
     def generate(self, input_ids, sp, return_logprob, rid):
         tok = load_tokenizer(self.model_path)
         seed = int(sp.get("sampling_seed") or 0)
-        out = tok.encode(SOLVE if seed % 2 else MISS, add_special_tokens=False) + [tok.eos_token_id]
+        out = tok.encode(SOLVE if seed in self.solving else MISS, add_special_tokens=False) + [tok.eos_token_id]
         meta = {
             "id": rid or "r",
             "finish_reason": {"type": "stop", "matched": tok.eos_token_id},
@@ -93,6 +98,9 @@ def test_terminus2_trains_through_the_session_server(tmp_path, tiny_model_dir, s
             "train": {"steps": 1, "learning_rate": 1e-3, "eval_samples_per_prompt": 0, "max_probe_logprob_gap": None},
         }
     )
+    # The turn seeds of trial 1 of step 0's group (`grpoflow.seeds`): that trial solves the task, trial 0 does not.
+    trial = trial_seed(cfg.seed, 0, "hello-file", 1)
+    standin.model.solving = frozenset(turn_seed(trial, turn) for turn in range(cfg.rollout.max_turns))
     last = train_flow(cfg)
 
     root = tmp_path / "runs" / "t2"

@@ -80,6 +80,9 @@ class EngineClient:
         self.outage_s = outage_s  # how long a request keeps retrying an engine that does not answer
         self.backoff_s = backoff_s
         self.lora_path = lora_path  # the LoRA adapter every generation names (a LoRA run's served adapter)
+        # While an async request retries an engine that does not answer: what its last try got (else None), so an
+        # agent cut off by its time limit meanwhile can tell the outage, not the policy, ended its episode.
+        self.outage: str | None = None
         self._client: httpx.Client | None = None
         self._aclient: httpx.AsyncClient | None = None
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
@@ -278,9 +281,12 @@ class EngineClient:
         while True:
             try:
                 resp = await self._async_client().request(method, url, json=body)
-                return _parse(resp, path, model)
+                parsed = _parse(resp, path, model)
+                self.outage = None
+                return parsed
             except (_Retryable, httpx.TransportError) as e:
                 last = e
+                self.outage = f"{method} {url}: {_describe(e)}"
             if not self._again(attempt, self.retries, start):
                 raise EngineUnavailableError(f"{method} {url} failed after {attempt + 1} attempts: {_describe(last)}")
             await asyncio.sleep(self._delay(attempt))

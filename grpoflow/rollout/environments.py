@@ -11,6 +11,7 @@ from __future__ import annotations
 from harbor.models.trial.error_policy import ERROR_POLICIES, FailureCause
 
 from grpoflow.errors import GrpoflowError
+from grpoflow.rollout.record import END_ENGINE_DOWN
 
 # The local sandbox (`grpoflow.embedded.sandbox`), as the rollout reaches it: by Harbor's `import_path`, never by
 # import. What a trial's harness needs to know of it lives here too.
@@ -81,7 +82,18 @@ def is_sandbox_failure_type(exception_type: str | None) -> bool:
 ENGINE_FAILURE_TYPES: frozenset[str] = frozenset({"EngineUnavailableError"})
 
 
-def is_infrastructure_failure(exception_type: str | None) -> bool:
-    """Should a trial that ended with this exception be run again (in a fresh sandbox)? A sandbox failure
-    (`is_sandbox_failure_type`) or an engine outage; never the policy's, the agent's or the verifier's doing."""
-    return is_sandbox_failure_type(exception_type) or exception_type in ENGINE_FAILURE_TYPES
+def is_engine_outage(exception_type: str | None, end_reason: str | None = None) -> bool:
+    """Did the trial end because the engine did not answer? Its request gave up (`EngineUnavailableError`), or
+    the agent's time ran out while the request was still waiting the outage out (`AgentTimeoutError` with the
+    agent's end reason `END_ENGINE_DOWN`): Harbor verifies a timed-out trial, but that reward would score an
+    episode the policy never got to finish."""
+    return exception_type in ENGINE_FAILURE_TYPES or (
+        exception_type == "AgentTimeoutError" and end_reason == END_ENGINE_DOWN
+    )
+
+
+def is_infrastructure_failure(exception_type: str | None, end_reason: str | None = None) -> bool:
+    """Should a trial that ended with this exception (and the agent's `end_reason`) be run again, in a fresh
+    sandbox? A sandbox failure (`is_sandbox_failure_type`) or an engine outage (`is_engine_outage`); never the
+    policy's, the agent's or the verifier's doing."""
+    return is_sandbox_failure_type(exception_type) or is_engine_outage(exception_type, end_reason)

@@ -20,6 +20,9 @@ END_NO_COMMAND = "no_command"  # a reply with no command to run
 END_MAX_TURNS = "max_turns"
 END_TRUNCATED = "truncated"  # a turn was cut off at the response length limit (the early exit)
 END_TOKEN_BUDGET = "token_budget"  # the context window is full
+# The agent's time ran out while its engine request was waiting out an engine that did not answer: the episode
+# was cut by the outage, not by the policy (`grpoflow.rollout.environments.is_engine_outage`).
+END_ENGINE_DOWN = "engine_down"
 
 
 class TrialRecord(BaseModel):

@@ -40,6 +40,7 @@ from grpoflow.errors import one_line
 from grpoflow.prepare.dataset import task_config
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.environments import is_infrastructure_failure
+from grpoflow.rollout.record import TrialRecord
 from grpoflow.seeds import trial_seed
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,10 @@ async def run_trial(
                 wall_time_s=time.perf_counter() - t0,
             )
         )
-        if exc is None or not is_infrastructure_failure(exc.exception_type) or failures == retries:
+        infrastructure = exc is not None and is_infrastructure_failure(
+            exc.exception_type, TrialRecord.of(result).end_reason
+        )
+        if not infrastructure or failures == retries:
             return TrialOutcome(spec, result, attempts)
         log.warning(
             "trial %s attempt %d: infrastructure failure %s: %s; retrying in a fresh sandbox",

@@ -8,7 +8,7 @@ its whole group) out of training rather than scoring it 0.
 from __future__ import annotations
 
 from grpoflow.errors import one_line
-from grpoflow.rollout.environments import ENGINE_FAILURE_TYPES, is_sandbox_failure_type
+from grpoflow.rollout.environments import is_engine_outage, is_sandbox_failure_type
 from grpoflow.rollout.record import END_TOKEN_BUDGET, END_TRUNCATED, TrialRecord
 from grpoflow.rollout.trials import TrialOutcome
 from grpoflow.samples import ExitStatus, Sample, SampleStatus
@@ -82,6 +82,8 @@ def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | N
     truncated = rec.truncated or rec.end_reason == END_TRUNCATED
     if exc is not None:
         name, reason = exc.exception_type, f"{exc.exception_type}: {one_line(exc.exception_message)}"
+        if is_engine_outage(name, rec.end_reason):
+            return "EngineError", "FAILED", None, f"{reason} (after {outcome.retries} retries)"
         if name in _VERIFIED_ENDINGS and reward is not None:
             if truncated or name in _LENGTH:
                 return "SequenceLengthLimitExceeded", "TRUNCATED", reward, reason
@@ -89,8 +91,6 @@ def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | N
                 return "TimeLimitExceeded", "TRUNCATED", reward, reason
             # The CLI failed (API error, auth, crash): the episode says little about the policy.
             return "AgentError", "FAILED", None, f"{reason} (the verifier gave {reward}; not trained)"
-        if name in ENGINE_FAILURE_TYPES:
-            return "EngineError", "FAILED", None, f"{reason} (after {outcome.retries} retries)"
         if is_sandbox_failure_type(name):
             status: ExitStatus = "TimeLimitExceeded" if name in _TIMEOUTS else "SandboxError"
             return status, "FAILED", None, f"{reason} (after {outcome.retries} retries)"

@@ -15,6 +15,7 @@ a timeout or an error (Harbor keeps the context).
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from typing import Any
@@ -27,6 +28,7 @@ from grpoflow.engine.client import EngineClient
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.rollout.record import (
     END_DONE,
+    END_ENGINE_DOWN,
     END_MAX_TURNS,
     END_NO_COMMAND,
     END_TOKEN_BUDGET,
@@ -134,6 +136,10 @@ class ShellAgent(BaseAgent):
         )
         try:
             rec.end_reason = await self._loop(traj, environment, client, rec, context)
+        except asyncio.CancelledError:  # Harbor's agent timeout
+            if client.outage is not None:
+                rec.end_reason = END_ENGINE_DOWN
+            raise
         finally:
             await client.aclose()
             self._record(context, traj, rec)

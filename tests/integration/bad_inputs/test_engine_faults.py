@@ -126,3 +126,42 @@ def test_healthy_engine_trial_is_scored_and_faulty_groups_dropped(agent_trials):
     assert (
         res.metrics["exit/AgentError"] + res.metrics["exit/EngineError"] == len(FAULTS) and res.metrics["scored"] == 1
     )
+
+
+def test_an_outage_outlasting_the_agent_time_limit_is_the_engine_s_not_a_scored_episode(tmp_path, tiny_model_dir):
+    """The engine is down for longer than the task gives its agent: Harbor cuts the agent off (AgentTimeoutError)
+    and still verifies, but that reward would score an episode the policy never played. It is an engine outage:
+    FAILED EngineError, no reward, run again in a fresh sandbox."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap (bwrap) is not installed")
+    task_dir = tmp_path / "tasks" / "hello-file"
+    shutil.copytree(builtin_dataset_path() / "hello-file", task_dir)
+    toml = task_dir / "task.toml"
+    toml.write_text(toml.read_text().replace("[agent]\ntimeout_sec = 120.0", "[agent]\ntimeout_sec = 3.0"))
+    task = load_task(task_dir)
+    assert task.agent_timeout_sec == 3.0
+    cfg = parse_run_config(
+        {
+            "engine": {"retries": 1, "request_timeout_s": 10, "outage_wait_s": 600},
+            "rollout": {"n_samples_per_prompt": 1, "max_turns": 2, "sandbox_retries": 1, "retry_backoff_s": 0.0},
+        }
+    )
+    prompt = PromptRecord(instance_id="down", task_path=str(task.path), instruction=task.instruction)
+    with StandinServer(str(tiny_model_dir)) as server:
+        server.faults.inject("5xx", times=None)
+        factory = agent_factory(cfg.rollout, cfg.engine, server.url, str(tiny_model_dir))
+        res = asyncio.run(
+            collect_step(
+                "down",
+                0,
+                plan_group_trials([prompt], 0, 1, 0),
+                cfg.rollout,
+                PolicyAccess(factory),
+                sandbox_config(cfg.rollout),
+                tmp_path / "trials",
+                tmp_path / "details",
+            )
+        )
+    [s] = res.samples
+    assert (s.status, s.exit_status, s.reward) == ("FAILED", "EngineError", None), s.exit_reason
+    assert s.exit_reason.startswith("AgentTimeoutError") and s.metrics["retries"] == 1

@@ -125,8 +125,9 @@ def test_disk_full_while_writing_step_artifacts_keeps_what_was_written(tmp_path,
 
 
 def test_engine_down_for_generation_the_steps_and_run_go_on(tmp_path, tiny_model_dir):
-    """An attached SGLang whose /generate answers 503 to every call: every sample FAILED AgentError (no reward, never
-    a silent 0), every group dropped, the GRPO step skipped, weights still synced, and the run completes."""
+    """An attached SGLang whose /generate answers 503 to every call: every sample FAILED EngineError (no reward,
+    never a silent 0) after its retries in a fresh sandbox, every group dropped, the GRPO step skipped, weights
+    still synced, and the run completes."""
     from tests.integration.faults.helpers import load_standin
 
     with load_standin()(str(tiny_model_dir)) as front:
@@ -135,7 +136,8 @@ def test_engine_down_for_generation_the_steps_and_run_go_on(tmp_path, tiny_model
             tmp_path,
             tiny_model_dir,
             "engine-down",
-            engine={"backend": "sglang", "url": front.url, "retries": 1, "request_timeout_s": 5},
+            rollout={"sandbox_retries": 1, "retry_backoff_s": 0.0},
+            engine={"backend": "sglang", "url": front.url, "retries": 1, "request_timeout_s": 5, "outage_wait_s": 0},
             # the probe would stop this run before its first step (the engine is down from the start); the trials'
             # failure records are what is tested here
             train={"max_probe_logprob_gap": None},
@@ -148,10 +150,10 @@ def test_engine_down_for_generation_the_steps_and_run_go_on(tmp_path, tiny_model
     merged = read_step_records(root / "metrics.jsonl")[-1]  # with timings.jsonl
     assert json.dumps(merged, sort_keys=True) == json.dumps({"step": 1, **last}, sort_keys=True)  # NaN != NaN
     for r in records:
-        assert r["rollout/trials"] == 4 and r["rollout/scored"] == 0 and r["rollout/exit/AgentError"] == 4
+        assert r["rollout/trials"] == 4 and r["rollout/scored"] == 0 and r["rollout/exit/EngineError"] == 4
         assert r["rollout/reward_mean"] != r["rollout/reward_mean"]  # NaN: no reward, not 0
         assert r["rollout/dropped_groups"] == 2 and r["train/n_samples"] == 0
         for s in _samples(root, r["step"]):
-            assert (s["status"], s["exit_status"], s["reward"]) == ("FAILED", "AgentError", None)
+            assert (s["status"], s["exit_status"], s["reward"]) == ("FAILED", "EngineError", None)
             assert "HTTP 503" in s["exit_reason"] or "503" in s["exit_reason"], s["exit_reason"]
-    assert n_generate == 2 * 4 * 2  # 2 steps x 4 trials x (1 try + 1 retry)
+    assert n_generate == 2 * 4 * 2 * 2  # 2 steps x 4 trials x 2 sandboxes each x (1 try + 1 engine.retries)

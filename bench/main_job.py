@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
 from grpoflow.scoring.evaluation import EVAL_SPLITS, before_after_lines, eval_metrics  # noqa: E402
+from grpoflow.train.checkpoint import holds_optimizer  # noqa: E402
 
 STAGES = ["time/eval_s", "time/rollout_s", "time/train_s", "time/commit_s", "time/sync_s"]
 WEIGHTS_FILES = ("*.safetensors",)
@@ -70,14 +71,18 @@ def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
     return before_after_lines(*rows)
 
 
+def _bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def summarize(run_dir: Path) -> dict:
     cfg = json.loads((run_dir / "config.json").read_text())
     records = read_step_records(run_dir / "metrics.jsonl")
     train, evals = training_rows(records), evaluation_rows(records)
     kept = sorted((run_dir / "checkpoints").glob("step_*"))
-    full = [d for d in kept if (d / "optimizer.pt").is_file()]
+    full = [d for d in kept if holds_optimizer(d)]
     weights = sum(f.stat().st_size for d in kept[-1:] for pat in WEIGHTS_FILES for f in d.glob(pat))
-    optimizer = (full[-1] / "optimizer.pt").stat().st_size if full else 0
+    optimizer = sum(_bytes(p) for p in full[-1].glob("optimizer.*")) if full else 0  # .pt, or a sharded .dcp/
     stages = {k: [r.get(k, 0.0) for r in train] for k in STAGES}
     step_wall = [sum(r.get(k, 0.0) for k in STAGES) for r in train]
     final_eval = evals[-1].get("time/eval_s", 0.0) if evals and evals[-1]["step"] == len(train) else 0.0

@@ -87,7 +87,7 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
                 return done
             preflight_task(cfg, "resume")
             run = reopen_run_task(cfg)
-            trainer = load_trainer(run.model.path, cfg.train, seed=cfg.seed)
+            trainer = load_trainer(run.model.path, cfg.train, seed=cfg.seed, sharded=cfg.sharding_mode() == "fsdp")
             if point.checkpoint is not None:
                 restore_training_state(trainer, point.checkpoint)
             resume = Resume(

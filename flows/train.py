@@ -50,7 +50,7 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
         run = prepare_stage(cfg, "train")
         update_run_info(run.paths, flow="train")  # resume and rerun take train runs only
         create_link_artifact(key=f"{cfg.run_id}-run-dir", link=run.paths.root.resolve().as_uri(), description="Run dir")
-        trainer = load_trainer(run.model.path, cfg.train, seed=cfg.seed)
+        trainer = load_trainer(run.model.path, cfg.train, seed=cfg.seed, sharded=cfg.sharding_mode() == "fsdp")
         with run_lock(run.paths.root):
             record = train_steps(cfg, run, trainer, 0, PREFECT_STAGES)
             finish(cfg, run.paths)

@@ -516,6 +516,23 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    checkpoint_above_tokens: int | None = Field(
+        4096,
+        ge=1,
+        description="Recompute activations in backward for every micro-batch whose longest sample is longer than "
+        "this (all of them with `gradient_checkpointing`). Empty: `gradient_checkpointing` alone decides.",
+    )
+    sharding: Literal["auto", "replicate", "fsdp"] = Field(
+        "auto",
+        description="How `cluster.train_ranks` hold the policy: `replicate` gives every rank the whole model, "
+        "gradients and optimizer state; `fsdp` shards all three across the ranks (torch FSDP2). `auto`: `fsdp` "
+        "with more than one rank.",
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="The decoder layers' compute dtype; weights, optimizer state, gradient reductions and the LM "
+        "head stay fp32. `auto`: bf16 on a GPU, fp32 on the CPU.",
+    )
     lora: LoraSettings | None = Field(
         None,
         description="Train LoRA adapters (PEFT) instead of all weights: only the adapters are trained and "
@@ -638,6 +655,12 @@ class RunConfig(_Section):
         if self.engine.weight_sync == "adapter" and self.train.lora is None:
             raise ValueError("`engine.weight_sync`: `adapter` syncs a LoRA adapter; set train.lora, or another sync")
         return self
+
+    def sharding_mode(self) -> Literal["replicate", "fsdp"]:
+        """`train.sharding` with `auto` resolved: sharded with more than one trainer rank."""
+        if self.train.sharding != "auto":
+            return self.train.sharding
+        return "fsdp" if self.cluster.train_ranks > 1 else "replicate"
 
     def weight_sync_mode(self) -> Literal["disk", "distributed", "tensor", "adapter"]:
         """`engine.weight_sync` with `auto` resolved: to the embedded engine in memory, to SGLang through the

@@ -24,7 +24,17 @@ import torch
 from grpoflow.fileio import fsync_files, fsync_path, is_temp_sibling
 from grpoflow.paths import RunPaths, step_of
 from grpoflow.run.metrics import MetricsLog, split_record
-from grpoflow.train.checkpoint import OPTIMIZER_FILE, STEP_FILE, TRAINER_FILE, save_checkpoint, write_failure
+from grpoflow.train.checkpoint import (
+    OPTIMIZER_DCP,
+    OPTIMIZER_FILE,
+    STEP_FILE,
+    TRAINER_FILE,
+    holds_optimizer,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    write_failure,
+)
+from grpoflow.train.fsdp import is_sharded
 from grpoflow.train.trainer import TrainerState
 
 
@@ -61,6 +71,10 @@ def save_step(
     unless `StepCommits` makes it a full checkpoint)."""
     metrics, timings = split_record(record)
     record = {"step": step, "metrics": metrics, "timings": timings}
+    if is_sharded(trainer.model):
+        return save_sharded_checkpoint(
+            trainer, paths.checkpoint(step), step_record=record, durable=False, weights=plan.weights, dtype=plan.dtype
+        )
     return save_checkpoint(
         trainer.model,
         trainer.tokenizer,
@@ -93,7 +107,10 @@ class StepCommits:
             log_step(self.paths, step, record, self.log)
             return
         t0 = time.perf_counter()
-        state = _cpu_copy(trainer.optimizer.state_dict())  # the next step updates the live tensors in place
+        if is_sharded(trainer.model):  # every rank writes its shards now (DCP); published below like optimizer.pt
+            state = _write_sharded_optimizer(trainer, Path(ckpt))
+        else:
+            state = _cpu_copy(trainer.optimizer.state_dict())  # the next step updates the live tensors in place
         counters = {"step": step, "optimizer_steps": trainer.optimizer_steps}
         record["time/commit_s"] = record.get("time/commit_s", 0.0) + time.perf_counter() - t0  # the caller's too
         self._pending = (step, record)
@@ -107,16 +124,23 @@ class StepCommits:
         )
         self._thread.start()
 
-    def _complete(self, ckpt: Path, state: dict[str, Any], counters: dict[str, Any], final: dict[str, Any]) -> None:
-        tmp, record_tmp = ckpt / f".{OPTIMIZER_FILE}.tmp", ckpt / f".{STEP_FILE}.tmp"
+    def _complete(
+        self, ckpt: Path, state: dict[str, Any] | Path, counters: dict[str, Any], final: dict[str, Any]
+    ) -> None:
+        record_tmp = ckpt / f".{STEP_FILE}.tmp"
+        if isinstance(state, Path):  # a sharded trainer's, written by every rank
+            tmp, published = state, ckpt / OPTIMIZER_DCP
+        else:
+            tmp, published = ckpt / f".{OPTIMIZER_FILE}.tmp", ckpt / OPTIMIZER_FILE
         try:
-            torch.save(state, tmp)
+            if not isinstance(state, Path):
+                torch.save(state, tmp)
             (ckpt / TRAINER_FILE).write_text(json.dumps(counters, indent=2) + "\n", encoding="utf-8")
             # the step's whole record: the one save_step wrote was taken before the weight sync
             record_tmp.write_text(json.dumps(final) + "\n", encoding="utf-8")
             record_tmp.rename(ckpt / STEP_FILE)
             fsync_files(ckpt)  # the publishing rename is only as durable as the bytes it points at
-            tmp.rename(ckpt / OPTIMIZER_FILE)
+            tmp.rename(published)
             fsync_path(ckpt)
             fsync_path(ckpt.parent)  # the step dir's own entry (its rename into checkpoints/ was not synced)
         except BaseException as err:  # raised again in the run's thread by flush()
@@ -124,7 +148,8 @@ class StepCommits:
             if failure is not None:
                 failure.__cause__ = err
             self._error = failure or err
-            tmp.unlink(missing_ok=True)  # the dir stays what save_step published: no resume point, nothing torn
+            # the dir stays what save_step published: no resume point, nothing torn
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
             record_tmp.unlink(missing_ok=True)
 
     def flush(self) -> None:
@@ -138,6 +163,20 @@ class StepCommits:
             raise err
         if pending is not None:
             log_step(self.paths, *pending, self.log)
+
+
+def _write_sharded_optimizer(trainer: TrainerState, ckpt: Path) -> Path:
+    """Every rank's shards of AdamW's state into a temp dir of `ckpt` (`grpoflow.train.dcp.write_optimizer`)."""
+    import shutil
+
+    from grpoflow.train.dcp import write_optimizer
+    from grpoflow.train.parallel import on_other_ranks
+
+    tmp = ckpt / f".{OPTIMIZER_DCP}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with on_other_ranks(trainer, write_optimizer, str(tmp)):
+        write_optimizer(trainer, str(tmp))
+    return tmp
 
 
 def _cpu_copy(state: Any) -> Any:
@@ -167,7 +206,7 @@ def prune_checkpoints(root: str | Path, latest: int) -> list[Path]:
     removed = []
     for p in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
         n = step_of(p)
-        if is_temp_sibling(p) or (n is not None and n < latest and not (p / OPTIMIZER_FILE).is_file()):
+        if is_temp_sibling(p) or (n is not None and n < latest and not holds_optimizer(p)):
             shutil.rmtree(p)
             removed.append(p)
     return removed

@@ -26,10 +26,7 @@ from grpoflow.fileio import append_jsonl, is_temp_sibling, write_text_atomic
 from grpoflow.paths import RunPaths, step_of
 from grpoflow.run.info import read_run_info
 from grpoflow.run.metrics import split_record, timings_path
-from grpoflow.train.checkpoint import (
-    OPTIMIZER_FILE,
-    STEP_FILE,
-)
+from grpoflow.train.checkpoint import STEP_FILE, holds_optimizer
 
 
 @contextmanager
@@ -56,7 +53,8 @@ def load_saved_config(root: Path) -> RunConfig:
     """The run's own config.json, validated; one line naming the file when it is missing or bad.
 
     config.json holds every field the run had. One without `train.eval_samples_per_prompt` was made before runs
-    evaluated themselves: it keeps running without evaluations, so a resume or rerun does what the run did."""
+    evaluated themselves: it keeps running without evaluations, so a resume or rerun does what the run did. One
+    without `train.sharding` was made before sharded training: its ranks keep replicating the model."""
     path = RunPaths(Path(root)).config
     if not Path(root).is_dir():
         raise RunDirError(f"run dir {root} does not exist")
@@ -64,6 +62,9 @@ def load_saved_config(root: Path) -> RunConfig:
     train = data.get("train")
     if isinstance(train, dict) and "eval_samples_per_prompt" not in train:
         data = {**data, "train": {**train, "eval_samples_per_prompt": 0}}
+    train = data.get("train")
+    if isinstance(train, dict) and "sharding" not in train:  # made before sharded training: ranks replicated
+        data = {**data, "train": {**train, "sharding": "replicate"}}
     return parse_run_config(data, source=str(path))
 
 
@@ -73,7 +74,7 @@ def complete_steps(paths: RunPaths) -> list[int]:
     steps = []
     for p in root.iterdir() if root.is_dir() else []:
         n = step_of(p)
-        if n is not None and (p / STEP_FILE).is_file() and (p / OPTIMIZER_FILE).is_file():
+        if n is not None and (p / STEP_FILE).is_file() and holds_optimizer(p):
             steps.append(n)
     return sorted(steps)
 

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from grpoflow.errors import CheckpointError
 from grpoflow.fileio import publish_dir
+from grpoflow.train.fsdp import OPTIMIZER_DCP
 from grpoflow.train.lora import ADAPTER_DIR, has_lora, load_adapter, save_adapter, serving_tensors
 from grpoflow.train.trainer import TrainerState
 
@@ -98,6 +99,37 @@ def write_failure(path: Path, err: BaseException) -> CheckpointError | None:
 FULL = 1 << 20  # bytes: a filesystem with less free space is taken to be full
 
 
+def save_sharded_checkpoint(
+    trainer: TrainerState,
+    out_dir: str | Path,
+    *,
+    step_record: dict[str, Any],
+    durable: bool,
+    weights: bool,
+    dtype: torch.dtype | None,
+) -> Path:
+    """`save_checkpoint` (without the optimizer: `StepCommits` adds it) for a sharded trainer, on rank 0: every
+    rank writes its shards of the weights into the temp dir (`grpoflow.train.dcp.write_weights`), which becomes
+    the same plain HF dir."""
+    from grpoflow.train.dcp import write_weights
+    from grpoflow.train.parallel import on_other_ranks
+
+    out_dir = Path(out_dir)
+    dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    with publish_dir(out_dir, replace=True, durable=durable) as tmp:
+        with on_other_ranks(trainer, write_weights, str(tmp), weights, dtype_name):
+            write_weights(trainer, str(tmp), weights, dtype_name)
+        if trainer.tokenizer is not None:
+            trainer.tokenizer.save_pretrained(tmp)
+        (tmp / STEP_FILE).write_text(json.dumps(step_record) + "\n", encoding="utf-8")
+    return out_dir
+
+
+def holds_optimizer(ckpt: Path) -> bool:
+    """Whether a checkpoint dir holds the AdamW state (a full checkpoint: a resume point)."""
+    return (ckpt / OPTIMIZER_FILE).is_file() or (ckpt / OPTIMIZER_DCP).is_dir()
+
+
 def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, Any]:
     """Load a step checkpoint's weights, AdamW state and counters into `state` (a trainer from `load_trainer` on
     the same model); returns the counters. The model keeps its device and dtype (fp32)."""
@@ -124,7 +156,14 @@ def restore_training_state(state: TrainerState, ckpt: str | Path) -> dict[str, A
 
 
 def _restore_optimizer(state: TrainerState, ckpt: Path) -> dict[str, Any]:
-    state.optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, map_location=state.device, weights_only=True))
+    if (ckpt / OPTIMIZER_DCP).is_dir() and state.sharded:  # each rank reads its shards once sharded
+        state.pending_optimizer = ckpt / OPTIMIZER_DCP
+    elif (ckpt / OPTIMIZER_DCP).is_dir():  # a sharded run's, whole, into a trainer that is not
+        from grpoflow.train.dcp import load_optimizer
+
+        load_optimizer(state, ckpt / OPTIMIZER_DCP)
+    else:
+        state.optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, map_location=state.device, weights_only=True))
     counters = json.loads((ckpt / TRAINER_FILE).read_text(encoding="utf-8"))
     state.optimizer_steps = int(counters.get("optimizer_steps", 0))
     return counters

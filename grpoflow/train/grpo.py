@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from grpoflow.config import TrainConfig
+if TYPE_CHECKING:  # the loss reads its settings' fields only: it runs where the config's dependencies do not
+    from grpoflow.config import TrainConfig
 
 # |log ratio| beyond this is clipped anyway (exp(20) >> 1 + eps); the clamp keeps exp() finite, so a token
 # with a wild rollout logprob cannot turn the loss into inf * 0 = nan.

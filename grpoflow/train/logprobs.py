@@ -61,6 +61,11 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None
 
 
+# A model's own entry to `token_logprobs`, when it has one: a sharded policy's (its FSDP hooks must run around the
+# whole pass, LM head included: `grpoflow.train.fsdp`) or a LoRA policy seen with its adapters off (`lora.AdapterOff`).
+OWN_LOGPROBS = "grpoflow_token_logprobs"
+
+
 def token_logprobs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -75,6 +80,20 @@ def token_logprobs(
     (and the engine reports logprobs of that distribution), so the PPO ratio is taken under the same T.
     Returns (logprobs (B, L - 1), entropy (B, L - 1)).
     """
+    own = getattr(model, OWN_LOGPROBS, None)
+    if own is not None:
+        return own(input_ids, mask, autocast_dtype, temperature)
+    return plain_token_logprobs(model, input_ids, mask, autocast_dtype, temperature)
+
+
+def plain_token_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    autocast_dtype: torch.dtype | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` on the model's modules as they are (no entry of its own)."""
     cfg = model.config.get_text_config()
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier"):
         if getattr(cfg, attr, None) not in (None, 1.0):

@@ -10,6 +10,8 @@ format (`<checkpoint>/adapter/`: `adapter_model.safetensors` + `adapter_config.j
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 
 from grpoflow.config import LoraSettings
+from grpoflow.train.logprobs import token_logprobs
 
 ADAPTER_DIR = "adapter"  # inside a checkpoint dir: PEFT's adapter_model.safetensors + adapter_config.json
 _ADAPTER_FILE = "adapter_model.safetensors"
@@ -58,16 +61,51 @@ def serving_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """For the block, every adapted linear computes its base layer alone: the model is the base model, exactly.
+    (PEFT's `enable_adapters(False)` would also clear the adapters' requires_grad, which the optimizer, and a
+    sharded model's FSDP state, hold on to: only the flag its forward reads is switched.)"""
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before, strict=True):
+            m._disable_adapters = was
+
+
+class AdapterOff:
+    """A LoRA policy seen with its adapters off, as the KL reference: the frozen base model it trains on, with no
+    second copy of its weights. `token_logprobs` takes it like a model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def grpoflow_token_logprobs(self, input_ids, mask, autocast_dtype=None, temperature=1.0):
+        with adapters_off(self.model):
+            return token_logprobs(self.model, input_ids, mask, autocast_dtype, temperature)
+
+
 def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(model)
 
 
-def save_adapter(model: torch.nn.Module, out: Path, dtype: torch.dtype | None = None) -> None:
+def save_adapter(
+    model: torch.nn.Module,
+    out: Path,
+    dtype: torch.dtype | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> None:
     """The adapter in PEFT's format, in `out` (a checkpoint's is `<checkpoint>/adapter/`); in `dtype` when given
-    (an engine's copy), else the trainer's (a checkpoint's)."""
+    (an engine's copy), else the trainer's (a checkpoint's). `tensors`: the adapter's, already gathered (a
+    sharded model's)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter_tensors(model).items()}
+    tensors = adapter_tensors(model) if tensors is None else tensors
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
     save_file(tensors, out / _ADAPTER_FILE)
     model.peft_config["default"].save_pretrained(out)
 

@@ -11,7 +11,8 @@ sums behind the step's metrics are reduced the same way, so the metrics are the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,3 +99,27 @@ def all_reduce_sums(sums: dict[str, float], max_keys: Sequence[str], dp: DataPar
 def rank_device(rank: int, world: int) -> str:
     """`cuda:<rank>` when every rank has a GPU of its own, else the CPU (gloo)."""
     return f"cuda:{rank}" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+
+
+class RankError(RuntimeError):
+    """A trainer rank failed; the message carries its traceback."""
+
+
+@contextmanager
+def on_other_ranks(state, fn, *args) -> Iterator[None]:
+    """`fn(state, *args)` on the worker ranks (a job) while the block runs here: for work whose collectives
+    every rank joins (a sharded model's gathers, a sharded checkpoint). `fn` is a module-level function. Ends once
+    they are done; a broken collective (a worker died) is reported with the worker's own error."""
+    workers = state.dp.workers if state.dp is not None else None
+    if workers is None:
+        yield
+        return
+    n = workers.send("call", (fn.__module__, fn.__name__, args))
+    try:
+        yield
+    except RuntimeError as err:
+        cause = workers.failure()
+        if cause is None:
+            raise
+        raise RankError(cause) from err
+    workers.wait(n)

@@ -17,7 +17,7 @@ from grpoflow.config import RunConfig
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.errors import EngineError
-from grpoflow.train.logprobs import token_logprobs
+from grpoflow.train.fsdp import scored
 from grpoflow.train.trainer import TrainerState
 
 PROBE_MESSAGES = [{"role": "user", "content": "Write one bash command that lists the files in /app."}]
@@ -38,8 +38,7 @@ def _probe_reply(
     ids = torch.tensor([prompt + out], device=state.device)  # (1, L)
     mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool, device=state.device)
     mask[0, len(prompt) - 1 :] = True  # position t scores token t + 1: the reply's tokens
-    with torch.no_grad():
-        trainer, _ = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)
+    trainer = scored(state, ids, mask, temperature)  # a sharded policy's worker ranks join its gathers
     return out, torch.tensor(resp.logprobs, dtype=torch.float32), trainer[mask].float().cpu()
 
 

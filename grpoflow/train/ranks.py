@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import pickle
@@ -36,20 +37,15 @@ from grpoflow.engine.update_group import (
     UPDATE_GROUP_TIMEOUT_S,
     host_update_store,
     join_update_group,
-    leave_update_group,
 )
 from grpoflow.train.checkpoint import restore_training_state
-from grpoflow.train.parallel import DataParallel, rank_device
+from grpoflow.train.parallel import DataParallel, RankError, rank_device
 from grpoflow.train.step import grpo_update
 from grpoflow.train.trainer import load_trainer
 
 ADDRESS = "127.0.0.1"  # the ranks started here run on this machine
 IDLE_TIMEOUT = datetime.timedelta(days=1)  # how long a rank waits for its next job (a step's rollout runs between)
 POLL = datetime.timedelta(seconds=1)  # how often rank 0, waiting on the others, checks they are alive
-
-
-class RankError(RuntimeError):
-    """A trainer rank failed; the message carries its traceback."""
 
 
 @dataclass
@@ -128,10 +124,19 @@ def run_update(state, samples, cfg, step: int) -> dict[str, float]:
 def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = None) -> Iterator[None]:
     """With `cluster.train_ranks` > 1: start the other ranks (each loads the policy from `model_path` and, when
     resuming, `checkpoint`, as rank 0 did), join them in a process group and make `state` rank 0 of it until the
-    block ends. A no-op for one rank."""
+    block ends. A no-op for one rank, unless it is sharded (`train.sharding` fsdp: a group of one).
+
+    Sharded, the group is torch's default one (FSDP's and the distributed checkpoint's), and every rank's trainer
+    becomes its shard (`grpoflow.train.fsdp.shard_trainer`: the other ranks build the model without weights and
+    receive rank 0's, the resumed checkpoint's included); after the block `state` is unusable."""
     world = cfg.cluster.train_ranks
-    if world <= 1:
+    sharded = cfg.sharding_mode() == "fsdp"
+    if world <= 1 and not sharded:
         yield
+        return
+    if world <= 1:
+        with _sharded_alone(state, cfg):
+            yield
         return
     on_ray = bool(cfg.cluster.ray_address)
     backend = "nccl" if state.device.type == "cuda" else "gloo"
@@ -154,18 +159,22 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         "config": cfg.model_dump(mode="json"),
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "threads": torch.get_num_threads(),
+        "sharded": sharded,
     }
     procs = _start_on_ray(spec, world, backend) if on_ray else _start_here(spec, world)
     workers = RankWorkers(store, procs)
     try:
-        group = _join_watching(workers, address, store, world, group_name, backend)
+        group = _join_watching(workers, address, store, world, group_name, backend, sharded)
     except BaseException:
         _stop(procs)
         raise
     state.dp = DataParallel(group, 0, world, state.device, workers)
     where = "as Ray actors" if on_ray else "as processes of this machine"
-    state.dp.note = f"{world} trainer ranks over {backend}: rank 0 here, the other {world - 1} {where}"
+    how = "weights, gradients and AdamW state sharded (FSDP)" if sharded else "each with the whole model"
+    state.dp.note = f"{world} trainer ranks over {backend}: rank 0 here, the other {world - 1} {where}; {how}"
     try:
+        if sharded:
+            _shard_watching(state, cfg, workers)
         yield
         workers.send("stop")
         for p in procs:
@@ -173,10 +182,64 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
     finally:
         state.dp = None
         _stop(procs)
-        leave_update_group(group)
+        leave_trainer_group(group)
 
 
-def _join_watching(workers: RankWorkers, address, store, world: int, group_name: str, backend: str):
+def _shard_watching(state, cfg, workers: RankWorkers) -> None:
+    """Rank 0's side of every rank's `shard_trainer`; a worker that fails first fails it with its cause."""
+    from grpoflow.train.fsdp import shard_trainer
+
+    try:
+        shard_trainer(state, cfg.train)
+    except RuntimeError as err:
+        cause = workers.failure()
+        if cause is None:
+            raise
+        raise RankError(cause) from err
+
+
+@contextmanager
+def _sharded_alone(state, cfg) -> Iterator[None]:
+    """A sharded trainer of one rank (FSDP's mixed precision and layout on one device): a default group of one."""
+    from grpoflow.train.fsdp import shard_trainer
+
+    backend = "nccl" if state.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        state.dp = DataParallel(dist.group.WORLD, 0, 1, state.device)
+        state.dp.note = f"1 trainer rank over {backend}, sharded (FSDP)"
+        shard_trainer(state, cfg.train)
+        yield
+    finally:
+        state.dp = None
+        leave_trainer_group(dist.group.WORLD)
+
+
+def join_trainer_group(address, port: int, rank: int, world: int, group_name: str, backend: str, store, sharded):
+    """The trainer ranks' group: the weight-update kind for replicas; torch's default group, sharded."""
+    if not sharded:
+        return join_update_group(address, port, rank, world, group_name, backend, UPDATE_GROUP_TIMEOUT_S, store)
+    timeout = datetime.timedelta(seconds=UPDATE_GROUP_TIMEOUT_S)
+    if store is None:
+        store = dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(group_name, store), rank=rank, world_size=world, timeout=timeout
+    )
+    return dist.group.WORLD
+
+
+def leave_trainer_group(group: dist.ProcessGroup) -> None:
+    """Destroy the trainer ranks' group alone. torch destroys every process group with its default one, and a
+    weight-update group beside the trainer ranks (`DistributedSync`'s) must outlive them: the default group is
+    unset first, so that it is destroyed as any other."""
+    from torch.distributed.distributed_c10d import _update_default_pg
+
+    if group is dist.group.WORLD:
+        _update_default_pg(None)
+    dist.destroy_process_group(group)
+
+
+def _join_watching(workers: RankWorkers, address, store, world: int, group_name: str, backend: str, sharded: bool):
     """Rank 0 joins the group, in a thread, while this one watches the other ranks start: one that fails first
     (an import error, a device it cannot have, a Ray actor that cannot be placed) fails the join with its cause
     at once, not at the group's timeout."""
@@ -184,9 +247,7 @@ def _join_watching(workers: RankWorkers, address, store, world: int, group_name:
 
     def join() -> None:
         try:
-            joined["group"] = join_update_group(
-                address, store.port, 0, world, group_name, backend, UPDATE_GROUP_TIMEOUT_S, store
-            )
+            joined["group"] = join_trainer_group(address, store.port, 0, world, group_name, backend, store, sharded)
         except BaseException as err:  # noqa: BLE001  (raised in the caller's thread)
             joined["error"] = err
 
@@ -284,29 +345,40 @@ def _worker(spec: dict, rank: int, device: str) -> None:
     """A worker rank: join the group, load the policy like rank 0 onto `device`, then run the jobs rank 0 hands
     out."""
     from grpoflow.config import parse_run_config
+    from grpoflow.train.fsdp import shard_trainer, skeleton_trainer
 
     torch.set_num_threads(spec["threads"])
     address = spec["address"]
     store = dist.TCPStore(address, spec["port"], spec["world"], is_master=False, timeout=IDLE_TIMEOUT)
     n = 0
     try:
-        group = join_update_group(
-            address, spec["port"], rank, spec["world"], spec["group"], spec["backend"], UPDATE_GROUP_TIMEOUT_S, store
+        sharded = spec["sharded"]
+        group = join_trainer_group(
+            address, spec["port"], rank, spec["world"], spec["group"], spec["backend"], None, sharded
         )
         cfg = parse_run_config(spec["config"])
-        state = load_trainer(spec["model"], cfg.train, seed=cfg.seed, device=device)
-        if spec["checkpoint"]:
-            restore_training_state(state, spec["checkpoint"])
-        state.dp = DataParallel(group, rank, spec["world"], state.device)
+        if sharded:  # the weights (a resumed checkpoint's too) come from rank 0
+            state = skeleton_trainer(spec["model"], cfg.train, torch.device(device))
+            state.dp = DataParallel(group, rank, spec["world"], state.device)
+            shard_trainer(state, cfg.train, spec["checkpoint"])
+        else:
+            state = load_trainer(spec["model"], cfg.train, seed=cfg.seed, device=device)
+            if spec["checkpoint"]:
+                restore_training_state(state, spec["checkpoint"])
+            state.dp = DataParallel(group, rank, spec["world"], state.device)
         while True:
             kind, payload = pickle.loads(store.get(f"job/{n}"))
             if kind == "stop":
                 break
-            samples, job_cfg, step = payload
-            grpo_update(state, samples, job_cfg, step)
+            if kind == "call":  # rank 0's `on_other_ranks`
+                module, name, args = payload
+                getattr(importlib.import_module(module), name)(state, *args)
+            else:
+                samples, job_cfg, step = payload
+                grpo_update(state, samples, job_cfg, step)
             store.set(f"done/{n}/{rank}", b"ok")
             n += 1
-        leave_update_group(group)
+        leave_trainer_group(group)
     except BaseException:
         # rank 0 reads this when the collective it waits in breaks (error/), or as the job's reply (done/)
         failed = traceback.format_exc()

@@ -20,10 +20,11 @@ import torch
 from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.samples import Sample
 from grpoflow.seeds import step_seed
+from grpoflow.train.fsdp import clip_gradients, idle_pass, idle_passes, is_sharded
 from grpoflow.train.grpo import LossInputs, group_advantages, policy_loss, zero_std_groups
 from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.parallel import all_reduce_grads, all_reduce_sums, local_rows
-from grpoflow.train.trainer import TrainerState
+from grpoflow.train.trainer import TrainerState, use_activation_checkpointing
 
 
 def pack_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -68,11 +69,14 @@ def recompute_old_logprobs(
     """The trainer's logprobs of each sample's tokens before the update (len - 1 each, zero off the loss mask):
     the "old" policy of the PPO ratio when `train.old_logprobs` is `recompute`."""
     out: list[torch.Tensor | None] = [None] * len(samples)
-    for idx in pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens):
+    batches = pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens)
+    for idx in batches:
         ids, mask, _, _ = _collate([samples[i] for i in idx], state.device)
         logp, _ = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)  # (B, L-1)
         for row, i in enumerate(idx):
             out[i] = logp[row, : len(samples[i].tokens) - 1].float().cpu()
+    for _ in range(idle_passes(len(batches), state)):  # a sharded model's gathers pair up across the ranks
+        idle_pass(state, temperature, backward=False)
     return out  # type: ignore[return-value]
 
 
@@ -111,12 +115,14 @@ def backward_minibatch(
     sums: dict[str, float] = {"loss": 0.0, "n_tokens": 0, "n_mask_tokens": 0, **dict.fromkeys(_MAX_KEYS, 0.0)}
     sums |= {"n_forward_tokens": 0, "n_micro_batches": 0} | dict.fromkeys(_MEAN_KEYS + ("kl", "entropy"), 0.0)
     mine = local_rows([s.rollout_id for s in samples], [len(s.tokens) for s in samples], state.dp)
-    for packed in pack_micro_batches([len(samples[i].tokens) for i in mine], cfg.micro_batch_tokens):
+    batches = pack_micro_batches([len(samples[i].tokens) for i in mine], cfg.micro_batch_tokens)
+    for packed in batches:
         idx = [mine[j] for j in packed]
         ids, mask, behaviour, old_lp = _collate(
             [samples[i] for i in idx], state.device, [old[i] for i in idx] if old is not None else None
         )
-        logp, ent = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)  # (B, L-1)
+        with use_activation_checkpointing(state.model, ids.shape[1], cfg):
+            logp, ent = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)  # (B, L-1)
         ref = None
         if state.ref_model is not None:
             with torch.no_grad():
@@ -144,6 +150,8 @@ def backward_minibatch(
             sums[k] += v.item() * n
         sums["n_forward_tokens"] += sum(len(samples[i].tokens) - 1 for i in idx)
         sums["n_micro_batches"] += 1
+    for _ in range(idle_passes(len(batches), state)):  # a sharded model's collectives pair up across the ranks
+        idle_pass(state, temperature, backward=True)
     sums = all_reduce_sums(sums, _MAX_KEYS, state.dp)
     for k in _MEAN_KEYS + ("kl", "entropy"):
         sums[k] /= max(sums["n_mask_tokens"], 1)
@@ -256,8 +264,12 @@ def train_step(
         m = backward_minibatch(
             state, [kept[i] for i in idx], adv[idx], cfg, temperature, [old[i] for i in idx] if old else None
         )
-        all_reduce_grads(params, state.dp)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+        if is_sharded(state.model):  # FSDP reduce-scattered the gradients into the shards during backward
+            shards = [p for group in state.optimizer.param_groups for p in group["params"]]
+            grad_norm = clip_gradients(shards, cfg.max_grad_norm)
+        else:
+            all_reduce_grads(params, state.dp)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
         if not math.isfinite(grad_norm):
             out["skipped_nonfinite"] += 1
             out["discarded/nonfinite"] += in_batch

@@ -20,6 +20,7 @@ cost of the sync, and ends by reading the engine's weight version back (`check_s
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import shutil
 import tempfile
@@ -48,7 +49,8 @@ from grpoflow.engine.update_group import (
 )
 from grpoflow.errors import EngineError
 from grpoflow.fileio import publish_dir
-from grpoflow.train.lora import save_adapter, serving_tensors
+from grpoflow.train.fsdp import gathered_adapter, served
+from grpoflow.train.lora import save_adapter
 from grpoflow.train.probe import SyncProbe, check_logprob_agreement
 from grpoflow.train.trainer import TrainerState
 
@@ -96,21 +98,17 @@ class DistributedSync:
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
         if self.broken:
             raise EngineError("the weight update group is unusable after an earlier failed update")
-        named = serving_tensors(trainer.model)
+        names, shapes, tensors = served(trainer)  # a sharded model's gathered one at a time, as they are sent
 
         def send() -> int:
             with torch.no_grad():
-                return broadcast_tensors(self.group, (t.to(self.device, self.dtype) for t in named.values()))
+                return broadcast_tensors(self.group, (t.to(self.device, self.dtype) for t in tensors))
 
         with update_session(self.client):
             sent = self._paired(
                 send,
                 lambda: self.client.update_weights_from_distributed(
-                    list(named),
-                    [dtype_name(self.dtype)] * len(named),
-                    [list(t.shape) for t in named.values()],
-                    self.group_name,
-                    version,
+                    names, [dtype_name(self.dtype)] * len(names), shapes, self.group_name, version
                 ),
             )
         check_served_version(self.client, version)
@@ -157,13 +155,13 @@ class TensorSync:
         self._flat: torch.Tensor | None = None  # (sum of numels,) in self.dtype; kept across syncs
 
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
-        named = serving_tensors(trainer.model)
-        total = sum(t.numel() for t in named.values())
+        names, shapes, tensors = served(trainer)  # a sharded model's gathered one at a time
+        total = sum(math.prod(s) for s in shapes)
         if self._flat is None or self._flat.numel() != total:
             self._flat = shared_buffer(total, self.dtype, self.device)
         views, at = [], 0
         with torch.no_grad():
-            for name, t in named.items():
+            for name, t in zip(names, tensors, strict=True):
                 view = self._flat[at : at + t.numel()].view(t.shape)
                 view.copy_(t)
                 views.append((name, view))
@@ -202,7 +200,7 @@ class AdapterSync:
     def push(self, trainer: TrainerState, version: str | None, ckpt: Path | None = None) -> dict[str, float]:
         out = self.dir / f"adapter-{version or 'start'}"
         with publish_dir(out, replace=True) as tmp:
-            save_adapter(trainer.model, tmp, self.dtype)
+            save_adapter(trainer.model, tmp, self.dtype, tensors=gathered_adapter(trainer))  # None: unsharded
         if self._current is not None:
             self.client.unload_lora_adapter(SERVED_ADAPTER)
         self.client.load_lora_adapter(SERVED_ADAPTER, str(out.resolve()))

@@ -262,6 +262,31 @@ def test_a_killed_lora_run_resumes_from_its_adapter_checkpoint(setup, capfd, cap
     _assert_resumed_like_reference(root, runs / "lora-reference")
 
 
+SHARDED = {"cluster": {"train_ranks": 2}}  # train.sharding auto: FSDP over 2 gloo ranks
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(setup):
+    model, data, runs = setup
+    train_flow(parse_run_config(_with(run_config(runs, model, data, "sharded-reference", steps=STEPS), SHARDED)))
+    return runs / "sharded-reference"
+
+
+def test_a_killed_sharded_run_resumes_to_the_same_bytes(setup, sharded_reference, capfd, caplog):
+    """2 sharded trainer ranks (FSDP): killed in step 2's update, the run resumes from step 1's full checkpoint
+    (the weights an HF dir written from the shards, AdamW's shards in optimizer.dcp/), shards it over 2 ranks
+    again and ends with the uninterrupted sharded run's metrics and weights, byte for byte."""
+    model, data, runs = setup
+    _kill_run(runs, model, data, "sharded-killed", "train", step=2, overrides=SHARDED)
+    root = runs / "sharded-killed"
+    mid = root / "checkpoints" / "step_1"
+    assert (mid / "optimizer.dcp" / ".metadata").is_file() and not (mid / "optimizer.pt").exists()
+    assert (mid / "model.safetensors").is_file() and not (mid / "sharded").exists()
+    out = _resume(runs, "sharded-killed", capfd, caplog)
+    assert "resuming run sharded-killed at step 3/3 (checkpoint step_1" in out
+    _assert_resumed_like_reference(root, sharded_reference)
+
+
 def test_killed_during_the_final_evaluation_resumes_it(setup, tmp_path, capfd, caplog):
     """The evaluation after the last step has a metrics row of its own; a kill mid-way keeps its finished trials,
     and the resume runs only the others, ending with the rows of a run that was never interrupted."""

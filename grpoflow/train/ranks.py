@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
 
 from grpoflow.engine.update_group import (
     UPDATE_GROUP_TIMEOUT_S,
@@ -160,6 +161,7 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "threads": torch.get_num_threads(),
         "sharded": sharded,
+        "group_index": _world.group_count,  # see join_trainer_group
     }
     procs = _start_on_ray(spec, world, backend) if on_ray else _start_here(spec, world)
     workers = RankWorkers(store, procs)
@@ -215,10 +217,20 @@ def _sharded_alone(state, cfg) -> Iterator[None]:
         leave_trainer_group(dist.group.WORLD)
 
 
-def join_trainer_group(address, port: int, rank: int, world: int, group_name: str, backend: str, store, sharded):
-    """The trainer ranks' group: the weight-update kind for replicas; torch's default group, sharded."""
+def join_trainer_group(
+    address, port: int, rank: int, world: int, group_name: str, backend: str, store, sharded, group_index=None
+):
+    """The trainer ranks' group: the weight-update kind for replicas; torch's default group, sharded.
+
+    torch names a default group by its process's count of groups made so far (`_world.group_count`) and meets
+    the other ranks under that name in the store. Rank 0 is a long-lived process that may have made groups
+    before (earlier trainer ranks, weight-update groups); a fresh worker rank has made none. Workers take rank
+    0's count (`group_index`, sent in their spec) so that both name the group alike; otherwise they wait for
+    each other until the timeout."""
     if not sharded:
         return join_update_group(address, port, rank, world, group_name, backend, UPDATE_GROUP_TIMEOUT_S, store)
+    if group_index is not None:
+        _world.group_count = group_index
     timeout = datetime.timedelta(seconds=UPDATE_GROUP_TIMEOUT_S)
     if store is None:
         store = dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
@@ -354,7 +366,15 @@ def _worker(spec: dict, rank: int, device: str) -> None:
     try:
         sharded = spec["sharded"]
         group = join_trainer_group(
-            address, spec["port"], rank, spec["world"], spec["group"], spec["backend"], None, sharded
+            address,
+            spec["port"],
+            rank,
+            spec["world"],
+            spec["group"],
+            spec["backend"],
+            None,
+            sharded,
+            spec["group_index"],
         )
         cfg = parse_run_config(spec["config"])
         if sharded:  # the weights (a resumed checkpoint's too) come from rank 0

@@ -5,11 +5,12 @@ bf16 mixed precision keeps fp32 master weights and AdamW state."""
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from grpoflow.config import parse_run_config
 from grpoflow.train.fsdp import decoder_layers, full_parameters, is_sharded
-from grpoflow.train.ranks import run_update, trainer_ranks
+from grpoflow.train.ranks import leave_trainer_group, run_update, trainer_ranks
 from grpoflow.train.trainer import load_trainer
 from tests.fakes.samples import agentic_samples
 
@@ -222,3 +223,15 @@ def test_a_large_sharded_checkpoint_is_split_into_files_with_an_index(tiny_model
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
     for name, t in weights.items():
         assert stored[name].dtype == torch.bfloat16 and torch.equal(loaded[name], t.to(torch.bfloat16)), name
+
+
+def test_ranks_meet_after_this_process_made_other_groups(tiny_model_dir):
+    """torch names a default group by how many groups its process has made; rank 0 (this long-lived process) has
+    made some, the fresh worker ranks none: they still meet, at once."""
+    for _ in range(2):  # as earlier trainer ranks of this process leave it (a weight-update group outlives them)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        leave_trainer_group(dist.group.WORLD)
+    cfg = _config(tiny_model_dir, 2, "fsdp")
+    state = load_trainer(tiny_model_dir, cfg.train, seed=0, sharded=True)
+    with trainer_ranks(state, tiny_model_dir, cfg):  # without the fix: hangs until the group's timeout
+        assert is_sharded(state.model) and state.dp.world == 2

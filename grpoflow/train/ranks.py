@@ -161,7 +161,6 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "threads": torch.get_num_threads(),
         "sharded": sharded,
-        "group_index": _world.group_count,  # see join_trainer_group
     }
     procs = _start_on_ray(spec, world, backend) if on_ray else _start_here(spec, world)
     workers = RankWorkers(store, procs)
@@ -206,9 +205,9 @@ def _sharded_alone(state, cfg) -> Iterator[None]:
     from grpoflow.train.fsdp import shard_trainer
 
     backend = "nccl" if state.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    group = sharded_group(backend, dist.HashStore(), 0, 1)
     try:
-        state.dp = DataParallel(dist.group.WORLD, 0, 1, state.device)
+        state.dp = DataParallel(group, 0, 1, state.device)
         state.dp.note = f"1 trainer rank over {backend}, sharded (FSDP)"
         shard_trainer(state, cfg.train)
         yield
@@ -217,26 +216,28 @@ def _sharded_alone(state, cfg) -> Iterator[None]:
         leave_trainer_group(dist.group.WORLD)
 
 
-def join_trainer_group(
-    address, port: int, rank: int, world: int, group_name: str, backend: str, store, sharded, group_index=None
-):
-    """The trainer ranks' group: the weight-update kind for replicas; torch's default group, sharded.
-
-    torch names a default group by its process's count of groups made so far (`_world.group_count`) and meets
-    the other ranks under that name in the store. Rank 0 is a long-lived process that may have made groups
-    before (earlier trainer ranks, weight-update groups); a fresh worker rank has made none. Workers take rank
-    0's count (`group_index`, sent in their spec) so that both name the group alike; otherwise they wait for
-    each other until the timeout."""
+def join_trainer_group(address, port: int, rank: int, world: int, group_name: str, backend: str, store, sharded):
+    """The trainer ranks' group: the weight-update kind for replicas; torch's default group, sharded
+    (`sharded_group`)."""
     if not sharded:
         return join_update_group(address, port, rank, world, group_name, backend, UPDATE_GROUP_TIMEOUT_S, store)
-    if group_index is not None:
-        _world.group_count = group_index
     timeout = datetime.timedelta(seconds=UPDATE_GROUP_TIMEOUT_S)
     if store is None:
         store = dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
-    dist.init_process_group(
-        backend, store=dist.PrefixStore(group_name, store), rank=rank, world_size=world, timeout=timeout
-    )
+    return sharded_group(backend, dist.PrefixStore(group_name, store), rank, world, timeout)
+
+
+def sharded_group(backend: str, store, rank: int, world: int, timeout=None) -> dist.ProcessGroup:
+    """torch's default group for sharded trainer ranks, always named "0" on every rank.
+
+    torch names a default group by its process's count of groups made so far (`_world.group_count`) and meets
+    the other ranks under that name in the store: rank 0, a long-lived process, may have made groups before
+    (earlier trainer ranks), fresh worker ranks none, and under different names they would wait for each other
+    until the timeout. And DTensor caches its sharding decisions by device mesh, where meshes of one shape
+    compare equal whatever their group, then resolves the group by name: a later group under another name would
+    have its collectives sent to a destroyed one."""
+    _world.group_count = 0
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.group.WORLD
 
 
@@ -374,7 +375,6 @@ def _worker(spec: dict, rank: int, device: str) -> None:
             spec["backend"],
             None,
             sharded,
-            spec["group_index"],
         )
         cfg = parse_run_config(spec["config"])
         if sharded:  # the weights (a resumed checkpoint's too) come from rank 0

@@ -206,7 +206,8 @@ def skeleton_trainer(model_path: str, cfg: TrainConfig, device: torch.device) ->
 
 def idle_passes(n: int, state: TrainerState) -> int:
     """How many idle passes this rank adds after its `n` so that every rank runs as many (the most any rank
-    runs): 0 unless the trainer is sharded over several ranks."""
+    runs): 0 unless the trainer is sharded over several ranks. A collective: call it on every rank before the
+    passes, whose gathers it would otherwise meet out of order."""
     dp = state.dp
     if dp is None or dp.world == 1 or not is_sharded(state.model):
         return 0

@@ -70,12 +70,13 @@ def recompute_old_logprobs(
     the "old" policy of the PPO ratio when `train.old_logprobs` is `recompute`."""
     out: list[torch.Tensor | None] = [None] * len(samples)
     batches = pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens)
+    idle = idle_passes(len(batches), state)  # before any pass: its all-reduce must pair with the other ranks'
     for idx in batches:
         ids, mask, _, _ = _collate([samples[i] for i in idx], state.device)
         logp, _ = token_logprobs(state.model, ids, mask, state.autocast_dtype, temperature)  # (B, L-1)
         for row, i in enumerate(idx):
             out[i] = logp[row, : len(samples[i].tokens) - 1].float().cpu()
-    for _ in range(idle_passes(len(batches), state)):  # a sharded model's gathers pair up across the ranks
+    for _ in range(idle):  # a sharded model's gathers pair up across the ranks
         idle_pass(state, temperature, backward=False)
     return out  # type: ignore[return-value]
 
@@ -116,6 +117,7 @@ def backward_minibatch(
     sums |= {"n_forward_tokens": 0, "n_micro_batches": 0} | dict.fromkeys(_MEAN_KEYS + ("kl", "entropy"), 0.0)
     mine = local_rows([s.rollout_id for s in samples], [len(s.tokens) for s in samples], state.dp)
     batches = pack_micro_batches([len(samples[i].tokens) for i in mine], cfg.micro_batch_tokens)
+    idle = idle_passes(len(batches), state)  # before any pass: its all-reduce must pair with the other ranks'
     for packed in batches:
         idx = [mine[j] for j in packed]
         ids, mask, behaviour, old_lp = _collate(
@@ -150,7 +152,7 @@ def backward_minibatch(
             sums[k] += v.item() * n
         sums["n_forward_tokens"] += sum(len(samples[i].tokens) - 1 for i in idx)
         sums["n_micro_batches"] += 1
-    for _ in range(idle_passes(len(batches), state)):  # a sharded model's collectives pair up across the ranks
+    for _ in range(idle):  # a sharded model's collectives pair up across the ranks
         idle_pass(state, temperature, backward=True)
     sums = all_reduce_sums(sums, _MAX_KEYS, state.dp)
     for k in _MEAN_KEYS + ("kl", "entropy"):

@@ -428,19 +428,25 @@ class LoraSettings(_Section):
         return v
 
 
+# Settings that act only on recomputed old logprobs (`TrainConfig.old_logprobs_mode`): set otherwise, they would do
+# nothing.
+_RECOMPUTE_ONLY = ("tis_cap", "mismatch_band")
+
+
 class TrainConfig(_Section):
     steps: int = Field(16, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip range above 1 (ratio <= 1 + eps_high).")
     kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of the k3 KL penalty to the reference model.")
-    old_logprobs: Literal["rollout", "recompute"] = Field(
-        "rollout",
+    old_logprobs: Literal["auto", "rollout", "recompute"] = Field(
+        "auto",
         description="The PPO ratio's old policy: the engine's logprobs from the rollout, or the trainer's, "
         "recomputed before the update (one more forward pass); then the engine-vs-trainer mismatch is corrected "
         "apart (`tis_cap`, `mismatch_band`). With `max_staleness` > 0 the rollout's logprobs are those of the "
-        "weights that generated it: `rollout` clips the update against that behaviour policy; `recompute` "
-        "clips against the trainer's current weights and weighs by trainer/behaviour ratios.",
+        "weights that generated it: `rollout` clips the update against that stale behaviour policy; `recompute` "
+        "(the decoupled objective) clips against the trainer's current weights and weighs by trainer/behaviour "
+        "ratios. `auto`: `recompute` with `max_staleness` > 0, else `rollout`.",
     )
     max_staleness: int = Field(
         0,
@@ -465,11 +471,11 @@ class TrainConfig(_Section):
         description="With recomputed old logprobs: each token's loss is weighted by its trainer/engine probability "
         "ratio, capped here (truncated importance sampling). Empty: no weight.",
     )
-    mismatch_band: float | None = Field(
+    mismatch_band: float | tuple[float, float] | None = Field(
         None,
-        gt=1.0,
-        description="With recomputed old logprobs: tokens whose trainer/engine probability ratio is outside "
-        "[1/band, band] are left out of the loss (counted). Empty: none are.",
+        description="With recomputed old logprobs: tokens whose trainer/engine probability ratio is outside the "
+        "band are left out of the loss (counted). A number b: [1/b, b]; a pair [low, high] with low < 1 < high: "
+        "that band (IcePop's is [0.5, 5]). Empty: none are.",
     )
     scale_by_std: bool = Field(
         True,
@@ -558,6 +564,36 @@ class TrainConfig(_Section):
         description="Evaluate before the first step, after the last, and also every N steps between (0: only "
         "before and after).",
     )
+
+    @field_validator("mismatch_band")
+    @classmethod
+    def _band_holds_one(cls, band: float | tuple[float, float] | None) -> float | tuple[float, float] | None:
+        if band is None:
+            return None
+        low, high = (1 / band, band) if isinstance(band, float) else band
+        if not 0 < low < 1 < high:
+            raise ValueError("a number above 1, or a pair [low, high] with 0 < low < 1 < high")
+        return band
+
+    @model_validator(mode="after")
+    def _no_setting_that_does_nothing(self) -> TrainConfig:
+        if self.old_logprobs_mode() == "recompute":
+            return self
+        for name in _RECOMPUTE_ONLY:
+            # A saved config.json names every field: only a value other than the default (or off) was chosen.
+            value = getattr(self, name)
+            if name in self.model_fields_set and value is not None and value != type(self).model_fields[name].default:
+                raise ValueError(
+                    f"`train.{name}`: acts only on recomputed old logprobs and this run takes the rollout's; set "
+                    "train.old_logprobs=recompute (`auto` does with max_staleness > 0), or leave it unset"
+                )
+        return self
+
+    def old_logprobs_mode(self) -> Literal["rollout", "recompute"]:
+        """`old_logprobs` with `auto` resolved: the decoupled objective (`recompute`) when rollouts may be stale."""
+        if self.old_logprobs != "auto":
+            return self.old_logprobs
+        return "recompute" if self.max_staleness > 0 else "rollout"
 
 
 class ReportConfig(_Section):

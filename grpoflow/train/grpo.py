@@ -113,10 +113,16 @@ def behaviour_log_weights(x: LossInputs) -> torch.Tensor | None:
     return torch.where(mask, x.old_logprobs - x.behaviour_logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
-def in_mismatch_band(mask: torch.Tensor, log_w: torch.Tensor | None, band: float | None) -> torch.Tensor:
-    """(B, T) the tokens whose trainer/engine ratio lies in [1 / band, band] (IcePop); all of `mask` without one."""
+def in_mismatch_band(
+    mask: torch.Tensor, log_w: torch.Tensor | None, band: float | tuple[float, float] | None
+) -> torch.Tensor:
+    """(B, T) the tokens whose trainer/engine ratio lies in the band (IcePop): [1 / band, band] for a number, [low,
+    high] for a pair; all of `mask` without one."""
     if log_w is None or band is None:
         return mask
+    if isinstance(band, tuple):
+        low, high = band
+        return mask & (log_w >= math.log(low)) & (log_w <= math.log(high))
     return mask & (log_w.abs() <= math.log(band))
 
 

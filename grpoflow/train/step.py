@@ -226,7 +226,7 @@ def train_step(
     kept, adv, counts = prepare_samples(samples, cfg)
     minibatches = _rollout_minibatches(kept, cfg.global_batch_size, seed)
     old = None
-    if cfg.old_logprobs == "recompute" and kept:
+    if cfg.old_logprobs_mode() == "recompute" and kept:
         # only the rows this rank trains (all of them on one rank); the others stay None
         mine = sorted(idx[j] for idx in minibatches for j in _local(kept, idx, state))
         old = [None] * len(kept)

@@ -114,3 +114,34 @@ def test_a_dotted_override_fills_an_empty_optional_section():
     assert cfg.train.lora.rank == 8 and cfg.train.steps == 2
     with pytest.raises(ConfigError, match="override `train.steps.x`: `steps` is not a section"):
         apply_overrides({"train": {"steps": 2}}, {"train.steps.x": 1})
+
+
+def test_old_logprobs_auto_takes_the_decoupled_objective_when_rollouts_may_be_stale():
+    assert parse_run_config({}).train.old_logprobs_mode() == "rollout"
+    assert parse_run_config({"train": {"max_staleness": 1}}).train.old_logprobs_mode() == "recompute"
+    pinned = {"train": {"max_staleness": 1, "old_logprobs": "rollout"}}
+    assert parse_run_config(pinned).train.old_logprobs_mode() == "rollout"
+
+
+@pytest.mark.parametrize("setting", [{"tis_cap": 3.0}, {"mismatch_band": 1.5}, {"mismatch_band": [0.5, 5]}])
+def test_a_correction_that_would_do_nothing_is_refused_in_one_line(setting):
+    name = next(iter(setting))
+    with pytest.raises(ConfigError) as exc:
+        parse_run_config({"train": {"old_logprobs": "rollout", **setting}})
+    assert f"train.{name}" in str(exc.value) and "\n" not in str(exc.value)
+    # the same setting with the old policy it acts on, or in an async run's default, is taken
+    assert getattr(parse_run_config({"train": {"old_logprobs": "recompute", **setting}}).train, name) is not None
+    assert getattr(parse_run_config({"train": {"max_staleness": 1, **setting}}).train, name) is not None
+
+
+def test_a_saved_config_naming_every_default_still_loads():
+    """config.json of an earlier run names every field, tis_cap's default among them, beside old_logprobs=rollout."""
+    saved = parse_run_config({}).model_dump(mode="json")
+    saved["train"]["old_logprobs"] = "rollout"
+    assert parse_run_config(saved).train.tis_cap == 2.0
+
+
+@pytest.mark.parametrize("band", [0.9, 1.0, [2.0, 5.0], [0.5, 0.9], [0.0, 5.0]])
+def test_a_band_that_holds_no_ratio_of_one_is_refused(band):
+    with pytest.raises(ConfigError, match="train.mismatch_band"):
+        parse_run_config({"train": {"old_logprobs": "recompute", "mismatch_band": band}})

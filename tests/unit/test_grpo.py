@@ -42,7 +42,9 @@ LOSS_SETTINGS = ("kl_coef", "dual_clip", "tis_cap", "mismatch_band")
 
 def _loss(lp, old, adv, mask, agg="token", **kw):
     """The loss with the clip range above, no correction unless given (`kw`: LossInputs fields and settings)."""
-    settings = {"dual_clip": None, "tis_cap": None} | {k: kw.pop(k) for k in LOSS_SETTINGS if k in kw}
+    # the loss reads the behaviour logprobs it is given; `recompute` only lets the config name the corrections
+    settings = {"dual_clip": None, "tis_cap": None, "old_logprobs": "recompute"}
+    settings |= {k: kw.pop(k) for k in LOSS_SETTINGS if k in kw}
     cfg = TrainConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH, loss_aggregation=agg, **settings)
     return policy_loss(LossInputs(lp, old, adv, mask, **kw), cfg)
 
@@ -155,6 +157,16 @@ def test_tokens_outside_the_mismatch_band_leave_the_loss_and_are_counted():
     g, m = _grad(lp, lp.clone(), adv, behaviour_logprobs=behaviour, mismatch_band=2.0)
     assert g[0, 0].item() == 0.0 and g[0, 1].item() == pytest.approx(-1.0)  # the kept token is the whole mean
     assert m["mismatch_masked_frac"].item() == 0.5 and m["n_tokens"].item() == 1
+
+
+def test_an_asymmetric_band_keeps_what_lies_between_its_own_bounds():
+    """IcePop's [0.5, 5]: ratios (old / behaviour) 0.4 and 6 leave, 0.6 and 4 stay; the symmetric band 5 would
+    keep 0.4 and a symmetric 2 would drop 4."""
+    lp = torch.full((1, 4), -1.0)
+    behaviour = lp - torch.log(torch.tensor([[0.4, 0.6, 4.0, 6.0]]))
+    g, m = _grad(lp, lp.clone(), torch.tensor([1.0]), behaviour_logprobs=behaviour, mismatch_band=(0.5, 5.0))
+    assert [x != 0.0 for x in g[0].tolist()] == [False, True, True, False]
+    assert m["mismatch_masked_frac"].item() == 0.5 and m["n_tokens"].item() == 2
 
 
 def test_a_reference_far_from_the_policy_gives_a_finite_bounded_kl():

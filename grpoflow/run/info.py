@@ -23,6 +23,7 @@ from grpoflow.paths import RunPaths
 from grpoflow.prepare.dataset import Dataset
 from grpoflow.prepare.model import PreparedModel
 from grpoflow.prepare.prompts import FAMILY_KEY, PromptRecord, side_of, split_kind
+from grpoflow.prepare.split import SIDES
 
 _TRACKED_PACKAGES = ("grpoflow", "torch", "transformers", "tokenizers", "safetensors", "harbor", "prefect", "gguf")
 
@@ -101,6 +102,7 @@ class SplitInfo(_Record):
                 # `trained` wins: a family is unseen only when none of its instances trains.
                 if families.get(family) != "trained":
                     families[family] = "unseen" if side == "unseen" else "trained"
+        tasks = {side: tasks[side] for side in SIDES if side in tasks}  # in that order, whichever prompt came first
         return cls(by=split_kind(prompts), tasks=tasks, families=dict(sorted(families.items())))
 
 

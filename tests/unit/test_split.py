@@ -133,7 +133,7 @@ def test_no_eval_fraction_trains_everything_and_one_family_is_never_all_unseen()
 def test_split_is_recorded_and_a_written_prompts_file_keeps_it(tmp_path):
     recs = build_prompts(variants(), 3, 0.25, split_by="family")
     info = SplitInfo.of_prompts(recs)
-    assert info.by == "family" and set(info.tasks) == {"trained", "heldout", "unseen"}
+    assert info.by == "family" and list(info.tasks) == ["trained", "heldout", "unseen"]
     unseen = {f for f, side in info.families.items() if side == "unseen"}
     assert unseen and {r.metadata[FAMILY_KEY] for r in recs if side_of(r) == "unseen"} == unseen
     assert sorted(n for names in info.tasks.values() for n in names) == sorted(r.instance_id for r in recs)

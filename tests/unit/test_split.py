@@ -209,3 +209,48 @@ def test_split_settings_reach_the_prompts(tmp_path):
     recs = make_prompts(cfg, variants())
     assert {r.metadata[FAMILY_KEY] for r in recs} == {"file", "text", "shell"}
     assert sum(sides == {"unseen"} for sides in _sides(recs).values()) == 1
+
+
+def test_a_family_split_evaluates_three_sides_and_the_verdict_has_three_rows():
+    from grpoflow.samples import Sample
+    from grpoflow.scoring.evaluation import before_after_lines, eval_plan, plan_metrics
+
+    prompts = build_prompts(variants(), 7, 0.25, split_by="family")
+
+    def results(version: int, passed) -> tuple[list[Sample], dict]:
+        """The plan of weight version `version`'s evaluation and its synthetic trials: `passed(side, index)`."""
+        plan = eval_plan(prompts, version, 4, seed=7)
+        return [
+            Sample(
+                run_id="r",
+                step=0,
+                instance_id=s.instance_id,
+                group_id=s.group_id,
+                sample_index=s.sample_index,
+                rollout_id=s.rollout_id,
+                tokens=[1, 2],
+                loss_mask=[0, 1],
+                rollout_logprobs=[0.0, -1.0],
+                prompt_len=1,
+                reward=float(passed(side, s.sample_index)),
+                status="COMPLETED",
+                exit_status="Submitted",
+            )
+            for side, specs in plan.items()
+            for s in specs
+        ], plan
+
+    base, plan0 = results(0, lambda side, k: k == 0)
+    after, plan1 = results(1, lambda side, k: side == "trained" or (side == "heldout" and k < 2))
+    first, last = plan_metrics(plan0, base, None), plan_metrics(plan1, after, base)
+    assert set(plan1) == {"trained", "heldout", "unseen"}
+    n = {side: 4 * sum(side_of(p) == side for p in prompts) for side in plan1}
+    lines = before_after_lines(first, last)
+    assert [line.split(":")[0] for line in lines] == [
+        "trained tasks",
+        "held-out instances of trained families",
+        "unseen families",
+    ]
+    assert lines[0].endswith(f"better ({n['trained']} paired trials)")
+    assert lines[2].endswith(f"worse ({n['unseen']} paired trials)") or "no significant" in lines[2]
+    assert f"({n['heldout']} paired trials)" in lines[1]

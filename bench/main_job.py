@@ -65,7 +65,12 @@ def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
     before, after = read_samples(first), read_samples(last)
     rows = [{}, {}]
     for name in EVAL_SPLITS:
-        mine = [[s for s in samples if f"-{name}-" in s.group_id] for samples in (before, after)]
+        # group ids are `eval<N>-<side>-<task>`: match the side, not a task name that holds it
+        mine = [
+            [s for s in samples if s.group_id.partition("-")[2].startswith(f"{name}-")] for samples in (before, after)
+        ]
+        if not mine[0]:  # a side this run's split does not have (`unseen` of a split by task)
+            continue
         rows[0] |= eval_metrics(name, mine[0])
         rows[1] |= eval_metrics(name, mine[1], mine[0])
     return before_after_lines(*rows)

@@ -1,7 +1,11 @@
 """prompts.jsonl: one record per task instance, ordered and split deterministically by the seed.
 
-Built from a dataset (shuffled by the seed, the eval split taken per difficulty so both splits span the grades),
-or read from an existing jsonl (e.g. a Terminal-Bench 2 training list), which is validated line by line.
+Built from a dataset (shuffled by the seed; the eval split taken per difficulty so both splits span the grades,
+or by task family: `grpoflow.prepare.split`), or read from an existing jsonl (e.g. a Terminal-Bench 2 training
+list), which is validated line by line.
+
+A split by family marks each record's `metadata` with `split_family` and `split_side` (`trained`, `heldout`: an
+instance of a trained family, `unseen`: of a family never trained); `side_of` reads a record's side.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from grpoflow.errors import DatasetError
 from grpoflow.fileio import write_jsonl_atomic
 from grpoflow.prepare.dataset import Dataset, TaskSpec, load_task
+from grpoflow.prepare.split import SIDES, FamilyRule, Side, SplitBy, resolve_split_by, split_by_family
 
 Split = Literal["train", "eval"]
+FAMILY_KEY, SIDE_KEY = "split_family", "split_side"  # the metadata a split by family adds to each record
 
 
 class PromptRecord(BaseModel):
@@ -38,9 +44,15 @@ def build_prompts(
     eval_fraction: float,
     max_prompts: int | None = None,
     difficulties: Sequence[str] = (),
+    *,
+    split_by: str = "auto",
+    family_rule: FamilyRule | None = None,
+    instance_eval_fraction: float | None = None,
 ) -> list[PromptRecord]:
-    """Seeded shuffle of the dataset's tasks (of the given `difficulties` only, when any are given);
-    `eval_fraction` of each difficulty goes to the eval split."""
+    """Seeded shuffle of the dataset's tasks (of the given `difficulties` only, when any are given), then the
+    eval split: `eval_fraction` of each difficulty's tasks (`split_by` task), or of the task families, with
+    `instance_eval_fraction` (default `eval_fraction`) of the trained families' instances (`split_by` family;
+    `auto`: `grpoflow.prepare.split.resolve_split_by`)."""
     rng = random.Random(seed)
     tasks = list(dataset.tasks)  # sorted by name, so the shuffle depends on the seed only
     if difficulties:
@@ -54,6 +66,11 @@ def build_prompts(
     rng.shuffle(tasks)
     if max_prompts is not None:
         tasks = tasks[:max_prompts]
+    rule = family_rule or FamilyRule()
+    if resolve_split_by(tasks, split_by, rule) == "family":
+        fraction = eval_fraction if instance_eval_fraction is None else instance_eval_fraction
+        sides = split_by_family(tasks, rng, eval_fraction, fraction, rule)
+        return [_record(t, "train" if sides[t.name][1] == "trained" else "eval", sides[t.name]) for t in tasks]
     by_grade: dict[str, list[TaskSpec]] = defaultdict(list)
     for t in tasks:
         by_grade[t.difficulty].append(t)
@@ -61,8 +78,10 @@ def build_prompts(
     return [_record(t, "eval" if t.name in eval_names else "train") for t in tasks]
 
 
-def _record(task: TaskSpec, split: Split) -> PromptRecord:
+def _record(task: TaskSpec, split: Split, family_side: tuple[str, Side] | None = None) -> PromptRecord:
     meta = {"task_name": task.name, "difficulty": task.difficulty, "category": task.category, **task.metadata}
+    if family_side is not None:
+        meta |= {FAMILY_KEY: family_side[0], SIDE_KEY: family_side[1]}
     return PromptRecord(
         instance_id=task.name, task_path=str(task.path), instruction=task.instruction, split=split, metadata=meta
     )
@@ -118,12 +137,33 @@ def _parse_line(raw: dict[str, Any], base: Path, where: str) -> PromptRecord:
     raw.setdefault("instruction", task.instruction)
     raw.setdefault("metadata", {"task_name": task.name, "difficulty": task.difficulty, "category": task.category})
     try:
-        return PromptRecord.model_validate(raw)
+        rec = PromptRecord.model_validate(raw)
     except ValidationError as err:
         e = err.errors()[0]
         field = ".".join(str(x) for x in e["loc"])
         raise DatasetError(f"{where}: field `{field}`: {e['msg']}") from None
+    side = rec.metadata.get(SIDE_KEY)
+    # Evaluation reports a record by its side; one that contradicts its split would be reported on the wrong row.
+    if side is not None and (side not in SIDES or (side == "trained") != (rec.split == "train")):
+        raise DatasetError(
+            f"{where}: field `metadata.{SIDE_KEY}`: {side!r} does not fit split `{rec.split}` (`trained` goes "
+            "with `train`, `heldout` or `unseen` with `eval`)"
+        )
+    return rec
 
 
 def write_prompts(path: Path, records: list[PromptRecord]) -> None:
     write_jsonl_atomic(path, (r.model_dump() for r in records))
+
+
+def side_of(record: PromptRecord) -> Side:
+    """Where a prompt stands: `trained`, or held out: `unseen` when a split by family marked its family unseen,
+    else `heldout`."""
+    if record.split == "train":
+        return "trained"
+    return "unseen" if record.metadata.get(SIDE_KEY) == "unseen" else "heldout"
+
+
+def split_kind(records: Sequence[PromptRecord]) -> SplitBy:
+    """`family` when the records carry a split by family (a record names its family), else `task`."""
+    return "family" if any(FAMILY_KEY in r.metadata for r in records) else "task"

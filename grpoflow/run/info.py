@@ -22,6 +22,8 @@ from grpoflow.numerics import cpu_arithmetic
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.dataset import Dataset
 from grpoflow.prepare.model import PreparedModel
+from grpoflow.prepare.prompts import FAMILY_KEY, PromptRecord, side_of, split_kind
+from grpoflow.prepare.split import SIDES
 
 _TRACKED_PACKAGES = ("grpoflow", "torch", "transformers", "tokenizers", "safetensors", "harbor", "prefect", "gguf")
 
@@ -79,6 +81,31 @@ class Provenance(_Record):
         return [f"{label}: {a} -> {b}" for label, a, b in pairs if a != b]
 
 
+class SplitInfo(_Record):
+    """The run's train/eval split, as prompts.jsonl holds it: by `task` or by `family`, each side's tasks
+    (`trained`, `heldout`, and with a split by family `unseen`), and each family's side (`trained`: some of its
+    instances train, `unseen`: none does). Made from the prompts, so a prompts file's split is recorded too."""
+
+    by: Literal["task", "family"]
+    tasks: dict[str, list[str]]
+    families: dict[str, Literal["trained", "unseen"]] = {}
+
+    @classmethod
+    def of_prompts(cls, prompts: list[PromptRecord]) -> SplitInfo:
+        tasks: dict[str, list[str]] = {}
+        families: dict[str, Literal["trained", "unseen"]] = {}
+        for p in prompts:
+            side = side_of(p)
+            tasks.setdefault(side, []).append(p.instance_id)
+            if FAMILY_KEY in p.metadata:
+                family = str(p.metadata[FAMILY_KEY])
+                # `trained` wins: a family is unseen only when none of its instances trains.
+                if families.get(family) != "trained":
+                    families[family] = "unseen" if side == "unseen" else "trained"
+        tasks = {side: tasks[side] for side in SIDES if side in tasks}  # in that order, whichever prompt came first
+        return cls(by=split_kind(prompts), tasks=tasks, families=dict(sorted(families.items())))
+
+
 class Resume(_Record):
     at: str
     from_step: int
@@ -112,6 +139,7 @@ class RunInfo(Provenance):
     resumes: list[Resume] = []
     rerun_of: str | None = None
     parent: Parent | None = None  # lineage: the run whose checkpoint this run's model is
+    split: SplitInfo | None = None  # None in runs made before the split was recorded
 
     @property
     def trains(self) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 from grpoflow.fileio import append_jsonl
 from grpoflow.paths import RunPaths
+from grpoflow.scoring.evaluation import SPLIT_LABELS, split_labels
 
 
 def is_timing(key: str) -> bool:
@@ -94,7 +95,8 @@ CURVES = [
     ("rollout/pass_at_k", "pass@k"),
     ("rollout/truncated_ratio", "truncated share"),
 ]
-EVAL_CURVES = [("eval/trained/pass_at_1", "trained tasks"), ("eval/heldout/pass_at_1", "held-out tasks")]
+# one curve per evaluated side of the split (`unseen` only with a split by family)
+EVAL_CURVES = [(f"eval/{name}/pass_at_1", title) for name, title in SPLIT_LABELS.items()]
 SMOOTHING = 4  # steps in the running mean of the reward curves
 
 
@@ -142,7 +144,9 @@ def plot_curves(records: list[dict[str, Any]], out_png: Path) -> Path:
     ax1.set_ylim(-0.55, 1.05)
     ax1.legend(loc="best", fontsize=6)
     ax1.set_title("rollout")
-    for i, (key, label) in enumerate(EVAL_CURVES):
+    titles = split_labels(*evals)  # what `heldout` holds depends on the split
+    for i, (name, label) in enumerate(titles.items()):
+        key = f"eval/{name}/pass_at_1"
         rows = [r for r in evals if key in r]
         if not rows:
             continue
@@ -210,6 +214,8 @@ def summary_markdown(
                 "eval/trained/pass_at_1_change",
                 "eval/heldout/pass_at_1",
                 "eval/heldout/pass_at_1_change",
+                "eval/unseen/pass_at_1",
+                "eval/unseen/pass_at_1_change",
             )
             if any(k in r for r in evals)
         ]

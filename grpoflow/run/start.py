@@ -21,7 +21,8 @@ from grpoflow.prepare.prompts import (
     load_prompts,
     write_prompts,
 )
-from grpoflow.run.info import DeploymentRef, Provenance, RunInfo, parent_of, read_run_info, write_run_info
+from grpoflow.prepare.split import FamilyRule
+from grpoflow.run.info import DeploymentRef, Provenance, RunInfo, SplitInfo, parent_of, read_run_info, write_run_info
 from grpoflow.tokens import TemplateError, check_chat_template, load_tokenizer
 
 
@@ -37,8 +38,16 @@ class PreparedRun:
 def make_prompts(cfg: RunConfig, dataset: Dataset) -> list[PromptRecord]:
     if cfg.prompts.path:
         return load_prompts(Path(cfg.prompts.path))
+    p = cfg.prompts
     return build_prompts(
-        dataset, cfg.seed, cfg.prompts.eval_fraction, cfg.prompts.max_prompts, cfg.prompts.difficulties
+        dataset,
+        cfg.seed,
+        p.eval_fraction,
+        p.max_prompts,
+        p.difficulties,
+        split_by=p.split_by,
+        family_rule=FamilyRule(p.family_key, p.family_pattern),
+        instance_eval_fraction=p.instance_eval_fraction,
     )
 
 
@@ -51,7 +60,7 @@ def record_run(
     deployment: DeploymentRef | None = None,
 ) -> PreparedRun:
     """Create runs/<run_id>/ and write config.json, run.json (provenance; the flow run and the deployment that
-    started it) and prompts.jsonl."""
+    started it; the split: which tasks and families on which side) and prompts.jsonl."""
     if cfg.rollout.harness == "shell":  # it extends the chat token by token; the session server can re-tokenise
         try:
             check_chat_template(load_tokenizer(model.path))
@@ -63,7 +72,14 @@ def record_run(
     parent = parent_of(cfg.model.source)  # lineage: a checkpoint of an earlier run
     write_run_info(
         paths,
-        RunInfo(run_id=cfg.run_id, flow_run_id=flow_run_id, deployment=deployment, parent=parent, **dict(provenance)),
+        RunInfo(
+            run_id=cfg.run_id,
+            flow_run_id=flow_run_id,
+            deployment=deployment,
+            parent=parent,
+            split=SplitInfo.of_prompts(prompts),
+            **dict(provenance),
+        ),
     )
     write_prompts(paths.prompts, prompts)
     splits: dict[str, int] = {}

@@ -1,8 +1,10 @@
 """Evaluating the policy inside a train run: fixed prompts and seeds, so two evaluations differ only by the weights.
 
-An evaluation runs `train.eval_samples_per_prompt` trials per prompt of two splits: `trained` (the train split,
-the tasks the run trains on) and `heldout` (the eval split, never trained on). Seeds depend on the prompt and the
-sample only (`EVAL_SEED_STEP`), so the run's first evaluation (the base policy) and every later one run the same
+An evaluation runs `train.eval_samples_per_prompt` trials per prompt of each side of the split
+(`grpoflow.prepare.prompts.side_of`): `trained` (the train split, the tasks the run trains on), `heldout` (the
+eval split, never trained on) and, when the split is by task family, `unseen` (the eval split's instances of
+families none of whose instances is trained; `heldout` then holds the held-out instances of trained families).
+Seeds depend on the prompt and the sample only (`EVAL_SEED_STEP`), so the run's first evaluation (the base policy) and every later one run the same
 trials. Its figures go into the metrics row of the step whose weights it measured (`step` = updates so far):
 pass@1 with a 95 % Wilson interval, pass@k, exit-status counts, per-task pass rates and, against the first
 evaluation, the change in pass@1 with a 95 % interval over the paired trials.
@@ -26,20 +28,20 @@ from pathlib import Path
 
 from grpoflow.config import RunConfig
 from grpoflow.paths import RunPaths
-from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.prepare.prompts import PromptRecord, side_of
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.rollout.trials import EVAL_SEED_STEP, TrialSpec, plan_group_trials
 from grpoflow.samples import PASS, Sample
 from grpoflow.scoring.step import RolloutHooks, RolloutSetup, collect_with
 
-# metric-key name of a split -> the prompts.jsonl split it evaluates
-EVAL_SPLITS = {"trained": "train", "heldout": "eval"}
+# metric-key name of an evaluated side of the split -> the prompts.jsonl split its prompts are in
+EVAL_SPLITS = {"trained": "train", "heldout": "eval", "unseen": "eval"}
 Z95 = 1.959963984540054
 
 
 def eval_prompts(prompts: Sequence[PromptRecord]) -> dict[str, list[PromptRecord]]:
-    """The prompts each evaluated split holds (in prompts.jsonl order); splits without prompts are left out."""
-    out = {name: [p for p in prompts if p.split == split] for name, split in EVAL_SPLITS.items()}
+    """The prompts of each evaluated side (in prompts.jsonl order); sides without prompts are left out."""
+    out = {name: [p for p in prompts if side_of(p) == name] for name in EVAL_SPLITS}
     return {name: ps for name, ps in out.items() if ps}
 
 
@@ -167,7 +169,17 @@ def reward_gain(samples: Sequence[Sample], base_rates: Mapping[str, float]) -> f
     return statistics.fmean(_passed(s) - base_rates[s.instance_id] for s in scored) if scored else float("nan")
 
 
-SPLIT_LABELS = {"trained": "trained tasks", "heldout": "held-out tasks"}
+SPLIT_LABELS = {"trained": "trained tasks", "heldout": "held-out tasks", "unseen": "unseen families"}
+# `heldout` of a split by family (one with unseen families): the eval instances whose families are trained
+FAMILY_HELDOUT_LABEL = "held-out instances of trained families"
+
+
+def split_labels(*rows: Mapping[str, float]) -> dict[str, str]:
+    """Each evaluated side's title; `heldout` says what it holds when the rows have an `unseen` side (a split by
+    family, which always makes one when it holds anything out: `grpoflow.prepare.split`)."""
+    if any("eval/unseen/pass_at_1" in row for row in rows):
+        return SPLIT_LABELS | {"heldout": FAMILY_HELDOUT_LABEL}
+    return SPLIT_LABELS
 
 
 def _interval(row: Mapping[str, float], key: str, signed: bool = False) -> str:
@@ -179,7 +191,7 @@ def evaluation_lines(row: Mapping[str, float], label: str) -> list[str]:
     """One line per evaluated split of an evaluation's metrics: pass@1 with its 95 % interval, and the change
     since the base policy when the row has it."""
     lines = []
-    for name, title in SPLIT_LABELS.items():
+    for name, title in split_labels(row).items():
         p = f"eval/{name}/"
         if p + "pass_at_1" not in row:
             continue
@@ -194,17 +206,22 @@ def evaluation_lines(row: Mapping[str, float], label: str) -> list[str]:
 
 
 def before_after_lines(first: Mapping[str, float], last: Mapping[str, float]) -> list[str]:
-    """The run's verdict: per split, pass@1 of the base policy -> the trained one, and the paired change."""
+    """The run's verdict: per side of the split (two rows, or three with unseen families), pass@1 of the base
+    policy -> the trained one, and the paired change; the titles padded to one width, 16 as with two rows."""
     lines = []
-    for name, title in SPLIT_LABELS.items():
+    titles = {
+        name: title
+        for name, title in split_labels(first, last).items()
+        if f"eval/{name}/pass_at_1" in first and f"eval/{name}/pass_at_1_change" in last
+    }
+    width = max([16, *(len(title) + 1 for title in titles.values())])  # title and colon
+    for name, title in titles.items():
         p = f"eval/{name}/"
-        if p + "pass_at_1" not in first or p + "pass_at_1_change" not in last:
-            continue
         change = last[p + "pass_at_1_change"]
         low, high = last[p + "pass_at_1_change_ci95_low"], last[p + "pass_at_1_change_ci95_high"]
         verdict = "better" if low > 0 else "worse" if high < 0 else "no significant change"
         lines.append(
-            f"{title + ':':16s} pass@1 {_interval(first, p + 'pass_at_1')} -> "
+            f"{title + ':':{width}s} pass@1 {_interval(first, p + 'pass_at_1')} -> "
             f"{_interval(last, p + 'pass_at_1')}, change {change:+.3f} [{low:+.3f}, {high:+.3f}]: "
             f"{verdict} ({int(last.get(p + 'paired_trials', last[p + 'scored']))} paired trials)"
         )
@@ -221,7 +238,7 @@ def evaluate_policy(
     hooks: RolloutHooks | None = None,
 ) -> dict[str, float]:
     """Evaluate the engine's weights (version `version`: updates so far) on the train tasks and the held-out
-    split, with the same trials as every other evaluation of the run; returns the `eval/...` metrics, each split
+    ones (each side of the split), with the same trials as every other evaluation of the run; returns the `eval/...` metrics, each split
     compared with the evaluation whose details dir is `base` (default: the run's first one, version 0)."""
     plan = eval_plan(prompts, version, cfg.train.eval_samples_per_prompt, cfg.seed)
     specs = [s for group in plan.values() for s in group]

@@ -1,9 +1,11 @@
 import json
+import shutil
 
 import pytest
 
 from grpoflow.config import parse_run_config
 from grpoflow.errors import DatasetError, ModelError, RunDirError
+from grpoflow.prepare.dataset import builtin_dataset_path
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.run.start import prepare_run
 
@@ -27,6 +29,20 @@ def test_prepare_writes_config_provenance_and_prompts(tiny_model_dir, tmp_path):
     assert info["packages"]["torch"] and info["python"]
     prompts = load_prompts(root / "prompts.jsonl")
     assert len(prompts) == run.n_tasks == sum(run.n_prompts.values())
+
+
+def test_a_dataset_of_variants_is_split_by_family_and_run_json_records_it(tiny_model_dir, tmp_path):
+    data = tmp_path / "data"
+    for task in ("hello-file", "make-dir", "copy-file", "count-lines", "sort-lines"):
+        for variant in ("medium", "hard"):
+            shutil.copytree(builtin_dataset_path() / task, data / f"{task}_{variant}")
+    run = prepare_run(_cfg(tmp_path, tiny_model_dir, dataset={"path": str(data)}), cache_dir=tmp_path / "cache")
+    split = json.loads(run.paths.run_info.read_text())["split"]
+    assert split["by"] == "family" and list(split["tasks"]) == ["trained", "heldout", "unseen"]
+    unseen = {f for f, side in split["families"].items() if side == "unseen"}
+    prompts = load_prompts(run.paths.prompts)
+    assert unseen and not {p.metadata["split_family"] for p in prompts if p.split == "train"} & unseen
+    assert sorted(split["tasks"]["unseen"]) == sorted(f"{f}_{v}" for f in unseen for v in ("medium", "hard"))
 
 
 def test_existing_run_dir_is_never_touched(tiny_model_dir, tmp_path):

@@ -117,3 +117,48 @@ def test_reward_gain_takes_the_task_difficulty_out():
     better = [_sample("hard", 0, 1.0), _sample("hard", 1, 0.0)]
     assert reward_gain(better, rates) == 0.5
     assert math.isnan(reward_gain([_sample("unseen", 0, 1.0)], rates))
+
+
+def _split_rows(names: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+    """Metrics rows of a base evaluation and a later one, for each named side: 20 trials of one task each, 4
+    passed at first, then 14, 4 and 0."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for name, passed in zip(names, (14, 4, 0)):
+        base = [_sample(f"{name}-t", k, float(k < 4)) for k in range(20)]
+        now = [_sample(f"{name}-t", k, float(k < passed)) for k in range(20)]
+        first |= eval_metrics(name, base)
+        last |= eval_metrics(name, now, base)
+    return first, last
+
+
+def test_the_verdict_has_three_rows_with_unseen_families_and_two_as_before_without():
+    first, last = _split_rows(["trained", "heldout", "unseen"])
+    lines = before_after_lines(first, last)
+    assert [line.split(":")[0] for line in lines] == [
+        "trained tasks",
+        "held-out instances of trained families",
+        "unseen families",
+    ]
+    assert len({line.index("pass@1") for line in lines}) == 1  # the rows line up
+    assert lines[0].endswith(": better (20 paired trials)") and "-> 0.700 [" in lines[0]
+    assert lines[1].endswith(": no significant change (20 paired trials)") and "change +0.000 [" in lines[1]
+    assert "pass@1 0.200 [0.081, 0.416] -> 0.000 [0.000, 0.161], change -0.200 [" in lines[2]
+    # a split by task: the two rows exactly as before, titles padded to 16
+    first, last = _split_rows(["trained", "heldout"])
+    two = before_after_lines(first, last)
+    assert [line[:23] for line in two] == ["trained tasks:   pass@1", "held-out tasks:  pass@1"]
+    assert two[0] == lines[0].replace("trained tasks:" + " " * 26, "trained tasks:   ")
+
+
+def test_eval_prompts_separate_unseen_families_from_held_out_instances():
+    def marked(name: str, split: str, side: str) -> PromptRecord:
+        return _prompt(name, split).model_copy(update={"metadata": {"split_family": "f", "split_side": side}})
+
+    prompts = [marked("a", "train", "trained"), marked("b", "eval", "heldout"), marked("c", "eval", "unseen")]
+    splits = eval_prompts(prompts)
+    assert {k: [p.instance_id for p in v] for k, v in splits.items()} == {
+        "trained": ["a"],
+        "heldout": ["b"],
+        "unseen": ["c"],
+    }

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -50,13 +51,25 @@ class ModelConfig(_Section):
     )
 
 
-class DatasetConfig(_Section):
-    path: str = Field(
-        "builtin",
-        min_length=1,
-        description="Directory of Harbor task directories (task.toml, instruction.md, tests/, solution/, "
-        "environment/), or `builtin` for grpoflow's own offline task set.",
-    )
+# `validate` is the name users write (`dataset.validate`); it shadows pydantic's deprecated `BaseModel.validate`
+# classmethod, which nothing here calls, so pydantic's warning about it is silenced for this class alone.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
+
+    class DatasetConfig(_Section):
+        path: str = Field(
+            "builtin",
+            min_length=1,
+            description="Directory of Harbor task directories (task.toml, instruction.md, tests/, solution/, "
+            "environment/), or `builtin` for grpoflow's own offline task set.",
+        )
+        validate: bool | None = Field(
+            None,
+            description="The dataset gate at prepare: every task runs Harbor's oracle (when it has solution/solve.sh) "
+            "and a no-op agent once, in the run's sandbox; a task whose oracle misses its full reward, or whose no-op "
+            "already passes, is left out of training and evaluation (gate.json says why). Results are cached by the "
+            "task's content and the sandbox kind. Empty: on for every dataset but the built-in one (tested here).",
+        )
 
 
 class PromptsConfig(_Section):

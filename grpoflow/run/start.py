@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.config import RunConfig
-from grpoflow.errors import ModelError, RunDirError
+from grpoflow.errors import DatasetError, ModelError, RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.paths import RunPaths, create_run_dir
-from grpoflow.prepare.dataset import Dataset, load_dataset
-from grpoflow.prepare.model import PreparedModel, prepare_model
+from grpoflow.prepare.dataset import Dataset, is_builtin, load_dataset
+from grpoflow.prepare.model import PreparedModel, default_cache_dir, prepare_model
 from grpoflow.prepare.prompts import (
     PromptRecord,
     build_prompts,
@@ -22,6 +22,7 @@ from grpoflow.prepare.prompts import (
     write_prompts,
 )
 from grpoflow.run.info import DeploymentRef, Provenance, RunInfo, parent_of, read_run_info, write_run_info
+from grpoflow.scoring.gate import GateReport, admitted_dataset, run_gate, ungated_report
 from grpoflow.tokens import TemplateError, check_chat_template, load_tokenizer
 
 
@@ -34,9 +35,42 @@ class PreparedRun:
     n_prompts: dict[str, int]  # by split
 
 
+def gate_wanted(cfg: RunConfig) -> bool:
+    """`dataset.validate` as set; unset: on for every dataset but the built-in one, whose tasks the test suite
+    proves (so the main job's wall time does not grow)."""
+    return cfg.dataset.validate if cfg.dataset.validate is not None else not is_builtin(cfg.dataset.path)
+
+
+def load_run_dataset(cfg: RunConfig) -> Dataset:
+    """The dataset as the run's sandbox sees it: for the local sandbox, tasks whose environment it does not
+    reproduce are left out (`grpoflow.prepare.dockerfile`)."""
+    return load_dataset(cfg.dataset.path, local_sandbox=cfg.rollout.sandbox == "local")
+
+
+def gate_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> tuple[Dataset, GateReport]:
+    """Load the dataset and run the dataset gate on it (`grpoflow.scoring.gate`; unless `gate_wanted` says no):
+    the admitted tasks, and every task dir's verdict. Prints the gate's table (one line per task left out); a
+    dataset with nothing left raises `DatasetError` in one line, after the table."""
+    dataset = load_run_dataset(cfg)
+    if gate_wanted(cfg):
+        report = run_gate(dataset, cfg.rollout, Path(cache_dir or default_cache_dir()))
+    else:
+        report = ungated_report(dataset, cfg.rollout.sandbox)
+    if report.gated or report.left_out:
+        for line in report.lines():
+            print(f"grpoflow: {line}", flush=True)
+    return admitted_dataset(dataset, report), report
+
+
 def make_prompts(cfg: RunConfig, dataset: Dataset) -> list[PromptRecord]:
     if cfg.prompts.path:
-        return load_prompts(Path(cfg.prompts.path))
+        records = load_prompts(Path(cfg.prompts.path))
+        # A prompts file may name tasks the dataset left out (refused, or by the gate): they never train.
+        out = {str(x.path) for x in dataset.left_out}
+        kept = [p for p in records if str(Path(p.task_path).resolve()) not in out]
+        if not kept:
+            raise DatasetError(f"{cfg.prompts.path}: every prompt names a task the dataset left out (see gate.json)")
+        return kept
     return build_prompts(
         dataset, cfg.seed, cfg.prompts.eval_fraction, cfg.prompts.max_prompts, cfg.prompts.difficulties
     )
@@ -49,9 +83,10 @@ def record_run(
     prompts: list[PromptRecord],
     flow_run_id: str | None = None,
     deployment: DeploymentRef | None = None,
+    gate: GateReport | None = None,
 ) -> PreparedRun:
     """Create runs/<run_id>/ and write config.json, run.json (provenance; the flow run and the deployment that
-    started it) and prompts.jsonl."""
+    started it), prompts.jsonl and, with `gate`, gate.json (the dataset gate's verdict per task dir)."""
     if cfg.rollout.harness == "shell":  # it extends the chat token by token; the session server can re-tokenise
         try:
             check_chat_template(load_tokenizer(model.path))
@@ -66,6 +101,8 @@ def record_run(
         RunInfo(run_id=cfg.run_id, flow_run_id=flow_run_id, deployment=deployment, parent=parent, **dict(provenance)),
     )
     write_prompts(paths.prompts, prompts)
+    if gate is not None:
+        write_json_atomic(paths.gate, gate.to_json())
     splits: dict[str, int] = {}
     for p in prompts:
         splits[p.split] = splits.get(p.split, 0) + 1
@@ -73,9 +110,9 @@ def record_run(
 
 
 def prepare_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
-    dataset = load_dataset(cfg.dataset.path)  # first: cheap, and a bad task set needs no model converted
+    dataset, gate = gate_dataset(cfg, cache_dir)  # first: a bad task set needs no model converted
     model = prepare_model(cfg.model.source, cache_dir)
-    return record_run(cfg, model, dataset, make_prompts(cfg, dataset))
+    return record_run(cfg, model, dataset, make_prompts(cfg, dataset), gate=gate)
 
 
 def reopen_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
@@ -84,7 +121,7 @@ def reopen_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
     paths = RunPaths(cfg.run_dir)
     info = read_run_info(paths)
     model = prepare_model(cfg.model.source, cache_dir)
-    dataset = load_dataset(cfg.dataset.path)
+    dataset = load_run_dataset(cfg)  # not gated again: prompts.jsonl already holds only the admitted tasks
     then_model, then_data = info.model.weights_sha256, info.dataset.sha256
     if then_model != model.weights_sha256:
         raise RunDirError(

@@ -200,7 +200,11 @@ class _Done:
 def _run(specs: list[TrialSpec], rollout: RolloutConfig) -> dict[str, _Done]:
     """Run the gate's trials through `collect_step`, keyed by rollout id."""
     agent_of = {s.rollout_id: s.rollout_id.rsplit("-", 1)[1] for s in specs}
-    policy = PolicyAccess(lambda spec: AgentConfig(name=agent_of[spec.rollout_id]))
+    # Neither agent has web tools to turn off; saying so keeps Harbor from logging an ERROR per trial when the
+    # sandbox has no network.
+    policy = PolicyAccess(
+        lambda spec: AgentConfig(name=agent_of[spec.rollout_id], kwargs={"disable_web_search": False})
+    )
     # The oracle and the no-op reach no host: a CLI harness's session-server allowance has nothing to serve here,
     # and the local sandbox refuses a host it cannot reach.
     environment = sandbox_config(rollout).model_copy(update={"extra_allowed_hosts": []})

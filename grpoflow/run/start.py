@@ -33,6 +33,7 @@ class PreparedRun:
     dataset_sha256: str
     n_tasks: int
     n_prompts: dict[str, int]  # by split
+    n_left_out: int = 0  # task dirs of the dataset left out (malformed, refused, or by the gate): gate.json
 
 
 def gate_wanted(cfg: RunConfig) -> bool:
@@ -106,7 +107,7 @@ def record_run(
     splits: dict[str, int] = {}
     for p in prompts:
         splits[p.split] = splits.get(p.split, 0) + 1
-    return PreparedRun(paths, model, dataset.sha256, len(dataset.tasks), splits)
+    return PreparedRun(paths, model, dataset.sha256, len(dataset.tasks), splits, len(dataset.left_out))
 
 
 def prepare_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:

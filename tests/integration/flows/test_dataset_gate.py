@@ -121,6 +121,13 @@ def test_prepare_admits_what_the_gate_proves_and_a_second_prepare_runs_no_trial(
     assert again.paths.prompts.read_text() == run.paths.prompts.read_text()
     print(f"gate: first prepare {first_s:.1f} s (7 trials), second {second_s:.1f} s (cached)")
 
+    # a prompts file naming a task the gate left out: that prompt never trains either
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps({"instance_id": n, "task_path": str(mixed / n)}) + "\n" for n in verdicts))
+    cfg = _cfg(tmp_path, tiny_model_dir, mixed, "gate-own").model_copy(update={"prompts": _prompts(own)})
+    kept = prepare_run(cfg, cache_dir=cache).paths.prompts.read_text()
+    assert sorted(json.loads(line)["instance_id"] for line in kept.splitlines()) == ["good", "no-solution"]
+
     # a changed task is a new task: only it runs again
     with (mixed / "good" / "instruction.md").open("a") as f:
         f.write("\n")
@@ -128,6 +135,10 @@ def test_prepare_admits_what_the_gate_proves_and_a_second_prepare_runs_no_trial(
     assert gate3.trials_run == 2 and [t.name for t in gate3.tasks if not t.cached and t.verdict != "refused"] == [
         "good"
     ]
+
+
+def _prompts(path):
+    return parse_run_config({"prompts": {"path": str(path)}}).prompts
 
 
 def test_a_dataset_with_every_task_left_out_stops_prepare_in_one_line(tmp_path, tiny_model_dir, capsys):

@@ -7,7 +7,8 @@ scoring by `to_sample`). A task whose oracle does not reach the full reward (`PA
 does, would train the policy on rewards that say nothing about its work (all zeros, or all ones): it is left out
 of training and evaluation with its reason, the verifier's last lines included. A task without a solution is
 kept and marked `unverified` (its no-op still runs). A trial that ends in a sandbox or infrastructure failure
-(after its retries) says nothing about the task: the task is kept, marked `unchecked`, and not cached.
+(after its retries) says nothing about the task: the task is kept, marked `unchecked`, and not cached. With the
+gate off (`dataset.validate`; the built-in set by default) nothing runs: tasks are `ungated` (or `unverified`).
 
 Verdicts are cached under `<cache>/gate/` by the task's content digest (every file of the task dir) and the
 sandbox kind, so a second prepare of the same tasks runs no trial, and a nightly run pays only for changed tasks.
@@ -44,8 +45,9 @@ GATE_VERSION = 1
 TAIL_LINES = 5  # of the verifier's output, kept with a verdict
 ORACLE, NOP = AgentName.ORACLE.value, AgentName.NOP.value
 
-Verdict = Literal["verified", "unverified", "unchecked", "oracle-fails", "nop-passes", "refused"]
-ADMITTED: frozenset[str] = frozenset({"verified", "unverified", "unchecked"})
+Verdict = Literal["verified", "unverified", "unchecked", "ungated", "oracle-fails", "nop-passes", "refused"]
+ADMITTED: frozenset[str] = frozenset({"verified", "unverified", "unchecked", "ungated"})
+LEFT_OUT: tuple[str, ...] = ("oracle-fails", "nop-passes", "refused")
 CACHED: frozenset[str] = frozenset({"verified", "unverified", "oracle-fails", "nop-passes"})
 
 
@@ -122,9 +124,9 @@ def refused(left_out: tuple[LeftOut, ...]) -> list[TaskGate]:
 
 
 def ungated_report(dataset: Dataset, sandbox: str) -> GateReport:
-    # Not run: a task is `unverified` for want of a solution, else taken as it is (the built-in set is proven by
-    # the test suite instead).
-    tasks = [TaskGate(t.name, str(t.path), "verified" if t.has_solution else "unverified") for t in dataset.tasks]
+    # Not run: a task is `unverified` for want of a solution, else `ungated`, taken as it is (the built-in set is
+    # proven by the test suite instead).
+    tasks = [TaskGate(t.name, str(t.path), "ungated" if t.has_solution else "unverified") for t in dataset.tasks]
     return GateReport(str(dataset.root), sandbox, False, sorted([*tasks, *refused(dataset.left_out)], key=_by_name))
 
 

@@ -30,13 +30,18 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _config_from_args(args: argparse.Namespace):
+def _set_overrides(items: list[str] | None) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
-    for item in args.set or []:
+    for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise GrpoflowError(f"--set {item!r}: expected KEY=VALUE, e.g. rollout.temperature=0.7")
         overrides[key] = _parse_value(value)
+    return overrides
+
+
+def _config_from_args(args: argparse.Namespace):
+    overrides = _set_overrides(args.set)
     flags = {
         "run_id": args.run_id,
         "seed": args.seed,
@@ -108,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         "workdir: trials of a run with report.regrade_per_task > 0) and record the verdicts",
     )
     p.add_argument("--per-task", type=int, metavar="K", help="with --regrade: trials regraded per task (default: 2)")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="run the dataset gate on --dataset instead (as prepare does): each task's oracle and a no-op agent "
+        "once, in the sandbox of rollout.sandbox; print the tasks left out and why (verdicts cached)",
+    )
+    p.add_argument("--dataset", help="with --validate: directory of Harbor tasks, or `builtin`")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="with --validate: dotted override, repeatable")
     return parser
 
 
@@ -115,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("resume", "rerun"):
         return _resume_or_rerun(args)
+    if args.command == "tasks" and (args.validate or args.dataset):
+        return _validate(args)
     if args.command == "tasks":
         return _tasks(Path(args.output_dir), args.regrade, args.per_task)
     try:
@@ -200,6 +215,27 @@ def _tasks(output_dir: Path, regrade: str | None = None, per_task: int | None = 
         print(f"grpoflow: no runs with trials in {output_dir}")
         return 0
     print(health_markdown(run_ids, tasks, unreadable), end="")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """`grpoflow tasks --validate --dataset PATH`: the dataset gate alone, its table printed; no run dir. Exit 0
+    when a task is admitted, 2 (and one error line) when none is or the input is bad."""
+    from grpoflow.run.start import gate_dataset
+
+    try:
+        if not (args.validate and args.dataset):
+            raise ConfigError("--validate and --dataset PATH go together: `grpoflow tasks --validate --dataset PATH`")
+        if args.regrade is not None or args.per_task is not None:
+            raise ConfigError("--validate does not go with --regrade or --per-task")
+        overrides = _set_overrides(args.set) | {"dataset.path": args.dataset, "dataset.validate": True}
+        cfg = parse_run_config(apply_overrides({}, overrides), source="command line")
+        dataset, _ = gate_dataset(cfg)  # prints the table
+    except GrpoflowError as err:
+        sys.stdout.flush()  # the table comes first, also when stdout is a pipe
+        print(f"grpoflow: error: {err}", file=sys.stderr)
+        return 2
+    print(f"grpoflow: {len(dataset.tasks)} tasks of {dataset.root} would train and evaluate")
     return 0
 
 

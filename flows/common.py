@@ -91,14 +91,19 @@ def start_run(config: RunConfig | dict, prefix: str) -> RunConfig:
 
 def prepare_stage(cfg: RunConfig, stage: str) -> PreparedRun:
     """The first tasks of every flow: preflight, then the harness's CLI (claude-code, opencode in the local
-    sandbox), dataset, model and prompts, recorded in the run dir."""
+    sandbox), dataset (and its gate), model and prompts, recorded in the run dir."""
     preflight_task(cfg, stage)
     if cfg.rollout.sandbox == "local" and cfg.rollout.harness in CLI_PACKAGES:
         prepare_harness_task(cfg.rollout.harness)
-    dataset = prepare_dataset_task(cfg.dataset.path)  # first: cheap, and a bad task set needs no model
+    dataset, gate = prepare_dataset_task(cfg)  # first: a bad task set needs no model
     model = prepare_model_task(cfg.model.source)
     return prepare_prompts_task(
-        cfg, model, dataset, flow_run_id=str(flow_run.id) if flow_run.id else None, deployment=this_deployment()
+        cfg,
+        model,
+        dataset,
+        flow_run_id=str(flow_run.id) if flow_run.id else None,
+        deployment=this_deployment(),
+        gate=gate,
     )
 
 

@@ -38,7 +38,9 @@ def prepare_summary(run: PreparedRun) -> str:
             f"| weights sha256 | `{m.weights_sha256}` |",
             f"| GGUF sha256 | `{m.gguf_sha256 or '-'}` |",
             f"| converted now | {'yes' if m.converted else 'no (cache hit or HF dir)'} |",
-            f"| tasks | {run.n_tasks} |",
+            f"| tasks | {run.n_tasks}"
+            + (f" ({run.n_left_out} task dirs left out: see `gate.json`)" if run.n_left_out else "")
+            + " |",
             f"| dataset sha256 | `{run.dataset_sha256}` |",
             f"| prompts | {splits} |",
         ]

@@ -20,7 +20,6 @@ from grpoflow.config import RUN_ID_PATTERN, RunConfig
 from grpoflow.errors import ConfigError, RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.paths import RunPaths
-from grpoflow.prepare.dataset import load_dataset
 from grpoflow.prepare.model import prepare_model
 from grpoflow.run.info import Provenance, read_run_info, update_run_info
 from grpoflow.run.rerun import (
@@ -29,12 +28,13 @@ from grpoflow.run.rerun import (
     verdict_line,
 )
 from grpoflow.run.resume import load_saved_config
+from grpoflow.run.start import load_run_dataset
 
 
 @task(name="provenance-now", cache_policy=NO_CACHE)
 def provenance_now_task(cfg: RunConfig) -> Provenance:
     """run.json's provenance as it would be now (model and dataset resolved again)."""
-    return Provenance.now(prepare_model(cfg.model.source), load_dataset(cfg.dataset.path))
+    return Provenance.now(prepare_model(cfg.model.source), load_run_dataset(cfg))
 
 
 def _rerun_id(run_id: str) -> str:

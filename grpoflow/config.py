@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -53,26 +54,38 @@ class ModelConfig(_Section):
 # A task name's family: the name without a trailing grade or number (`backup_logs_hard`, `backup-logs-2` ->
 # `backup_logs`, `backup-logs`); lazy, so every such suffix goes, not only the last.
 DEFAULT_FAMILY_PATTERN = r"(?P<family>.+?)(?:[_-](?:easy|medium|hard|\d+))+"
-# Split settings live under `prompts` (with eval_fraction); the issue that asked for them spelt `dataset.split_by`.
+# Split settings live under `prompts`, with eval_fraction; written under `dataset` they get a pointer there.
 _SPLIT_FIELDS = ("split_by", "family_key", "family_pattern", "instance_eval_fraction")
 
 
-class DatasetConfig(_Section):
-    path: str = Field(
-        "builtin",
-        min_length=1,
-        description="Directory of Harbor task directories (task.toml, instruction.md, tests/, solution/, "
-        "environment/), or `builtin` for grpoflow's own offline task set.",
-    )
+# `validate` is the name users write (`dataset.validate`); it shadows pydantic's deprecated `BaseModel.validate`
+# classmethod, which nothing here calls, so pydantic's warning about it is silenced for this class alone.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _split_fields_are_prompts(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in _SPLIT_FIELDS:
-                if name in data:
-                    raise ValueError(f"`dataset.{name}`: the split settings are under prompts: set prompts.{name}")
-        return data
+    class DatasetConfig(_Section):
+        path: str = Field(
+            "builtin",
+            min_length=1,
+            description="Directory of Harbor task directories (task.toml, instruction.md, tests/, solution/, "
+            "environment/), or `builtin` for grpoflow's own offline task set.",
+        )
+        validate: bool | None = Field(
+            None,
+            description="The dataset gate at prepare: every task runs Harbor's oracle (when it has solution/solve.sh) "
+            "and a no-op agent once, in the run's sandbox; a task whose oracle misses its full reward, or whose no-op "
+            "already passes, is left out of training and evaluation (gate.json says why). Results are cached by the "
+            "task's content and the sandbox kind. Empty: on for every dataset but the built-in one (which the tests check).",
+        )
+
+        @model_validator(mode="before")
+        @classmethod
+        def _split_fields_are_prompts(cls, data: Any) -> Any:
+            if isinstance(data, dict):
+                for name in _SPLIT_FIELDS:
+                    if name in data:
+                        raise ValueError(f"`dataset.{name}`: the split settings are under prompts: set prompts.{name}")
+            return data
 
 
 class PromptsConfig(_Section):

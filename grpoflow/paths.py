@@ -54,6 +54,10 @@ class RunPaths:
         return self.root / "tasks.json"
 
     @property
+    def gate(self) -> Path:  # the dataset gate's verdict per task dir (`grpoflow.scoring.gate`)
+        return self.root / "gate.json"
+
+    @property
     def regrades(self) -> Path:  # one line per regraded trial (`grpoflow.run.regrade`)
         return self.root / "regrades.jsonl"
 

@@ -1,7 +1,8 @@
 """Prefect tasks of the prepare stage: thin wrappers over grpoflow.prepare.model / dataset / prompts / prepare.
 
 Caching is our own, on purpose: the model conversion is cached on disk by the GGUF's sha256 (so a rerun with
-the same inputs never converts again, in or out of Prefect), and dataset validation is cheap enough to redo.
+the same inputs never converts again, in or out of Prefect), the dataset gate's verdicts by each task's content
+and the sandbox kind, and loading a dataset is cheap enough to redo.
 Prefect result caching is off: its result files are not our output format.
 """
 
@@ -12,10 +13,11 @@ from prefect.cache_policies import NO_CACHE
 
 from grpoflow.config import RunConfig
 from grpoflow.prepare.clis import ensure_cli
-from grpoflow.prepare.dataset import Dataset, load_dataset
+from grpoflow.prepare.dataset import Dataset
 from grpoflow.prepare.model import PreparedModel, prepare_model
 from grpoflow.run.info import DeploymentRef
-from grpoflow.run.start import PreparedRun, make_prompts, record_run
+from grpoflow.run.start import PreparedRun, gate_dataset, make_prompts, record_run
+from grpoflow.scoring.gate import GateReport
 
 
 @task(name="prepare-model", cache_policy=NO_CACHE)
@@ -24,8 +26,9 @@ def prepare_model_task(source: str) -> PreparedModel:
 
 
 @task(name="prepare-dataset", cache_policy=NO_CACHE)
-def prepare_dataset_task(path: str) -> Dataset:
-    return load_dataset(path)
+def prepare_dataset_task(cfg: RunConfig) -> tuple[Dataset, GateReport]:
+    """The dataset's admitted tasks, after the dataset gate (`dataset.validate`), and every task dir's verdict."""
+    return gate_dataset(cfg)
 
 
 @task(name="prepare-harness", cache_policy=NO_CACHE)
@@ -41,5 +44,8 @@ def prepare_prompts_task(
     dataset: Dataset,
     flow_run_id: str | None = None,
     deployment: DeploymentRef | None = None,
+    gate: GateReport | None = None,
 ) -> PreparedRun:
-    return record_run(cfg, model, dataset, make_prompts(cfg, dataset), flow_run_id=flow_run_id, deployment=deployment)
+    return record_run(
+        cfg, model, dataset, make_prompts(cfg, dataset), flow_run_id=flow_run_id, deployment=deployment, gate=gate
+    )

@@ -1,9 +1,13 @@
 """A dataset: a directory of Harbor task directories, validated up front.
 
-Each task dir holds `task.toml`, `instruction.md`, `tests/test.sh`, `solution/solve.sh` and `environment/`
-(Harbor 0.25's layout). `task.toml` is parsed with Harbor's own `TaskConfig`, and Harbor's `Task` must accept
-the dir too, so a task we load is a task Harbor will run. Problems surface here, before any rollout, as one
-`DatasetError` per problem with a one-line message naming the task dir.
+Each task dir holds `task.toml`, `instruction.md`, `tests/test.sh`, `environment/` and, optionally,
+`solution/solve.sh` (Harbor 0.25's layout; Harbor does not require a solution, and many public datasets ship
+none). `task.toml` is parsed with Harbor's own `TaskConfig`, and Harbor's `Task` must accept the dir too, so a
+task we load is a task Harbor will run. Problems surface here, before any rollout, as a one-line message naming
+the task dir: `load_task` raises it as a `DatasetError`; `load_dataset` leaves such a task out with its reason
+(`Dataset.left_out`), so one malformed task among thousands does not stop a run, and fails only when no task is
+left. For the local sandbox a task whose Dockerfile asks for more than that sandbox reproduces is left out the
+same way (`grpoflow.prepare.dockerfile`): it would run in the wrong environment.
 
 The built-in dataset ships in `grpoflow/data/tasks` (`load_dataset("builtin")`). Its tasks that need input
 files keep them in `environment/app/`; the sandbox copies that folder into `/app` before the agent starts.
@@ -23,6 +27,7 @@ from pydantic import ValidationError
 
 from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import sha256_tree
+from grpoflow.prepare.dockerfile import local_sandbox_problem, workdir_problem
 from grpoflow.prepare.task_files import check_task_times, check_task_tree
 
 BUILTIN = "builtin"
@@ -45,15 +50,27 @@ class TaskSpec:
     agent_timeout_sec: float | None  # [agent].timeout_sec; None means Harbor applies no limit
     verifier_timeout_sec: float  # [verifier].timeout_sec (Harbor's default 600 s when unset)
     metadata: dict[str, Any] = field(default_factory=dict)  # the whole [metadata] table
+    has_solution: bool = True  # solution/solve.sh exists: the oracle can prove the task solvable
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A task dir of the dataset that does not train or evaluate, and why (one line naming the dir)."""
+
+    name: str
+    path: Path
+    reason: str
 
 
 @dataclass(frozen=True)
 class Dataset:
-    """Validated tasks of one dataset directory, sorted by name, and a hash of all their files."""
+    """Validated tasks of one dataset directory, sorted by name, a hash of all its task dirs' files, and the task
+    dirs left out (malformed, or refused for the sandbox) with their reasons."""
 
     root: Path
     tasks: tuple[TaskSpec, ...]
     sha256: str
+    left_out: tuple[LeftOut, ...] = ()
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -70,12 +87,20 @@ def builtin_dataset_path() -> Path:
     return Path(__file__).resolve().parents[1] / "data" / "tasks"
 
 
-def load_dataset(path: str | Path, *, require_solution: bool = True) -> Dataset:
+def is_builtin(path: str | Path) -> bool:
+    """`path` names the built-in task set (the string "builtin" or its directory)."""
+    if isinstance(path, str) and path == BUILTIN:
+        return True
+    return Path(path).expanduser().resolve() == builtin_dataset_path()
+
+
+def load_dataset(path: str | Path, *, local_sandbox: bool = False) -> Dataset:
     """Load and validate every task dir under `path` (or the built-in set for the string "builtin").
 
-    Every non-hidden subdirectory of `path` must be a valid task dir; the first problem found raises
-    `DatasetError`. `require_solution` demands `solution/solve.sh` (the oracle), which the built-in set and
-    any dataset whose rewards we want to trust must have.
+    Every non-hidden subdirectory of `path` is a task dir. One that is malformed (or, with `local_sandbox`, whose
+    environment the local sandbox does not reproduce) is left out with its reason (`Dataset.left_out`); when none
+    is left, `DatasetError` says why in one line. A dataset-wide problem (no such dir, a task dir linked from
+    outside it, two tasks of one name) raises at once.
     """
     root = builtin_dataset_path() if isinstance(path, str) and path == BUILTIN else Path(path)
     root = root.expanduser().resolve()
@@ -88,13 +113,28 @@ def load_dataset(path: str | Path, *, require_solution: bool = True) -> Dataset:
             raise DatasetError(f"{p}: a symlink to {real}, outside the dataset directory (not read)")
     if not task_dirs:
         raise DatasetError(f"{root}: dataset directory holds no task directories")
-    tasks = tuple(load_task(d, require_solution=require_solution) for d in task_dirs)
+    tasks: list[TaskSpec] = []
+    left_out: list[LeftOut] = []
+    for d in task_dirs:
+        try:
+            tasks.append(load_task(d, local_sandbox=local_sandbox))
+        except DatasetError as err:
+            left_out.append(LeftOut(d.name, d.resolve(), str(err)))
     _check_unique_names(tasks)
-    return Dataset(root=root, tasks=tasks, sha256=_dataset_sha256(tasks))
+    if not tasks:
+        if len(left_out) == 1:  # the task's own line names the dir and the problem
+            raise DatasetError(left_out[0].reason)
+        raise DatasetError(
+            one_line(
+                f"{root}: no usable task: all {len(left_out)} task dirs left out, first {left_out[0].reason}", None
+            )
+        )
+    return Dataset(root=root, tasks=tuple(tasks), sha256=_dataset_sha256(tasks, left_out), left_out=tuple(left_out))
 
 
-def load_task(task_dir: Path, *, require_solution: bool = True) -> TaskSpec:
-    """Validate one task dir and describe it; raises `DatasetError` naming the dir and the problem."""
+def load_task(task_dir: Path, *, local_sandbox: bool = False) -> TaskSpec:
+    """Validate one task dir and describe it; raises `DatasetError` naming the dir and the problem. With
+    `local_sandbox`, a task whose Dockerfile or workdir the local sandbox does not reproduce is refused too."""
     task_dir = Path(task_dir).resolve()
     if task_dir.is_dir() and (problem := check_task_tree(task_dir)):  # before any of its files is read
         _fail(task_dir, problem)
@@ -106,10 +146,10 @@ def load_task(task_dir: Path, *, require_solution: bool = True) -> TaskSpec:
     instruction = _load_instruction(task_dir)
     if not (task_dir / "tests" / "test.sh").is_file():
         _fail(task_dir, "missing tests/test.sh (the verifier)")
-    if require_solution and not (task_dir / "solution" / "solve.sh").is_file():
-        _fail(task_dir, "missing solution/solve.sh (the oracle solution)")
     if not (task_dir / "environment").is_dir():
         _fail(task_dir, "missing environment/ directory")
+    if local_sandbox and (problem := workdir_problem(config.environment.workdir) or local_sandbox_problem(task_dir)):
+        _fail(task_dir, problem)
     try:
         # Harbor's own checks on top of ours (e.g. inputs that symlink out of the task dir), so a task we
         # accept is one that Trial will accept.
@@ -126,6 +166,7 @@ def load_task(task_dir: Path, *, require_solution: bool = True) -> TaskSpec:
         agent_timeout_sec=config.agent.timeout_sec,
         verifier_timeout_sec=config.verifier.timeout_sec,
         metadata=metadata,
+        has_solution=(task_dir / "solution" / "solve.sh").is_file(),
     )
 
 
@@ -185,12 +226,15 @@ def _check_unique_names(tasks: tuple[TaskSpec, ...]) -> None:
         seen[key] = task
 
 
-def _dataset_sha256(tasks: tuple[TaskSpec, ...]) -> str:
-    # Per task: its name and the hash of every file in it (paths, exec bits, bytes). Files beside the task
-    # dirs (a README at the root, hidden dirs) are not part of the dataset and do not change the hash.
+def _dataset_sha256(tasks: list[TaskSpec], left_out: list[LeftOut]) -> str:
+    # Per task: its name and the hash of every file in it (paths, exec bits, bytes). Per left-out task dir its
+    # name and reason, not its files: they may lead outside the dir, and are never read (fixing the task changes
+    # its reason, or admits it). Files beside the task dirs (a README at the root, hidden dirs) are not part of
+    # the dataset and do not change the hash.
+    lines = [f"{t.name}\0{sha256_tree(t.path)}\n" for t in tasks] + [f"{x.name}\0!{x.reason}\n" for x in left_out]
     h = hashlib.sha256()
-    for task in tasks:
-        h.update(f"{task.name}\0{sha256_tree(task.path)}\n".encode())
+    for line in sorted(lines) if left_out else lines:  # as before when nothing is left out
+        h.update(line.encode())
     return h.hexdigest()
 
 

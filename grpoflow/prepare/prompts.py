@@ -130,7 +130,7 @@ def _parse_line(raw: dict[str, Any], base: Path, where: str) -> PromptRecord:
         raise DatasetError(f"{where}: field `task_path` is required (a Harbor task directory)")
     resolved = (base / task_path).resolve()
     try:
-        task = load_task(resolved, require_solution=False)
+        task = load_task(resolved)
     except DatasetError as err:  # its message names the task dir; say which line pointed there
         raise DatasetError(f"{where}: field `task_path`: {err}") from None
     raw = {**raw, "task_path": str(resolved)}

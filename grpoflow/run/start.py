@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.config import RunConfig
-from grpoflow.errors import ModelError, RunDirError
+from grpoflow.errors import DatasetError, ModelError, RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.paths import RunPaths, create_run_dir
-from grpoflow.prepare.dataset import Dataset, load_dataset
-from grpoflow.prepare.model import PreparedModel, prepare_model
+from grpoflow.prepare.dataset import Dataset, is_builtin, load_dataset
+from grpoflow.prepare.model import PreparedModel, default_cache_dir, prepare_model
 from grpoflow.prepare.prompts import (
     PromptRecord,
     build_prompts,
@@ -23,6 +23,7 @@ from grpoflow.prepare.prompts import (
 )
 from grpoflow.prepare.split import FamilyRule
 from grpoflow.run.info import DeploymentRef, Provenance, RunInfo, SplitInfo, parent_of, read_run_info, write_run_info
+from grpoflow.scoring.gate import GateReport, admitted_dataset, run_gate, ungated_report
 from grpoflow.tokens import TemplateError, check_chat_template, load_tokenizer
 
 
@@ -33,11 +34,45 @@ class PreparedRun:
     dataset_sha256: str
     n_tasks: int
     n_prompts: dict[str, int]  # by split
+    n_left_out: int = 0  # task dirs of the dataset left out (malformed, refused, or by the gate): gate.json
+
+
+def gate_wanted(cfg: RunConfig) -> bool:
+    """`dataset.validate` as set; unset: on for every dataset but the built-in one, whose tasks the test suite
+    proves (so the main job's wall time does not grow)."""
+    return cfg.dataset.validate if cfg.dataset.validate is not None else not is_builtin(cfg.dataset.path)
+
+
+def load_run_dataset(cfg: RunConfig) -> Dataset:
+    """The dataset as the run's sandbox sees it: for the local sandbox, tasks whose environment it does not
+    reproduce are left out (`grpoflow.prepare.dockerfile`)."""
+    return load_dataset(cfg.dataset.path, local_sandbox=cfg.rollout.sandbox == "local")
+
+
+def gate_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> tuple[Dataset, GateReport]:
+    """Load the dataset and run the dataset gate on it (`grpoflow.scoring.gate`; unless `gate_wanted` says no):
+    the admitted tasks, and every task dir's verdict. Prints the gate's table (one line per task left out); a
+    dataset with nothing left raises `DatasetError` in one line, after the table."""
+    dataset = load_run_dataset(cfg)
+    if gate_wanted(cfg):
+        report = run_gate(dataset, cfg.rollout, Path(cache_dir or default_cache_dir()))
+    else:
+        report = ungated_report(dataset, cfg.rollout.sandbox)
+    if report.gated or report.left_out:
+        for line in report.lines():
+            print(f"grpoflow: {line}", flush=True)
+    return admitted_dataset(dataset, report), report
 
 
 def make_prompts(cfg: RunConfig, dataset: Dataset) -> list[PromptRecord]:
     if cfg.prompts.path:
-        return load_prompts(Path(cfg.prompts.path))
+        records = load_prompts(Path(cfg.prompts.path))
+        # A prompts file may name tasks the dataset left out (refused, or by the gate): they never train.
+        out = {str(x.path) for x in dataset.left_out}
+        kept = [p for p in records if str(Path(p.task_path).resolve()) not in out]
+        if not kept:
+            raise DatasetError(f"{cfg.prompts.path}: every prompt names a task the dataset left out (see gate.json)")
+        return kept
     p = cfg.prompts
     return build_prompts(
         dataset,
@@ -58,9 +93,11 @@ def record_run(
     prompts: list[PromptRecord],
     flow_run_id: str | None = None,
     deployment: DeploymentRef | None = None,
+    gate: GateReport | None = None,
 ) -> PreparedRun:
     """Create runs/<run_id>/ and write config.json, run.json (provenance; the flow run and the deployment that
-    started it; the split: which tasks and families on which side) and prompts.jsonl."""
+    started it; the split: which tasks and families on which side), prompts.jsonl and, with `gate`, gate.json
+    (the dataset gate's verdict per task dir)."""
     if cfg.rollout.harness == "shell":  # it extends the chat token by token; the session server can re-tokenise
         try:
             check_chat_template(load_tokenizer(model.path))
@@ -82,16 +119,18 @@ def record_run(
         ),
     )
     write_prompts(paths.prompts, prompts)
+    if gate is not None:
+        write_json_atomic(paths.gate, gate.to_json())
     splits: dict[str, int] = {}
     for p in prompts:
         splits[p.split] = splits.get(p.split, 0) + 1
-    return PreparedRun(paths, model, dataset.sha256, len(dataset.tasks), splits)
+    return PreparedRun(paths, model, dataset.sha256, len(dataset.tasks), splits, len(dataset.left_out))
 
 
 def prepare_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
-    dataset = load_dataset(cfg.dataset.path)  # first: cheap, and a bad task set needs no model converted
+    dataset, gate = gate_dataset(cfg, cache_dir)  # first: a bad task set needs no model converted
     model = prepare_model(cfg.model.source, cache_dir)
-    return record_run(cfg, model, dataset, make_prompts(cfg, dataset))
+    return record_run(cfg, model, dataset, make_prompts(cfg, dataset), gate=gate)
 
 
 def reopen_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
@@ -100,7 +139,7 @@ def reopen_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
     paths = RunPaths(cfg.run_dir)
     info = read_run_info(paths)
     model = prepare_model(cfg.model.source, cache_dir)
-    dataset = load_dataset(cfg.dataset.path)
+    dataset = load_run_dataset(cfg)  # not gated again: prompts.jsonl already holds only the admitted tasks
     then_model, then_data = info.model.weights_sha256, info.dataset.sha256
     if then_model != model.weights_sha256:
         raise RunDirError(

@@ -183,9 +183,12 @@ def test_task_fields_come_from_task_toml(dataset_dir: Path) -> None:
     assert isinstance(ds, Dataset) and ds.root == dataset_dir.resolve()
 
 
-def test_solution_is_optional_when_not_required(dataset_dir: Path) -> None:
+def test_solution_is_optional(dataset_dir: Path) -> None:
+    # Harbor does not require one, and public datasets often ship none: the task loads, marked as such.
     (dataset_dir / "alpha" / "solution" / "solve.sh").unlink()
-    assert len(load_dataset(dataset_dir, require_solution=False).tasks) == 2
+    ds = load_dataset(dataset_dir)
+    assert [(t.name, t.has_solution) for t in ds.tasks] == [("alpha", False), ("beta", True)]
+    assert ds.left_out == ()
 
 
 def test_hidden_dirs_are_not_tasks(dataset_dir: Path) -> None:
@@ -234,24 +237,43 @@ BAD_TASKS = [
     ("instruction-too-long", _write("instruction.md", "a" * (MAX_INSTRUCTION_BYTES + 1)), "over the 65536-byte"),
     ("missing-test", _rm("tests/test.sh"), "missing tests/test.sh"),
     ("missing-tests-dir", _rm("tests"), "missing tests/test.sh"),
-    ("missing-solution", _rm("solution/solve.sh"), "missing solution/solve.sh"),
     ("missing-environment", _rm("environment"), "missing environment/"),
     ("input-escapes-task", _escaping_symlink, "tests/data is a symlink to /etc, outside the task directory"),
 ]
 
 
 @pytest.mark.parametrize(("break_task", "expected"), [c[1:] for c in BAD_TASKS], ids=[c[0] for c in BAD_TASKS])
-def test_bad_task_raises_one_line_naming_the_task(
+def test_bad_task_is_left_out_with_one_line_naming_the_task(
     dataset_dir: Path, break_task: Callable[[Path], None], expected: str
 ) -> None:
     task = dataset_dir / "beta"
     break_task(task)
+    ds = load_dataset(dataset_dir)  # one bad task does not stop the dataset
+    assert [t.name for t in ds.tasks] == ["alpha"]
+    [out] = ds.left_out
+    assert (out.name, out.path) == ("beta", task.resolve())
+    assert str(task.resolve()) in out.reason and expected in out.reason and "\n" not in out.reason
+    # with nothing else left, the same line is the dataset's error
+    shutil.rmtree(dataset_dir / "alpha")
+    with pytest.raises(DatasetError) as info:
+        load_dataset(dataset_dir)
+    assert str(info.value) == out.reason
+
+
+def test_a_dataset_with_every_task_left_out_fails_in_one_line(dataset_dir: Path) -> None:
+    for name in ("alpha", "beta"):
+        (dataset_dir / name / "instruction.md").unlink()
     with pytest.raises(DatasetError) as info:
         load_dataset(dataset_dir)
     message = str(info.value)
-    assert str(task.resolve()) in message
-    assert expected in message
-    assert "\n" not in message
+    assert "\n" not in message and "all 2 task dirs left out" in message and "missing instruction.md" in message
+    assert str(dataset_dir.resolve()) in message
+
+
+def test_a_left_out_task_changes_the_hash_by_its_reason(dataset_dir: Path) -> None:
+    before = load_dataset(dataset_dir).sha256
+    (dataset_dir / "beta" / "instruction.md").unlink()
+    assert load_dataset(dataset_dir).sha256 != before
 
 
 def test_instruction_at_the_size_limit_is_accepted(dataset_dir: Path) -> None:
@@ -261,9 +283,8 @@ def test_instruction_at_the_size_limit_is_accepted(dataset_dir: Path) -> None:
 
 def test_schema_errors_are_all_quoted(dataset_dir: Path) -> None:
     _multi_line_toml_error(dataset_dir / "alpha")
-    with pytest.raises(DatasetError) as info:
-        load_dataset(dataset_dir)
-    problems = str(info.value).split("Harbor's task config: ", 1)[1].split("; ")
+    [out] = load_dataset(dataset_dir).left_out
+    problems = out.reason.split("Harbor's task config: ", 1)[1].split("; ")
     assert sorted(p.split(":")[0] for p in problems) == ["agent.timeout_sec", "verifier.timeout_sec"]
 
 
@@ -287,3 +308,57 @@ def test_empty_dataset_dir_is_rejected(tmp_path: Path) -> None:
 def test_missing_dataset_dir_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="does not exist"):
         load_dataset(tmp_path / "nowhere")
+
+
+# ---------------------------------------------------------------- what the local sandbox reproduces
+
+LOCAL_OK = [
+    "FROM debian:bookworm-slim\nWORKDIR /app\n",
+    "# syntax=docker/dockerfile:1\nFROM ubuntu:24.04 AS base\n\n# inputs\nWORKDIR /app/\nCOPY app/ /app/\n",
+    "FROM debian\nWORKDIR /app\nCOPY ./app .\n",
+    "FROM debian\n",
+]
+LOCAL_REFUSED = [
+    # Dockerfile, line, words of the one-line reason
+    ("FROM ubuntu:24.04\nWORKDIR /app\nRUN apt-get update && \\\n    apt-get install -y curl\n", 3, "RUN apt-get"),
+    ("FROM ubuntu\nENV PIP_CERT=/x\n", 2, "`ENV PIP_CERT=/x`"),
+    ("FROM ubuntu\nWORKDIR /workspace\n", 2, "working directory is /app"),
+    ("FROM ubuntu\nWORKDIR /app\nCOPY data.csv /app/\n", 3, "copies only environment/app/"),
+    ("FROM ubuntu\nWORKDIR /app\nCOPY app/ /workspace/\n", 3, "copies only environment/app/"),
+    ("FROM ubuntu\nCOPY app/ .\n", 2, "copies only environment/app/"),  # `.` is / without a WORKDIR
+    ("FROM ubuntu\nWORKDIR /app\nCOPY --chown=1000 app/ /app/\n", 3, "COPY --chown"),
+    ("FROM ubuntu AS build\nFROM debian\n", 2, "a second build stage"),
+    ("FROM ubuntu\nADD app.tar /app/\n", 2, "builds no image"),
+    ("ARG BASE=ubuntu\nFROM $BASE\n", 1, "`ARG BASE=ubuntu`"),
+]
+
+
+@pytest.mark.parametrize("dockerfile", LOCAL_OK)
+def test_a_dockerfile_the_local_sandbox_reproduces_is_accepted(dataset_dir: Path, dockerfile: str) -> None:
+    (dataset_dir / "beta" / "environment" / "Dockerfile").write_text(dockerfile)
+    assert [t.name for t in load_dataset(dataset_dir, local_sandbox=True).tasks] == ["alpha", "beta"]
+
+
+@pytest.mark.parametrize(("dockerfile", "line", "words"), LOCAL_REFUSED)
+def test_a_dockerfile_beyond_the_local_sandbox_is_refused_naming_file_and_line(
+    dataset_dir: Path, dockerfile: str, line: int, words: str
+) -> None:
+    (dataset_dir / "beta" / "environment" / "Dockerfile").write_text(dockerfile)
+    ds = load_dataset(dataset_dir, local_sandbox=True)
+    [out] = ds.left_out
+    assert [t.name for t in ds.tasks] == ["alpha"] and out.name == "beta"
+    assert f"environment/Dockerfile:{line}: " in out.reason and words in out.reason and "\n" not in out.reason
+    assert str((dataset_dir / "beta").resolve()) in out.reason
+    # other sandboxes build the image themselves: nothing to refuse there
+    assert len(load_dataset(dataset_dir).tasks) == 2
+
+
+def test_a_workdir_other_than_the_local_sandboxes_is_refused(dataset_dir: Path) -> None:
+    with (dataset_dir / "beta" / "task.toml").open("a") as f:
+        f.write('\n[environment]\nworkdir = "/workspace"\n')
+    [out] = load_dataset(dataset_dir, local_sandbox=True).left_out
+    assert "[environment].workdir = '/workspace'" in out.reason
+
+
+def test_the_builtin_tasks_pass_the_local_sandbox_check() -> None:
+    assert load_dataset("builtin", local_sandbox=True) == BUILTIN

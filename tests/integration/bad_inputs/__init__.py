@@ -5,14 +5,15 @@ Through `prepare_run` (dataset -> model -> prompts -> run dir), every failure be
 
 | input | what the system does |
 |---|---|
-| **task dirs** (`test_task_dirs.py`) | |
+| **task dirs** (`test_task_dirs.py`) | a broken task beside good ones is left out with the line below as its reason (gate.json, the CLI); alone (nothing left), the line is prepare's `DatasetError` |
 | task.toml with a TOML syntax error | `DatasetError`: `<task>: task.toml is not valid TOML: ...` |
 | task.toml with a wrong type (`verifier.timeout_sec = "soon"`) | `DatasetError` naming `verifier.timeout_sec` |
 | task.toml `[metadata].category` not a string | `DatasetError` naming `[metadata].category` |
 | task.toml with an unknown section | accepted, as Harbor's `TaskConfig` accepts it (forward compatible) |
 | instruction.md missing / empty / not UTF-8 / over 64 KiB | `DatasetError` naming the task dir and instruction.md |
 | tests/test.sh missing | `DatasetError`: `missing tests/test.sh (the verifier)` |
-| solution/ missing (built-in validation requires the oracle) | `DatasetError`: `missing solution/solve.sh` |
+| solution/ missing | accepted (Harbor does not require one): the task is `unverified` in gate.json |
+| environment/Dockerfile beyond `FROM`/`WORKDIR /app`/`COPY app/ /app/` with the local sandbox (`test_dataset_gate.py`) | refused: `<task>: environment/Dockerfile:<n>: <the instruction>: the local sandbox builds no image ...` |
 | environment/ missing | `DatasetError`: `missing environment/ directory` |
 | dataset dir with no task dirs (only hidden ones) | `DatasetError`: `holds no task directories` |
 | two task dirs whose names collide case-folded | `DatasetError`: `duplicate task name ...` |

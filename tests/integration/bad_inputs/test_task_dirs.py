@@ -3,6 +3,7 @@ file at fault), raised before the run dir exists."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -89,7 +90,6 @@ CASES = [
         ["instruction.md", "65536-byte limit"],
     ),
     ("tests-test-sh-missing", lambda t: _rm(t, "tests/test.sh"), ["tests/test.sh"]),
-    ("solution-missing", lambda t: _rm(t, "solution"), ["solution/solve.sh"]),
     ("environment-missing", lambda t: _rm(t, "environment"), ["environment/"]),
     # a dataset is third-party input: nothing in a task dir may make grpoflow read a host file outside it
     ("instruction-symlink-out", _link_out("instruction.md"), ["instruction.md is a symlink", "outside the task"]),
@@ -110,7 +110,9 @@ CASES = [
 
 @pytest.mark.parametrize(("breaker", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_broken_task_fails_prepare_with_one_line_and_no_run_dir(dataset, prepare, breaker, words):
+    # The broken task alone: beside a good one it would only be left out (next test).
     call, runs = prepare
+    _rm(dataset, "hello-file")
     task = dataset / "make-dir"
     breaker(task)
     with pytest.raises(DatasetError) as info:
@@ -119,8 +121,28 @@ def test_broken_task_fails_prepare_with_one_line_and_no_run_dir(dataset, prepare
     assert_nothing_written(runs)
 
 
+def test_a_broken_task_beside_a_good_one_is_left_out_with_its_reason(dataset, prepare):
+    call, runs = prepare
+    _rm(dataset / "make-dir", "tests/test.sh")
+    run = call(dataset={"path": str(dataset), "validate": False})  # not gated: no trial, the refusal alone
+    gate = json.loads(run.paths.gate.read_text())
+    [out] = [t for t in gate["tasks"] if not t["admitted"]]
+    assert (out["name"], out["verdict"]) == ("make-dir", "refused")
+    assert_one_line(out["reason"], (dataset / "make-dir").resolve(), "tests/test.sh")
+    assert [json.loads(line)["instance_id"] for line in run.paths.prompts.read_text().splitlines()] == ["hello-file"]
+
+
+def test_a_task_without_a_solution_is_kept(dataset, prepare):
+    call, runs = prepare
+    _rm(dataset / "make-dir", "solution")
+    run = call(dataset={"path": str(dataset), "validate": False})
+    verdicts = {t["name"]: t["verdict"] for t in json.loads(run.paths.gate.read_text())["tasks"]}
+    assert verdicts == {"hello-file": "ungated", "make-dir": "unverified"}  # gate off: nothing ran
+
+
 def test_nothing_outside_a_task_dir_reaches_an_error_or_an_artifact(tmp_path, dataset, prepare):
     call, runs = prepare
+    _rm(dataset, "hello-file")
     _link_out("instruction.md")(dataset / "make-dir")
     with pytest.raises(DatasetError) as info:
         call(dataset={"path": str(dataset)})
@@ -154,6 +176,7 @@ def test_timeouts_within_a_day_are_accepted(dataset):
 
 def test_a_bad_dataset_is_said_before_the_model_is_touched(tmp_path, dataset, prepare):
     call, runs = prepare
+    _rm(dataset, "hello-file")
     _rm(dataset / "make-dir", "instruction.md")
     corrupt = tmp_path / "policy.gguf"
     corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 8)  # converting it would fail (and cost)

@@ -25,7 +25,7 @@ def test_prepare_flow_records_the_run_and_a_summary_artifact(tiny_model_dir, tmp
     cfg = parse_run_config({"run_id": "flow-1", "output_dir": str(tmp_path), "model": {"source": str(tiny_model_dir)}})
     run = prepare_flow(cfg)
     root = tmp_path / "flow-1"
-    assert {p.name for p in root.iterdir()} == {"config.json", "run.json", "prompts.jsonl"}
+    assert {p.name for p in root.iterdir()} == {"config.json", "run.json", "prompts.jsonl", "gate.json"}
     info = json.loads((root / "run.json").read_text())
     [fr] = _flow_run("prepare-flow-1")
     assert info["flow_run_id"] == str(fr.id) and fr.state.is_completed()

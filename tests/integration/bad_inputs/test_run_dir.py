@@ -44,7 +44,8 @@ def test_existing_run_dir_is_refused_and_left_byte_for_byte(prepare, dataset):
 def test_bad_input_with_an_existing_run_dir_still_leaves_it_alone(prepare, dataset):
     call, runs = prepare
     old, before = _existing_run(runs)
-    (dataset / "make-dir" / "instruction.md").unlink()
+    for instruction in dataset.glob("*/instruction.md"):  # every task malformed: a dataset with nothing left
+        instruction.unlink()
     with pytest.raises(DatasetError):
         call(dataset={"path": str(dataset)})
     assert _snapshot(old) == before

@@ -35,14 +35,18 @@ pytestmark = [
 ]
 
 
+TRIALS_PER_PROMPT = 12
+
+
 def _run(tmp_path, sglang, run_id: str, url: str, mode: str, steps: int = 2) -> list[dict]:
     policy = fence_policy(sglang.model_dir, tmp_path / "policy")
     sglang.client.update_weights_from_disk(str(policy), weight_version="policy")
     cfg = run_config(tmp_path / "runs", policy, reward_tasks(tmp_path / "tasks"), run_id, steps=steps)
     cfg["engine"] = {"backend": "sglang", "url": url, "weight_sync": mode}
-    # SGLang on the CPU ignores sampling seeds, so the rewards are a draw: 4 turns per trial (each solves with
-    # p ~ 1/8) make a step with no reward spread, and so no update, rare (p ~ 1e-4 for the 2 steps together).
-    cfg["rollout"]["max_turns"] = 4
+    # SGLang on the CPU ignores sampling seeds, so the rewards are a draw: a trial solves with p ~ 1/8 (its first
+    # reply either runs a command or ends the episode), and 12 trials a prompt make two steps without any reward,
+    # and so without an update, rare (p ~ 0.002).
+    cfg["rollout"]["n_samples_per_prompt"] = TRIALS_PER_PROMPT
     train_flow(parse_run_config(cfg))
     return read_metrics(tmp_path / "runs" / run_id / "metrics.jsonl")
 
@@ -53,7 +57,7 @@ def test_two_steps_sync_and_probe_the_served_weights(sglang, mode, tmp_path, res
     assert [r["step"] for r in rows] == [0, 1] and [r["weight_version"] for r in rows] == ["1", "2"]
     assert sum(r["train/optimizer_steps"] for r in rows) >= 1  # the weights moved: the probes had work to do
     for r in rows:  # every step's sync reached SGLang and the probe found the trainer's weights there
-        assert r["sync/bytes"] > 0 and 0 <= r["sync/probe_gap"] < 0.1 and r["rollout/scored"] == 8
+        assert r["sync/bytes"] > 0 and 0 <= r["sync/probe_gap"] < 0.1 and r["rollout/scored"] == 2 * TRIALS_PER_PROMPT
     assert sglang.client.model_info().weight_version == "2"
     details = tmp_path / "runs" / f"sglang-{mode}" / "details" / "step_1" / "samples.jsonl"
     assert {json.loads(x)["weight_version"] for x in details.open()} == {"1"}  # generated after step 0's sync
@@ -89,6 +93,6 @@ def test_a_server_killed_behind_the_router_is_left_out_and_the_run_goes_on(
         killer.join(5)
     assert killed
     assert [r["step"] for r in rows] == [0, 1]
-    assert all(r["rollout/scored"] == 8 for r in rows)  # no trial failed for the lost server
+    assert all(r["rollout/scored"] == 2 * TRIALS_PER_PROMPT for r in rows)  # no trial failed for the lost server
     assert rows[0]["sync/replicas"] == 2
     assert rows[-1]["sync/replicas"] == 1 and rows[-1]["sync/replicas_lost"] == 1

@@ -7,7 +7,9 @@ trials and evaluation trials together: every trial a verifier graded), flagged
 - `flaky verifier` when Harbor's regrade of a stored trial (`grpoflow.run.regrade`, `report.regrade_per_task`)
   gave another reward than the run recorded;
 - its infrastructure errors (trials that ended without a verdict because the sandbox or the verifier failed, by
-  sandbox provider), the hot spots of a flaky provider.
+  sandbox provider), the hot spots of a flaky provider;
+- `left out by the gate` when the dataset gate of the latest run that saw it left it out of training (its
+  `gate.json`: the oracle missed, the no-op passed, or the task was refused), with that verdict.
 Runs are read from their dirs: `run.json`, and the small `tasks.json` a train run writes when it ends (else its
 `details/*/samples.jsonl`, counted, and its `regrades.jsonl`); a dir that is not a run, or a run still without
 samples, is left out.
@@ -42,6 +44,7 @@ class TaskRun:
     regraded: int = 0  # stored trials Harbor's regrade gave a reward
     regrade_differs: int = 0  # of those, how many got another reward than the run recorded
     regrade_failed: int = 0  # regrades that gave no reward (unreadable record, changed task, sandbox, verifier)
+    left_out: str | None = None  # the dataset gate's verdict when it left the task out of this run (gate.json)
 
     @property
     def pass_rate(self) -> float | None:
@@ -68,7 +71,9 @@ class TaskHealth:
         graded = sum(r.graded for r in self.runs)
         passed = sum(r.passed for r in self.runs)
         flags = []
-        if graded == 0:
+        if self.runs and self.runs[-1].left_out:  # the latest run's gate: what the next run will do with it
+            flags.append(f"left out by the gate: {self.runs[-1].left_out}")
+        elif graded == 0:
             flags.append("never graded")
         elif passed == 0:
             flags.append("always 0")
@@ -124,7 +129,20 @@ def run_tasks(root: Path, recount: bool = False) -> tuple[str, dict[str, TaskRun
         tr.regraded += r.regraded is not None
         tr.regrade_differs += r.differs
         tr.regrade_failed += r.regraded is None
+    for name, verdict in _left_out(paths).items():
+        seen.setdefault(name, TaskRun(root.name)).left_out = verdict
     return _provider(root), seen
+
+
+def _left_out(paths: RunPaths) -> dict[str, str]:
+    """The tasks the run's dataset gate left out, with their verdicts (none for a run without gate.json)."""
+    if not paths.gate.is_file():
+        return {}
+    try:
+        tasks = json.loads(paths.gate.read_text(encoding="utf-8"))["tasks"]
+        return {t["name"]: t["verdict"] for t in tasks if not t["admitted"]}
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{paths.gate}: not a gate report ({one_line(err, 120)})") from err
 
 
 def write_run_tasks(root: Path) -> Path:
@@ -191,5 +209,7 @@ def health_markdown(run_ids: list[str], tasks: list[TaskHealth], unreadable: lis
 def _rate(tr: TaskRun | None) -> str:
     if tr is None:
         return "-"
+    if tr.left_out:
+        return f"left out ({tr.left_out})"
     rate = tr.pass_rate
     return f"{rate:.2f} ({tr.graded})" if rate is not None else f"no verdict ({tr.infra_errors})"

@@ -13,6 +13,7 @@ from flows.cli import main
 from grpoflow.config import parse_run_config
 from grpoflow.errors import DatasetError
 from grpoflow.prepare.dataset import builtin_dataset_path, load_dataset
+from grpoflow.run.health import health_markdown, task_health
 from grpoflow.run.start import prepare_run
 from grpoflow.scoring.gate import run_gate
 from tests.integration.bad_inputs.conftest import assert_one_line
@@ -207,3 +208,18 @@ def test_the_prepare_flow_never_trains_an_oracle_failing_task(tmp_path, tiny_mod
     assert '"good"' in prompts and "oracle-fails" not in prompts and "nop-passes" not in prompts
     assert json.loads((root / "gate.json").read_text())["left_out"] == 3
     assert "gate.json" in capfd.readouterr().out  # the CLI lists it among the run's artifacts
+
+
+def test_task_health_names_what_the_gate_left_out(tmp_path, tiny_model_dir, mixed):
+    """The morning report lists a task the gate left out, with the verdict, though no trial of it ever ran."""
+    run = prepare_run(_cfg(tmp_path, tiny_model_dir, mixed, "gate-health"), cache_dir=tmp_path / "cache")
+    run_ids, tasks = task_health(run.paths.root.parent)
+    health = {t.task: t for t in tasks}
+    assert run_ids == ["gate-health"]
+    assert health["oracle-fails"].flag == "left out by the gate: oracle-fails"
+    assert health["nop-passes"].flag == "left out by the gate: nop-passes"
+    assert health["needs-apt"].flag == "left out by the gate: refused"
+    assert "good" not in health  # admitted, and none of its trials has run yet
+    assert "| oracle-fails | left out (oracle-fails) | left out by the gate: oracle-fails |" in health_markdown(
+        run_ids, tasks
+    )

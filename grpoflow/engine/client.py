@@ -15,6 +15,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -96,10 +97,17 @@ class EngineClient:
         return _checked_generate(self._call("POST", "/generate", body, GenerateResponse))
 
     async def agenerate(
-        self, input_ids: list[int], sampling_params: SamplingParams | None = None, *, return_logprob: bool = True
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        return_logprob: bool = True,
+        on_fault: Callable[[str], None] | None = None,
     ) -> GenerateResponse:
+        """`on_fault`: told what each failed try got, while the request waits an outage out (a client shared by
+        many callers cannot say whose request `outage` is)."""
         body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
-        return _checked_generate(await self._acall("POST", "/generate", body, GenerateResponse))
+        return _checked_generate(await self._acall("POST", "/generate", body, GenerateResponse, on_fault))
 
     def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
@@ -274,7 +282,14 @@ class EngineClient:
             time.sleep(self._delay(attempt))
             attempt += 1
 
-    async def _acall(self, method: str, path: str, body: dict | None, model: type[M] | type[dict]) -> M:
+    async def _acall(
+        self,
+        method: str,
+        path: str,
+        body: dict | None,
+        model: type[M] | type[dict],
+        on_fault: Callable[[str], None] | None = None,
+    ) -> M:
         url = self.base_url + path
         last: BaseException | None = None
         start, attempt = time.monotonic(), 0
@@ -287,6 +302,8 @@ class EngineClient:
             except (_Retryable, httpx.TransportError) as e:
                 last = e
                 self.outage = f"{method} {url}: {_describe(e)}"
+                if on_fault is not None:
+                    on_fault(self.outage)
             if not self._again(attempt, self.retries, start):
                 raise EngineUnavailableError(f"{method} {url} failed after {attempt + 1} attempts: {_describe(last)}")
             await asyncio.sleep(self._delay(attempt))

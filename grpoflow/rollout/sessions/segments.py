@@ -97,6 +97,15 @@ def segment_samples(trial: Sample, tree: SessionTree) -> list[Sample]:
     common: dict[str, Any] = {"metrics": {**trial.metrics, **stats, "segments": float(len(segs))}}
     if stats["engine_failures"] and trial.status == "FAILED":  # the harness died of the engine's outage
         common.update(exit_status="EngineError", exit_reason=f"the engine did not answer; {trial.exit_reason}")
+    elif tree.engine_outage is not None and trial.exit_status == "TimeLimitExceeded":
+        # The harness's time ran out while its request waited the engine out: Harbor verified an episode the
+        # policy never got to finish, and that reward must not train.
+        common.update(
+            status="FAILED",
+            exit_status="EngineError",
+            reward=None,
+            exit_reason=f"the agent's time ran out while the engine did not answer ({tree.engine_outage})",
+        )
     elif stats["truncated_turns"] and trial.status == "COMPLETED":
         common.update(
             status="TRUNCATED",

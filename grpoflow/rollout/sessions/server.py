@@ -378,10 +378,13 @@ def create_app(settings: SessionSettings, store: SessionStore, secret: bytes) ->
         params.stop_token_ids = sorted({*(params.stop_token_ids or []), *stop})  # the turn end too
         t0 = time.perf_counter()
         try:
-            resp = await engine.agenerate(prompt_ids, params, return_logprob=True)
+            resp = await engine.agenerate(
+                prompt_ids, params, return_logprob=True, on_fault=lambda why: setattr(tree, "engine_outage", why)
+            )
         except EngineUnavailableError:
             tree.engine_failures += 1  # the trial then fails for the engine, not for the policy
             raise
+        tree.engine_outage = None
         gen_s = time.perf_counter() - t0
         out_ids, logprobs = list(resp.output_ids), resp.logprobs
         if len(logprobs) != len(out_ids):

@@ -116,6 +116,9 @@ class SessionTree:
         self._states: dict[tuple, int] = {}
         self._continued: set[int] = set()  # turns a later request continued (their reply was used)
         self.engine_failures = 0  # requests the engine did not answer within its outage budget
+        # What the engine's last failed try got while a request still waits an outage out (None once it answers):
+        # set when the session ends, the harness was cut off by the outage (`segment_samples`).
+        self.engine_outage: str | None = None
         self.refused = 0  # requests refused because they extended a closed (truncated) path
         self.extend_failures = 0  # requests that continued a turn the template could not extend token-exactly
 

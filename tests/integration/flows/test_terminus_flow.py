@@ -130,3 +130,41 @@ def _trained_spans(tokens: list[int], mask: list[int]) -> list[tuple[int, ...]]:
             spans.append(tuple(cur))
             cur = []
     return spans + ([tuple(cur)] if cur else [])
+
+
+def test_terminus2_cut_off_by_its_time_limit_while_the_engine_is_down_is_not_scored(tmp_path, standin):
+    """The engine answers 503 throughout and the session server waits the outage out (`engine.outage_wait_s`), past
+    the task's 5 s agent limit: Harbor cuts terminus-2 off and verifies the untouched workdir (reward 0), but that
+    episode was the engine's doing, never the policy's: FAILED EngineError, no reward, its group not trained."""
+    tasks = tmp_path / "tasks"
+    shutil.copytree(builtin_dataset_path() / "hello-file", tasks / "hello-file")
+    toml = tasks / "hello-file" / "task.toml"
+    toml.write_text(toml.read_text().replace("[agent]\ntimeout_sec = 120.0", "[agent]\ntimeout_sec = 5.0"))
+    standin.faults.inject("5xx", times=None)
+    cfg = parse_run_config(
+        {
+            "run_id": "t2-down",
+            "output_dir": str(tmp_path / "runs"),
+            "model": {"source": str(standin.model.model_path)},
+            "dataset": {"path": str(tasks)},
+            "prompts": {"eval_fraction": 0.0},
+            "engine": {"backend": "sglang", "url": standin.url, "outage_wait_s": 600},
+            "rollout": {
+                "harness": "terminus-2",
+                "prompts_per_step": 1,
+                "n_samples_per_prompt": 2,
+                "max_new_tokens": 64,
+                "max_context_tokens": 8192,
+                "sandbox_retries": 0,
+            },
+            "train": {"steps": 1, "eval_samples_per_prompt": 0, "max_probe_logprob_gap": None},
+        }
+    )
+    train_flow(cfg)
+    root = tmp_path / "runs" / "t2-down"
+    samples = [json.loads(line) for line in (root / "details" / "step_0" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2
+    for s in samples:
+        assert (s["status"], s["exit_status"], s["reward"]) == ("FAILED", "EngineError", None), s["exit_reason"]
+        assert s["exit_reason"].startswith("the agent's time ran out while the engine did not answer")
+    assert read_metrics(root / "metrics.jsonl")[0]["train/n_samples"] == 0

@@ -23,8 +23,9 @@ from grpoflow.credentials import (
     sandbox_key_problems,
 )
 from grpoflow.engine.router import replica_urls
-from grpoflow.errors import GrpoflowError, one_line
+from grpoflow.errors import ConfigError, GrpoflowError, one_line
 from grpoflow.paths import run_dir_problems
+from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH
 from grpoflow.rollout.harnesses import harness_problems
 
@@ -49,12 +50,21 @@ def check_run(
     problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.policy_api_key_file)
     if stage in ("train", "resume"):
         problems += sampling_problems(cfg.rollout)
-    problems += check_sandbox(cfg.rollout, env, timeout_s)
+    problems += check_sandbox(cfg.rollout, env, timeout_s) + gpu_problems(cfg)
     if cfg.engine.backend == "sglang" and cfg.engine.url:
         # each server behind a router (which has no /model_info of its own), or the one server
         for url in replica_urls(cfg.engine.url, timeout_s):
             problems += check_engine(url, cfg.model.source, "model.source", timeout_s)
     return problems
+
+
+def gpu_problems(cfg: RunConfig, gpus: int | None = None) -> list[str]:
+    """The run's GPU plan (`grpoflow.placement`) on this machine, or why there is none."""
+    try:
+        plan_gpus(cfg, machine_gpus() if gpus is None else gpus)
+    except ConfigError as err:
+        return [str(err)]
+    return []
 
 
 def sampling_problems(rollout: RolloutConfig) -> list[str]:

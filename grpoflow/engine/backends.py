@@ -37,8 +37,11 @@ class EngineHandle:
 
 
 @contextmanager
-def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -> Iterator[EngineHandle]:
-    """Start (or reach) the engine for the block; a started one is stopped when the block ends, however it ends."""
+def open_engine(
+    cfg: EngineConfig, model_path: str, seed: int, log_path: Path, base_gpu_id: int | None = None
+) -> Iterator[EngineHandle]:
+    """Start (or reach) the engine for the block; a started one is stopped when the block ends, however it ends.
+    `base_gpu_id`: where a launched engine's GPUs start (the run's `placement.GpuPlan`)."""
     if cfg.backend == "embedded":
         with ExitStack() as stack:
             engines = [
@@ -75,7 +78,7 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
         return
     if cfg.backend == "sglang-launch":
         assert cfg.sglang_python, "validated by EngineConfig"
-        extra_args, env = launch_settings(cfg, seed)
+        extra_args, env = launch_settings(cfg, seed, base_gpu_id)
         with start_sglang_server(
             cfg.sglang_python,
             model_path,

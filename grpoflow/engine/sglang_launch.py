@@ -42,10 +42,13 @@ _ENV_DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 CPU_MAX_TOTAL_TOKENS = 16384  # the KV cache of a CPU launch unless engine.max_total_tokens says otherwise
 
 
-def launch_settings(cfg: EngineConfig, seed: int) -> tuple[list[str], dict[str, str]]:
+def launch_settings(cfg: EngineConfig, seed: int, base_gpu_id: int | None = None) -> tuple[list[str], dict[str, str]]:
     """The flags a launch from `cfg` passes after grpoflow's own (`sglang_command`), `cfg.sglang_args` last, and
-    the environment variables it sets (see the module doc)."""
+    the environment variables it sets (see the module doc). `base_gpu_id`: the first of the GPUs the run's plan
+    gives the engine (`grpoflow.placement`), so it does not start on the trainer's."""
     args, env = ["--random-seed", str(seed)], {}
+    if base_gpu_id is not None and cfg.device == "cuda":
+        args += ["--base-gpu-id", str(base_gpu_id)]
     total = cfg.max_total_tokens
     if cfg.device == "cpu":
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]

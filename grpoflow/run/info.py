@@ -140,6 +140,8 @@ class RunInfo(Provenance):
     rerun_of: str | None = None
     parent: Parent | None = None  # lineage: the run whose checkpoint this run's model is
     split: SplitInfo | None = None  # None in runs made before the split was recorded
+    # Which GPUs the trainer ranks and a launched engine used (`placement.GpuPlan.to_json`); None before serving
+    gpus: dict[str, Any] | None = None
 
     @property
     def trains(self) -> bool:

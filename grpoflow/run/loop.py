@@ -28,10 +28,12 @@ from grpoflow.cluster import ray_session
 from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.engine.backends import EngineHandle, open_engine
 from grpoflow.ledger import rollout_discards, time_ledger, token_ledger
+from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.preflight import engine_preflight
 from grpoflow.prepare.prompts import PromptRecord, load_prompts
 from grpoflow.rollout.workers import rollout_workers
 from grpoflow.run.commit import StepCommits, is_full_checkpoint, save_step, step_dir
+from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import MetricsLog, append_step, has_row, read_metrics
 from grpoflow.run.start import PreparedRun
 from grpoflow.scoring.evaluation import base_pass_rates, evaluate_policy, evaluation_lines, reward_gain, task_rewards
@@ -80,7 +82,12 @@ def evaluation_versions(train: TrainConfig) -> set[int]:
 def serving(cfg: RunConfig, run: PreparedRun, stages: Stages) -> Iterator[EngineHandle]:
     """The run's Ray session (its trainer ranks and rollout workers run there, if it has one) and its engine, for
     the block; an engine the run started is checked to serve the prepared model."""
-    with ray_session(cfg.cluster), open_engine(cfg.engine, run.model.path, cfg.seed, run.paths.engine_log) as engine:
+    gpus = plan_gpus(cfg, machine_gpus())
+    update_run_info(run.paths, gpus=gpus.to_json())
+    with (
+        ray_session(cfg.cluster),
+        open_engine(cfg.engine, run.model.path, cfg.seed, run.paths.engine_log, gpus.engine_base_gpu) as engine,
+    ):
         if cfg.engine.backend != "sglang":
             for url in engine.replica_urls:
                 stages.check_engine(url, run.model.path)

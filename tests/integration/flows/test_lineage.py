@@ -11,6 +11,7 @@ from flows.train import train_flow
 from grpoflow.config import parse_run_config
 from grpoflow.errors import RunDirError
 from grpoflow.paths import RunPaths
+from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.run.info import read_run_info
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
@@ -22,7 +23,9 @@ def test_an_evaluation_of_a_train_run_records_it_as_parent(tmp_path, tiny_model_
     data = reward_tasks(tmp_path / "tasks")
     runs = tmp_path / "runs"
     train_flow(parse_run_config(run_config(runs, model, data, "night-1", steps=2)))
-    assert read_run_info(RunPaths(runs / "night-1")).parent is None  # it started from a plain model dir
+    first = read_run_info(RunPaths(runs / "night-1"))
+    assert first.parent is None  # it started from a plain model dir
+    assert first.gpus == plan_gpus(parse_run_config(run_config(runs, model, data, "x")), machine_gpus()).to_json()
     evaluation = run_config(runs, model, data, "night-1-eval", steps=0)
     evaluate_flow(parse_run_config(evaluation), split="all", from_run="night-1")
     info = read_run_info(RunPaths(runs / "night-1-eval"))

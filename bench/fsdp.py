@@ -152,10 +152,17 @@ def run_setting(model: str, ranks: int, sharding: str, precision: str, args) -> 
         return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def planned_gb(path: str, ranks: int, sharding: str, precision: str, tokens: int) -> float:
+    """`grpoflow plan`'s GiB per rank for the setting (the bench trains micro-batches of 2 rollouts)."""
+    from grpoflow.train.memory import ModelShape, TrainSetup, plan_memory
+
+    setup = TrainSetup(ranks=ranks, sharding=sharding, precision=precision, micro_batch_tokens=2 * tokens)
+    return plan_memory(ModelShape.from_dir(path), setup).total / 2**30
+
+
 def estimate_gb(params: int, ranks: int, sharding: str) -> float:
-    """What the setting needs in all, roughly: fp32 weights, gradients and AdamW moments (16 B/param) on every
-    rank when replicated, once across the ranks when sharded, plus rank 0's whole fp32 copy while loading and
-    ~1 GB of torch and activations per rank."""
+    """What the setting needs on this machine in all, roughly, to skip what cannot run: the ranks' planned state
+    plus rank 0's whole fp32 copy while loading."""
     per_model = 16 * params / 2**30
     weights = 4 * params / 2**30
     return (per_model * ranks if sharding == "replicate" else per_model + weights) + ranks
@@ -213,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{os.cpu_count()} cores; {args.samples} rollouts x {args.tokens} tokens per update; memory limit {args.max_gb:.1f} GB"
     )
-    header = f"{'model':<13} {'ranks':>5} {'sharding':<9} {'prec':<4} {'tok/s':>7} {'peak GB per rank (update)':<30} {'rank 0 load GB':>14}"
+    header = (
+        f"{'model':<13} {'ranks':>5} {'sharding':<9} {'prec':<4} {'tok/s':>7} {'peak GiB per rank (update)':<27} "
+        f"{'plan GiB':>8} {'peak/plan':>9} {'rank 0 load GiB':>15}"
+    )
     print(header)
     print("-" * len(header))
     for name in args.models.split(","):
@@ -237,7 +247,13 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{row} FAILED: {r['error']}")
                         continue
                     peaks = " ".join(f"{g:.2f}" for g in r["peak_gb"])
-                    print(f"{row} {r['tokens_per_s']:>7.0f} {peaks:<30} {r['load_peak_gb']:>14.2f}", flush=True)
+                    plan = planned_gb(path, ranks, sharding, precision, args.tokens)
+                    ratio = max(r["peak_gb"]) / plan
+                    print(
+                        f"{row} {r['tokens_per_s']:>7.0f} {peaks:<27} {plan:>8.2f} {ratio:>9.2f} "
+                        f"{r['load_peak_gb']:>15.2f}",
+                        flush=True,
+                    )
     return 0
 
 

@@ -20,6 +20,7 @@ from grpoflow.config import (
 from grpoflow.errors import ConfigError, GrpoflowError, RunDirError
 from grpoflow.paths import run_dir_problems
 from grpoflow.prepare.presets import PRESETS, layered_run_config
+from grpoflow.train.memory import KNOWN_SHAPES
 
 
 def _parse_value(text: str) -> Any:
@@ -97,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         _add_run_args(p := sub.add_parser(name, help=help_))
         if name == "evaluate":
             p.add_argument("--from-run", metavar="RUN_ID", help="evaluate this train run's final checkpoint")
+    _add_run_args(p := sub.add_parser("plan", help="the run's GPU placement and memory per trainer rank, no run"))
+    p.add_argument("--shape", help=f"plan for a model of this size instead of the run's: {', '.join(KNOWN_SHAPES)}")
+    p.add_argument("--ranks", help="trainer rank counts to compare, e.g. 1,2,4,8 (default: cluster.train_ranks)")
+    p.add_argument("--gpus", type=int, help="GPUs of the machine to place on (default: this machine's)")
+    p.add_argument("--gpu-gb", type=float, default=141.0, help="memory of one GPU in GB (default: 141, an H200)")
     p = sub.add_parser("resume", help="resume a killed train run under its run_id, from its last complete step")
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument("--output-dir", default="runs", help="where run dirs are (default: runs)")
@@ -132,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         return _validate(args)
     if args.command == "tasks":
         return _tasks(Path(args.output_dir), args.regrade, args.per_task)
+    if args.command == "plan":
+        return _plan(args)
     try:
         cfg = _config_from_args(args)
         preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or _is_embedded_default(args) else ""
@@ -151,6 +159,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"grpoflow: run {cfg.run_id} finished; artifacts in {root}")
     for name in sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir()):
         print(f"  {name}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """`grpoflow plan`: where the run's parts would sit on the GPUs and what a trainer rank holds (no run)."""
+    from grpoflow.placement import machine_gpus, plan_gpus
+    from grpoflow.prepare.model import prepare_model
+    from grpoflow.train.memory import ModelShape, plan_table, train_setup
+
+    try:
+        cfg = _config_from_args(args)
+        gpus = machine_gpus() if args.gpus is None else args.gpus
+        print(f"grpoflow plan: {plan_gpus(cfg, gpus).describe()}")
+        if args.shape:
+            if args.shape not in KNOWN_SHAPES:
+                raise ConfigError(f"--shape {args.shape}: not one of {', '.join(KNOWN_SHAPES)}")
+            shape, name = KNOWN_SHAPES[args.shape], args.shape
+        else:
+            shape, name = ModelShape.from_dir(prepare_model(cfg.model.source).path), cfg.model.source
+        ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else [cfg.cluster.train_ranks]
+        setups = {f"{r} rank{'s' * (r > 1)}": train_setup(cfg, r, on_gpu=gpus > 0) for r in ranks}
+        first = next(iter(setups.values()))
+        what = f"LoRA r={first.lora_rank}" if first.lora_rank else "full fine-tuning"
+        print(
+            f"model {name} ({shape.params / 1e9:.2f}B parameters), {what}, {first.precision} compute, "
+            f"sharding {first.sharding}, micro-batches of {first.micro_batch_tokens} tokens, activation "
+            f"checkpointing {'on' if first.checkpointing else 'off'}, KL reference {'on' if first.kl else 'off'}"
+        )
+        for line in plan_table(shape, setups, args.gpu_gb if gpus > 0 or args.gpus is not None else None):
+            print(line)
+    except GrpoflowError as err:
+        sys.stdout.flush()
+        print(f"grpoflow: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -771,11 +771,12 @@ class RunConfig(_Section):
             raise ValueError("`engine.weight_sync`: `adapter` syncs a LoRA adapter; set train.lora, or another sync")
         return self
 
-    def sharding_mode(self) -> Literal["replicate", "fsdp"]:
-        """`train.sharding` with `auto` resolved: sharded with more than one trainer rank."""
+    def sharding_mode(self, ranks: int | None = None) -> Literal["replicate", "fsdp"]:
+        """`train.sharding` with `auto` resolved: sharded with more than one trainer rank (`ranks`, default
+        `cluster.train_ranks`)."""
         if self.train.sharding != "auto":
             return self.train.sharding
-        return "fsdp" if self.cluster.train_ranks > 1 else "replicate"
+        return "fsdp" if (ranks or self.cluster.train_ranks) > 1 else "replicate"
 
     def weight_sync_mode(self) -> Literal["disk", "distributed", "tensor", "adapter"]:
         """`engine.weight_sync` with `auto` resolved: to the embedded engine in memory, to SGLang through the

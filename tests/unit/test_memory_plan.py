@@ -1,0 +1,72 @@
+"""`grpoflow plan`'s memory per trainer rank: the parameter count is the model's own, the persistent state splits
+across sharded ranks, and what the trainer does not keep (a second reference for LoRA, a flat gradient copy when
+sharded) is not counted."""
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from flows.cli import main
+from grpoflow.config import parse_run_config
+from grpoflow.train.memory import KNOWN_SHAPES, ModelShape, TrainSetup, plan_memory, train_setup
+
+GiB = 2**30
+
+
+def test_the_shape_counts_the_parameters_transformers_builds(tiny_model_dir):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    assert ModelShape.from_dir(tiny_model_dir).params == sum(p.numel() for p in model.parameters())
+    # the published counts of SmolLM2-135M and Qwen2.5-7B
+    assert ModelShape(49152, 576, 1536, 30, 9, 3, tie_word_embeddings=True).params == 134_515_008
+    assert KNOWN_SHAPES["qwen2.5-7b"].params == 7_615_616_512
+
+
+def test_sharding_splits_weights_gradients_and_adam_and_replicating_adds_the_flat_gradient_copy():
+    shape = KNOWN_SHAPES["qwen2.5-7b"]
+    one = plan_memory(shape, TrainSetup(ranks=1)).rows
+    replicated = plan_memory(shape, TrainSetup(ranks=4)).rows
+    sharded = plan_memory(shape, TrainSetup(ranks=4, sharding="fsdp")).rows
+    assert one["parameters"] == 4 * shape.params and one["optimizer"] == 8 * shape.params
+    assert one["communication"] == 0 and replicated["communication"] == 4 * shape.params
+    for row in ("parameters", "gradients", "optimizer"):
+        assert sharded[row] == one[row] // 4 and replicated[row] == one[row]
+    # a gathered layer (and the next) in bf16 plus the fp32 root unit, not the model
+    assert shape.root_params * 4 < sharded["communication"] < one["parameters"] / 4
+
+
+def test_lora_trains_adapters_only_and_its_reference_is_the_base():
+    shape = KNOWN_SHAPES["qwen2.5-32b"]
+    full = plan_memory(shape, TrainSetup(kl=True)).rows
+    lora = plan_memory(shape, TrainSetup(kl=True, lora_rank=16, lora_targets=["q_proj", "v_proj"])).rows
+    assert full["reference"] == full["parameters"] and lora["reference"] == 0
+    per_layer = 16 * (5120 + 5120) + 16 * (5120 + 1024)
+    assert lora["optimizer"] == 8 * 64 * per_layer and lora["parameters"] == full["parameters"]
+
+
+def test_activation_checkpointing_keeps_each_layer_s_input_only():
+    shape = KNOWN_SHAPES["qwen2.5-7b"]
+    plain = plan_memory(shape, TrainSetup(precision="bf16", micro_batch_tokens=8192)).rows["activations"]
+    saved = plan_memory(shape, TrainSetup(precision="bf16", micro_batch_tokens=8192, checkpointing=True))
+    assert saved.rows["activations"] < plain / 5
+    assert saved.rows["activations"] >= 8192 * 28 * 3584 * 2
+
+
+def test_the_run_s_settings_resolve_as_the_trainer_resolves_them():
+    cfg = parse_run_config({"run_id": "p", "train": {"kl_coef": 0.1, "micro_batch_tokens": 8192}})
+    gpu, cpu = train_setup(cfg, 4, on_gpu=True), train_setup(cfg, 1, on_gpu=False)
+    assert (gpu.sharding, gpu.precision, gpu.kl, gpu.checkpointing) == ("fsdp", "bf16", True, True)
+    assert (cpu.sharding, cpu.precision) == ("replicate", "fp32")
+
+
+def test_grpoflow_plan_prints_the_placement_and_a_column_per_rank_count(capsys):
+    argv = ["plan", "--shape", "qwen2.5-32b", "--ranks", "4,8", "--gpus", "8", "--set", "train.lora.rank=16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "grpoflow plan: trainer on GPU 0, engine off this machine's GPUs (of 8)"
+    assert "qwen2.5-32b (32.76B parameters), LoRA r=16, bf16 compute" in out[1]
+    assert out[2].split() == ["GiB", "per", "rank", "4", "ranks", "8", "ranks"]
+    total = next(line for line in out if line.startswith("total")).split()[1:]
+    assert float(total[0]) > float(total[1])
+    assert out[-1].split()[-2:] == ["fits", "fits"]
+    assert main(["plan", "--shape", "llama-9000b"]) == 2
+    assert "--shape llama-9000b: not one of" in capsys.readouterr().err

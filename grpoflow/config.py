@@ -723,6 +723,12 @@ class ClusterConfig(_Section):
         "CPU, NCCL when each rank has a GPU of its own) before every rank takes the same step. 1: the flow's "
         "process trains alone.",
     )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long a trainer rank waits in a collective (a gradient sum, a sharded gather) for the "
+        "others before the step fails: what a hung, stopped or lost rank costs at most.",
+    )
 
 
 class RunConfig(_Section):

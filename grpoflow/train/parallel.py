@@ -115,11 +115,6 @@ def on_other_ranks(state, fn, *args) -> Iterator[None]:
         yield
         return
     n = workers.send("call", (fn.__module__, fn.__name__, args))
-    try:
+    with workers.blame():
         yield
-    except RuntimeError as err:
-        cause = workers.failure()
-        if cause is None:
-            raise
-        raise RankError(cause) from err
     workers.wait(n)

@@ -39,6 +39,7 @@ from grpoflow.engine.update_group import (
     host_update_store,
     join_update_group,
 )
+from grpoflow.errors import one_line
 from grpoflow.train.checkpoint import restore_training_state
 from grpoflow.train.parallel import DataParallel, RankError, rank_device
 from grpoflow.train.step import grpo_update
@@ -55,6 +56,7 @@ class RankWorkers:
 
     store: dist.TCPStore
     procs: list  # subprocess.Popen, or RayRank: poll(), wait(), kill(), returncode
+    timeout_s: float  # the group's bound on one collective (`cluster.collective_timeout_s`)
     jobs: int = 0
 
     def send(self, kind: str, payload: object = None) -> int:
@@ -84,6 +86,23 @@ class RankWorkers:
         for key in [f"job/{n}", *(f"done/{n}/{r}" for r in range(1, len(self.procs) + 1))]:
             self.store.delete_key(key)
 
+    @contextmanager
+    def blame(self) -> Iterator[None]:
+        """A collective that breaks in the block, as the RankError of the worker rank that failed first (its
+        traceback, or its exit); one that timed out with every rank still running, as that."""
+        try:
+            yield
+        except RuntimeError as err:
+            cause = self.failure()
+            if cause is not None:
+                raise RankError(cause) from err
+            if "timed out" in str(err).lower():
+                raise RankError(
+                    f"a trainer collective got no answer within cluster.collective_timeout_s={self.timeout_s:g} s, "
+                    f"every rank still running (one is hung, stopped or lost with its node): {one_line(err)}"
+                ) from err
+            raise
+
     def failure(self, grace_s: float = 5.0) -> str | None:
         """Why a worker rank failed: the traceback it left, or its exit; None while every one still runs. A
         rank that fails writes its traceback, then exits, which breaks the collective rank 0 is in: `grace_s`
@@ -110,13 +129,8 @@ def run_update(state, samples, cfg, step: int) -> dict[str, float]:
     if workers is None:
         return grpo_update(state, samples, cfg, step)
     n = workers.send("update", (samples, cfg, step))
-    try:
+    with workers.blame():
         metrics = grpo_update(state, samples, cfg, step)
-    except RuntimeError as err:
-        cause = workers.failure()
-        if cause is None:
-            raise
-        raise RankError(cause) from err
     workers.wait(n)
     return metrics
 
@@ -141,11 +155,7 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         return
     on_ray = bool(cfg.cluster.ray_address)
     backend = "nccl" if state.device.type == "cuda" else "gloo"
-    if backend == "nccl" and not on_ray and torch.cuda.device_count() < world:
-        raise ValueError(
-            f"cluster.train_ranks={world}: needs a GPU per rank on this machine, found {torch.cuda.device_count()} "
-            "(or set cluster.ray_address to place ranks on the cluster's GPUs)"
-        )
+    # A GPU per rank here was checked by the run's GPU plan (`grpoflow.placement`) before the engine started.
     # ranks on other nodes meet rank 0 at this node's address; ranks started here, on loopback
     address = _node_address() if on_ray else ADDRESS
     group_name = f"grpoflow-train-{uuid.uuid4().hex[:12]}"
@@ -163,12 +173,13 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         "sharded": sharded,
     }
     procs = _start_on_ray(spec, world, backend) if on_ray else _start_here(spec, world)
-    workers = RankWorkers(store, procs)
+    workers = RankWorkers(store, procs, cfg.cluster.collective_timeout_s)
     try:
         group = _join_watching(workers, address, store, world, group_name, backend, sharded)
     except BaseException:
         _stop(procs)
         raise
+    bound_collectives(group, cfg.cluster.collective_timeout_s)
     state.dp = DataParallel(group, 0, world, state.device, workers)
     where = "as Ray actors" if on_ray else "as processes of this machine"
     how = "weights, gradients and AdamW state sharded (FSDP)" if sharded else "each with the whole model"
@@ -190,13 +201,8 @@ def _shard_watching(state, cfg, workers: RankWorkers) -> None:
     """Rank 0's side of every rank's `shard_trainer`; a worker that fails first fails it with its cause."""
     from grpoflow.train.fsdp import shard_trainer
 
-    try:
+    with workers.blame():
         shard_trainer(state, cfg.train)
-    except RuntimeError as err:
-        cause = workers.failure()
-        if cause is None:
-            raise
-        raise RankError(cause) from err
 
 
 @contextmanager
@@ -225,6 +231,13 @@ def join_trainer_group(address, port: int, rank: int, world: int, group_name: st
     if store is None:
         store = dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
     return sharded_group(backend, dist.PrefixStore(group_name, store), rank, world, timeout)
+
+
+def bound_collectives(group: dist.ProcessGroup, seconds: float) -> None:
+    """Bound every later collective of the group (the join had the long rendezvous timeout: a rank may take
+    minutes to start and load). On gloo a collective past the bound raises in its caller; on NCCL torch's
+    watchdog aborts the communicator."""
+    dist.set_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 def sharded_group(backend: str, store, rank: int, world: int, timeout=None) -> dist.ProcessGroup:
@@ -377,6 +390,7 @@ def _worker(spec: dict, rank: int, device: str) -> None:
             sharded,
         )
         cfg = parse_run_config(spec["config"])
+        bound_collectives(group, cfg.cluster.collective_timeout_s)
         if sharded:  # the weights (a resumed checkpoint's too) come from rank 0
             state = skeleton_trainer(spec["model"], cfg.train, torch.device(device))
             state.dp = DataParallel(group, rank, spec["world"], state.device)

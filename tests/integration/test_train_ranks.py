@@ -1,6 +1,10 @@
 """Data-parallel GRPO updates (`cluster.train_ranks`): two gloo ranks on this machine take the single process's
 step — the same weights within 1e-6 and the same metrics — and a rank that dies fails the step with its cause."""
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
@@ -86,6 +90,23 @@ def test_a_rank_that_dies_fails_the_step_with_its_cause(tiny_model_dir):
             worker.kill()
             worker.wait()
             run_update(state, samples, cfg, step=0)
+    assert state.dp is None
+
+
+def test_a_stopped_rank_fails_the_step_within_the_collective_bound(tiny_model_dir):
+    # SIGSTOP: the rank neither answers nor exits, as when its node is lost; only the bound ends the wait
+    cfg = _config(tiny_model_dir, 2)
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"collective_timeout_s": 3.0})})
+    state = load_trainer(tiny_model_dir, cfg.train, seed=0)
+    samples = agentic_samples(state.model)
+    with pytest.raises(RankError, match=r"no answer within cluster.collective_timeout_s=3 s, every rank still running"):
+        with trainer_ranks(state, tiny_model_dir, cfg):
+            [worker] = state.dp.workers.procs
+            os.kill(worker.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            run_update(state, samples, cfg, step=0)
+    assert time.monotonic() - started < 30  # the bound and the 5 s grace for a traceback, not the 30 min default
+    assert worker.poll() is not None  # killed with the block, stopped or not
     assert state.dp is None
 
 

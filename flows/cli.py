@@ -294,7 +294,7 @@ def _regrade(root: Path, per_task: int) -> None:
     cfg = load_saved_config(root)
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
     with run_lock(root):  # not while the run itself runs (it regrades at its end)
-        regrades = regrade_run(root, cfg.rollout, per_task)
+        regrades = regrade_run(root, cfg, per_task)
         if all(r.recorded is None for r in regrades):  # only rows of unreadable records, or none at all
             raise RunDirError(
                 f"run {root.name} has no graded trial that recorded its workdir (a run with "

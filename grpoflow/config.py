@@ -12,6 +12,7 @@ import json
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +59,22 @@ DEFAULT_FAMILY_PATTERN = r"(?P<family>.+?)(?:[_-](?:easy|medium|hard|\d+))+"
 _SPLIT_FIELDS = ("split_by", "family_key", "family_pattern", "instance_eval_fraction")
 
 
+@dataclass(frozen=True)
+class RewardRule:
+    """Which of a verifier's rewards a trial is scored by (`dataset.reward`): one key, or a weighted mean of
+    several (`weights`: (key, weight) pairs, sorted)."""
+
+    key: str | None = None
+    weights: tuple[tuple[str, float], ...] | None = None
+
+    def describe(self) -> str:
+        return (
+            f"`{self.key}`"
+            if self.key
+            else "the weighted mean of " + ", ".join(f"{k} x{w:g}" for k, w in self.weights or ())
+        )
+
+
 # `validate` is the name users write (`dataset.validate`); it shadows pydantic's deprecated `BaseModel.validate`
 # classmethod, which nothing here calls, so pydantic's warning about it is silenced for this class alone.
 with warnings.catch_warnings():
@@ -77,6 +94,29 @@ with warnings.catch_warnings():
             "already passes, is left out of training and evaluation (gate.json says why). Results are cached by the "
             "task's content and the sandbox kind. Empty: on for every dataset but the built-in one (which the tests check).",
         )
+
+        reward: str | dict[str, float] | None = Field(
+            None,
+            description="For verifiers that write several rewards (reward.json with more than one key and no "
+            '`reward`): the key to train on, or weights of a weighted mean, e.g. {"tests": 3, "style": 1}. Empty: '
+            "such a task's trials have no reward, and the dataset gate leaves it out.",
+        )
+
+        @field_validator("reward")
+        @classmethod
+        def _reward_rule(cls, v: str | dict[str, float] | None) -> str | dict[str, float] | None:
+            if isinstance(v, str) and not v:
+                raise ValueError("a reward key is a non-empty string")
+            if isinstance(v, dict) and (not v or any(w < 0 for w in v.values()) or sum(v.values()) <= 0):
+                raise ValueError("weights are non-negative, at least one positive")
+            return v
+
+        def reward_rule(self) -> RewardRule | None:
+            if self.reward is None:
+                return None
+            if isinstance(self.reward, str):
+                return RewardRule(key=self.reward)
+            return RewardRule(weights=tuple(sorted(self.reward.items())))
 
         @model_validator(mode="before")
         @classmethod

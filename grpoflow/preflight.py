@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
@@ -106,6 +107,8 @@ def check_sandbox(
         problems = sandbox_key_problems(rollout.sandbox, rollout.sandbox_api_key_file, environ)
     else:
         problems = check_harbor_preflight(rollout.sandbox)
+        if rollout.sandbox == "docker" and not problems:
+            problems = check_docker_compose()
     return problems + check_sandbox_api(rollout.sandbox, environ, timeout_s)
 
 
@@ -167,6 +170,20 @@ def _harbor_version() -> str:
     from importlib import metadata
 
     return metadata.version("harbor")
+
+
+def check_docker_compose(docker: str = "docker") -> list[str]:
+    """Harbor's docker environment runs every trial with `docker compose` (v2, the CLI plugin), which its own
+    preflight does not ask for: without it every trial fails at its start."""
+    try:
+        subprocess.run([docker, "compose", "version"], capture_output=True, timeout=10, check=True)
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+        return [
+            "rollout.sandbox=docker: Harbor's docker environment needs `docker compose` (v2, the CLI plugin), "
+            f"which `docker compose version` does not answer ({one_line(err, 120)}); install it, or use "
+            "rollout.sandbox=local"
+        ]
+    return []
 
 
 def check_harbor_preflight(sandbox: str) -> list[str]:

@@ -141,7 +141,7 @@ def regrade_trials_task(cfg: RunConfig, paths: RunPaths) -> list[Regrade]:
     provider: the verdicts go to the run's regrades.jsonl, where task health reads them."""
     logger = get_run_logger()
     export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
-    regrades = regrade_run(paths.root, cfg.rollout, cfg.report.regrade_per_task)
+    regrades = regrade_run(paths.root, cfg, cfg.report.regrade_per_task)
     head, *rows = regrade_summary(regrades)
     logger.info(head)
     for line in rows:

@@ -150,6 +150,8 @@ def load_task(task_dir: Path, *, local_sandbox: bool = False) -> TaskSpec:
         _fail(task_dir, "missing environment/ directory")
     if local_sandbox and (problem := workdir_problem(config.environment.workdir) or local_sandbox_problem(task_dir)):
         _fail(task_dir, problem)
+    if local_sandbox and (problem := beyond_one_container(task_dir, config)):
+        _fail(task_dir, problem)
     try:
         # Harbor's own checks on top of ours (e.g. inputs that symlink out of the task dir), so a task we
         # accept is one that Trial will accept.
@@ -168,6 +170,23 @@ def load_task(task_dir: Path, *, local_sandbox: bool = False) -> TaskSpec:
         metadata=metadata,
         has_solution=(task_dir / "solution" / "solve.sh").is_file(),
     )
+
+
+def beyond_one_container(task_dir: Path, config: TaskConfig) -> str | None:
+    """What the task's environment asks beyond one sandbox that the local sandbox does not start: extra services
+    (a compose file), GPUs, MCP servers. Run anyway, its trials would fail or score 0 for want of them."""
+    for name in ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml"):
+        if (task_dir / "environment" / name).is_file():
+            return (
+                f"environment/{name}: the local sandbox runs no extra services (rollout.sandbox=docker runs them "
+                "with docker compose v2)"
+            )
+    env = config.environment
+    if env.gpus:
+        return f"task.toml [environment] gpus = {env.gpus}: the local sandbox has no GPU"
+    if env.mcp_servers:
+        return f"task.toml [environment] mcp_servers: the local sandbox starts no MCP server ({len(env.mcp_servers)} asked)"
+    return None
 
 
 def task_config(task_dir: Path) -> TaskConfig:

@@ -40,7 +40,7 @@ from harbor.models.trial.config import EnvironmentConfig, SourceTrialConfig, Tas
 from harbor.models.trial.result import TrialResult
 from harbor.publisher.packager import Packager
 
-from grpoflow.config import RolloutConfig
+from grpoflow.config import RewardRule, RunConfig
 from grpoflow.errors import one_line
 from grpoflow.fileio import publish_dir, write_text_atomic
 from grpoflow.paths import RunPaths
@@ -76,7 +76,9 @@ class StoredTrial:
     reward: float
 
 
-def pick_trials(run_root: Path, per_task: int) -> tuple[list[StoredTrial], list[Regrade]]:
+def pick_trials(
+    run_root: Path, per_task: int, reward: RewardRule | None = None
+) -> tuple[list[StoredTrial], list[Regrade]]:
     """(up to `per_task` graded trials of each task that recorded their workdir, in the order the run ran them
     (training steps, then evaluations), passes and failures taken in turn, so that a verifier that flips only
     one way is still caught when the run has both verdicts; a row with why for each trial dir whose record
@@ -86,7 +88,7 @@ def pick_trials(run_root: Path, per_task: int) -> tuple[list[StoredTrial], list[
     unreadable = []
     for trial_dir in _trial_dirs(run_root):
         try:
-            stored = _stored(trial_dir, ids)
+            stored = _stored(trial_dir, ids, reward)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # truncated, foreign, moved
             unreadable.append(Regrade(_task_of(trial_dir), _relative(trial_dir, run_root), None, None, one_line(err)))
             continue
@@ -108,6 +110,7 @@ async def regrade_trials(
     environment: EnvironmentConfig,
     concurrency: int,
     unreadable: Sequence[Regrade] = (),
+    reward: RewardRule | None = None,
 ) -> list[Regrade]:
     """Regrade `trials` with Harbor in `environment`'s sandboxes, at most `concurrency` at once; writes their rows,
     after the `unreadable` ones, to `regrades.jsonl`. The regrade dir is remade on every call (a resumed run that
@@ -125,7 +128,7 @@ async def regrade_trials(
             except Exception as err:  # not regradable, or Harbor failed: recorded with why, never a verdict
                 return Regrade(stored.task, relative, stored.reward, None, one_line(err))
         exc = result.exception_info
-        regraded, why = verifier_reward(result.verifier_result.rewards if result.verifier_result else None)
+        regraded, why = verifier_reward(result.verifier_result.rewards if result.verifier_result else None, reward)
         if regraded is None:
             why = f"{exc.exception_type}: {one_line(exc.exception_message)}" if exc else why
         return Regrade(stored.task, relative, stored.reward, regraded, why if regraded is None else None)
@@ -135,11 +138,13 @@ async def regrade_trials(
     return regrades
 
 
-def regrade_run(run_root: Path, rollout: RolloutConfig, per_task: int) -> list[Regrade]:
-    """`pick_trials` of the run, regraded in the sandboxes `rollout` names; `regrades.jsonl` says what came of
-    it (empty: the run recorded nothing to regrade)."""
-    stored, unreadable = pick_trials(run_root, per_task)
-    return asyncio.run(regrade_trials(run_root, stored, sandbox_config(rollout), rollout.concurrency, unreadable))
+def regrade_run(run_root: Path, cfg: RunConfig, per_task: int) -> list[Regrade]:
+    """`pick_trials` of the run, regraded in the sandboxes `cfg.rollout` names and scored as the run scored them
+    (`dataset.reward`); `regrades.jsonl` says what came of it (empty: the run recorded nothing to regrade)."""
+    rule, rollout = cfg.dataset.reward_rule(), cfg.rollout
+    stored, unreadable = pick_trials(run_root, per_task, rule)
+    environment = sandbox_config(rollout)
+    return asyncio.run(regrade_trials(run_root, stored, environment, rollout.concurrency, unreadable, rule))
 
 
 def regrade_summary(regrades: Sequence[Regrade]) -> list[str]:
@@ -244,22 +249,22 @@ def _instance_ids(run_root: Path) -> dict[str, str]:
     return ids
 
 
-def _stored(trial_dir: Path, ids: dict[str, str]) -> StoredTrial | None:
+def _stored(trial_dir: Path, ids: dict[str, str], reward: RewardRule | None = None) -> StoredTrial | None:
     """The trial, when it has a verdict and recorded what a regrade replays; None when it is not a candidate (no
     verdict, or a run that recorded no workdir). Raises when its record cannot be read."""
     manifest = trial_dir / "artifacts" / "manifest.json"
     if not manifest.is_file():
         return None  # a trial of a run without `report.regrade_per_task`, or one killed before collection
     result = TrialResult.model_validate_json((trial_dir / "result.json").read_text(encoding="utf-8"))
-    reward, _ = verifier_reward(result.verifier_result.rewards if result.verifier_result else None)
+    recorded, _ = verifier_reward(result.verifier_result.rewards if result.verifier_result else None, reward)
     task_path = result.config.task.path
-    if reward is None or task_path is None:
+    if recorded is None or task_path is None:
         return None
     wanted = {(a if isinstance(a, str) else a.source).rstrip("/") for a in result.config.artifacts}
     if not wanted or not wanted <= _manifest_sources(manifest):
         return None  # the trial was asked to keep nothing (its task names no workdir), or could not collect it
     task = ids.get(str(task_path)) or ids.get(str(Path(task_path).resolve())) or _task_of(trial_dir)
-    return StoredTrial(task, Path(task_path), trial_dir, reward)
+    return StoredTrial(task, Path(task_path), trial_dir, recorded)
 
 
 def _manifest_sources(manifest: Path) -> set[str]:

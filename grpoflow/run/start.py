@@ -55,7 +55,7 @@ def gate_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> tuple[Dataset
     dataset with nothing left raises `DatasetError` in one line, after the table."""
     dataset = load_run_dataset(cfg)
     if gate_wanted(cfg):
-        report = run_gate(dataset, cfg.rollout, Path(cache_dir or default_cache_dir()))
+        report = run_gate(dataset, cfg.rollout, Path(cache_dir or default_cache_dir()), cfg.dataset.reward_rule())
     else:
         report = ungated_report(dataset, cfg.rollout.sandbox)
     if report.gated or report.left_out:

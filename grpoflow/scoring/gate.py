@@ -17,6 +17,7 @@ sandbox kind, so a second prepare of the same tasks runs no trial, and a nightly
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import tempfile
 import time
@@ -27,7 +28,7 @@ from typing import Literal
 from harbor.models.agent.name import AgentName
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.config import RolloutConfig
+from grpoflow.config import RewardRule, RolloutConfig
 from grpoflow.credentials import export_sandbox_key
 from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import sha256_tree, write_json_atomic
@@ -134,27 +135,31 @@ def gate_cache_path(cache_dir: Path, sandbox: str, digest: str) -> Path:
     return Path(cache_dir) / "gate" / f"v{GATE_VERSION}" / sandbox / f"{digest}.json"
 
 
-def run_gate(dataset: Dataset, rollout: RolloutConfig, cache_dir: Path) -> GateReport:
+def run_gate(dataset: Dataset, rollout: RolloutConfig, cache_dir: Path, reward: RewardRule | None = None) -> GateReport:
     """The gate over every task of `dataset`, in `rollout`'s sandbox (`rollout.concurrency` trials at once, with
-    its sandbox retries); cached verdicts are reused, new definite ones cached."""
+    its sandbox retries), scored by `reward` (`dataset.reward`); cached verdicts are reused, new definite ones
+    cached (keyed by the reward rule too: it decides what the oracle scores)."""
+    scored_by = "" if reward is None else "-" + hashlib.sha256(repr(reward).encode()).hexdigest()[:12]
     t0 = time.perf_counter()
     verdicts: dict[str, TaskGate] = {}
     pending: list[tuple[TaskSpec, str]] = []
     for task in dataset.tasks:
         digest = sha256_tree(task.path)
-        hit = _read_cache(gate_cache_path(cache_dir, rollout.sandbox, digest))
+        hit = _read_cache(gate_cache_path(cache_dir, rollout.sandbox, digest + scored_by))
         if hit is not None:
             verdicts[task.name] = replace(hit, name=task.name, path=str(task.path), digest=digest, cached=True)
         else:
             pending.append((task, digest))
     specs = [spec for task, _ in pending for spec in _specs(task)]
     if specs:
-        outcomes = _run(specs, rollout)
+        outcomes = _run(specs, rollout, reward)
         for task, digest in pending:
             verdict = _verdict(task, digest, outcomes)
             verdicts[task.name] = verdict
             if verdict.verdict in CACHED:
-                write_json_atomic(gate_cache_path(cache_dir, rollout.sandbox, digest), _cache_record(verdict))
+                write_json_atomic(
+                    gate_cache_path(cache_dir, rollout.sandbox, digest + scored_by), _cache_record(verdict)
+                )
     tasks = sorted([*verdicts.values(), *refused(dataset.left_out)], key=_by_name)
     return GateReport(str(dataset.root), rollout.sandbox, True, tasks, len(specs), time.perf_counter() - t0)
 
@@ -199,7 +204,7 @@ class _Done:
     tail: list[str]  # the verifier's last lines (read before the trial dirs go)
 
 
-def _run(specs: list[TrialSpec], rollout: RolloutConfig) -> dict[str, _Done]:
+def _run(specs: list[TrialSpec], rollout: RolloutConfig, reward: RewardRule | None) -> dict[str, _Done]:
     """Run the gate's trials through `collect_step`, keyed by rollout id."""
     agent_of = {s.rollout_id: s.rollout_id.rsplit("-", 1)[1] for s in specs}
     # Neither agent has web tools to turn off; saying so keeps Harbor from logging an ERROR per trial when the
@@ -224,6 +229,7 @@ def _run(specs: list[TrialSpec], rollout: RolloutConfig) -> dict[str, _Done]:
                 Path(tmp) / "trials",
                 Path(tmp) / "details",
                 on_done=lambda o: outcomes.__setitem__(o.spec.rollout_id, o),
+                reward=reward,
             )
         )
         # The verifier's output is read before the trial dirs go.

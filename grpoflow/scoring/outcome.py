@@ -7,6 +7,7 @@ its whole group) out of training rather than scoring it 0.
 
 from __future__ import annotations
 
+from grpoflow.config import RewardRule
 from grpoflow.errors import one_line
 from grpoflow.rollout.environments import is_engine_outage, is_sandbox_failure_type
 from grpoflow.rollout.record import END_TOKEN_BUDGET, END_TRUNCATED, TrialRecord
@@ -56,19 +57,37 @@ _VERIFIED_ENDINGS = {"AgentTimeoutError"} | _NON_ZERO_EXIT
 HARBOR_EXCEPTION_NAMES = _TIMEOUTS | _VERIFIER | _LENGTH | _VERIFIED_ENDINGS
 
 
-def verifier_reward(rewards: dict[str, float | int] | None) -> tuple[float | None, str | None]:
-    """(reward, None) from Harbor's verifier result, or (None, why not)."""
+def verifier_reward(
+    rewards: dict[str, float | int] | None, rule: RewardRule | None = None
+) -> tuple[float | None, str | None]:
+    """(reward, None) from Harbor's verifier result, or (None, why not). Several rewards need `rule`
+    (`dataset.reward`), which then decides even where a `reward` key is among them."""
     if not rewards:
         return None, "verifier wrote no reward"
+    if rule is not None and rule.key is not None:
+        if rule.key in rewards:
+            return float(rewards[rule.key]), None
+        return None, f"reward.json has keys {sorted(rewards)}, not dataset.reward `{rule.key}`"
+    if rule is not None and rule.weights:
+        if missing := [k for k, _ in rule.weights if k not in rewards]:
+            return None, f"reward.json has keys {sorted(rewards)}, not {missing} of dataset.reward"
+        total = sum(w for _, w in rule.weights)
+        return sum(w * float(rewards[k]) for k, w in rule.weights) / total, None
     if "reward" in rewards:
         return float(rewards["reward"]), None
     if len(rewards) == 1:
         return float(next(iter(rewards.values()))), None
-    return None, f"reward.json has keys {sorted(rewards)} but no `reward`: cannot tell which one is the reward"
+    return None, (
+        f"reward.json has keys {sorted(rewards)} but no `reward`: set dataset.reward to the key to train on, or "
+        "to weights of a mean"
+    )
 
 
-def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | None, str | None]:
-    """(exit status, sample status, reward, reason) of one trial.
+def classify(
+    outcome: TrialOutcome, rule: RewardRule | None = None
+) -> tuple[ExitStatus, SampleStatus, float | None, str | None]:
+    """(exit status, sample status, reward, reason) of one trial; `rule`: which of several verifier rewards
+    (`dataset.reward`).
 
     A truncated turn (the agent's metadata says so: `truncated`, or `end_reason` `truncated`; an installed CLI's
     truncation reaches it through the session server's record) makes a verified sample TRUNCATED, whatever the
@@ -78,7 +97,7 @@ def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | N
     res = outcome.result
     rec = TrialRecord.of(res)
     exc = res.exception_info
-    reward, why = verifier_reward(res.verifier_result.rewards if res.verifier_result else None)
+    reward, why = verifier_reward(res.verifier_result.rewards if res.verifier_result else None, rule)
     truncated = rec.truncated or rec.end_reason == END_TRUNCATED
     if exc is not None:
         name, reason = exc.exception_type, f"{exc.exception_type}: {one_line(exc.exception_message)}"
@@ -112,10 +131,10 @@ def classify(outcome: TrialOutcome) -> tuple[ExitStatus, SampleStatus, float | N
     return "Submitted", "COMPLETED", reward, rec.end_reason
 
 
-def to_sample(outcome: TrialOutcome, run_id: str, step: int) -> Sample:
+def to_sample(outcome: TrialOutcome, run_id: str, step: int, rule: RewardRule | None = None) -> Sample:
     spec, res = outcome.spec, outcome.result
     rec = TrialRecord.of(res)
-    exit_status, status, reward, reason = classify(outcome)
+    exit_status, status, reward, reason = classify(outcome, rule)
     metrics = {
         "turns": float(rec.turns),
         "policy_calls": float(rec.policy_calls),

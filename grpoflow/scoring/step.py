@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from harbor.models.trial.config import EnvironmentConfig
 
-from grpoflow.config import RolloutConfig, RunConfig
+from grpoflow.config import RewardRule, RolloutConfig, RunConfig
 from grpoflow.credentials import export_policy_key, export_sandbox_key
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.prompts import PromptRecord
@@ -146,6 +146,7 @@ async def collect_step(
     refill: GroupRefill | None = None,
     runner: TrialRunner = run_here,
     record_workdir: bool = False,
+    reward: RewardRule | None = None,
 ) -> StepRollout:
     """Run and score one step's trials (`specs`: GRPO groups of trials, `plan_group_trials`). Each finished
     trial is scored (`to_sample`), and its samples (`policy.to_samples`; several when a session was compacted
@@ -155,12 +156,12 @@ async def collect_step(
     `refill`, further rounds of trials follow until it asks for none (dynamic sampling); they are journaled like
     the first. `runner` runs each attempt's trial: here, or on rollout workers (`grpoflow.rollout.workers`).
     `record_workdir`: every trial keeps its task's workdir, so that it can be regraded
-    (`grpoflow.run.regrade`)."""
+    (`grpoflow.run.regrade`). `reward`: which of several verifier rewards scores a trial (`dataset.reward`)."""
     specs = list(specs)
     done = read_journal(details_dir)
 
     async def finished(outcome: TrialOutcome) -> None:
-        samples = policy.to_samples(outcome, to_sample(outcome, run_id, step))
+        samples = policy.to_samples(outcome, to_sample(outcome, run_id, step, reward))
         rollout_id = outcome.spec.rollout_id
         append_trial(details_dir, rollout_id, samples)
         done[rollout_id] = samples
@@ -278,6 +279,7 @@ async def collect_with(
             refill=refill,
             runner=setup.workers.run if setup.workers is not None else run_here,
             record_workdir=cfg.report.regrade_per_task > 0,
+            reward=cfg.dataset.reward_rule(),
         )
     await hooks.finished(label, result)
     return result

@@ -456,3 +456,17 @@ def test_a_train_run_refuses_a_filtered_sampling_an_evaluation_may_use(sampling)
     (problem,) = preflight.sampling_problems(cfg.rollout)
     assert problem.startswith(f"rollout.{next(iter(sampling))}=") and "the trainer scores" in problem
     assert preflight.sampling_problems(parse_run_config({}).rollout) == []
+
+
+def test_harbor_s_docker_environment_needs_compose_v2(tmp_path):
+    # a docker CLI without the compose plugin (Debian's docker.io), and one with it
+    bare, full = tmp_path / "docker-bare", tmp_path / "docker-full"
+    bare.write_text("#!/bin/sh\necho \"docker: '$1' is not a docker command.\" >&2\nexit 1\n")
+    full.write_text('#!/bin/sh\n[ "$1 $2" = "compose version" ] && echo "Docker Compose version v2.29.7"\n')
+    for script in (bare, full):
+        script.chmod(0o755)
+    [problem] = preflight.check_docker_compose(str(bare))
+    assert problem.startswith("rollout.sandbox=docker: Harbor's docker environment needs `docker compose` (v2")
+    assert "\n" not in problem and problem.endswith("or use rollout.sandbox=local")
+    assert preflight.check_docker_compose(str(full)) == []
+    assert preflight.check_docker_compose(str(tmp_path / "no-such-docker")) != []

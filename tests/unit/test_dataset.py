@@ -362,3 +362,25 @@ def test_a_workdir_other_than_the_local_sandboxes_is_refused(dataset_dir: Path) 
 
 def test_the_builtin_tasks_pass_the_local_sandbox_check() -> None:
     assert load_dataset("builtin", local_sandbox=True) == BUILTIN
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (
+            lambda d: (d / "environment" / "docker-compose.yaml").write_text("services: {db: {image: pg}}\n"),
+            "environment/docker-compose.yaml: the local sandbox runs no extra services",
+        ),
+        (
+            lambda d: (d / "task.toml").open("a").write("\n[environment]\ngpus = 1\n"),
+            "[environment] gpus = 1: the local sandbox has no GPU",
+        ),
+    ],
+)
+def test_a_task_needing_more_than_one_sandbox_is_refused_for_the_local_one(
+    dataset_dir: Path, change: Callable[[Path], object], words: str
+) -> None:
+    change(dataset_dir / "beta")
+    [out] = load_dataset(dataset_dir, local_sandbox=True).left_out
+    assert out.name == "beta" and words in out.reason and "\n" not in out.reason
+    assert len(load_dataset(dataset_dir).tasks) == 2  # Harbor's docker environment or a cloud one may run it

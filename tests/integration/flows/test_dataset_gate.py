@@ -223,3 +223,39 @@ def test_task_health_names_what_the_gate_left_out(tmp_path, tiny_model_dir, mixe
     assert "| oracle-fails | left out (oracle-fails) | left out by the gate: oracle-fails |" in health_markdown(
         run_ids, tasks
     )
+
+
+def _two_rewards(root):
+    """A verifier in the shape of Harbor's multi-reward example: reward.json with two keys, none `reward`."""
+    task = root / "two-rewards"
+    for sub in ("environment", "solution", "tests"):
+        (task / sub).mkdir(parents=True)
+    (task / "task.toml").write_text(
+        '[metadata]\ndifficulty = "easy"\ncategory = "file"\n\n[agent]\ntimeout_sec = 60.0\n\n'
+        '[environment]\nnetwork_mode = "no-network"\nworkdir = "/app"\n'
+    )
+    (task / "instruction.md").write_text("Write hi into /app/out.txt.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\nWORKDIR /app\n")
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\necho hi > /app/out.txt\n")
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\nok=0\n"
+        '[ "$(cat /app/out.txt 2>/dev/null)" = hi ] && ok=1\n'
+        'echo "{\\"tests\\": $ok, \\"style\\": 1}" > /logs/verifier/reward.json\n'
+    )
+    return root
+
+
+def test_several_rewards_are_left_out_until_dataset_reward_says_how_to_score_them(tmp_path):
+    dataset = load_dataset(_two_rewards(tmp_path / "tasks"), local_sandbox=True)
+    rollout = parse_run_config({}).rollout
+    [undeclared] = run_gate(dataset, rollout, tmp_path / "cache").tasks
+    assert not undeclared.admitted
+    assert "reward.json has keys ['style', 'tests'] but no `reward`: set dataset.reward" in undeclared.reason
+    # the mean of both: the oracle reaches 1.0, the no-op 0.5 (style only); a cached verdict is per rule
+    mean = parse_run_config({"run_id": "r", "dataset": {"reward": {"tests": 1, "style": 1}}}).dataset.reward_rule()
+    [declared] = run_gate(dataset, rollout, tmp_path / "cache", mean).tasks
+    assert declared.admitted and (declared.oracle_reward, declared.nop_reward) == (1.0, 0.5)
+    # the style key alone: the no-op already scores 1, so the verifier does not check the work
+    style = parse_run_config({"run_id": "r", "dataset": {"reward": "style"}}).dataset.reward_rule()
+    [flat] = run_gate(dataset, rollout, tmp_path / "cache", style).tasks
+    assert not flat.admitted and flat.nop_reward == 1.0

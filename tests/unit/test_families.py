@@ -10,6 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from harbor.lint.models import LintRule
+from harbor.lint.task import lint_task
 
 import grpoflow.prepare.families as families_module
 from grpoflow.prepare.dataset import load_dataset
@@ -107,3 +109,10 @@ def test_a_generated_file_outside_its_task_dir_is_refused(tmp_path: Path, monkey
     monkeypatch.setattr(families_module, "FAMILIES", (escaping,))
     with pytest.raises(ValueError, match="outside its task dir"):
         families_module.write_tasks(tmp_path, 0)
+
+
+def test_generated_tasks_pass_harbor_lint(tmp_path: Path) -> None:
+    # As the hand-written tasks' lint test (tests/unit/test_dataset.py): what Harbor's model would silently ignore.
+    rules = {LintRule.INVALID_TASK_CONFIG, LintRule.UNKNOWN_CONFIG_FIELD, LintRule.INVALID_TASK_FILES}
+    for task in load_dataset("builtin", seed=0, cache_dir=tmp_path).tasks:
+        assert lint_task(task.path, selected_rules=rules) == [], task.name

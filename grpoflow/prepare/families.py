@@ -25,6 +25,7 @@ from grpoflow.fileio import publish_dir
 # Bump whenever what `generate` writes for a seed changes: the cache is keyed by it, and a run's dataset hash too.
 VERSION = 1
 INSTANCES = 4  # per family; the main job evaluates every instance, so this sets its evaluation's cost
+MAX_DRAWS = 1000  # per family: far more than its pools need for `INSTANCES` distinct instances
 
 Params = dict[str, str]
 
@@ -48,8 +49,8 @@ COLUMNS = {  # CSV column -> its values
 }
 
 
-def _file(rng: random.Random, folder: str = "/app") -> str:
-    return f"{folder}/{rng.choice(STEMS)}.{rng.choice(EXTS)}"
+def _file(rng: random.Random) -> str:
+    return f"/app/{rng.choice(STEMS)}.{rng.choice(EXTS)}"
 
 
 def _two_files(rng: random.Random) -> tuple[str, str]:
@@ -57,8 +58,8 @@ def _two_files(rng: random.Random) -> tuple[str, str]:
     return f"/app/{a}.{rng.choice(EXTS)}", f"/app/{b}.{rng.choice(EXTS)}"
 
 
-def _lines(rng: random.Random, n: int, pool: tuple[str, ...] = WORDS) -> str:
-    return "".join(f"{w}\n" for w in rng.sample(pool, n))
+def _lines(rng: random.Random, n: int) -> str:
+    return "".join(f"{w}\n" for w in rng.sample(WORDS, n))
 
 
 def _sentence_lines(rng: random.Random, n: int) -> str:
@@ -386,7 +387,7 @@ def instances(seed: int) -> dict[str, tuple[Family, Params]]:
         rng = random.Random(f"{seed}:{family.name}")
         seen: set[tuple[str, str]] = set()
         n = 0
-        while n < INSTANCES:
+        for _ in range(MAX_DRAWS):
             params = family.draw(rng) | {"wording": str(rng.randrange(len(family.wordings)))}
             key = {(k, params[k]) for k in family.key}
             if key & seen:
@@ -394,6 +395,10 @@ def instances(seed: int) -> dict[str, tuple[Family, Params]]:
             seen |= key
             n += 1
             out[f"{family.name}-{n}"] = (family, params)
+            if n == INSTANCES:
+                break
+        else:  # a family whose pools are too small must fail here, not hang prepare
+            raise ValueError(f"family {family.name}: {MAX_DRAWS} draws gave {n} of {INSTANCES} distinct instances")
     return out
 
 

@@ -116,3 +116,10 @@ def test_generated_tasks_pass_harbor_lint(tmp_path: Path) -> None:
     rules = {LintRule.INVALID_TASK_CONFIG, LintRule.UNKNOWN_CONFIG_FIELD, LintRule.INVALID_TASK_FILES}
     for task in load_dataset("builtin", seed=0, cache_dir=tmp_path).tasks:
         assert lint_task(task.path, selected_rules=rules) == [], task.name
+
+
+def test_a_family_too_small_for_its_instances_stops_with_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    one_path = dataclasses.replace(FAMILIES[1], draw=lambda rng: {"path": "/app/out"})
+    monkeypatch.setattr(families_module, "FAMILIES", (one_path,))
+    with pytest.raises(ValueError, match=r"family make-dir: 1000 draws gave 1 of 4 distinct instances"):
+        instances(0)

@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--wait", type=float, default=600.0, help="engine.outage_wait_s")
     args = ap.parse_args()
     model_path = prepare_model(args.model).path
-    prompts = [p for p in build_prompts(load_dataset("builtin"), 0, 0.0) if p.metadata["difficulty"] == "easy"]
+    prompts = [p for p in build_prompts(load_dataset("builtin-fixed"), 0, 0.0) if p.metadata["difficulty"] == "easy"]
     prompts = prompts[: args.prompts]
     with tempfile.TemporaryDirectory() as tmp, start_embedded_engine(model_path, seed=0, threads=1) as engine:
         rows = {o: one_step(engine.url, model_path, prompts, o, Path(tmp), args) for o in args.outages}

@@ -76,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model_path = prepare_model(args.model).path
-    tasks = [p for p in build_prompts(load_dataset("builtin"), 0, 0.0) if p.metadata["difficulty"] == "easy"]
+    tasks = [p for p in build_prompts(load_dataset("builtin-fixed"), 0, 0.0) if p.metadata["difficulty"] == "easy"]
     per_prompt = 4
     prompts = (tasks * args.trials)[: max(1, args.trials // per_prompt)]
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))

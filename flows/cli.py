@@ -81,7 +81,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-id", help="run id (lowercase letters, digits, dashes); default: timestamp + hash")
     p.add_argument("--seed", type=int)
     p.add_argument("--model", help="smollm2-135m-instruct, a local HF model dir, or a .gguf file")
-    p.add_argument("--dataset", help="directory of Harbor tasks, or `builtin`")
+    p.add_argument("--dataset", help="directory of Harbor tasks, `builtin` (generated families) or `builtin-fixed`")
     p.add_argument("--output-dir", help="where run dirs go (default: runs)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, repeatable")
 
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the dataset gate on --dataset instead (as prepare does): each task's oracle and a no-op agent "
         "once, in the sandbox of rollout.sandbox; print the tasks left out and why (verdicts cached)",
     )
-    p.add_argument("--dataset", help="with --validate: directory of Harbor tasks, or `builtin`")
+    p.add_argument("--dataset", help="with --validate: directory of Harbor tasks, `builtin` or `builtin-fixed`")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="with --validate: dotted override, repeatable")
     return parser
 

@@ -85,7 +85,8 @@ with warnings.catch_warnings():
             "builtin",
             min_length=1,
             description="Directory of Harbor task directories (task.toml, instruction.md, tests/, solution/, "
-            "environment/), or `builtin` for grpoflow's own offline task set.",
+            "environment/), `builtin` for grpoflow's own task families, generated from the run's seed "
+            "(docs/builtin-tasks.md), or `builtin-fixed` for its hand-written tasks.",
         )
         validate: bool | None = Field(
             None,

@@ -9,8 +9,11 @@ the task dir: `load_task` raises it as a `DatasetError`; `load_dataset` leaves s
 left. For the local sandbox a task whose Dockerfile asks for more than that sandbox reproduces is left out the
 same way (`grpoflow.prepare.dockerfile`): it would run in the wrong environment.
 
-The built-in dataset ships in `grpoflow/data/tasks` (`load_dataset("builtin")`). Its tasks that need input
-files keep them in `environment/app/`; the sandbox copies that folder into `/app` before the agent starts.
+The built-in dataset (`load_dataset("builtin", seed=...)`) is task families generated from the run's seed into a
+cache dir (`grpoflow.prepare.families`): several instances per family, so one memorised command solves no family.
+The hand-written tasks it grew from, one fixed instance each, ship in `grpoflow/data/tasks`
+(`load_dataset("builtin-fixed")`); the test suite uses them as its fixture tasks. Tasks that need input files keep
+them in `environment/app/`; the sandbox copies that folder into `/app` before the agent starts.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from pydantic import ValidationError
 from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import sha256_tree
 from grpoflow.prepare.dockerfile import local_sandbox_problem, workdir_problem
+from grpoflow.prepare.families import generate
+from grpoflow.prepare.model import default_cache_dir
 from grpoflow.prepare.task_files import check_task_times, check_task_tree
 
-BUILTIN = "builtin"
+BUILTIN = "builtin"  # the generated task families
+BUILTIN_FIXED = "builtin-fixed"  # the hand-written tasks of grpoflow/data/tasks
 MAX_INSTRUCTION_BYTES = 64 * 1024
 # Values the built-in tasks use; other datasets may use their own (Harbor does not constrain metadata).
 DIFFICULTIES = ("easy", "medium", "hard")
@@ -83,27 +89,40 @@ class Dataset:
 
 
 def builtin_dataset_path() -> Path:
-    """The packaged task directories (`grpoflow/data/tasks`)."""
+    """The packaged hand-written task directories (`grpoflow/data/tasks`, the dataset `builtin-fixed`)."""
     return Path(__file__).resolve().parents[1] / "data" / "tasks"
 
 
 def is_builtin(path: str | Path) -> bool:
-    """`path` names the built-in task set (the string "builtin" or its directory)."""
-    if isinstance(path, str) and path == BUILTIN:
+    """`path` names a task set of grpoflow's own (`builtin`, `builtin-fixed` or the latter's directory), whose
+    tasks the test suite proves."""
+    if isinstance(path, str) and path in (BUILTIN, BUILTIN_FIXED):
         return True
     return Path(path).expanduser().resolve() == builtin_dataset_path()
 
 
-def load_dataset(path: str | Path, *, local_sandbox: bool = False) -> Dataset:
-    """Load and validate every task dir under `path` (or the built-in set for the string "builtin").
+def dataset_root(path: str | Path, seed: int = 0, cache_dir: Path | None = None) -> Path:
+    """The directory a dataset name stands for: `builtin` is `seed`'s generated families (written into
+    `cache_dir`, by default grpoflow's cache, on first use), `builtin-fixed` the packaged tasks, else `path`."""
+    if isinstance(path, str) and path == BUILTIN:
+        return generate(seed, Path(cache_dir or default_cache_dir()))
+    if isinstance(path, str) and path == BUILTIN_FIXED:
+        return builtin_dataset_path()
+    return Path(path)
+
+
+def load_dataset(
+    path: str | Path, *, local_sandbox: bool = False, seed: int = 0, cache_dir: Path | None = None
+) -> Dataset:
+    """Load and validate every task dir under `path` (or under `dataset_root`'s dir for `builtin`, generated from
+    `seed`, and `builtin-fixed`).
 
     Every non-hidden subdirectory of `path` is a task dir. One that is malformed (or, with `local_sandbox`, whose
     environment the local sandbox does not reproduce) is left out with its reason (`Dataset.left_out`); when none
     is left, `DatasetError` says why in one line. A dataset-wide problem (no such dir, a task dir linked from
     outside it, two tasks of one name) raises at once.
     """
-    root = builtin_dataset_path() if isinstance(path, str) and path == BUILTIN else Path(path)
-    root = root.expanduser().resolve()
+    root = dataset_root(path, seed, cache_dir).expanduser().resolve()
     if not root.is_dir():
         raise DatasetError(f"{root}: dataset directory does not exist or is not a directory")
     task_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not _is_hidden(p))

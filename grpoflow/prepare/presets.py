@@ -34,13 +34,14 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "embedded-default",
             "The main job (`grpoflow main`): SmolLM2-135M on the embedded CPU engine and the local sandbox, "
-            "trained on the built-in easy tasks (the only ones on which the 135M model earns rewards often enough "
-            "for GRPO groups to have spread), evaluated before and after with 8 trials per prompt; at the end, 2 "
-            "trials of each task are regraded to catch flaky verifiers.",
+            "trained on the built-in easy task families (the only ones on which the 135M model earns rewards often "
+            "enough for GRPO groups to have spread; 7 families of 4 instances, split by family), evaluated before "
+            "and after with 2 trials per instance (56 trials, as 8 on each of the 7 fixed tasks before); at the "
+            "end, 2 trials of each task are regraded to catch flaky verifiers.",
             {
                 "prompts": {"difficulties": ["easy"]},
                 "rollout": {"max_turns": 3},
-                "train": {"learning_rate": 5e-5, "eval_samples_per_prompt": 8},
+                "train": {"learning_rate": 5e-5, "eval_samples_per_prompt": 2},
                 "report": {"regrade_per_task": 2},
             },
         ),

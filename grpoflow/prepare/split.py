@@ -63,7 +63,7 @@ def families(tasks: Sequence[TaskSpec], rule: FamilyRule) -> dict[str, list[Task
 def resolve_split_by(tasks: Sequence[TaskSpec], split_by: str, rule: FamilyRule) -> SplitBy:
     """`prompts.split_by` with `auto` resolved: `family` when the tasks are grouped at all (a declared family,
     or two names of one family), since a split by task would then put siblings on both sides; else `task`, which
-    keeps the per-difficulty split of datasets whose tasks all stand alone (the built-in one)."""
+    keeps the per-difficulty split of datasets whose tasks all stand alone (`builtin-fixed`)."""
     if split_by in ("task", "family"):
         return split_by  # type: ignore[return-value]
     if any(rule.declares(t) for t in tasks):

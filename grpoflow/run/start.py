@@ -43,17 +43,20 @@ def gate_wanted(cfg: RunConfig) -> bool:
     return cfg.dataset.validate if cfg.dataset.validate is not None else not is_builtin(cfg.dataset.path)
 
 
-def load_run_dataset(cfg: RunConfig) -> Dataset:
+def load_run_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> Dataset:
     """The dataset as the run's sandbox sees it: for the local sandbox, tasks whose environment it does not
-    reproduce are left out (`grpoflow.prepare.dockerfile`)."""
-    return load_dataset(cfg.dataset.path, local_sandbox=cfg.rollout.sandbox == "local")
+    reproduce are left out (`grpoflow.prepare.dockerfile`). The built-in one is generated from the run's seed (into
+    `cache_dir`), so a resumed run finds the very tasks it started with."""
+    return load_dataset(
+        cfg.dataset.path, local_sandbox=cfg.rollout.sandbox == "local", seed=cfg.seed, cache_dir=cache_dir
+    )
 
 
 def gate_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> tuple[Dataset, GateReport]:
     """Load the dataset and run the dataset gate on it (`grpoflow.scoring.gate`; unless `gate_wanted` says no):
     the admitted tasks, and every task dir's verdict. Prints the gate's table (one line per task left out); a
     dataset with nothing left raises `DatasetError` in one line, after the table."""
-    dataset = load_run_dataset(cfg)
+    dataset = load_run_dataset(cfg, cache_dir)
     if gate_wanted(cfg):
         report = run_gate(dataset, cfg.rollout, Path(cache_dir or default_cache_dir()), cfg.dataset.reward_rule())
     else:
@@ -139,7 +142,7 @@ def reopen_run(cfg: RunConfig, cache_dir: Path | None = None) -> PreparedRun:
     paths = RunPaths(cfg.run_dir)
     info = read_run_info(paths)
     model = prepare_model(cfg.model.source, cache_dir)
-    dataset = load_run_dataset(cfg)  # not gated again: prompts.jsonl already holds only the admitted tasks
+    dataset = load_run_dataset(cfg, cache_dir)  # not gated again: prompts.jsonl already holds only the admitted tasks
     then_model, then_data = info.model.weights_sha256, info.dataset.sha256
     if then_model != model.weights_sha256:
         raise RunDirError(

@@ -467,6 +467,7 @@ def test_train_flow_on_e2b_writes_the_key_nowhere(
             "run_id": "leak-1",
             "output_dir": str(tmp_path / "runs"),
             "model": {"source": str(tiny_model_dir)},
+            "dataset": {"path": "builtin-fixed"},
             "rollout": {
                 "sandbox": "e2b",
                 "sandbox_api_key_file": str(key_file),

@@ -37,6 +37,7 @@ def _config(model_dir, ranks, sharding, **train):
         {
             "run_id": "fsdp",
             "model": {"source": str(model_dir)},
+            "dataset": {"path": "builtin-fixed"},
             "train": {"learning_rate": 1e-5, "sharding": sharding, **train},
             "cluster": {"train_ranks": ranks},
         }

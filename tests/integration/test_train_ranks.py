@@ -20,6 +20,7 @@ def _config(tiny_model_dir, ranks, **train):
         {
             "run_id": "dp",
             "model": {"source": str(tiny_model_dir)},
+            "dataset": {"path": "builtin-fixed"},
             # Adam turns rounding in a ~0 gradient into ~lr; replicated ranks (the sharded ones: test_train_fsdp.py)
             "train": {"learning_rate": 1e-5, "sharding": "replicate", **train},
             "cluster": {"train_ranks": ranks},

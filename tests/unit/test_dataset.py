@@ -23,7 +23,7 @@ from grpoflow.prepare.dataset import (
     load_dataset,
 )
 
-BUILTIN = load_dataset("builtin")
+BUILTIN = load_dataset("builtin-fixed")
 
 
 def _write_task(task_dir: Path, toml: str | None = None) -> Path:
@@ -110,7 +110,7 @@ def test_builtin_task_passes_harbor_lint(task) -> None:
 
 
 def test_hash_is_stable_and_independent_of_location(tmp_path: Path) -> None:
-    assert load_dataset("builtin").sha256 == BUILTIN.sha256
+    assert load_dataset("builtin-fixed").sha256 == BUILTIN.sha256
     copy = tmp_path / "copy"
     shutil.copytree(builtin_dataset_path(), copy)
     assert load_dataset(copy).sha256 == BUILTIN.sha256
@@ -361,7 +361,7 @@ def test_a_workdir_other_than_the_local_sandboxes_is_refused(dataset_dir: Path) 
 
 
 def test_the_builtin_tasks_pass_the_local_sandbox_check() -> None:
-    assert load_dataset("builtin", local_sandbox=True) == BUILTIN
+    assert load_dataset("builtin-fixed", local_sandbox=True) == BUILTIN
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from grpoflow.prepare.prompts import build_prompts, load_prompts, write_prompts
 
 @pytest.fixture(scope="module")
 def builtin():
-    return load_dataset("builtin")
+    return load_dataset("builtin-fixed")
 
 
 def test_one_record_per_task_with_instruction_and_metadata(builtin):

@@ -114,7 +114,7 @@ def test_auto_is_family_when_the_dataset_groups_tasks_else_task():
     rule = FamilyRule()
     assert resolve_split_by(variants().tasks, "auto", rule) == "family"  # siblings by name
     assert resolve_split_by(declared().tasks, "auto", rule) == "family"  # declared
-    builtin = load_dataset("builtin")
+    builtin = load_dataset("builtin-fixed")
     assert resolve_split_by(builtin.tasks, "auto", rule) == "task"
     # the built-in set keeps today's split by difficulty, and its records gain no split metadata
     recs = build_prompts(builtin, 0, 0.25)

@@ -21,6 +21,7 @@ def _cfg(tmp_path, model, run_id, rollout=None, train=None, **over):
             "run_id": run_id,
             "output_dir": str(tmp_path),
             "model": {"source": str(model)},
+            "dataset": {"path": "builtin-fixed"},
             "rollout": {
                 "prompts_per_step": 2,
                 "n_samples_per_prompt": 2,

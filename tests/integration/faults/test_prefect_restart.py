@@ -82,6 +82,7 @@ def test_prefect_server_restart_during_rollout(tmp_path, tiny_model_dir):
         "run_id": "restart",
         "output_dir": str(tmp_path / "runs"),
         "model": {"source": str(tiny_model_dir)},
+        "dataset": {"path": "builtin-fixed"},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, "max_turns": 1},
         "train": {"steps": 4, "learning_rate": 1e-3, "save_interval": 1, "eval_samples_per_prompt": 0},
     }

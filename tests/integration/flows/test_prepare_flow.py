@@ -22,7 +22,14 @@ def _artifact(key: str):
 
 
 def test_prepare_flow_records_the_run_and_a_summary_artifact(tiny_model_dir, tmp_path):
-    cfg = parse_run_config({"run_id": "flow-1", "output_dir": str(tmp_path), "model": {"source": str(tiny_model_dir)}})
+    cfg = parse_run_config(
+        {
+            "run_id": "flow-1",
+            "output_dir": str(tmp_path),
+            "model": {"source": str(tiny_model_dir)},
+            "dataset": {"path": "builtin-fixed"},
+        }
+    )
     run = prepare_flow(cfg)
     root = tmp_path / "flow-1"
     assert {p.name for p in root.iterdir()} == {"config.json", "run.json", "prompts.jsonl", "gate.json"}

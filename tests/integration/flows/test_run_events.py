@@ -11,7 +11,14 @@ pytestmark = pytest.mark.flow
 
 
 def test_prepare_emits_completed_then_failed_for_a_taken_run_dir(tmp_path, tiny_model_dir):
-    cfg = parse_run_config({"run_id": "ev-1", "output_dir": str(tmp_path), "model": {"source": str(tiny_model_dir)}})
+    cfg = parse_run_config(
+        {
+            "run_id": "ev-1",
+            "output_dir": str(tmp_path),
+            "model": {"source": str(tiny_model_dir)},
+            "dataset": {"path": "builtin-fixed"},
+        }
+    )
     prepare_flow(cfg)
     with pytest.raises(PreflightError):
         prepare_flow(cfg)  # the run dir exists now

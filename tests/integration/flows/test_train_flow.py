@@ -21,6 +21,7 @@ def _cfg(tmp_path, model, run_id, evals=0, **over):
             "run_id": run_id,
             "output_dir": str(tmp_path),
             "model": {"source": str(model)},
+            "dataset": {"path": "builtin-fixed"},
             "prompts": {"difficulties": ["easy"]},
             "rollout": {
                 "prompts_per_step": 2,

@@ -71,7 +71,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_for_the_shell_agent_o
     config = model_dir / "tokenizer_config.json"
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
     model = prepare_model(str(model_dir))  # it closes turns with <|im_end|>: fine for the session server
-    dataset = load_dataset("builtin")
+    dataset = load_dataset("builtin-fixed")
     for harness, refused in (("shell", True), ("terminus-2", False)):
         cfg = parse_run_config(
             {"run_id": harness, "output_dir": str(tmp_path / "runs"), "rollout": {"harness": harness}}

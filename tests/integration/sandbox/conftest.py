@@ -42,7 +42,7 @@ def make_sandbox(bwrap: str, tmp_path: Path, sandbox_dirs: Path) -> Iterator[Cal
     Every sandbox made here is stopped (deleted) at teardown, even when the test failed half-way.
     """
     made: list[LocalSandbox] = []
-    tasks = load_dataset("builtin")
+    tasks = load_dataset("builtin-fixed")
 
     def make(task_name: str = "copy-file", cls: type[LocalSandbox] = LocalSandbox, **kwargs: Any) -> LocalSandbox:
         task = Task(tasks.by_name(task_name).path)

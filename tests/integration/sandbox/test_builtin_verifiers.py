@@ -37,7 +37,7 @@ from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.prepare.dataset import TaskSpec, load_dataset
 from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH
 
-TASKS = load_dataset("builtin").tasks
+TASKS = load_dataset("builtin-fixed").tasks
 CONCURRENCY = 8  # as in test_sandbox_harbor.py: each trial mostly waits on short bwrap processes
 ENV_PATHS = EnvironmentPaths.for_os(TaskOS.LINUX)
 PLANT_REWARDS = f"echo 1 > {ENV_PATHS.reward_text_path} && echo '{{\"reward\": 1}}' > {ENV_PATHS.reward_json_path}"

@@ -21,7 +21,7 @@ from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH, is_sandbox_
 from tests.fakes.faulty_sandbox import FAULTY_SANDBOX_IMPORT_PATH
 from tests.integration.sandbox.sandbox_helpers import new_marker, wait_gone
 
-TASKS = load_dataset("builtin").tasks
+TASKS = load_dataset("builtin-fixed").tasks
 CONCURRENCY = 8  # 2 cores here; each trial is mostly waiting on short bwrap processes
 
 

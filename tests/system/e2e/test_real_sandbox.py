@@ -79,6 +79,7 @@ def test_oracle_trials_on_the_real_sandbox_are_verified(prefect_server, tmp_path
             "run_id": f"e2e-{SANDBOX}-{new_run_id()}",
             "output_dir": str(tmp_path / "runs"),
             "model": {"source": str(tiny_model_dir)},
+            "dataset": {"path": "builtin-fixed"},
             "rollout": rollout,
         }
     )

@@ -45,7 +45,7 @@ def gate_wanted(cfg: RunConfig) -> bool:
 
 def load_run_dataset(cfg: RunConfig) -> Dataset:
     """The dataset as the run's sandbox sees it: for the local sandbox, tasks whose environment it does not
-    reproduce are left out (`grpoflow.prepare.dockerfile`)."""
+    reproduce are left out (`grpoflow.dockerfile`)."""
     return load_dataset(cfg.dataset.path, local_sandbox=cfg.rollout.sandbox == "local")
 
 

@@ -37,6 +37,8 @@ from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
 from grpoflow.embedded.sandbox.images import TaskImage, task_image
 from grpoflow.embedded.sandbox.orphans import claim
 from grpoflow.embedded.sandbox.processes import (
+    PRLIMIT,
+    SETPRIV,
     CappedOutput,
     allocate_uid,
     drain,
@@ -478,6 +480,14 @@ class LocalSandbox(BaseEnvironment):
             raise
         if image.built:
             shutil.copyfile(image.build_log, keep)
+        # The rlimits and the drop to the sandbox uid run inside the sandbox, so from the image's own util-linux.
+        needed = (PRLIMIT, SETPRIV) if os.geteuid() == 0 else (PRLIMIT,)
+        missing = [tool for tool in needed if not os.path.lexists(image.rootfs / tool.lstrip("/"))]
+        if missing:
+            raise ImageBuildError(
+                f"sandbox for {self.session_id}: the image has no {' or '.join(missing)}, which the sandbox runs to "
+                "apply its limits (install util-linux in the Dockerfile)"
+            )
         if self.task_env_config.workdir is None:
             self._workdir = image.workdir or DEFAULT_WORKDIR
         try:

@@ -5,10 +5,16 @@ writes outside the trial, no process outliving its exec). `make_sandbox` here ma
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from grpoflow.embedded.sandbox.local import LocalSandbox
+from grpoflow.rollout.environments import ImageBuildError
+from tests.integration.docker.conftest import DOCKER_TASK, TASKS
+from tests.integration.sandbox.conftest import sandbox_factory
 from tests.integration.sandbox.test_sandbox_isolation import (  # noqa: F401  (collected here, on the image)
     test_background_processes_do_not_outlive_the_exec,
     test_cannot_read_planted_host_secrets,
@@ -41,3 +47,15 @@ def test_the_trial_runs_in_the_image_and_its_writes_stay_in_the_trial(
     assert (tree / "workspace" / "sales.csv").read_text().startswith("item,amount")
     assert not (tree / "workspace" / "new.txt").exists() and not (tree / "usr" / "bin" / "x").exists()
     assert Path(first.trial_paths.trial_dir).is_dir()
+
+
+def test_an_image_without_util_linux_fails_at_start_in_one_line(image_cache: Path, tmp_path: Path) -> None:
+    """The rlimits and the uid drop run from the image's /usr/bin: without them no command may run at all."""
+    task = shutil.copytree(TASKS / DOCKER_TASK, tmp_path / "bare")
+    (task / "environment" / "Dockerfile").write_text("FROM scratch\nCOPY data/ /workspace/\n")
+    factory = sandbox_factory(lambda _: task, "bare", tmp_path, image_cache_dir=str(image_cache))
+    make = next(factory)
+    with pytest.raises(ImageBuildError, match="the image has no /usr/bin/prlimit") as info:
+        asyncio.run(make().start(force_build=False))
+    assert "\n" not in str(info.value)
+    next(factory, None)  # stops what it made

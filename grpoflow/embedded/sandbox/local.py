@@ -18,6 +18,7 @@ the per-trial tree, `processes` runs and reaps the host processes.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -469,8 +470,9 @@ class LocalSandbox(BaseEnvironment):
     # ---- start: the per-trial tree ------------------------------------------------------------------------
 
     def _use_image(self) -> None:
-        """Build (or find in the cache) the task's image and make its tree the sandbox's base; a copy of the
-        build log goes to the trial dir when this trial built it or the build failed."""
+        """Build (or find in the cache) the task's image and make its tree the sandbox's base. The trial dir gets
+        environment-image.json (tag, tree, build log) and a copy of the build log when this trial built it or the
+        build failed."""
         keep = Path(self.trial_paths.trial_dir) / "environment-build.log"
         try:
             image = self.image = task_image(self.environment_dir, self.image_cache_dir)
@@ -480,6 +482,9 @@ class LocalSandbox(BaseEnvironment):
             raise
         if image.built:
             shutil.copyfile(image.build_log, keep)
+        # Every trial says which image it ran in and where its build log is (a copy only where it was built).
+        record = {"tag": image.tag, "tree": str(image.rootfs), "build_log": str(image.build_log), "built": image.built}
+        (keep.parent / "environment-image.json").write_text(json.dumps(record, indent=1) + "\n")
         # The rlimits and the drop to the sandbox uid run inside the sandbox, so from the image's own util-linux.
         needed = (PRLIMIT, SETPRIV) if os.geteuid() == 0 else (PRLIMIT,)
         missing = [tool for tool in needed if not os.path.lexists(image.rootfs / tool.lstrip("/"))]

@@ -5,6 +5,7 @@ writes outside the trial, no process outliving its exec). `make_sandbox` here ma
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +47,8 @@ def test_the_trial_runs_in_the_image_and_its_writes_stay_in_the_trial(
     tree = first.image.rootfs
     assert (tree / "workspace" / "sales.csv").read_text().startswith("item,amount")
     assert not (tree / "workspace" / "new.txt").exists() and not (tree / "usr" / "bin" / "x").exists()
-    assert Path(first.trial_paths.trial_dir).is_dir()
+    record = json.loads((Path(first.trial_paths.trial_dir) / "environment-image.json").read_text())
+    assert record["tag"] == first.image.tag and Path(record["build_log"]).is_file()
 
 
 def test_an_image_without_util_linux_fails_at_start_in_one_line(image_cache: Path, tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 # The README's two commands: `./run.sh main` (the main job on the embedded default) and `./run.sh test`.
 # Each one first makes sure the environment exists: Python >= 3.12 in .venv with the pinned dependencies
 # (re-installed when pyproject.toml changes), and the system tools the local sandbox needs (bubblewrap, tmux);
-# `test` also installs chromium for the browser test of the Prefect UI.
+# `test` also installs chromium for the browser test of the Prefect UI, and Docker (engine started, base image
+# built) for the tests of tasks built from their Dockerfile.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -44,6 +45,18 @@ ensure_test_tools() {
     echo "run.sh: installing npm (the claude-code and opencode tests install their CLIs with it)" >&2
     apt_install npm || echo "run.sh: could not install npm; the claude-code and opencode tests will be skipped" >&2
   fi
+  # Tasks built from their Dockerfile (tests/integration/docker/): a Docker engine and the Debian base image that
+  # their FROM lines name (no registry serves images here). Not needed by the main job. A failure does not stop the
+  # suite: those tests fail with the reason.
+  local docker_missing=()
+  command -v dockerd >/dev/null 2>&1 || docker_missing+=(docker.io)
+  command -v debootstrap >/dev/null 2>&1 || docker_missing+=(debootstrap)
+  if [ ${#docker_missing[@]} -gt 0 ]; then
+    echo "run.sh: installing ${docker_missing[*]} (the Dockerfile-task tests build images with them)" >&2
+    apt_install "${docker_missing[@]}" || echo "run.sh: could not install ${docker_missing[*]}" >&2
+  fi
+  scripts/docker-env.sh ||
+    echo "run.sh: Docker is not ready (reason above); the tests in tests/integration/docker/ will fail with it" >&2
 }
 
 ensure_venv() {

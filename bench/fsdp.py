@@ -63,7 +63,7 @@ def report_peak(state, out_dir: str) -> None:
 
 
 def on_every_rank(state, fn, *args) -> None:
-    from grpoflow.train.ranks import on_other_ranks
+    from grpoflow.train.parallel import on_other_ranks
 
     with on_other_ranks(state, fn, *args):
         fn(state, *args)

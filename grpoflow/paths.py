@@ -148,3 +148,8 @@ def create_run_dir(output_dir: str | Path, run_id: str) -> RunPaths:
     except OSError as err:
         raise RunDirError(f"cannot create run dir {root}: {err.strerror}") from None
     return RunPaths(root)
+
+
+def default_cache_dir() -> Path:
+    """Where prepared models, gate verdicts, CLIs and task images are cached: $GRPOFLOW_CACHE or ~/.cache/grpoflow."""
+    return Path(os.environ.get("GRPOFLOW_CACHE", Path.home() / ".cache" / "grpoflow"))

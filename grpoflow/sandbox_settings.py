@@ -25,6 +25,9 @@ class LocalSandboxSettings(BaseModel):
     process_scope: Literal["exec", "trial"] = Field(
         "exec", description="`exec`: processes die with their exec; `trial`: they live until the agent phase ends."
     )
+    image_cache_dir: str | None = Field(
+        None, min_length=1, description="Where Dockerfile-built task images are unpacked (default: the cache)."
+    )
 
 
 # What `sandbox_kwargs_problem` checks against: a test sandbox that takes more keywords puts its own model here.

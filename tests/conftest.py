@@ -24,3 +24,10 @@ def faulty_sandbox(monkeypatch):
     monkeypatch.setattr("grpoflow.rollout.sandbox.LOCAL_SANDBOX_IMPORT_PATH", FAULTY_SANDBOX_IMPORT_PATH)
     monkeypatch.setattr("grpoflow.sandbox_settings.SETTINGS", FaultySandboxSettings)  # its kwargs pass
     return FAULTY_SANDBOX_IMPORT_PATH
+
+
+@pytest.fixture
+def no_docker_engine(monkeypatch, tmp_path):
+    """No Docker engine answers (DOCKER_HOST at a socket nobody listens on): tasks that need an image built are
+    refused at prepare, whatever this machine runs."""
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")

@@ -7,7 +7,7 @@ task we load is a task Harbor will run. Problems surface here, before any rollou
 the task dir: `load_task` raises it as a `DatasetError`; `load_dataset` leaves such a task out with its reason
 (`Dataset.left_out`), so one malformed task among thousands does not stop a run, and fails only when no task is
 left. For the local sandbox a task whose Dockerfile asks for more than that sandbox reproduces is left out the
-same way (`grpoflow.prepare.dockerfile`): it would run in the wrong environment.
+same way (`grpoflow.dockerfile`): it would run in the wrong environment.
 
 The built-in dataset (`load_dataset("builtin", seed=...)`) is task families generated from the run's seed into a
 cache dir (`grpoflow.prepare.families`): several instances per family, so one memorised command solves no family.
@@ -28,11 +28,11 @@ from harbor.models.task.config import TaskConfig
 from harbor.models.task.task import Task, strip_canary
 from pydantic import ValidationError
 
+from grpoflow.dockerfile import local_sandbox_problem, workdir_problem
 from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import sha256_tree
-from grpoflow.prepare.dockerfile import local_sandbox_problem, workdir_problem
+from grpoflow.paths import default_cache_dir
 from grpoflow.prepare.families import generate
-from grpoflow.prepare.model import default_cache_dir
 from grpoflow.prepare.task_files import check_task_times, check_task_tree
 
 BUILTIN = "builtin"  # the generated task families

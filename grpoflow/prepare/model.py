@@ -23,6 +23,7 @@ from pathlib import Path
 
 from grpoflow.errors import ModelError, one_line
 from grpoflow.fileio import publish_dir, sha256_file, sha256_tree, write_json_atomic
+from grpoflow.paths import default_cache_dir
 from grpoflow.prepare.weights import safetensors_problem
 from grpoflow.tokens import TemplateError, turn_end
 
@@ -56,10 +57,6 @@ class PreparedModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("GRPOFLOW_CACHE", Path.home() / ".cache" / "grpoflow"))
 
 
 def prepare_model(source: str, cache_dir: Path | None = None) -> PreparedModel:

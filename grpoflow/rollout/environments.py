@@ -8,6 +8,8 @@ name only, so the predicate works on names.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from harbor.models.trial.error_policy import ERROR_POLICIES, FailureCause
 
 from grpoflow.errors import GrpoflowError
@@ -33,6 +35,15 @@ class SandboxDiedError(SandboxError):
     after stop())."""
 
 
+class ImageBuildError(SandboxStartError):
+    """The task's image could not be built from its Dockerfile (or unpacked): a sandbox failure of that task, with
+    the builder's last lines, never a reward. `log`: the builder's full output, when the build ran."""
+
+    def __init__(self, message: str, log: Path | None = None):
+        super().__init__(message)
+        self.log = log
+
+
 class SandboxUnavailableError(GrpoflowError):
     """This machine cannot run the sandbox at all (bubblewrap or util-linux missing).
 
@@ -42,7 +53,7 @@ class SandboxUnavailableError(GrpoflowError):
 
 # Our transient types, by name: Harbor stores only the class name of the exception that ended a trial.
 OUR_SANDBOX_FAILURES: frozenset[str] = frozenset(
-    {SandboxError.__name__, SandboxStartError.__name__, SandboxDiedError.__name__}
+    {SandboxError.__name__, SandboxStartError.__name__, SandboxDiedError.__name__, ImageBuildError.__name__}
 )
 # Harbor's own table of what counts as a sandbox fault (environment start timeout, healthcheck, build failure,
 # agent-setup timeout, tests upload / verifier download failures, provider exec-stream errors...). Read from

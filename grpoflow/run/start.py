@@ -45,7 +45,7 @@ def gate_wanted(cfg: RunConfig) -> bool:
 
 def load_run_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> Dataset:
     """The dataset as the run's sandbox sees it: for the local sandbox, tasks whose environment it does not
-    reproduce are left out (`grpoflow.prepare.dockerfile`). The built-in one is generated from the run's seed (into
+    reproduce are left out (`grpoflow.dockerfile`). The built-in one is generated from the run's seed (into
     `cache_dir`), so a resumed run finds the very tasks it started with."""
     return load_dataset(
         cfg.dataset.path, local_sandbox=cfg.rollout.sandbox == "local", seed=cfg.seed, cache_dir=cache_dir

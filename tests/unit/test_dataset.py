@@ -339,6 +339,7 @@ def test_a_dockerfile_the_local_sandbox_reproduces_is_accepted(dataset_dir: Path
     assert [t.name for t in load_dataset(dataset_dir, local_sandbox=True).tasks] == ["alpha", "beta"]
 
 
+@pytest.mark.usefixtures("no_docker_engine")
 @pytest.mark.parametrize(("dockerfile", "line", "words"), LOCAL_REFUSED)
 def test_a_dockerfile_beyond_the_local_sandbox_is_refused_naming_file_and_line(
     dataset_dir: Path, dockerfile: str, line: int, words: str
@@ -349,6 +350,7 @@ def test_a_dockerfile_beyond_the_local_sandbox_is_refused_naming_file_and_line(
     assert [t.name for t in ds.tasks] == ["alpha"] and out.name == "beta"
     assert f"environment/Dockerfile:{line}: " in out.reason and words in out.reason and "\n" not in out.reason
     assert str((dataset_dir / "beta").resolve()) in out.reason
+    assert "no Docker engine answers" in out.reason
     # other sandboxes build the image themselves: nothing to refuse there
     assert len(load_dataset(dataset_dir).tasks) == 2
 

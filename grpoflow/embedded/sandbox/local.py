@@ -8,13 +8,17 @@ read-only, its own /app, /logs, /tests, /solution, /tmp, rlimits and (as root) a
 through a unix socket (`bridge`); with `cli_dir` a host dir of npm-installed CLIs is shown read-only and put on
 PATH (claude-code, opencode: installed once by prepare, since the sandbox cannot reach npm). Failing to start or
 set up raises `SandboxStartError` / `SandboxDiedError` (retried); bwrap missing
-raises `SandboxUnavailableError` (not retried). The filesystem, isolation, lifetimes and failures in detail:
-docs/embedded.md. `rootfs` builds the per-trial tree, `processes` runs and reaps the host processes.
+raises `SandboxUnavailableError` (not retried). A task whose Dockerfile does more than the host rootfs reproduces
+(`grpoflow.dockerfile`) runs on its image's exported tree instead of the host's /usr, with the image's
+WORKDIR and ENV (`images`: built with Docker once per build context; a failed build is an `ImageBuildError`, a
+sandbox failure). The filesystem, isolation, lifetimes and failures in detail: docs/embedded.md. `rootfs` builds
+the per-trial tree, `processes` runs and reaps the host processes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -29,9 +33,13 @@ from harbor.environments.capabilities import (
 )
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 
+from grpoflow.dockerfile import host_rootfs_problem
 from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
+from grpoflow.embedded.sandbox.images import TaskImage, task_image
 from grpoflow.embedded.sandbox.orphans import claim
 from grpoflow.embedded.sandbox.processes import (
+    PRLIMIT,
+    SETPRIV,
     CappedOutput,
     allocate_uid,
     drain,
@@ -52,7 +60,9 @@ from grpoflow.embedded.sandbox.processes import (
     stop_holder,
 )
 from grpoflow.embedded.sandbox.rootfs import (
+    HOST_BASE,
     SANDBOX_HOME,
+    Base,
     Bind,
     build_rootfs,
     bwrap_argv,
@@ -62,13 +72,21 @@ from grpoflow.embedded.sandbox.rootfs import (
     copy_file_out,
     harbor_binds,
     host_path,
+    image_base,
     make_trial_dir,
     repair_mount_points,
     resolve_inside,
     rmtree,
     scrub_log_symlinks,
 )
-from grpoflow.rollout.environments import BRIDGE_HOST, SANDBOX_PYTHON, SandboxDiedError, SandboxStartError
+from grpoflow.paths import default_cache_dir
+from grpoflow.rollout.environments import (
+    BRIDGE_HOST,
+    SANDBOX_PYTHON,
+    ImageBuildError,
+    SandboxDiedError,
+    SandboxStartError,
+)
 
 PROCESS_SCOPES = ("exec", "trial")
 # Trial scope: after a command exits, how long to keep reading output a background process may still write.
@@ -109,6 +127,7 @@ class LocalSandbox(BaseEnvironment):
         process_scope: str = "exec",
         session_bridge: str | None = None,
         cli_dir: str | None = None,
+        image_cache_dir: str | None = None,
         **kwargs: Any,
     ):
         """Kwargs (all via `EnvironmentConfig.kwargs`):
@@ -124,6 +143,7 @@ class LocalSandbox(BaseEnvironment):
         session_bridge: "host:port" that the sandbox reaches at 127.0.0.1:<port> (needs process_scope "trial": the
             forwarder lives in the trial's network namespace), and nothing else.
         cli_dir: a host dir with node_modules/.bin (an `npm install --prefix`), read-only at /opt/grpoflow/cli.
+        image_cache_dir: where task images' exported trees and build logs go (default: <GRPOFLOW_CACHE>/images).
         Any other kwarg goes to Harbor's `BaseEnvironment` (`auto_mounting` defaults to True here).
         """
         for name, value in (
@@ -158,6 +178,9 @@ class LocalSandbox(BaseEnvironment):
         self.max_output_bytes = max_output_bytes
         self.work_dir = work_dir
         self.process_scope = process_scope
+        self.image_cache_dir = Path(image_cache_dir) if image_cache_dir else default_cache_dir() / "images"
+        self.base: Base = HOST_BASE  # the system dirs: an image's tree once start() built it (tasks that need one)
+        self.image: TaskImage | None = None
         # Log dirs bound from the trial dir, so Harbor reads them in place (as with Docker's bind mounts).
         kwargs.setdefault("auto_mounting", True)
         super().__init__(
@@ -171,6 +194,7 @@ class LocalSandbox(BaseEnvironment):
         )
         self._maybe_resolve_task_env()  # the task's [environment.env] joins every exec's environment
         self._workdir = task_env_config.workdir or DEFAULT_WORKDIR
+        self._needs_image = host_rootfs_problem(self.environment_dir) is not None
         self._binds = harbor_binds(self._host_mounts)
         self._root: Path | None = None  # the per-trial temp dir; None until start()
         self._uid: int | None = None  # the sandbox uid when we are root
@@ -212,12 +236,14 @@ class LocalSandbox(BaseEnvironment):
         return EnvironmentResourceCapabilities(fractional_cpus=True)
 
     def _validate_definition(self) -> None:
-        # The Dockerfile is not used: the image is the host's /usr. Only environment/app/ matters, and it is
-        # optional.
+        # A Dockerfile the host rootfs reproduces is not built (the host's /usr is the image, environment/app/ is
+        # /app); any other is built at start(). Prepare has refused tasks whose image cannot be built here.
         return None
 
     async def start(self, force_build: bool) -> None:
         tools = require_tools()
+        if self._needs_image:
+            await asyncio.to_thread(self._use_image)
         try:
             await asyncio.to_thread(self._make_root, tools)
         except OSError as exc:
@@ -432,13 +458,47 @@ class LocalSandbox(BaseEnvironment):
         )
 
     def _exec_env(self, env: dict[str, str] | None) -> dict[str, str]:
-        path = f"{CLI_DIR}/node_modules/.bin:{SANDBOX_PATH}" if self.cli_dir is not None else SANDBOX_PATH
-        base = {"PATH": path, "HOME": SANDBOX_HOME, "LANG": "C.UTF-8"}
+        # An image's ENV comes first (its PATH included); the task's [environment.env] and the exec's env win.
+        image_env = self.image.env if self.image is not None else {}
+        path = image_env.get("PATH", SANDBOX_PATH)
+        path = f"{CLI_DIR}/node_modules/.bin:{path}" if self.cli_dir is not None else path
+        base = {**image_env, "PATH": path, "HOME": SANDBOX_HOME, "LANG": "C.UTF-8"}
         if self._uid is not None:
             base["USER"] = base["LOGNAME"] = "sandbox"  # the name our passwd entry gives the sandbox uid
         return {**base, **(self._merge_env(env) or {})}
 
     # ---- start: the per-trial tree ------------------------------------------------------------------------
+
+    def _use_image(self) -> None:
+        """Build (or find in the cache) the task's image and make its tree the sandbox's base. The trial dir gets
+        environment-image.json (tag, tree, build log) and a copy of the build log when this trial built it or the
+        build failed."""
+        keep = Path(self.trial_paths.trial_dir) / "environment-build.log"
+        try:
+            image = self.image = task_image(self.environment_dir, self.image_cache_dir)
+        except ImageBuildError as exc:
+            if exc.log is not None and exc.log.is_file():
+                shutil.copyfile(exc.log, keep)
+            raise
+        if image.built:
+            shutil.copyfile(image.build_log, keep)
+        # Every trial says which image it ran in and where its build log is (a copy only where it was built).
+        record = {"tag": image.tag, "tree": str(image.rootfs), "build_log": str(image.build_log), "built": image.built}
+        (keep.parent / "environment-image.json").write_text(json.dumps(record, indent=1) + "\n")
+        # The rlimits and the drop to the sandbox uid run inside the sandbox, so from the image's own util-linux.
+        needed = (PRLIMIT, SETPRIV) if os.geteuid() == 0 else (PRLIMIT,)
+        missing = [tool for tool in needed if not os.path.lexists(image.rootfs / tool.lstrip("/"))]
+        if missing:
+            raise ImageBuildError(
+                f"sandbox for {self.session_id}: the image has no {' or '.join(missing)}, which the sandbox runs to "
+                "apply its limits (install util-linux in the Dockerfile)"
+            )
+        if self.task_env_config.workdir is None:
+            self._workdir = image.workdir or DEFAULT_WORKDIR
+        try:
+            self.base = image_base(image.rootfs, self._workdir)
+        except ValueError as exc:
+            raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
 
     def _make_root(self, tools: dict[str, str]) -> None:
         root = make_trial_dir(self.work_dir, self.session_id)
@@ -448,8 +508,9 @@ class LocalSandbox(BaseEnvironment):
             self._uid = allocate_uid()
         app = self.environment_dir / "app"
         own = self._own = self._own_binds(root)
-        extra_ro = build_rootfs(root / "rootfs", app, [*self._binds, *own], self._uid, self.auto_mounting)
-        self._argv_prefix = bwrap_argv(tools["bwrap"], root, [*self._binds, *own], self._uid, extra_ro)
+        binds = [*self._binds, *own]
+        extra_ro = build_rootfs(root / "rootfs", app, binds, self._uid, self.auto_mounting, self.base)
+        self._argv_prefix = bwrap_argv(tools["bwrap"], root, binds, self._uid, extra_ro, self.base)
 
     def _own_binds(self, root: Path) -> list[Bind]:
         """Read-only dirs of ours (not Harbor's mounts, so never a target of uploads): the bridge and the CLIs."""
@@ -467,7 +528,7 @@ class LocalSandbox(BaseEnvironment):
 
     def _repair_mount_points(self) -> None:
         assert self._root is not None
-        repair_mount_points(self._root / "rootfs", [*self._binds, *self._own])
+        repair_mount_points(self._root / "rootfs", [*self._binds, *self._own], self.base)
 
     # ---- files in and out ---------------------------------------------------------------------------------
 
@@ -475,7 +536,7 @@ class LocalSandbox(BaseEnvironment):
         """(host path, host dir it must stay inside) for a path in the sandbox."""
         if self._root is None:
             raise SandboxDiedError(f"sandbox {self.session_id} is not started (or was deleted): no {sandbox_path}")
-        return host_path(self._root / "rootfs", self._binds, self._workdir, sandbox_path)
+        return host_path(self._root / "rootfs", self._binds, self._workdir, sandbox_path, self.base)
 
     def _upload_file(self, source: Path, target_path: str) -> None:
         target, base = self._host_path(target_path)

@@ -1,5 +1,8 @@
 """The per-trial host tree behind a `LocalSandbox`'s /: building it, bwrap's mounts over it, mapping sandbox
 paths onto host paths, and copying files in and out without following links the sandbox planted.
+
+The system dirs come from a `Base`: the host's (/usr and /etc) or a task image's exported tree (every top-level
+dir of it read-only, but the one holding its WORKDIR, which each trial gets a writable copy of).
 """
 
 from __future__ import annotations
@@ -20,10 +23,44 @@ SANDBOX_HOME = "/root"
 HOST_RO_DIRS = ("/usr", "/etc")
 # Top-level names that are symlinks into /usr on a merged-/usr host (or real dirs to bind read-only otherwise).
 HOST_LIB_NAMES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-# Sandbox paths that are host or kernel filesystems, never per-trial files: uploads/downloads there are refused.
-NOT_TRIAL_PATHS = (*HOST_RO_DIRS, "/proc", "/dev", *(f"/{n}" for n in HOST_LIB_NAMES))
 # Per-trial dirs the sandbox user owns (relative to rootfs).
 OWNED_DIRS = ("app", "tmp", "root", "tests", "solution")
+# Top-level names of an image's tree that are never bound from it: per-trial dirs, kernel filesystems, Harbor's logs.
+IMAGE_SKIPPED = frozenset({*OWNED_DIRS, "logs", "proc", "dev", "sys", "run"})
+
+
+@dataclass(frozen=True)
+class Base:
+    """Where the sandbox's system dirs come from: `root` (the host's /, or an image's exported tree), the
+    sandbox paths bound read-only from it, and the top-level dirs each trial gets a writable copy of."""
+
+    root: Path
+    ro_dirs: tuple[str, ...]
+    seeded: tuple[str, ...] = ()
+
+    @property
+    def not_trial_paths(self) -> tuple[str, ...]:
+        return (*self.ro_dirs, "/proc", "/dev", *(f"/{n}" for n in HOST_LIB_NAMES))
+
+
+HOST_BASE = Base(Path("/"), HOST_RO_DIRS)
+# Sandbox paths that are host or kernel filesystems, never per-trial files: uploads/downloads there are refused.
+NOT_TRIAL_PATHS = HOST_BASE.not_trial_paths
+
+
+def image_base(tree: Path, workdir: str) -> Base:
+    """The base for an image's exported `tree`: its top-level dirs read-only, but the one holding `workdir`
+    (e.g. /workspace with the data its Dockerfile copied), which each trial gets its own writable copy of."""
+    parts = PurePosixPath(posixpath.normpath(workdir)).parts
+    top = parts[1] if len(parts) > 1 else None
+    if top in ("usr", "etc", *HOST_LIB_NAMES):
+        raise ValueError(f"the image's working directory {workdir} is under /{top}, which trials see read-only")
+    ro, seeded = [], []
+    for entry in sorted(tree.iterdir()):
+        if entry.name in IMAGE_SKIPPED or entry.name in HOST_LIB_NAMES or entry.is_symlink() or not entry.is_dir():
+            continue
+        (seeded if entry.name == top else ro).append(f"/{entry.name}")
+    return Base(tree, tuple(ro), tuple(seeded))
 
 
 @dataclass(frozen=True)
@@ -65,22 +102,27 @@ def make_trial_dir(work_dir: str | None, session_id: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"grpoflow-sandbox-{name}-", dir=base))
 
 
-def build_rootfs(rootfs: Path, app: Path, binds: list[Bind], uid: int | None, auto_mounting: bool) -> list[str]:
-    """Create the sandbox's / at `rootfs`, pre-filled from the task's `app` dir; the host lib dirs to bind
-    read-only (a host without merged /usr)."""
+def build_rootfs(
+    rootfs: Path, app: Path, binds: list[Bind], uid: int | None, auto_mounting: bool, base: Base = HOST_BASE
+) -> list[str]:
+    """Create the sandbox's / at `rootfs`, pre-filled from the task's `app` dir and the base's seeded dirs; the
+    base's lib dirs to bind read-only (one without merged /usr)."""
     rootfs.mkdir(mode=0o755)
     extra_ro: list[str] = []
     for lib in HOST_LIB_NAMES:
-        host = Path("/", lib)
+        host = base.root / lib
         if host.is_symlink():
             (rootfs / lib).symlink_to(os.readlink(host))
         elif host.is_dir():
-            extra_ro.append(f"/{lib}")  # a host without merged /usr: show the real dir read-only
+            extra_ro.append(f"/{lib}")  # a base without merged /usr: show the real dir read-only
     for owned in OWNED_DIRS:
         (rootfs / owned).mkdir()
     (rootfs / "tmp").chmod(0o1777)
     if app.is_dir():
         shutil.copytree(app, rootfs / "app", symlinks=True, dirs_exist_ok=True)
+    for seeded in base.seeded:
+        shutil.copytree(base.root / seeded[1:], rootfs / seeded[1:], symlinks=True)
+        give(rootfs / seeded[1:], uid)
     for owned in OWNED_DIRS:
         give(rootfs / owned, uid)
     for bind in binds:
@@ -96,26 +138,28 @@ def build_rootfs(rootfs: Path, app: Path, binds: list[Bind], uid: int | None, au
     return extra_ro
 
 
-def bwrap_argv(bwrap: str, root: Path, binds: list[Bind], uid: int | None, extra_ro: list[str]) -> list[str]:
+def bwrap_argv(
+    bwrap: str, root: Path, binds: list[Bind], uid: int | None, extra_ro: list[str], base: Base = HOST_BASE
+) -> list[str]:
     """bwrap's argv up to the command ("--" last): the mounts over root/rootfs and the namespaces to unshare.
 
-    With a sandbox uid it also writes the passwd/group files (in `root`) that it binds over the host's.
+    With a sandbox uid it also writes the passwd/group files (in `root`) that it binds over the base's.
     """
     rootfs = root / "rootfs"
     argv = [bwrap, "--bind", str(rootfs), "/"]
-    for ro in (*HOST_RO_DIRS, *extra_ro):
-        argv += ["--ro-bind", ro, ro]
+    for ro in (*base.ro_dirs, *extra_ro):
+        argv += ["--ro-bind", str(base.root / ro[1:]), ro]
     if uid is not None:
-        # The host's passwd/group plus a `sandbox` entry for our uid: tools that look the user up (git,
+        # The base's passwd/group plus a `sandbox` entry for our uid: tools that look the user up (git,
         # whoami, ssh) fail when the uid has no name.
         for name, line in (
             ("passwd", f"sandbox:x:{uid}:{uid}:sandbox:{SANDBOX_HOME}:/bin/bash\n"),
             ("group", f"sandbox:x:{uid}:\n"),
         ):
-            host = Path("/etc", name)
-            text = host.read_text() if host.is_file() else ""
+            source = base.root / "etc" / name
+            text = source.read_text() if source.is_file() else ""
             (root / name).write_text(text + ("" if text.endswith("\n") or not text else "\n") + line)
-            argv += ["--ro-bind", str(root / name), str(host)]
+            argv += ["--ro-bind", str(root / name), f"/etc/{name}"]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     for bind in binds:
         argv += ["--ro-bind" if bind.read_only else "--bind", str(bind.source), str(bind.target)]
@@ -136,14 +180,14 @@ def bwrap_argv(bwrap: str, root: Path, binds: list[Bind], uid: int | None, extra
     return argv
 
 
-def repair_mount_points(rootfs: Path, binds: list[Bind]) -> None:
+def repair_mount_points(rootfs: Path, binds: list[Bind], base: Base = HOST_BASE) -> None:
     """Make every bind target under rootfs a real dir again before bwrap mounts over it.
 
     bwrap runs with privilege and follows symlinks in mount targets; a sandbox that replaced e.g. /logs with
     a link to a host path must not make the next bwrap create dirs there. (Root-owned rootfs prevents that
     when we run as root; this also covers running as a normal user.)
     """
-    targets = [PurePosixPath(p) for p in (*HOST_RO_DIRS, "/proc", "/dev")] + [b.target for b in binds]
+    targets = [PurePosixPath(p) for p in (*base.ro_dirs, "/proc", "/dev")] + [b.target for b in binds]
     for target in targets:
         path = rootfs
         for part in target.parts[1:]:
@@ -168,13 +212,15 @@ def give(path: Path, uid: int | None) -> None:
 # ---- files in and out -----------------------------------------------------------------------------------------
 
 
-def host_path(rootfs: Path, binds: list[Bind], workdir: str, sandbox_path: str) -> tuple[Path, Path]:
+def host_path(
+    rootfs: Path, binds: list[Bind], workdir: str, sandbox_path: str, base: Base = HOST_BASE
+) -> tuple[Path, Path]:
     """(host path, host dir it must stay inside) for a path in the sandbox (relative ones from `workdir`)."""
     path = PurePosixPath(posixpath.normpath(posixpath.join(workdir, sandbox_path)))
     for bind in reversed(binds):  # deepest first
         if path == bind.target or path.is_relative_to(bind.target):
             return bind.source.joinpath(*path.relative_to(bind.target).parts), bind.source
-    if under(path, NOT_TRIAL_PATHS):
+    if under(path, base.not_trial_paths):
         raise ValueError(f"{sandbox_path} is a host or kernel path in the sandbox, not a per-trial file")
     return rootfs.joinpath(*path.parts[1:]), rootfs
 

@@ -24,6 +24,11 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _without_docker(no_docker_engine):
+    """`needs-apt` is refused as on a machine without Docker (tests/integration/docker/ covers building it)."""
+
+
 def _copy(root, builtin, name):
     dest = root / name
     shutil.copytree(builtin_dataset_path() / builtin, dest)

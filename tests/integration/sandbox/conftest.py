@@ -41,21 +41,28 @@ def make_sandbox(bwrap: str, tmp_path: Path, sandbox_dirs: Path) -> Iterator[Cal
 
     Every sandbox made here is stopped (deleted) at teardown, even when the test failed half-way.
     """
-    made: list[LocalSandbox] = []
     tasks = load_dataset("builtin-fixed")
+    yield from sandbox_factory(lambda name: tasks.by_name(name).path, "copy-file", tmp_path, work_dir=str(sandbox_dirs))
 
-    def make(task_name: str = "copy-file", cls: type[LocalSandbox] = LocalSandbox, **kwargs: Any) -> LocalSandbox:
-        task = Task(tasks.by_name(task_name).path)
+
+def sandbox_factory(
+    task_dir: Callable[[str], Path], default_task: str, tmp_path: Path, **defaults: Any
+) -> Iterator[Callable[..., LocalSandbox]]:
+    """Yields make(task_name=default_task, cls=LocalSandbox, **kwargs): a sandbox over `task_dir(task_name)`,
+    constructed as Harbor would (not started), with `defaults` under `kwargs`; all are stopped (deleted) after."""
+    made: list[LocalSandbox] = []
+
+    def make(task_name: str = default_task, cls: type[LocalSandbox] = LocalSandbox, **kwargs: Any) -> LocalSandbox:
+        task = Task(task_dir(task_name))
         trial_paths = TrialPaths(tmp_path / f"trial-{len(made)}")
         trial_paths.mkdir()
-        kwargs.setdefault("work_dir", str(sandbox_dirs))
         env = cls(
             environment_dir=task.paths.environment_dir,
             environment_name=task_name,
             session_id=f"{task_name}__test{len(made)}__env",
             trial_paths=trial_paths,
             task_env_config=task.config.environment,
-            **kwargs,
+            **{**defaults, **kwargs},
         )
         made.append(env)
         return env

@@ -84,17 +84,19 @@ def test_cannot_read_planted_host_secrets(make_sandbox: Callable[..., LocalSandb
             skip = {"usr", "proc", "sys", "dev", *HOST_LIB_NAMES}
             dirs = " ".join(f"/{name}" for name in top.stdout.split() if name not in skip)
             search = await env.exec(f"grep -rsl -D skip -- {secret} {dirs}", timeout_sec=30)
-            return [*reads, top, search]
+            return [*reads, top, search, env.base]
 
         results = asyncio.run(main())
     finally:
         for path in planted:
             path.unlink()
-    *reads, top, search = results
+    *reads, top, search, base = results
     for result in reads:
         assert result.return_code != 0 and secret not in result.stdout + result.stderr
-    # The root holds the per-trial dirs, the host's /usr and /etc (and its lib links), /proc and /dev: no more.
-    assert set(top.stdout.split()) <= {*OWNED_DIRS, "logs", "usr", "etc", "proc", "dev", *HOST_LIB_NAMES}
+    # The root holds the per-trial dirs, the base's system dirs (the host's /usr and /etc, or an image's tree) and
+    # its lib links, /proc and /dev: no more.
+    system = {d.lstrip("/") for d in (*base.ro_dirs, *base.seeded)}
+    assert set(top.stdout.split()) <= {*OWNED_DIRS, "logs", *system, "proc", "dev", *HOST_LIB_NAMES}
     assert search.stdout.split() == ["/app/given.txt"]
 
 

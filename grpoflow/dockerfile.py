@@ -1,0 +1,192 @@
+"""What of a task's `environment/Dockerfile` the local sandbox reproduces on the host's rootfs, and what it
+needs a Docker build for.
+
+On the host rootfs (`grpoflow.embedded.sandbox.local`) no image is built: the host's /usr stands in for any
+`FROM` image, and the task's `environment/app/` is copied into `/app`, its working directory. So a Dockerfile made
+of `FROM`, `WORKDIR /app` and `COPY app/ /app/` (comments and blank lines aside) describes the environment the
+sandbox gives without Docker (every built-in task); anything else (`RUN apt-get install`, `ENV`, `COPY` of other
+files or to elsewhere, another `WORKDIR`, `USER`, a second stage) needs the image built
+(`grpoflow.embedded.sandbox.images`, which builds it). With a Docker engine reachable such a task is built and run in its image;
+without one it is refused at prepare, naming the file and line, as it is when its `FROM` image is not on this
+machine (no registry can be reached to pull it).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+_answered: set[str | None] = set()  # DOCKER_HOST values whose engine answered in this process
+ENGINE_TIMEOUT_S = 15  # `docker version`: a dead socket fails at once, a hung engine must not hang prepare
+SANDBOX_WORKDIR = "/app"  # the one working directory the local sandbox has (pre-filled from environment/app/)
+_APP_SOURCES = {"app", "app/", "./app", "./app/"}
+
+
+def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
+    """(line number of its first line, instruction in upper case, arguments) per instruction; comments and
+    blank lines dropped, backslash continuations joined (Docker's default escape character)."""
+    out: list[tuple[int, str, str]] = []
+    pending: list[str] = []
+    start = 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):  # Docker drops comment lines inside a continued instruction
+            continue
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending.append(line[:-1])
+            continue
+        pending.append(line)
+        joined = " ".join(part.strip() for part in pending if part.strip())
+        pending = []
+        keyword, _, args = joined.partition(" ")
+        out.append((start, keyword.upper(), args.strip()))
+    if pending:  # a continuation at the end of the file: still an instruction
+        joined = " ".join(part.strip() for part in pending if part.strip())
+        keyword, _, args = joined.partition(" ")
+        out.append((start, keyword.upper(), args.strip()))
+    return out
+
+
+def local_sandbox_problem(task_dir: Path) -> str | None:
+    """Why the local sandbox cannot give the task the environment its Dockerfile describes, as one line naming
+    the file and line; None when it can: on the host rootfs, or (a Docker engine answering and the `FROM` images
+    present) in the image built from it."""
+    problem = host_rootfs_problem(task_dir / "environment")
+    if problem is None:
+        return None
+    if (engine := docker_engine_problem()) is not None:
+        return f"{problem}; {engine}"
+    text = (task_dir / "environment" / "Dockerfile").read_text(encoding="utf-8")
+    bases = base_images(text)
+    missing = set(missing_images([name for _, name in bases]))
+    for number, name in bases:
+        if name in missing:
+            return (
+                f"environment/Dockerfile:{number}: FROM {name}: the image is not on this machine's Docker engine "
+                "and is not pulled (no registry here; scripts/base-image.sh builds the Debian bookworm ones)"
+            )
+    return None
+
+
+def base_images(text: str) -> list[tuple[int, str]]:
+    """(line, image) of every `FROM` that names an image (not `scratch`, not an earlier stage)."""
+    stages: set[str] = set()
+    out = []
+    for number, keyword, args in dockerfile_instructions(text):
+        if keyword != "FROM":
+            continue
+        words = [w for w in args.split() if not w.startswith("--")]  # --platform=...
+        if not words:
+            continue
+        if words[0] != "scratch" and words[0].lower() not in stages:
+            out.append((number, words[0]))
+        if len(words) >= 3 and words[1].lower() == "as":
+            stages.add(words[2].lower())
+    return out
+
+
+def host_rootfs_problem(environment_dir: Path) -> str | None:
+    """The first thing in `environment/Dockerfile` that the sandbox on the host's rootfs does not reproduce, as
+    one line `environment/Dockerfile:<line>: ...`; None when it does (or there is no Dockerfile). Not None: the
+    task needs its image built."""
+    path = environment_dir / "Dockerfile"
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        return f"environment/Dockerfile is not UTF-8: {err.reason}"
+    froms, workdir = 0, None
+    for number, keyword, args in dockerfile_instructions(text):
+        where = f"environment/Dockerfile:{number}: `{keyword} {args}`"[:200]
+        if keyword == "FROM":
+            froms += 1
+            if froms == 1:
+                continue  # the host's /usr stands in for the base image
+            problem = "a second build stage"
+        elif keyword == "WORKDIR":
+            if posixpath.normpath(args or ".") == SANDBOX_WORKDIR:
+                workdir = SANDBOX_WORKDIR
+                continue
+            problem = f"the local sandbox's working directory is {SANDBOX_WORKDIR}"
+        elif keyword == "COPY":
+            if _copies_app_into_workdir(args, workdir):
+                continue
+            problem = f"the local sandbox copies only environment/app/ into {SANDBOX_WORKDIR}/"
+        else:
+            problem = "the local sandbox builds no image, so this instruction would not run"
+        return (
+            f"{where}: {problem} (it reproduces only FROM, WORKDIR {SANDBOX_WORKDIR} and COPY app/ "
+            f"{SANDBOX_WORKDIR}/; without a Docker build the task would run in the wrong environment)"
+        )
+    return None
+
+
+def docker_engine_problem() -> str | None:
+    """Why no Docker engine can build images here, in one line; None when one answers (`DOCKER_HOST` honoured).
+    An engine that answered once is not asked again (a dataset of thousands of tasks asks once); one that did not
+    is asked each time, since it may have been started meanwhile."""
+    host = os.environ.get("DOCKER_HOST")
+    if host in _answered:
+        return None
+    problem = _ask_engine()
+    if problem is None:
+        _answered.add(host)
+    return problem
+
+
+def _ask_engine() -> str | None:
+    docker = shutil.which("docker")
+    if docker is None:
+        return "the docker CLI is not installed"
+    try:
+        proc = subprocess.run(
+            [docker, "version", "--format", "{{.Server.Version}}"],
+            capture_output=True,
+            text=True,
+            timeout=ENGINE_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return f"the Docker engine did not answer within {ENGINE_TIMEOUT_S} s"
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return f"no Docker engine answers: {lines[-1] if lines else f'docker version exit {proc.returncode}'}"
+    return None
+
+
+def missing_images(names: list[str]) -> list[str]:
+    """Those of `names` the local engine does not have (nothing is pulled: no registry is reachable here)."""
+    inspect = ["docker", "image", "inspect"]
+    return [
+        name
+        for name in names
+        if subprocess.run([*inspect, name], capture_output=True, timeout=ENGINE_TIMEOUT_S).returncode != 0
+    ]
+
+
+def workdir_problem(workdir: str | None) -> str | None:
+    """task.toml's `[environment].workdir`, when the local sandbox cannot honour it."""
+    if workdir is None or posixpath.normpath(workdir) == SANDBOX_WORKDIR:
+        return None
+    return f"task.toml [environment].workdir = {workdir!r}: the local sandbox's working directory is {SANDBOX_WORKDIR}"
+
+
+def _copies_app_into_workdir(args: str, workdir: str | None) -> bool:
+    try:
+        words = shlex.split(args)
+    except ValueError:
+        return False
+    if len(words) != 2 or any(w.startswith("--") for w in words):  # --from, --chown, --chmod: not reproduced
+        return False
+    source, dest = words
+    # A relative destination is relative to the WORKDIR set before it (none: `/`, not the sandbox's /app).
+    target = posixpath.normpath(posixpath.join(workdir or "/", dest))
+    return source in _APP_SOURCES and target == SANDBOX_WORKDIR

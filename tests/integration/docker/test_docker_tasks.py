@@ -1,0 +1,98 @@
+"""Tasks whose environment is built from their Dockerfile (issue 31): through prepare's dataset gate, the oracle of
+a task in Harbor's real format (apt and pip packages, data COPY'd into /workspace, ENV, WORKDIR, a pytest verifier)
+scores 1.0 and a no-op 0.0; the build is cached by the build context's digest; a broken Dockerfile is a sandbox
+failure of that task with the builder's last lines; a FROM image not on this machine, or no Docker engine at all,
+is refused at prepare in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from grpoflow.config import parse_run_config
+from grpoflow.embedded.sandbox.images import context_digest, task_image
+from grpoflow.errors import DatasetError
+from grpoflow.prepare.dataset import load_dataset
+from grpoflow.run.start import prepare_run
+from tests.integration.docker.conftest import DOCKER_TASK
+
+pytestmark = pytest.mark.flow
+
+
+def _cfg(tmp_path: Path, model: Path, dataset: Path, run_id: str, image_cache: Path):
+    return parse_run_config(
+        {
+            "run_id": run_id,
+            "output_dir": str(tmp_path / "runs"),
+            "model": {"source": str(model)},
+            "dataset": {"path": str(dataset)},
+            "rollout": {"sandbox_retries": 1, "sandbox_kwargs": {"image_cache_dir": str(image_cache)}},
+        }
+    )
+
+
+def _broken(root: Path) -> None:
+    """The good task with a Dockerfile whose RUN fails."""
+    task = shutil.copytree(root / DOCKER_TASK, root / "broken-build")
+    (task / "environment" / "Dockerfile").write_text(
+        "FROM debian:bookworm-slim\nRUN echo compiling the toolchain && no-such-compiler --version\n"
+    )
+
+
+def test_oracle_scores_one_and_nop_zero_through_prepare_and_the_build_is_cached(
+    tmp_path, tiny_model_dir, docker_ready, docker_tasks, capsys
+):
+    _broken(docker_tasks)
+    images = tmp_path / "images"  # cold for this test: the build and the export run here
+    t0 = time.perf_counter()
+    run = prepare_run(_cfg(tmp_path, tiny_model_dir, docker_tasks, "docker-1", images), cache_dir=tmp_path / "c1")
+    first_s = time.perf_counter() - t0
+    gate = {t["name"]: t for t in json.loads(run.paths.gate.read_text())["tasks"]}
+    good, broken = gate[DOCKER_TASK], gate["broken-build"]
+    assert (good["verdict"], good["oracle_reward"], good["nop_reward"]) == ("verified", 1.0, 0.0)
+    # a build failure says nothing about the task's rewards: a sandbox failure with the builder's last lines
+    assert broken["verdict"] == "unchecked" and broken["oracle_reward"] is None, broken
+    assert "infrastructure failure" in broken["reason"] and "ImageBuildError" in broken["reason"], broken["reason"]
+    assert "no-such-compiler: not found" in broken["reason"]
+    # the build log stays in the image cache (the gate's trials run before the run dir exists)
+    digest = context_digest(docker_tasks / DOCKER_TASK / "environment")
+    log = images / f"{digest}.build.log"
+    assert "Successfully tagged grpoflow-env:" in log.read_text()
+
+    # a second prepare (fresh gate cache, so its trials run again) builds nothing: the image comes from the cache
+    built_at = log.stat().st_mtime
+    t0 = time.perf_counter()
+    again = prepare_run(_cfg(tmp_path, tiny_model_dir, docker_tasks, "docker-2", images), cache_dir=tmp_path / "c2")
+    second_s = time.perf_counter() - t0
+    gate2 = {t["name"]: t for t in json.loads(again.paths.gate.read_text())["tasks"]}
+    assert gate2[DOCKER_TASK]["verdict"] == "verified" and not gate2[DOCKER_TASK]["cached"]
+    assert log.stat().st_mtime == built_at
+    t0 = time.perf_counter()
+    cached = task_image(docker_tasks / DOCKER_TASK / "environment", images)
+    lookup_s = time.perf_counter() - t0
+    assert not cached.built and lookup_s < 1.0
+    print(f"docker gate: first prepare {first_s:.1f} s (build), second {second_s:.1f} s, cached image {lookup_s:.3f} s")
+    prompts = [json.loads(line)["instance_id"] for line in run.paths.prompts.read_text().splitlines()]
+    assert DOCKER_TASK in prompts
+
+
+def test_a_from_image_not_on_this_machine_is_refused_in_one_line(docker_ready, docker_tasks):
+    dockerfile = docker_tasks / DOCKER_TASK / "environment" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text().replace("debian:bookworm-slim", "grpoflow-test/absent:1"))
+    with pytest.raises(DatasetError) as info:
+        load_dataset(docker_tasks, local_sandbox=True)
+    reason = str(info.value)
+    assert "\n" not in reason and str((docker_tasks / DOCKER_TASK).resolve()) in reason
+    assert "environment/Dockerfile:3: FROM grpoflow-test/absent:1: the image is not on this machine" in reason
+
+
+def test_without_a_docker_engine_the_task_is_refused_in_one_line(no_docker_engine, docker_tasks):
+    with pytest.raises(DatasetError) as info:
+        load_dataset(docker_tasks, local_sandbox=True)
+    reason = str(info.value)
+    assert "\n" not in reason and str((docker_tasks / DOCKER_TASK).resolve()) in reason
+    assert "environment/Dockerfile:4: `RUN apt-get update" in reason and "no Docker engine answers" in reason

@@ -1,8 +1,9 @@
 """The engine a run talks to, whichever backend: the embedded one started for the run (or several, behind an
-sglang-router started with them: `engine.replicas`), an SGLang server started for the run from SGLang's own
-environment, or an SGLang server (or a router in front of several) already running. Either way the rest of the
-pipeline generates through one URL speaking SGLang's HTTP API, with one client that retries infrastructure
-faults (`engine.retries`) before the step fails with `EngineError`; weight syncs go to each replica's own URL."""
+sglang-router started with them: `engine.replicas`), an SGLang or vLLM server started for the run from its own
+environment, or an SGLang server (or a router in front of several) or a vLLM server already running. Either way
+the rest of the pipeline generates through one URL with one client (`EngineClient`, which speaks vLLM's API
+where `engine.api` says so and answers as SGLang does) that retries infrastructure faults (`engine.retries`)
+before the step fails with `EngineError`; weight syncs go to each replica's own URL."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.router import replica_urls, start_router
 from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server
+from grpoflow.engine.vllm_launch import launch_settings as vllm_launch_settings
+from grpoflow.engine.vllm_launch import start_vllm_server
 from grpoflow.errors import EngineError
 
 
@@ -90,13 +93,30 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
         ) as server:
             yield EngineHandle(server.url, server.client)
         return
+    if cfg.backend == "vllm-launch":
+        assert cfg.vllm_python, "validated by EngineConfig"
+        extra_args, env = vllm_launch_settings(cfg, seed)
+        with start_vllm_server(
+            cfg.vllm_python,
+            model_path,
+            extra_args=extra_args,
+            env=env,
+            log_path=log_path,
+            startup_timeout=cfg.startup_timeout_s,
+            client_timeout=cfg.request_timeout_s,
+            client_retries=cfg.retries,
+        ) as server:
+            yield EngineHandle(server.url, server.client)
+        return
     assert cfg.url, "validated by parse_run_config"
-    client = EngineClient(cfg.url, timeout=cfg.request_timeout_s, retries=cfg.retries)
+    client = EngineClient(cfg.url, timeout=cfg.request_timeout_s, retries=cfg.retries, api=cfg.api)
     if not client.health():
         client.close()
-        raise EngineError(f"engine.url {cfg.url}: no healthy SGLang server answers there (GET /health)")
+        name = "vLLM" if cfg.api == "vllm" else "SGLang"
+        raise EngineError(f"engine.url {cfg.url}: no healthy {name} server answers there (GET /health)")
     try:
-        yield EngineHandle(cfg.url, client, tuple(replica_urls(cfg.url)))  # a router's servers, or the one
+        # a router's servers, or the one (vLLM: no router here)
+        yield EngineHandle(cfg.url, client, tuple(replica_urls(cfg.url)) if cfg.api == "sglang" else ())
     finally:
         client.close()
 

@@ -81,7 +81,7 @@ def serving(cfg: RunConfig, run: PreparedRun, stages: Stages) -> Iterator[Engine
     """The run's Ray session (its trainer ranks and rollout workers run there, if it has one) and its engine, for
     the block; an engine the run started is checked to serve the prepared model."""
     with ray_session(cfg.cluster), open_engine(cfg.engine, run.model.path, cfg.seed, run.paths.engine_log) as engine:
-        if cfg.engine.backend != "sglang":
+        if not cfg.engine.attached:
             for url in engine.replica_urls:
                 stages.check_engine(url, run.model.path)
         yield engine
@@ -217,7 +217,7 @@ class StepLoop:
         cfg, trainer = self.cfg, self.trainer
         if self.weights is not None:  # the trainer holds the resumed checkpoint's weights
             self.stages.sync(self.syncs, trainer, self.weights, str(self.start_step), None)
-        elif cfg.engine.backend == "sglang":  # attached: it may serve an earlier run's weights; the run's own now
+        elif cfg.engine.attached:  # it may serve an earlier run's weights; the run's own now
             self.stages.sync(self.syncs, trainer, Path(self.run.model.path), "0", None)
         else:  # started on the prepared model: labelled with the version its samples record
             self.syncs.label("0")

@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.config import EngineConfig
+from grpoflow.engine import sglang_launch, vllm_launch
 from grpoflow.engine.client import EngineClient
-from grpoflow.engine.launch import start_embedded_engine
+from grpoflow.engine.launch import EngineProcess, start_embedded_engine
 from grpoflow.engine.router import replica_urls, start_router
-from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server
-from grpoflow.engine.vllm_launch import launch_settings as vllm_launch_settings
-from grpoflow.engine.vllm_launch import start_vllm_server
 from grpoflow.errors import EngineError
 
 
@@ -76,36 +74,8 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
             )
             yield EngineHandle(router.url, router.client, tuple(urls), host_threads=threads)
         return
-    if cfg.backend == "sglang-launch":
-        assert cfg.sglang_python, "validated by EngineConfig"
-        extra_args, env = launch_settings(cfg, seed)
-        with start_sglang_server(
-            cfg.sglang_python,
-            model_path,
-            tp_size=cfg.tp_size,
-            mem_fraction_static=cfg.mem_fraction_static,
-            extra_args=extra_args,
-            env=env,
-            log_path=log_path,
-            startup_timeout=cfg.startup_timeout_s,
-            client_timeout=cfg.request_timeout_s,
-            client_retries=cfg.retries,
-        ) as server:
-            yield EngineHandle(server.url, server.client)
-        return
-    if cfg.backend == "vllm-launch":
-        assert cfg.vllm_python, "validated by EngineConfig"
-        extra_args, env = vllm_launch_settings(cfg, seed)
-        with start_vllm_server(
-            cfg.vllm_python,
-            model_path,
-            extra_args=extra_args,
-            env=env,
-            log_path=log_path,
-            startup_timeout=cfg.startup_timeout_s,
-            client_timeout=cfg.request_timeout_s,
-            client_retries=cfg.retries,
-        ) as server:
+    if cfg.backend in ("sglang-launch", "vllm-launch"):
+        with _launched(cfg, model_path, seed, log_path) as server:
             yield EngineHandle(server.url, server.client)
         return
     assert cfg.url, "validated by parse_run_config"
@@ -119,6 +89,31 @@ def open_engine(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -
         yield EngineHandle(cfg.url, client, tuple(replica_urls(cfg.url)) if cfg.api == "sglang" else ())
     finally:
         client.close()
+
+
+def _launched(cfg: EngineConfig, model_path: str, seed: int, log_path: Path) -> EngineProcess:
+    """The SGLang or vLLM server `cfg` launches, serving."""
+    common = {
+        "log_path": log_path,
+        "startup_timeout": cfg.startup_timeout_s,
+        "client_timeout": cfg.request_timeout_s,
+        "client_retries": cfg.retries,
+    }
+    if cfg.backend == "vllm-launch":
+        assert cfg.vllm_python, "validated by EngineConfig"
+        extra_args, env = vllm_launch.launch_settings(cfg, seed)
+        return vllm_launch.start_vllm_server(cfg.vllm_python, model_path, extra_args=extra_args, env=env, **common)
+    assert cfg.sglang_python, "validated by EngineConfig"
+    extra_args, env = sglang_launch.launch_settings(cfg, seed)
+    return sglang_launch.start_sglang_server(
+        cfg.sglang_python,
+        model_path,
+        tp_size=cfg.tp_size,
+        mem_fraction_static=cfg.mem_fraction_static,
+        extra_args=extra_args,
+        env=env,
+        **common,
+    )
 
 
 def _replica_log(log_path: Path, i: int, n: int) -> Path:

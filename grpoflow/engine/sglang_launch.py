@@ -22,6 +22,7 @@ packages cannot leak into SGLang's interpreter.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from grpoflow.config import EngineConfig
 from grpoflow.engine.launch import EngineProcess, server_python, start_server
@@ -81,28 +82,15 @@ def start_sglang_server(
     tp_size: int = 1,
     mem_fraction_static: float = 0.8,
     extra_args: list[str] | None = None,
-    env: dict[str, str] | None = None,
-    log_path: str | Path | None = None,
-    startup_timeout: float = 900.0,
-    client_timeout: float = 300.0,
-    client_retries: int = 3,
+    **server: Any,
 ) -> EngineProcess:
-    """Spawn SGLang on 127.0.0.1 (a free port) and return once `/health` answers 200 (`start_server`)."""
+    """Spawn SGLang on 127.0.0.1 (a free port) and return once `/health` answers 200. `server`: `start_server`'s
+    keywords (env, log_path, startup_timeout, client_timeout, client_retries)."""
     exe = server_python(python, "engine.sglang_python", "SGLang", "/opt/sglang-venv/bin/python")
     port = free_port()
     cmd = sglang_command(
         exe, model_path, port, tp_size=tp_size, mem_fraction_static=mem_fraction_static, extra_args=extra_args
     )
-    return start_server(
-        "SGLang",
-        cmd,
-        port,
-        env=env,
-        log_path=log_path,
-        startup_timeout=startup_timeout,
-        client_timeout=client_timeout,
-        client_retries=client_retries,
-        # SGLang's /health runs a one-token generation and polls for it once per second (http_server.py
-        # health_generate), so one probe may take over a second even on a healthy server.
-        health_timeout=10.0,
-    )
+    # SGLang's /health runs a one-token generation and polls for it once per second (http_server.py
+    # health_generate), so one probe may take over a second even on a healthy server.
+    return start_server("SGLang", cmd, port, health_timeout=10.0, **server)

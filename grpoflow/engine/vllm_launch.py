@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from grpoflow.config import EngineConfig
 from grpoflow.engine.launch import EngineProcess, server_python, start_server
@@ -42,23 +43,17 @@ def launch_settings(cfg: EngineConfig, seed: int) -> tuple[list[str], dict[str, 
 
 
 def start_vllm_server(
-    python: str,
-    model_path: str | Path,
-    *,
-    extra_args: list[str] | None = None,
-    env: dict[str, str] | None = None,
-    log_path: str | Path | None = None,
-    startup_timeout: float = 900.0,
-    client_timeout: float = 300.0,
-    client_retries: int = 3,
+    python: str, model_path: str | Path, *, extra_args: list[str] | None = None, **server: Any
 ) -> EngineProcess:
-    """Spawn vLLM's OpenAI server on 127.0.0.1 (a free port) and return once `/health` answers 200."""
+    """Spawn vLLM's OpenAI server on 127.0.0.1 (a free port) and return once `/health` answers 200. `server`:
+    `start_server`'s keywords (env, log_path, startup_timeout, client_timeout, client_retries)."""
     exe = server_python(python, "engine.vllm_python", "vLLM", "/opt/vllm-venv/bin/python")
     port = free_port()
+    module = "vllm.entrypoints.openai.api_server"
     cmd = [
         exe,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        module,
         "--model",
         str(model_path),
         "--host",
@@ -67,15 +62,5 @@ def start_vllm_server(
         str(port),
         *(extra_args or []),
     ]
-    return start_server(
-        "vLLM",
-        cmd,
-        port,
-        env=env,
-        log_path=log_path,
-        startup_timeout=startup_timeout,
-        client_timeout=client_timeout,
-        client_retries=client_retries,
-        health_timeout=5.0,  # vLLM's /health only asks the engine core whether it is alive
-        api="vllm",
-    )
+    # vLLM's /health only asks the engine core whether it is alive
+    return start_server("vLLM", cmd, port, health_timeout=5.0, api="vllm", **server)

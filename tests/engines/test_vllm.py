@@ -1,8 +1,9 @@
 """The live vLLM lane: real vLLM 0.32 on the CPU (`tests/engines/install_vllm.sh`), started once for the session
 through grpoflow's own `vllm-launch` code (`conftest.vllm`). The request/response contract is asked of it in
-`test_contract.py` (beside SGLang and the embedded engine); here: the start-of-run logprob probe, the disk weight
-sync as a run makes it (the weight version read back, the served-weights probe after every push), what vLLM
-refuses, and a two-step train flow that launches a vLLM of its own (`engine.backend = "vllm-launch"`).
+`test_contract.py` (beside SGLang and the embedded engine); here: the start-of-run logprob probe, the disk and the
+in-memory weight syncs as a run makes them (the weight version read back, the served-weights probe after every
+push), what vLLM refuses, and a two-step train flow that launches a vLLM of its own (`engine.backend =
+"vllm-launch"`).
 """
 
 from __future__ import annotations
@@ -40,15 +41,19 @@ def test_engine_and_trainer_score_a_probe_reply_alike(vllm):
     assert gap["tokens"] > 0 and gap["mean"] < 0.1
 
 
-def test_disk_sync_serves_the_trainers_weights_and_reports_its_version(vllm, tmp_path, restore_vllm_base):
+@pytest.mark.parametrize("mode", ["disk", "distributed"])
+def test_each_sync_serves_the_trainers_weights_and_reports_its_version(vllm, mode, tmp_path, restore_vllm_base):
+    """`distributed`: over gloo into grpoflow's worker extension (`grpoflow.engine.vllm_worker`)."""
     trainer = load_trainer(vllm.model_dir, TrainConfig(), seed=0)
     probe = SyncProbe(limit=0.1)
-    with open_weight_sync(_cfg(vllm), vllm.url, trainer) as sync:
+    with open_weight_sync(_cfg(vllm, mode), vllm.url, trainer) as sync:
         probe.check(sync.client, trainer, "start")
-        for version in ("1", "2"):
+        for version in ("1", "2"):  # twice: the second sync reuses the group
             move_weights(trainer, int(version))
-            ckpt = tmp_path / f"step_{version}"
-            trainer.model.save_pretrained(ckpt)
+            ckpt = None
+            if sync.needs_dir:
+                ckpt = tmp_path / f"step_{version}"
+                trainer.model.save_pretrained(ckpt)
             moved = sync.push(trainer, version, ckpt)  # reads the served version back, or raises
             assert moved["bytes"] > 0 and vllm.client.model_info().weight_version == version
             assert probe.check(sync.client, trainer, version)["probe_gap"] < 0.1
@@ -66,7 +71,6 @@ def test_a_load_of_a_dir_without_weights_is_refused_and_vllm_serves_on(vllm, tmp
 @pytest.mark.parametrize(
     "engine, field",
     [
-        ({"weight_sync": "distributed"}, "engine.weight_sync"),
         ({"weight_sync": "tensor"}, "engine.weight_sync"),
         ({"deterministic": True}, "engine.deterministic"),
     ],

@@ -60,7 +60,7 @@ def test_every_field_has_a_description():
         ({"engine": {"backend": "vllm-launch"}}, "engine.vllm_python"),
         ({"engine": {"backend": "vllm-launch", "vllm_python": "p", "url": "http://h:1"}}, "engine.url"),
         ({"engine": {"backend": "vllm-launch", "vllm_python": "p", "vllm_args": ["--seed=3"]}}, "engine.vllm_args"),
-        ({"engine": {"backend": "vllm", "url": "http://h:1", "weight_sync": "distributed"}}, "engine.weight_sync"),
+        ({"engine": {"backend": "vllm", "url": "http://h:1", "weight_sync": "tensor"}}, "engine.weight_sync"),
         ({"engine": {"backend": "vllm", "url": "http://h:1", "deterministic": True}}, "engine.deterministic"),
         ({"engine": {"backend": "vllm", "url": "http://h:1"}, "train": {"lora": {}}}, "train.lora"),
         ({"prompts": {"eval_fraction": 1.5}}, "prompts.eval_fraction"),

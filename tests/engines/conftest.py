@@ -149,6 +149,31 @@ def move_weights(trainer, seed: int) -> None:
     trainer.optimizer_steps += 1
 
 
+def sync_twice_and_probe(live: LiveEngine, cfg, tmp_path: Path) -> None:
+    """Two syncs into `live` by `cfg`'s weight sync (the second reuses its group or buffer), as a run makes them,
+    each of new weights: the version reads back (the push checks it, and so does every reply after it), and the
+    served-weights probe finds the trainer's weights there."""
+    from grpoflow.config import TrainConfig
+    from grpoflow.train.probe import SyncProbe
+    from grpoflow.train.sync import open_weight_sync
+    from grpoflow.train.trainer import load_trainer
+
+    trainer = load_trainer(live.model_dir, TrainConfig(), seed=0)
+    probe = SyncProbe(limit=0.1)
+    with open_weight_sync(cfg, live.url, trainer) as sync:
+        probe.check(sync.client, trainer, "start")
+        for version in ("1", "2"):
+            move_weights(trainer, int(version))
+            ckpt = None
+            if sync.needs_dir:
+                ckpt = tmp_path / f"step_{version}"
+                trainer.model.save_pretrained(ckpt)
+            moved = sync.push(trainer, version, ckpt)  # reads the served version back, or raises
+            assert moved["bytes"] > 0 and live.client.model_info().weight_version == version
+            assert probe.check(sync.client, trainer, version)["probe_gap"] < 0.1
+            assert live.client.generate([1, 2, 3]).meta_info.weight_version == version
+
+
 def train_config(tmp_path: Path, policy: Path, run_id: str, engine: dict, steps: int = 2) -> dict:
     """A lane's train run of `steps` steps on `policy` (the fence policy: `tests.integration.faults.policy`, which
     earns rewards some of the time, so every step really moves the weights) against `engine`, as raw config.

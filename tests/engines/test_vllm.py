@@ -16,10 +16,9 @@ import pytest
 from grpoflow.config import TrainConfig, parse_run_config
 from grpoflow.errors import ConfigError, EngineError
 from grpoflow.run.metrics import read_metrics
-from grpoflow.train.probe import SyncProbe, check_logprob_agreement
-from grpoflow.train.sync import open_weight_sync
+from grpoflow.train.probe import check_logprob_agreement
 from grpoflow.train.trainer import load_trainer
-from tests.engines.conftest import TRIALS_PER_PROMPT, move_weights, train_config, vllm_engine_config
+from tests.engines.conftest import TRIALS_PER_PROMPT, sync_twice_and_probe, train_config, vllm_engine_config
 
 pytestmark = pytest.mark.vllm
 
@@ -44,20 +43,7 @@ def test_engine_and_trainer_score_a_probe_reply_alike(vllm):
 @pytest.mark.parametrize("mode", ["disk", "distributed"])
 def test_each_sync_serves_the_trainers_weights_and_reports_its_version(vllm, mode, tmp_path, restore_vllm_base):
     """`distributed`: over gloo into grpoflow's worker extension (`grpoflow.engine.vllm_worker`)."""
-    trainer = load_trainer(vllm.model_dir, TrainConfig(), seed=0)
-    probe = SyncProbe(limit=0.1)
-    with open_weight_sync(_cfg(vllm, mode), vllm.url, trainer) as sync:
-        probe.check(sync.client, trainer, "start")
-        for version in ("1", "2"):  # twice: the second sync reuses the group
-            move_weights(trainer, int(version))
-            ckpt = None
-            if sync.needs_dir:
-                ckpt = tmp_path / f"step_{version}"
-                trainer.model.save_pretrained(ckpt)
-            moved = sync.push(trainer, version, ckpt)  # reads the served version back, or raises
-            assert moved["bytes"] > 0 and vllm.client.model_info().weight_version == version
-            assert probe.check(sync.client, trainer, version)["probe_gap"] < 0.1
-            assert vllm.client.generate([1, 2, 3]).meta_info.weight_version == version
+    sync_twice_and_probe(vllm, _cfg(vllm, mode), tmp_path)
 
 
 def test_a_load_of_a_dir_without_weights_is_refused_and_vllm_serves_on(vllm, tmp_path):

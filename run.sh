@@ -83,12 +83,20 @@ ensure_sglang() {
     echo "run.sh: SGLang for the live lane did not install; the lane's tests will fail with the reason" >&2
 }
 
+# The live vLLM lane (tests/engines/test_vllm.py) runs vLLM's CPU build from a Python 3.11 venv of its own, cached
+# outside the repo (tests/engines/install_vllm.sh: about two and a half minutes and 3.5 GB the first time). A failed
+# install does not stop the suite: the lane's tests fail with its reason.
+ensure_vllm() {
+  tests/engines/install_vllm.sh >/dev/null ||
+    echo "run.sh: vLLM for the live lane did not install; the lane's tests will fail with the reason" >&2
+}
+
 # Offline hygiene (nothing phones home) is set by the `flows` package itself, for the CLI and the tests alike.
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   main) ensure_system_tools; ensure_venv; exec .venv/bin/grpoflow main "$@" ;;
-  test) ensure_system_tools; ensure_test_tools; ensure_venv; ensure_sglang; exec .venv/bin/python -m pytest "$@" ;;
+  test) ensure_system_tools; ensure_test_tools; ensure_venv; ensure_sglang; ensure_vllm; exec .venv/bin/python -m pytest "$@" ;;
   *) echo "usage: ./run.sh main [grpoflow options] | ./run.sh test [pytest options]" >&2; exit 2 ;;
 esac

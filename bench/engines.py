@@ -1,16 +1,16 @@
-"""The engines side by side on this CPU: the embedded engine and real SGLang 0.5.23 (torch-native paths), one at a
-time on the same model, through the same HTTP client a run uses.
+"""The engines side by side on this CPU: the embedded engine, real SGLang 0.5.23 (torch-native paths) and real
+vLLM 0.32 (its CPU build), one at a time on the same model, through the same HTTP client a run uses.
 
     .venv/bin/python bench/engines.py [--model smollm2-135m-instruct] [--new-tokens 64] [--requests 2]
-        [--syncs 3] [--engines embedded sglang-cpu]
+        [--syncs 3] [--engines embedded sglang-cpu vllm-cpu]
 
-Per engine: install (SGLang's environment: `tests/engines/install_sglang.sh`, its recorded seconds and size on
-disk; installed first if missing), start (spawn until `/health` answers), memory (resident set of the server's
+Per engine: install (SGLang's and vLLM's environments: `tests/engines/install_sglang.sh`, `install_vllm.sh`, their
+recorded seconds and size on disk; installed first if missing), start (spawn until `/health` answers), memory (resident set of the server's
 process tree once it served the runs), tokens/s of 1 and of 8 concurrent sessions (each session sends
 `--requests` generations of `--new-tokens` sampled tokens, EOS ignored, a prompt of its own), and the seconds of
 one weight sync (`disk`: the step's bf16/fp32 weights written beforehand, then `/update_weights_from_disk`;
 `distributed`: the broadcast over gloo, SGLang's session calls included), median of `--syncs`, each followed by the
-weight version read back. Beside them: HF `generate` tokens/s on one thread (this machine's speed today). The
+weight version read back (vLLM takes `disk` only here: `-`). Beside them: HF `generate` tokens/s on one thread (this machine's speed today). The
 embedded engine runs on one torch thread (its default); SGLang takes the threads it chooses.
 """
 
@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.main_job import hf_generate_tok_s  # noqa: E402
 from grpoflow.config import EngineConfig, TrainConfig, parse_run_config  # noqa: E402
+from grpoflow.engine import sglang_launch, vllm_launch  # noqa: E402
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.engine.protocol import SamplingParams  # noqa: E402
-from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.train.checkpoint import save_checkpoint  # noqa: E402
 from grpoflow.train.sync import open_weight_sync, sync_dtype  # noqa: E402
@@ -42,14 +42,17 @@ from grpoflow.train.trainer import load_trainer  # noqa: E402
 from tests.fakes.proc import descendants  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALLER = ROOT / "tests" / "engines" / "install_sglang.sh"
+INSTALLERS = {"sglang-cpu": ["install_sglang.sh", sys.executable], "vllm-cpu": ["install_vllm.sh"]}
 
 
-def install_sglang() -> tuple[str, float | None, int]:
-    """(SGLang's python, install seconds as recorded by the installer, bytes of its venv on disk)."""
-    out = subprocess.run(["bash", str(INSTALLER), sys.executable], capture_output=True, text=True, check=False)
+def install(name: str) -> tuple[str, float | None, int]:
+    """(The engine's python, install seconds as recorded by its installer, bytes of its venv on disk)."""
+    script, *args = INSTALLERS[name]
+    out = subprocess.run(
+        ["bash", str(ROOT / "tests" / "engines" / script), *args], capture_output=True, text=True, check=False
+    )
     if out.returncode != 0:
-        raise SystemExit(f"bench/engines.py: SGLang did not install:\n{out.stderr[-2000:]}")
+        raise SystemExit(f"bench/engines.py: {name} did not install:\n{out.stderr[-2000:]}")
     python = out.stdout.strip().splitlines()[-1]
     venv = Path(python).parents[1]
     seconds = venv / ".grpoflow-install-seconds"
@@ -119,12 +122,24 @@ def run_engine(name: str, model_dir: str, trainer, args, work: Path) -> dict:
     if name == "embedded":
         cfg = EngineConfig(backend="embedded")
         server = start_embedded_engine(model_dir, seed=0, log_path=log)
-    else:
-        python, row["install_s"], row["install_bytes"] = install_sglang()
+    elif name == "sglang-cpu":
+        python, row["install_s"], row["install_bytes"] = install(name)
         cfg = EngineConfig(backend="sglang-launch", sglang_python=python, device="cpu")
-        extra, env = launch_settings(cfg, seed=0)
+        extra, env = sglang_launch.launch_settings(cfg, seed=0)
         t0 = time.perf_counter()
-        server = start_sglang_server(python, model_dir, extra_args=extra, env=env, log_path=log, startup_timeout=600)
+        server = sglang_launch.start_sglang_server(
+            python, model_dir, extra_args=extra, env=env, log_path=log, startup_timeout=600
+        )
+    else:
+        python, row["install_s"], row["install_bytes"] = install(name)
+        cfg = EngineConfig(
+            backend="vllm-launch", vllm_python=python, device="cpu", vllm_args=["--max-model-len", "2048"]
+        )
+        extra, env = vllm_launch.launch_settings(cfg, seed=0)
+        t0 = time.perf_counter()
+        server = vllm_launch.start_vllm_server(
+            python, model_dir, extra_args=extra, env=env, log_path=log, startup_timeout=600
+        )
     with server:
         row["start_s"] = time.perf_counter() - t0
         client = server.client
@@ -132,15 +147,18 @@ def run_engine(name: str, model_dir: str, trainer, args, work: Path) -> dict:
         row["tok_s_1"] = sessions_tok_s(client, 1, args)
         row["tok_s_8"] = sessions_tok_s(client, 8, args)
         row["rss_bytes"] = tree_rss(server.pid)
-        for mode in ("disk", "distributed"):
+        for mode in ("disk", "distributed") if cfg.api == "sglang" else ("disk",):
             row[f"sync_{mode}_s"] = sync_seconds(trainer, cfg, server.url, mode, work, args.syncs)
     return row
+
+
+ENGINES = ["embedded", "sglang-cpu", "vllm-cpu"]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="A model source as `model.source` takes it.")
-    p.add_argument("--engines", nargs="+", default=["embedded", "sglang-cpu"], choices=["embedded", "sglang-cpu"])
+    p.add_argument("--engines", nargs="+", default=[*ENGINES], choices=ENGINES)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--requests", type=int, default=2, help="Generations per session.")
@@ -167,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{r['engine']:<12}{install:>16}{r['start_s']:>7.1f}s{r['rss_bytes'] / 2**30:>7.2f}GB"
                 f"{r['tok_s_1']:>7.1f}tok/s{r['tok_s_8']:>8.1f}tok/s"
-                f"{r['sync_disk_s']:>10.2f}s{r['sync_distributed_s']:>10.2f}s",
+                f"{r['sync_disk_s']:>10.2f}s"
+                + (f"{r['sync_distributed_s']:>10.2f}s" if "sync_distributed_s" in r else f"{'-':>11}"),
                 flush=True,
             )
     return 0

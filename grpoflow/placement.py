@@ -3,10 +3,11 @@ the machine's GPU count alone (so it is tested without GPUs), refused with one l
 written into run.json.
 
 The trainer's ranks take GPUs 0..R-1 (rank r on GPU r, `train.parallel.rank_device`); an engine the run launches
-on GPUs (`engine.backend` sglang-launch, `engine.device` cuda) takes the next `engine.tp_size`, starting at
-`--base-gpu-id` R. Overlap is refused rather than shared: an SGLang KV pool sized on a GPU that already holds the
-trainer runs the first update out of memory, and a `distributed` weight sync would put two NCCL ranks (trainer
-rank 0 and an engine rank) on one device, which NCCL refuses. With `cluster.ray_address` only rank 0 trains here
+on GPUs (`engine.backend` sglang-launch or vllm-launch, `engine.device` cuda) takes the next `engine.tp_size`,
+from GPU R (SGLang's `--base-gpu-id`; vLLM sees only those through `CUDA_VISIBLE_DEVICES`). Overlap is refused
+rather than shared: an engine's KV pool sized on a GPU that already holds the trainer runs the first update out
+of memory, and a `distributed` weight sync would put two NCCL ranks (trainer rank 0 and an engine rank) on one
+device, which NCCL refuses. With `cluster.ray_address` only rank 0 trains here
 (the others are Ray actors on Ray's GPUs); the embedded CPU engine and an attached engine (`engine.url`, GPUs of
 its own) take none of this machine's GPUs.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from grpoflow.config import RunConfig
 from grpoflow.errors import ConfigError
 
-LAUNCHED_GPU_BACKENDS = ("sglang-launch",)
+LAUNCHED_GPU_BACKENDS = ("sglang-launch", "vllm-launch")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class GpuPlan:
 
     @property
     def engine_base_gpu(self) -> int | None:
-        """SGLang's `--base-gpu-id` for a launched engine; None when it takes no GPU here."""
+        """The first GPU of a launched engine (SGLang's `--base-gpu-id`); None when it takes no GPU here."""
         return self.engine[0] if self.engine else None
 
     def to_json(self) -> dict[str, object]:
@@ -57,7 +58,7 @@ def plan_gpus(cfg: RunConfig, gpus: int) -> GpuPlan:
         if launched:
             raise ConfigError(
                 f"engine.backend={cfg.engine.backend} with engine.device=cuda: this machine has no GPU "
-                "(engine.device=cpu runs SGLang on the CPU)"
+                "(engine.device=cpu runs it on the CPU)"
             )
         return GpuPlan(0, (), ())
     # With a Ray cluster, rank 0 trains in the flow's process (here) and the others are Ray actors on Ray's GPUs.
@@ -71,7 +72,7 @@ def plan_gpus(cfg: RunConfig, gpus: int) -> GpuPlan:
     if len(trainer) + tp > gpus:
         raise ConfigError(
             f"engine.tp_size={tp} beside cluster.train_ranks={ranks} needs {len(trainer) + tp} GPUs, this machine "
-            f"has {gpus}: SGLang's KV pool would sit on the trainer's GPUs (the first update runs out of memory) "
+            f"has {gpus}: the engine's KV pool would sit on the trainer's GPUs (the first update runs out of memory) "
             "and a distributed sync would put two NCCL ranks on one GPU"
         )
     return GpuPlan(gpus, trainer, tuple(range(len(trainer), len(trainer) + tp)))

@@ -52,9 +52,10 @@ def check_run(
     if stage in ("train", "resume"):
         problems += sampling_problems(cfg.rollout)
     problems += check_sandbox(cfg.rollout, env, timeout_s) + gpu_problems(cfg)
-    if cfg.engine.backend == "sglang" and cfg.engine.url:
+    if cfg.engine.attached and cfg.engine.url:
         # each server behind a router (which has no /model_info of its own), or the one server
-        for url in replica_urls(cfg.engine.url, timeout_s):
+        urls = replica_urls(cfg.engine.url, timeout_s) if cfg.engine.api == "sglang" else [cfg.engine.url]
+        for url in urls:
             problems += check_engine(url, cfg.model.source, "model.source", timeout_s)
     return problems
 
@@ -250,13 +251,11 @@ def check_engine(
             "for it to finish loading, restart it, or fix engine.url"
         ]
     try:
-        info = httpx.get(base + "/model_info", timeout=timeout_s)
-        info.raise_for_status()
-        served = info.json()["model_path"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+        served = _served_model(base, timeout_s)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as err:
         return [
-            f"engine at {base}: GET /model_info gave no model_path ({type(err).__name__}: "
-            f"{one_line(str(err), 400)}): is engine.url an SGLang server?"
+            f"engine at {base}: neither GET /model_info (SGLang) nor GET /v1/models (vLLM) gave the model path "
+            f"({type(err).__name__}: {one_line(str(err), 400)}): is engine.url an SGLang or vLLM server?"
         ]
     if not (_same_model(str(served), expected_model) or _same_model(_started_on(base, timeout_s), expected_model)):
         remedy = remedy or (
@@ -267,6 +266,21 @@ def check_engine(
             f"`{expected_model}`: {remedy}"
         ]
     return []
+
+
+def _served_model(base: str, timeout_s: float) -> str:
+    """SGLang's `/model_info` `model_path`; from a server without that route (vLLM: 404), `/v1/models`' first
+    model's `root` (the --model it was started with)."""
+    info = httpx.get(base + "/model_info", timeout=timeout_s)
+    if info.status_code == 404:
+        try:
+            models = httpx.get(base + "/v1/models", timeout=timeout_s)
+            models.raise_for_status()
+            return str(models.json()["data"][0]["root"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError):
+            pass  # no vLLM either: /model_info's 404 says what is wrong
+    info.raise_for_status()
+    return info.json()["model_path"]
 
 
 def _started_on(base: str, timeout_s: float) -> str:

@@ -1,8 +1,9 @@
 """The engine a run talks to, whichever backend: the embedded one started for the run (or several, behind an
-sglang-router started with them: `engine.replicas`), an SGLang server started for the run from SGLang's own
-environment, or an SGLang server (or a router in front of several) already running. Either way the rest of the
-pipeline generates through one URL speaking SGLang's HTTP API, with one client that retries infrastructure
-faults (`engine.retries`) before the step fails with `EngineError`; weight syncs go to each replica's own URL."""
+sglang-router started with them: `engine.replicas`), an SGLang or vLLM server started for the run from its own
+environment, or an SGLang server (or a router in front of several) or a vLLM server already running. Either way
+the rest of the pipeline generates through one URL with one client (`EngineClient`, which speaks vLLM's API
+where `engine.api` says so and answers as SGLang does) that retries infrastructure faults (`engine.retries`)
+before the step fails with `EngineError`; weight syncs go to each replica's own URL."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.config import EngineConfig
+from grpoflow.engine import sglang_launch, vllm_launch
 from grpoflow.engine.client import EngineClient
-from grpoflow.engine.launch import start_embedded_engine
+from grpoflow.engine.launch import EngineProcess, start_embedded_engine
 from grpoflow.engine.router import replica_urls, start_router
-from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server
 from grpoflow.errors import EngineError
 
 
@@ -76,32 +77,46 @@ def open_engine(
             )
             yield EngineHandle(router.url, router.client, tuple(urls), host_threads=threads)
         return
-    if cfg.backend == "sglang-launch":
-        assert cfg.sglang_python, "validated by EngineConfig"
-        extra_args, env = launch_settings(cfg, seed, base_gpu_id)
-        with start_sglang_server(
-            cfg.sglang_python,
-            model_path,
-            tp_size=cfg.tp_size,
-            mem_fraction_static=cfg.mem_fraction_static,
-            extra_args=extra_args,
-            env=env,
-            log_path=log_path,
-            startup_timeout=cfg.startup_timeout_s,
-            client_timeout=cfg.request_timeout_s,
-            client_retries=cfg.retries,
-        ) as server:
+    if cfg.backend in ("sglang-launch", "vllm-launch"):
+        with _launched(cfg, model_path, seed, log_path, base_gpu_id) as server:
             yield EngineHandle(server.url, server.client)
         return
     assert cfg.url, "validated by parse_run_config"
-    client = EngineClient(cfg.url, timeout=cfg.request_timeout_s, retries=cfg.retries)
+    client = EngineClient(cfg.url, timeout=cfg.request_timeout_s, retries=cfg.retries, api=cfg.api)
     if not client.health():
         client.close()
-        raise EngineError(f"engine.url {cfg.url}: no healthy SGLang server answers there (GET /health)")
+        name = "vLLM" if cfg.api == "vllm" else "SGLang"
+        raise EngineError(f"engine.url {cfg.url}: no healthy {name} server answers there (GET /health)")
     try:
-        yield EngineHandle(cfg.url, client, tuple(replica_urls(cfg.url)))  # a router's servers, or the one
+        # a router's servers, or the one (vLLM: no router here)
+        yield EngineHandle(cfg.url, client, tuple(replica_urls(cfg.url)) if cfg.api == "sglang" else ())
     finally:
         client.close()
+
+
+def _launched(cfg: EngineConfig, model_path: str, seed: int, log_path: Path, base_gpu_id: int | None) -> EngineProcess:
+    """The SGLang or vLLM server `cfg` launches, serving, on the GPUs from `base_gpu_id` on (the run's plan)."""
+    common = {
+        "log_path": log_path,
+        "startup_timeout": cfg.startup_timeout_s,
+        "client_timeout": cfg.request_timeout_s,
+        "client_retries": cfg.retries,
+    }
+    if cfg.backend == "vllm-launch":
+        assert cfg.vllm_python, "validated by EngineConfig"
+        extra_args, env = vllm_launch.launch_settings(cfg, seed, base_gpu_id)
+        return vllm_launch.start_vllm_server(cfg.vllm_python, model_path, extra_args=extra_args, env=env, **common)
+    assert cfg.sglang_python, "validated by EngineConfig"
+    extra_args, env = sglang_launch.launch_settings(cfg, seed, base_gpu_id)
+    return sglang_launch.start_sglang_server(
+        cfg.sglang_python,
+        model_path,
+        tp_size=cfg.tp_size,
+        mem_fraction_static=cfg.mem_fraction_static,
+        extra_args=extra_args,
+        env=env,
+        **common,
+    )
 
 
 def _replica_log(log_path: Path, i: int, n: int) -> Path:

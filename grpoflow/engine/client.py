@@ -1,4 +1,6 @@
-"""HTTP client for SGLang's API, used unchanged against real SGLang and against the embedded engine.
+"""HTTP client for SGLang's API, used unchanged against real SGLang and against the embedded engine; and, with
+`api="vllm"`, for vLLM's, behind the same methods and answers (`_VLLM` below), so nothing else in grpoflow knows
+which engine it talks to.
 
 Every answer is validated with `grpoflow.engine.protocol` (`/get_server_info`, free-form, only as a JSON
 object); anything malformed (not JSON, a missing `finish_reason`, ...) raises `EngineError` with one line naming
@@ -16,7 +18,8 @@ import json
 import random
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Literal, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -38,6 +41,9 @@ from grpoflow.engine.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
+    VLLMCompletionResponse,
+    VLLMModelList,
+    VLLMWeightInfo,
     WeightsUpdateGroupResponse,
 )
 from grpoflow.errors import EngineError, EngineUnavailableError
@@ -57,6 +63,8 @@ _WEIGHT_UPDATES = (
 )
 
 _BACKOFF_CAP_S = 10.0
+# vLLM has no weight version before the first /update_weight_version; SGLang's is then "default".
+_VLLM_FIRST_VERSION = "default"
 
 
 class _Retryable(Exception):
@@ -64,7 +72,7 @@ class _Retryable(Exception):
 
 
 class EngineClient:
-    """Sync and async access to one SGLang-compatible server at `base_url`."""
+    """Sync and async access to one SGLang-compatible server at `base_url` (`api="vllm"`: a vLLM server)."""
 
     def __init__(
         self,
@@ -74,8 +82,10 @@ class EngineClient:
         backoff_s: float = 0.5,
         lora_path: str | None = None,
         outage_s: float = 0.0,
+        api: Literal["sglang", "vllm"] = "sglang",
     ):
         self.base_url = base_url.rstrip("/")
+        self.api = api  # the HTTP API the server speaks (`EngineConfig.api`)
         self.timeout = timeout
         self.retries = retries
         self.outage_s = outage_s  # how long a request keeps retrying an engine that does not answer
@@ -93,6 +103,11 @@ class EngineClient:
     def generate(
         self, input_ids: list[int], sampling_params: SamplingParams | None = None, *, return_logprob: bool = True
     ) -> GenerateResponse:
+        if self.api == "vllm":
+            version = self._call("GET", "/weight_info", None, VLLMWeightInfo).weight_version
+            body = _vllm_completion_body(input_ids, sampling_params, return_logprob)
+            resp = self._call("POST", "/v1/completions", body, VLLMCompletionResponse)
+            return _checked_generate(_from_vllm(resp, version, return_logprob))
         body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
         return _checked_generate(self._call("POST", "/generate", body, GenerateResponse))
 
@@ -106,18 +121,35 @@ class EngineClient:
     ) -> GenerateResponse:
         """`on_fault`: told what each failed try got, while the request waits an outage out (a client shared by
         many callers cannot say whose request `outage` is)."""
+        if self.api == "vllm":
+            info = await self._acall("GET", "/weight_info", None, VLLMWeightInfo, on_fault)
+            body = _vllm_completion_body(input_ids, sampling_params, return_logprob)
+            resp = await self._acall("POST", "/v1/completions", body, VLLMCompletionResponse, on_fault)
+            return _checked_generate(_from_vllm(resp, info.weight_version, return_logprob))
         body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
         return _checked_generate(await self._acall("POST", "/generate", body, GenerateResponse, on_fault))
 
     def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
     ) -> UpdateWeightsFromDiskResponse:
+        if self.api == "vllm":
+            return self._vllm_reload(model_path, weight_version)
         body = _update_body(model_path, weight_version, flush_cache)
         return _checked_update(self._call("POST", "/update_weights_from_disk", body, UpdateWeightsFromDiskResponse))
 
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
     ) -> WeightsUpdateGroupResponse:
+        if self.api == "vllm":  # the workers join through grpoflow's extension (`grpoflow.engine.vllm_worker`)
+            kwargs = {
+                "master_address": master_address,
+                "master_port": str(master_port),
+                "rank_offset": str(rank_offset),
+                "world_size": str(world_size),
+                "group_name": group_name,
+                "backend": backend,
+            }
+            return self._vllm_worker_call("grpoflow_join_update_group", kwargs, "/init_weights_update_group")
         body = InitWeightsUpdateGroupRequest(
             master_address=master_address,
             master_port=master_port,
@@ -133,11 +165,19 @@ class EngineClient:
     # Neither call is retried: a re-sent begin that had gone through is refused as "already open", an end as
     # "no session open".
     def begin_weight_update(self) -> WeightsUpdateGroupResponse:
+        """vLLM: `/pause?mode=wait` (requests in flight finish on the old weights, new ones wait)."""
+        if self.api == "vllm":
+            self._call("POST", "/pause?mode=wait", None, dict, retries=0)
+            return WeightsUpdateGroupResponse(success=True, message="paused")
         path = "/begin_weight_update"
         body = BeginWeightUpdateRequest().model_dump()
         return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
 
     def end_weight_update(self) -> WeightsUpdateGroupResponse:
+        """vLLM: `/resume`."""
+        if self.api == "vllm":
+            self._call("POST", "/resume", None, dict)
+            return WeightsUpdateGroupResponse(success=True, message="resumed")
         path = "/end_weight_update"
         body = EndWeightUpdateRequest().model_dump()
         return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
@@ -151,6 +191,12 @@ class EngineClient:
         weight_version: str | None = None,
         flush_cache: bool = True,
     ) -> WeightsUpdateGroupResponse:
+        if self.api == "vllm":
+            kwargs = {"names": json.dumps(names), "dtypes": json.dumps(dtypes), "shapes": json.dumps(shapes)}
+            resp = self._vllm_worker_call("grpoflow_receive_weights", kwargs, "/update_weights_from_distributed")
+            if weight_version is not None:
+                self.update_weight_version(weight_version)
+            return resp
         body = UpdateWeightsFromDistributedRequest(
             names=names,
             dtypes=dtypes,
@@ -184,14 +230,61 @@ class EngineClient:
 
     def update_weight_version(self, version: str) -> None:
         body = UpdateWeightVersionRequest(new_version=version).model_dump()
+        if self.api == "vllm":
+            body = {"new_version": version}  # vLLM's route takes no other field
         self._call("POST", "/update_weight_version", body, dict)
 
     def model_info(self) -> ModelInfo:
+        """vLLM: `model_path` is the model it was started with (it does not follow weight loads, unlike SGLang's)."""
+        if self.api == "vllm":
+            card = self._call("GET", "/v1/models", None, VLLMModelList).data[0]
+            version = self._call("GET", "/weight_info", None, VLLMWeightInfo).weight_version
+            return ModelInfo(
+                model_path=card.root or card.id,
+                tokenizer_path=None,
+                is_generation=True,
+                weight_version=version or _VLLM_FIRST_VERSION,
+            )
         return self._call("GET", "/model_info", None, ModelInfo)
+
+    def _vllm_reload(self, model_path: str, weight_version: str | None) -> UpdateWeightsFromDiskResponse:
+        """vLLM's disk load: hold generation (requests in flight finish on the old weights, new ones wait), have
+        every worker read `model_path`'s safetensors, label them, go on. Not retried: a reload cut off midway may
+        have left the model half loaded, and only a whole new one mends that. Generation resumes however the load
+        ended."""
+        if not any(Path(model_path).glob("*.safetensors")):
+            # vLLM's reload_weights of a dir it cannot read takes its whole engine down (EngineDeadError)
+            raise EngineError(f"/update_weights_from_disk: failed: no *.safetensors in {model_path}")
+        start = time.monotonic()
+        self._call("POST", "/pause?mode=wait", None, dict, retries=0)
+        try:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
+            try:
+                self._call("POST", "/collective_rpc", rpc, dict, retries=0)
+            except EngineError as e:  # vLLM answers a failed reload with 500: it is no outage
+                raise EngineError(f"/update_weights_from_disk: failed: vLLM reload_weights({model_path}): {e}") from e
+            if weight_version is not None:
+                self.update_weight_version(weight_version)
+        finally:
+            self._call("POST", "/resume", None, dict)
+        return UpdateWeightsFromDiskResponse(
+            success=True, message=f"vLLM reloaded {model_path} in {time.monotonic() - start:.2f}s"
+        )
+
+    def _vllm_worker_call(self, method: str, kwargs: dict[str, str], what: str) -> WeightsUpdateGroupResponse:
+        """`method` of grpoflow's worker extension on every vLLM worker (`/collective_rpc`), not retried (each is one
+        end of a collective); EngineError naming `what` (the SGLang route it stands for) with vLLM's reason."""
+        try:
+            out = self._call("POST", "/collective_rpc", {"method": method, "kwargs": kwargs}, dict, retries=0)
+        except EngineError as e:
+            raise EngineError(f"{what}: failed: vLLM worker extension {method}: {e}") from e
+        return WeightsUpdateGroupResponse(success=True, message=json.dumps(out.get("results")))
 
     def busy_seconds(self) -> float | None:
         """Seconds the engine has spent computing (prefill, decode) since it started: the embedded engine's
-        `busy_time_s` in /get_server_info; None from an engine that does not report it (SGLang)."""
+        `busy_time_s` in /get_server_info; None from an engine that does not report it (SGLang, vLLM)."""
+        if self.api == "vllm":
+            return None  # no /get_server_info
         states = self.server_info().get("internal_states") or [{}]
         busy = states[0].get("busy_time_s")
         return float(busy) if isinstance(busy, int | float) else None
@@ -339,6 +432,63 @@ def _generate_body(
     )
     # Unset optionals stay off the wire: SGLang reads a missing field as its default.
     return req.model_dump(exclude_none=True)
+
+
+def _vllm_completion_body(input_ids: list[int], params: SamplingParams | None, return_logprob: bool) -> dict:
+    """`POST /v1/completions` for a `/generate` request: token ids in, token ids (and with `return_logprob` the
+    sampled tokens' logprobs: `logprobs: 0`) out."""
+    p = params or SamplingParams()
+    body: dict[str, Any] = {
+        "prompt": input_ids,
+        "max_tokens": p.max_new_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "ignore_eos": p.ignore_eos,
+        "return_token_ids": True,
+        "skip_special_tokens": True,
+    }
+    optional = {
+        "top_k": p.top_k if p.top_k != -1 else None,
+        "stop": p.stop_strings or None,
+        # SGLang's ignore_eos switches off every token stop; vLLM's only the EOS
+        "stop_token_ids": None if p.ignore_eos else p.stop_token_ids,
+        "seed": p.sampling_seed,
+        "logprobs": 0 if return_logprob else None,
+    }
+    return body | {k: v for k, v in optional.items() if v is not None}
+
+
+def _from_vllm(resp: VLLMCompletionResponse, version: str | None, return_logprob: bool) -> GenerateResponse:
+    """vLLM's completion as SGLang's `/generate` answer. `version`: the weight version read just before the
+    request (vLLM's answer carries none); a sync in between makes it one older than the weights used, never
+    newer. Finish reasons as SGLang gives them: "stop" with the stop string or token id matched (EOS: its id),
+    "length" with the reply's length."""
+    choice = resp.choices[0]
+    ids = choice.token_ids
+    if choice.finish_reason == "length":
+        finish: dict[str, Any] = {"type": "length", "length": len(ids)}
+    elif choice.finish_reason == "stop":
+        matched = choice.stop_reason if choice.stop_reason is not None else (ids[-1] if ids else None)
+        finish = {"type": "stop", "matched": matched}
+    elif choice.finish_reason == "abort":
+        finish = {"type": "abort", "message": "aborted by vLLM"}
+    else:
+        raise EngineError(f"/v1/completions: malformed response: finish_reason {choice.finish_reason!r}")
+    logprobs = None
+    if return_logprob:
+        lps = choice.logprobs.token_logprobs if choice.logprobs is not None else []
+        if len(lps) != len(ids) or any(lp is None for lp in lps):
+            raise EngineError(f"/v1/completions: malformed response: {len(lps)} logprobs for {len(ids)} tokens")
+        logprobs = [(lp, t, None) for lp, t in zip(lps, ids, strict=True)]
+    meta = {
+        "id": resp.id,
+        "finish_reason": finish,
+        "prompt_tokens": resp.usage.prompt_tokens,
+        "completion_tokens": resp.usage.completion_tokens,
+        "weight_version": version or _VLLM_FIRST_VERSION,
+        "output_token_logprobs": logprobs,
+    }
+    return GenerateResponse.model_validate({"text": choice.text, "output_ids": ids, "meta_info": meta})
 
 
 def _update_body(model_path: str, weight_version: str | None, flush_cache: bool) -> dict:

@@ -1,4 +1,5 @@
-"""Start the embedded engine as a subprocess and wait until it serves.
+"""Start the embedded engine as a subprocess and wait until it serves; and the same for an engine server from its
+own Python environment (`start_server`: SGLang's, vLLM's).
 
 The server runs in its own process group (so `stop()` also ends anything it spawned) with stdout/stderr in a
 log file; if it dies during startup the raised `EngineError` carries the log's tail. It reports its port through
@@ -15,11 +16,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 from grpoflow.engine.client import EngineClient
 from grpoflow.errors import EngineError
 
 _LOG_TAIL_LINES = 30
+_POLL_S = 0.5
+# Dropped from a launched server's environment, so grpoflow's packages cannot leak into its interpreter.
+_ENV_DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 
 
 class EngineProcess:
@@ -151,6 +156,79 @@ def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path,
     raise EngineError(
         f"embedded engine not healthy after {timeout:.0f}s (url={url or 'no port yet'}); log {log_path}:\n"
         + log_tail(log_path)
+    )
+
+
+def server_python(python: str, field: str, name: str, example: str) -> str:
+    """The launched server's interpreter `python` as an executable path, or EngineError naming `field`."""
+    exe = shutil.which(python)
+    if exe is None:
+        raise EngineError(f"{field} {python}: no such executable (the {name} environment's python, e.g. {example})")
+    return exe
+
+
+def start_server(
+    name: str,
+    cmd: list[str],
+    port: int,
+    *,
+    env: dict[str, str] | None = None,
+    log_path: str | Path | None = None,
+    startup_timeout: float = 900.0,
+    client_timeout: float = 300.0,
+    client_retries: int = 3,
+    health_timeout: float = 10.0,
+    api: Literal["sglang", "vllm"] = "sglang",
+) -> EngineProcess:
+    """Run `cmd` (an engine server `name` listening on 127.0.0.1:`port`) in its own process group, with its output
+    in `log_path`, and return once `/health` answers 200.
+
+    `env`: variables set for the server on top of ours (less the `_ENV_DROPPED`). Raises `EngineError` when the
+    server exits during startup (with the exit code and the log's tail), or when it is not healthy within
+    `startup_timeout` (it is stopped first)."""
+    if log_path is None:
+        log_path = Path(tempfile.mkdtemp(prefix=f"grpoflow-{name.lower()}-")) / "engine.log"
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    child_env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED} | (env or {})
+    with open(log_path, "ab") as log_file:
+        log_file.write(f"grpoflow: starting {' '.join(cmd)}\n".encode())
+        log_file.flush()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_healthy(name, proc, url, log_path, startup_timeout, health_timeout)
+    except BaseException:
+        stop_process_group(proc, timeout=10.0)
+        raise
+    client = EngineClient(url, timeout=client_timeout, retries=client_retries, api=api)
+    # an engine frees GPU memory on the way out: give it 30 s before SIGKILL
+    return EngineProcess(proc, url, log_path, client, stop_timeout=30.0, command=cmd)
+
+
+def _wait_until_healthy(
+    name: str, proc: subprocess.Popen, url: str, log_path: Path, timeout: float, probe_timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    with EngineClient(url, timeout=probe_timeout, retries=0) as probe:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise EngineError(
+                    f"{name} server exited with code {proc.returncode} during startup; log {log_path}:\n"
+                    + log_tail(log_path)
+                )
+            if probe.health(timeout=min(probe_timeout, max(deadline - time.monotonic(), 0.1))):
+                return
+            time.sleep(_POLL_S)
+    raise EngineError(
+        f"{name} server at {url} not healthy after {timeout:.0f}s; log {log_path}:\n" + log_tail(log_path)
     )
 
 

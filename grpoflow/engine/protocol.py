@@ -336,3 +336,54 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice] = Field(..., min_length=1)
     usage: Usage
     prompt_token_ids: list[int] | None = None  # with return_token_ids; litellm sets it as a response attribute
+
+
+# --- vLLM (vllm-project/vllm 0.32, `engine.backend` vllm / vllm-launch) -----------------------------------
+# `EngineClient(api="vllm")` speaks these and hands the rest of grpoflow the SGLang models above.
+# - `vllm/entrypoints/openai/completion/protocol.py`: `CompletionRequest` takes `prompt` as a list of token ids,
+#   `max_tokens`, `temperature`, `top_p`, `top_k` (-1 or 0: off), `seed`, `stop`, `stop_token_ids`, `ignore_eos`,
+#   `logprobs` (0: the sampled token's alone) and `return_token_ids` (then each choice carries `prompt_token_ids`
+#   and `token_ids`). A choice's `finish_reason` is "stop" / "length" / "abort", `stop_reason` the stop string or
+#   token id matched (None for EOS). Logprobs are of the distribution it samples from only when the server runs
+#   with `--logprobs-mode processed_logprobs` (default `raw_logprobs`: before temperature and top-p/top-k).
+# - `vllm/entrypoints/rl/online/api_router.py` (mounted under VLLM_SERVER_DEV_MODE=1): `POST /pause?mode=wait`
+#   (finish in-flight requests, then hold new ones), `/resume`, `/update_weight_version` `{"new_version"}`,
+#   `GET /weight_info` `{"weight_version": str | None}`; `vllm/entrypoints/serve/dev/rpc/api_router.py`: `POST
+#   /collective_rpc` `{"method", "kwargs"}` calls the method on every worker (`reload_weights(weights_path=DIR)`
+#   reads the safetensors of DIR into the served model).
+
+
+class VLLMCompletionLogprobs(_Response):
+    token_logprobs: list[float | None]
+
+
+class VLLMCompletionChoice(_Response):
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int]
+    logprobs: VLLMCompletionLogprobs | None = None
+
+
+class VLLMUsage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class VLLMCompletionResponse(_Response):
+    id: str
+    choices: list[VLLMCompletionChoice] = Field(..., min_length=1, max_length=1)
+    usage: VLLMUsage
+
+
+class VLLMWeightInfo(_Response):
+    weight_version: str | None = None
+
+
+class VLLMModelCard(_Response):
+    id: str
+    root: str | None = None  # the --model it was started with
+
+
+class VLLMModelList(_Response):
+    data: list[VLLMModelCard] = Field(..., min_length=1)

@@ -21,24 +21,13 @@ packages cannot leak into SGLang's interpreter.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 from grpoflow.config import EngineConfig
-from grpoflow.engine.client import EngineClient
-from grpoflow.engine.launch import EngineProcess, log_tail, stop_process_group
-from grpoflow.errors import EngineError
+from grpoflow.engine.launch import EngineProcess, server_python, start_server
 from grpoflow.sockets import free_port
 
-# SGLang's /health runs a one-token generation and polls for it once per second (http_server.py health_generate),
-# so one probe may take over a second even on a healthy server.
-_HEALTH_PROBE_TIMEOUT_S = 10.0
-_POLL_S = 0.5
-_ENV_DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 CPU_MAX_TOTAL_TOKENS = 16384  # the KV cache of a CPU launch unless engine.max_total_tokens says otherwise
 
 
@@ -96,66 +85,15 @@ def start_sglang_server(
     tp_size: int = 1,
     mem_fraction_static: float = 0.8,
     extra_args: list[str] | None = None,
-    env: dict[str, str] | None = None,
-    log_path: str | Path | None = None,
-    startup_timeout: float = 900.0,
-    client_timeout: float = 300.0,
-    client_retries: int = 3,
+    **server: Any,
 ) -> EngineProcess:
-    """Spawn SGLang on 127.0.0.1 (a free port) and return once `/health` answers 200.
-
-    `env`: variables set for the server on top of ours (less the `_ENV_DROPPED`). Raises `EngineError` when the interpreter is missing, when the server exits during startup (with the exit
-    code and the log's tail), or when it is not healthy within `startup_timeout` (it is stopped first).
-    """
-    exe = shutil.which(python)
-    if exe is None:
-        raise EngineError(
-            f"engine.sglang_python {python}: no such executable (the SGLang environment's python, "
-            "e.g. /opt/sglang-venv/bin/python)"
-        )
-    if log_path is None:
-        log_path = Path(tempfile.mkdtemp(prefix="grpoflow-sglang-")) / "engine.log"
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    """Spawn SGLang on 127.0.0.1 (a free port) and return once `/health` answers 200. `server`: `start_server`'s
+    keywords (env, log_path, startup_timeout, client_timeout, client_retries)."""
+    exe = server_python(python, "engine.sglang_python", "SGLang", "/opt/sglang-venv/bin/python")
     port = free_port()
     cmd = sglang_command(
         exe, model_path, port, tp_size=tp_size, mem_fraction_static=mem_fraction_static, extra_args=extra_args
     )
-    child_env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED} | (env or {})
-    with open(log_path, "ab") as log_file:
-        log_file.write(f"grpoflow: starting {' '.join(cmd)}\n".encode())
-        log_file.flush()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=child_env,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_healthy(proc, url, log_path, startup_timeout)
-    except BaseException:
-        stop_process_group(proc, timeout=10.0)
-        raise
-    client = EngineClient(url, timeout=client_timeout, retries=client_retries)
-    # SGLang frees GPU memory on the way out: give it 30 s before SIGKILL
-    return EngineProcess(proc, url, log_path, client, stop_timeout=30.0, command=cmd)
-
-
-def _wait_until_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    with EngineClient(url, timeout=_HEALTH_PROBE_TIMEOUT_S, retries=0) as probe:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise EngineError(
-                    f"SGLang server exited with code {proc.returncode} during startup; log {log_path}:\n"
-                    + log_tail(log_path)
-                )
-            if probe.health(timeout=min(_HEALTH_PROBE_TIMEOUT_S, max(deadline - time.monotonic(), 0.1))):
-                return
-            time.sleep(_POLL_S)
-    raise EngineError(
-        f"SGLang server at {url} not healthy after {timeout:.0f}s; log {log_path}:\n" + log_tail(log_path)
-    )
+    # SGLang's /health runs a one-token generation and polls for it once per second (http_server.py
+    # health_generate), so one probe may take over a second even on a healthy server.
+    return start_server("SGLang", cmd, port, health_timeout=10.0, **server)

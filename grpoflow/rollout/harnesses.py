@@ -109,6 +109,7 @@ def _shell(b: BindingInput) -> AgentConfig:
         import_path=SHELL_AGENT,
         kwargs={
             "engine_url": b.engine_url,
+            "engine_api": b.engine.api,
             "tokenizer_path": b.tokenizer_path,
             "max_turns": r.max_turns,
             "max_new_tokens": r.max_new_tokens,

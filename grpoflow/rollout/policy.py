@@ -54,7 +54,7 @@ async def fit_to_engine(rollout: RolloutConfig, engine: EngineConfig, engine_url
     context length, and aborts one whose prompt comes within 6 tokens of it (`token_budget`), so an episode
     budget past that would turn the last turn of long episodes into failed trials, and their groups would be
     dropped. Within the engine's bound such an episode ends by its token budget (TRUNCATED) instead."""
-    client = EngineClient(engine_url, timeout=engine.request_timeout_s, retries=engine.retries)
+    client = EngineClient(engine_url, timeout=engine.request_timeout_s, retries=engine.retries, api=engine.api)
     try:
         context = await client.acontext_length()
     finally:
@@ -95,6 +95,7 @@ async def policy_access(
         engine_retries=engine.retries,
         outage_s=engine.outage_wait_s,
         lora_path=lora_path,
+        engine_api=engine.api,
         tool_call_parser=rollout.tool_call_parser,
         truncation_ends_episode=binding.in_sandbox_cli and rollout.early_truncation_exit,
     )

@@ -88,7 +88,7 @@ def serving(cfg: RunConfig, run: PreparedRun, stages: Stages) -> Iterator[Engine
         ray_session(cfg.cluster),
         open_engine(cfg.engine, run.model.path, cfg.seed, run.paths.engine_log, gpus.engine_base_gpu) as engine,
     ):
-        if cfg.engine.backend != "sglang":
+        if not cfg.engine.attached:
             for url in engine.replica_urls:
                 stages.check_engine(url, run.model.path)
         yield engine
@@ -224,7 +224,7 @@ class StepLoop:
         cfg, trainer = self.cfg, self.trainer
         if self.weights is not None:  # the trainer holds the resumed checkpoint's weights
             self.stages.sync(self.syncs, trainer, self.weights, str(self.start_step), None)
-        elif cfg.engine.backend == "sglang":  # attached: it may serve an earlier run's weights; the run's own now
+        elif cfg.engine.attached:  # it may serve an earlier run's weights; the run's own now
             self.stages.sync(self.syncs, trainer, Path(self.run.model.path), "0", None)
         else:  # started on the prepared model: labelled with the version its samples record
             self.syncs.label("0")

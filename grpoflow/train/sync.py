@@ -373,7 +373,7 @@ def _open_one(cfg: RunConfig, engine_url: str, trainer: TrainerState, sync_dir: 
     mode = cfg.weight_sync_mode()
     # with the adapter alone synced, every generation names it: `sync.client.lora_path` says which
     served = SERVED_ADAPTER if mode == "adapter" else None
-    client = EngineClient(engine_url, timeout=e.request_timeout_s, retries=e.retries, lora_path=served)
+    client = EngineClient(engine_url, timeout=e.request_timeout_s, retries=e.retries, lora_path=served, api=e.api)
     try:
         if mode == "disk":
             yield DiskSync(client)

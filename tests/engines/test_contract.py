@@ -1,8 +1,10 @@
-"""What grpoflow's client relies on, asked of real SGLang on the CPU and of the embedded engine alike.
+"""What grpoflow's client relies on, asked of real SGLang and real vLLM on the CPU and of the embedded engine
+alike.
 
-Each case runs against both (the same tiny model): where real SGLang behaves one way, the embedded engine must
-too, so the fast suite (the `embedded` cases) catches a regression that only a live SGLang would show. The few
-deliberate differences are asserted per engine and say why (seeded sampling; the first weight version's name).
+Each case runs against all three (the same tiny model; vLLM through `EngineClient(api="vllm")`, which answers as
+SGLang does): where real SGLang behaves one way, the embedded engine and vLLM must too, so the fast suite (the
+`embedded` cases) catches a regression that only a live engine would show. The few deliberate differences are
+asserted per engine and say why (seeded sampling; the first weight version's name; what /model_info names).
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ def embedded(tiny_model_dir, tmp_path_factory) -> Iterator[Engine]:
         yield Engine("embedded", e.url, e.client, tiny_model_dir)
 
 
-@pytest.fixture(params=["embedded", pytest.param("sglang", marks=pytest.mark.sglang)])
+@pytest.fixture(
+    params=["embedded", pytest.param("sglang", marks=pytest.mark.sglang), pytest.param("vllm", marks=pytest.mark.vllm)]
+)
 def engine(request) -> Engine:
     if request.param == "embedded":
         return request.getfixturevalue("embedded")
-    live = request.getfixturevalue("sglang")
-    return Engine("sglang", live.url, live.client, live.model_dir)
+    live = request.getfixturevalue(request.param)
+    return Engine(request.param, live.url, live.client, live.model_dir)
 
 
 def test_generate_takes_token_ids_and_returns_ids_and_logprobs(engine):
@@ -97,10 +101,10 @@ def test_a_sampling_seed_repeats_only_where_the_engine_honours_it(engine):
     """SGLang reads `sampling_seed` only under --enable-deterministic-inference (its SamplingBatchInfo leaves the
     seeds out otherwise, and the sampler draws from the process-wide torch generator), which refuses the CPU's
     torch_native attention: on SGLang-CPU the same seed twice gives different samples. The embedded engine seeds
-    every request's own generator."""
+    every request's own generator, and vLLM its `seed`."""
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, sampling_seed=1234)
     a, b = (engine.client.generate(PROMPT, seeded).output_ids for _ in range(2))
-    if engine.name == "embedded":
+    if engine.name in ("embedded", "vllm"):
         assert a == b
     else:
         assert a != b
@@ -109,6 +113,8 @@ def test_a_sampling_seed_repeats_only_where_the_engine_honours_it(engine):
 
 def test_in_memory_updates_are_refused_outside_a_weight_update_session(engine):
     """SGLang's rule and its answers, word for word: 400 and {"success": false, "message"}."""
+    if engine.name == "vllm":
+        pytest.skip("vLLM has no such routes: its in-memory syncs are refused at config validation")
 
     def post(path: str, body: dict) -> tuple[int, dict]:
         r = httpx.post(engine.url + path, json=body, timeout=60)
@@ -143,7 +149,18 @@ def test_update_weights_from_disk_sets_the_version_every_reply_reports(engine):
 
 def test_model_info_names_the_last_weights_loaded_and_server_info_the_launch_model(engine, tmp_path):
     """SGLang's /model_info model_path follows /update_weights_from_disk (a run's checkpoint dir after a disk
-    sync); /get_server_info keeps the --model-path it was started with, which preflight also accepts."""
+    sync); /get_server_info keeps the --model-path it was started with, which preflight also accepts. vLLM has
+    neither route: the client's model_info names the model it was started with, whatever it loaded since."""
+    if engine.name == "vllm":
+        copy = tmp_path / "copy"
+        shutil.copytree(engine.model_dir, copy)
+        try:
+            engine.client.update_weights_from_disk(str(copy), weight_version="copy")
+            assert engine.client.model_info().model_path == str(engine.model_dir)
+            assert check_engine(engine.url, str(engine.model_dir), "model.source") == []
+        finally:
+            engine.client.update_weights_from_disk(str(engine.model_dir), weight_version="base")
+        return
     started = engine.client.server_info()["model_path"]
     copy = tmp_path / "copy"
     shutil.copytree(engine.model_dir, copy)

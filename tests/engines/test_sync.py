@@ -8,26 +8,17 @@ without it SGLang refuses the update with 400, which is how this test failed bef
 from __future__ import annotations
 
 import pytest
-import torch
 
 from grpoflow.config import TrainConfig, parse_run_config
-from grpoflow.train.probe import SyncProbe, check_logprob_agreement
-from grpoflow.train.sync import open_weight_sync
+from grpoflow.train.probe import check_logprob_agreement
 from grpoflow.train.trainer import load_trainer
+from tests.engines.conftest import sync_twice_and_probe
 
 pytestmark = pytest.mark.sglang
 
 
 def _cfg(sglang, mode: str):
     return parse_run_config({"engine": {"backend": "sglang", "url": sglang.url, "weight_sync": mode}})
-
-
-def _moved(trainer, seed: int) -> None:
-    """New weights the engine cannot have: every parameter moved (the probe tells them from the old ones)."""
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())) * 0.05)
-    trainer.optimizer_steps += 1
 
 
 def test_engine_and_trainer_score_a_probe_reply_alike(sglang):
@@ -38,17 +29,4 @@ def test_engine_and_trainer_score_a_probe_reply_alike(sglang):
 
 @pytest.mark.parametrize("mode", ["disk", "distributed", "tensor"])
 def test_each_sync_serves_the_trainers_weights_and_reports_its_version(sglang, mode, tmp_path, restore_base):
-    trainer = load_trainer(sglang.model_dir, TrainConfig(), seed=0)
-    probe = SyncProbe(limit=0.1)
-    with open_weight_sync(_cfg(sglang, mode), sglang.url, trainer) as sync:
-        probe.check(sync.client, trainer, "start")
-        for version in ("1", "2"):  # twice: the second sync reuses the group (or buffer)
-            _moved(trainer, int(version))
-            ckpt = None
-            if sync.needs_dir:
-                ckpt = tmp_path / f"step_{version}"
-                trainer.model.save_pretrained(ckpt)
-            moved = sync.push(trainer, version, ckpt)  # reads the served version back, or raises
-            assert moved["bytes"] > 0 and sglang.client.model_info().weight_version == version
-            assert probe.check(sync.client, trainer, version)["probe_gap"] < 0.1
-            assert sglang.client.generate([1, 2, 3]).meta_info.weight_version == version
+    sync_twice_and_probe(sglang, _cfg(sglang, mode), tmp_path)

@@ -24,8 +24,8 @@ from grpoflow.config import EngineConfig, parse_run_config
 from grpoflow.engine.router import start_router
 from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server
 from grpoflow.run.metrics import read_metrics
-from tests.engines.conftest import CONTEXT_LENGTH
-from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
+from tests.engines.conftest import CONTEXT_LENGTH, TRIALS_PER_PROMPT, train_config
+from tests.integration.faults.policy import fence_policy
 
 pytestmark = [
     pytest.mark.sglang,
@@ -35,18 +35,10 @@ pytestmark = [
 ]
 
 
-TRIALS_PER_PROMPT = 12
-
-
 def _run(tmp_path, sglang, run_id: str, url: str, mode: str, steps: int = 2) -> list[dict]:
     policy = fence_policy(sglang.model_dir, tmp_path / "policy")
     sglang.client.update_weights_from_disk(str(policy), weight_version="policy")
-    cfg = run_config(tmp_path / "runs", policy, reward_tasks(tmp_path / "tasks"), run_id, steps=steps)
-    cfg["engine"] = {"backend": "sglang", "url": url, "weight_sync": mode}
-    # SGLang on the CPU ignores sampling seeds, so the rewards are a draw: a trial solves with p ~ 1/8 (its first
-    # reply either runs a command or ends the episode), and 12 trials a prompt make two steps without any reward,
-    # and so without an update, rare (p ~ 0.002).
-    cfg["rollout"]["n_samples_per_prompt"] = TRIALS_PER_PROMPT
+    cfg = train_config(tmp_path, policy, run_id, {"backend": "sglang", "url": url, "weight_sync": mode}, steps)
     train_flow(parse_run_config(cfg))
     return read_metrics(tmp_path / "runs" / run_id / "metrics.jsonl")
 

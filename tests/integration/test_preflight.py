@@ -353,11 +353,24 @@ def test_engine_timing_out(stand_in):
 def test_engine_without_model_info(stand_in):
     eng = stand_in(routes={"/health": (200, {}), "/model_info": (404, {"detail": "Not Found"})})
     [problem] = check_engine(eng.url, "/models/qwen", "model.source")
-    assert problem.startswith(f"engine at {eng.url}: GET /model_info gave no model_path (HTTPStatusError")
-    assert problem.endswith("is engine.url an SGLang server?")
+    assert problem.startswith(
+        f"engine at {eng.url}: neither GET /model_info (SGLang) nor GET /v1/models (vLLM) gave the model path "
+        "(HTTPStatusError"
+    )
+    assert problem.endswith("is engine.url an SGLang or vLLM server?")
     eng2 = stand_in(routes={"/health": (200, {}), "/model_info": (200, {"model": "x"})})
     [problem] = check_engine(eng2.url, "/models/qwen", "model.source")
-    assert "gave no model_path (KeyError" in problem
+    assert "gave the model path (KeyError" in problem
+
+
+def test_a_vllm_engine_names_its_model_in_v1_models(stand_in):
+    """vLLM has no /model_info: its /v1/models' `root` is the --model it was started with."""
+    models = {"object": "list", "data": [{"id": "/models/qwen", "root": "/models/qwen", "max_model_len": 2048}]}
+    routes = {"/health": (200, {}), "/model_info": (404, {"detail": "Not Found"}), "/v1/models": (200, models)}
+    eng = stand_in(routes=routes)
+    assert check_engine(eng.url, "/models/qwen", "model.source") == []
+    [problem] = check_engine(eng.url, "/models/other", "model.source")
+    assert problem.startswith(f"engine at {eng.url} serves `/models/qwen`")
 
 
 # ---- check_run: what each stage asks for ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ each get GPUs of their own, or the run is refused with one line before anything 
 import pytest
 
 from grpoflow.config import parse_run_config
+from grpoflow.engine import vllm_launch
 from grpoflow.engine.sglang_launch import launch_settings
 from grpoflow.errors import ConfigError
 from grpoflow.placement import plan_gpus
@@ -31,6 +32,17 @@ def test_a_launched_engine_is_told_to_start_after_the_trainer_s_gpus():
     assert args[args.index("--base-gpu-id") + 1] == "2"
     cpu = _cfg(device="cpu").engine
     assert "--base-gpu-id" not in launch_settings(cpu, seed=0, base_gpu_id=None)[0]
+    # vLLM has no such flag: it sees only the plan's GPUs
+    vllm = parse_run_config(
+        {
+            "run_id": "p",
+            "engine": {"backend": "vllm-launch", "vllm_python": "/opt/vllm/bin/python", "tp_size": 4},
+            "cluster": {"train_ranks": 4},
+        }
+    )
+    plan = plan_gpus(vllm, 8)
+    _, env = vllm_launch.launch_settings(vllm.engine, seed=0, base_gpu_id=plan.engine_base_gpu)
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
 
 
 @pytest.mark.parametrize(

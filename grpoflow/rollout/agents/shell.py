@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any
+from typing import Any, Literal
 
 from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment
@@ -77,6 +77,7 @@ class ShellAgent(BaseAgent):
         *args: Any,
         engine_url: str,
         tokenizer_path: str,
+        engine_api: Literal["sglang", "vllm"] = "sglang",
         max_turns: int = 4,
         max_new_tokens: int = 96,
         max_context_tokens: int = 4096,
@@ -95,6 +96,7 @@ class ShellAgent(BaseAgent):
     ):
         super().__init__(*args, **kwargs)
         self.engine_url = engine_url
+        self.engine_api = engine_api  # the API the engine speaks (`EngineConfig.api`)
         self.tokenizer_path = tokenizer_path
         self.max_turns = max_turns
         self.max_new_tokens = max_new_tokens
@@ -133,6 +135,7 @@ class ShellAgent(BaseAgent):
             retries=self.engine_retries,
             lora_path=self.lora_path,
             outage_s=self.outage_wait_s,
+            api=self.engine_api,
         )
         try:
             rec.end_reason = await self._loop(traj, environment, client, rec, context)

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
 from fastapi import FastAPI, Request
@@ -230,6 +230,7 @@ class SessionSettings:
     outage_s: float = 0.0  # how long a turn waits out an engine that does not answer
     sampling: Mapping[str, Any] | None = None
     lora_path: str | None = None
+    engine_api: Literal["sglang", "vllm"] = "sglang"  # the API the engine speaks (`EngineConfig.api`)
     tool_call_parser: str | None = None
     truncation_ends_episode: bool = False
 
@@ -243,7 +244,12 @@ def create_app(settings: SessionSettings, store: SessionStore, secret: bytes) ->
     # does all tokenising, off the event loop.
     tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-tokenizer")
     engine = EngineClient(
-        c.engine_url, timeout=c.request_timeout_s, retries=c.engine_retries, lora_path=c.lora_path, outage_s=c.outage_s
+        c.engine_url,
+        timeout=c.request_timeout_s,
+        retries=c.engine_retries,
+        lora_path=c.lora_path,
+        outage_s=c.outage_s,
+        api=c.engine_api,
     )
     limits: dict[str, int | None] = {"context_length": c.context_length}
 

@@ -173,3 +173,101 @@ def test_async_methods_retry_and_validate():
                 await _client(url).agenerate([1])
 
     asyncio.run(run())
+
+
+# vLLM's answers, in the shapes vLLM 0.32 sends (`grpoflow.engine.protocol`, vLLM section); the live lane
+# (tests/engines/) asks the real server.
+VLLM_VERSION = {"weight_version": "3"}
+
+
+def _vllm_completion(finish: str, stop_reason=None, ids=(5, 6)) -> dict:
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": "hi",
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+                "prompt_token_ids": [1, 2],
+                "token_ids": list(ids),
+                "logprobs": {"token_logprobs": [-0.5, -1.5][: len(ids)], "tokens": ["a", "b"][: len(ids)]},
+            }
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": len(ids), "total_tokens": 2 + len(ids)},
+    }
+
+
+def test_a_vllm_generation_is_a_completion_of_token_ids_answered_as_sglang_does():
+    from grpoflow.engine.protocol import SamplingParams
+
+    params = SamplingParams(max_new_tokens=4, temperature=0.5, sampling_seed=9, stop=["\n"], stop_token_ids=[7])
+    with scripted_server((200, VLLM_VERSION), (200, _vllm_completion("stop", "\n"))) as (url, script):
+        resp = EngineClient(url, timeout=5.0, retries=0, api="vllm").generate([1, 2], params)
+    assert [r["path"] for r in script.requests] == ["/weight_info", "/v1/completions"]
+    assert script.requests[1]["body"] == {
+        "prompt": [1, 2],
+        "max_tokens": 4,
+        "temperature": 0.5,
+        "top_p": 1.0,
+        "ignore_eos": False,
+        "return_token_ids": True,
+        "skip_special_tokens": True,
+        "stop": ["\n"],
+        "stop_token_ids": [7],
+        "seed": 9,
+        "logprobs": 0,
+    }
+    assert resp.output_ids == [5, 6] and resp.logprobs == [-0.5, -1.5] and resp.text == "hi"
+    meta = resp.meta_info
+    assert meta.finish_reason.model_dump(exclude_none=True) == {"type": "stop", "matched": "\n"}
+    assert meta.weight_version == "3" and meta.prompt_tokens == 2 and meta.completion_tokens == 2
+
+
+@pytest.mark.parametrize(
+    "finish, stop_reason, expected",
+    [
+        ("length", None, {"type": "length", "length": 2}),
+        ("stop", None, {"type": "stop", "matched": 6}),  # EOS: vLLM names none; SGLang names its id
+        ("stop", 7, {"type": "stop", "matched": 7}),
+    ],
+)
+def test_vllm_finish_reasons_read_as_sglangs(finish, stop_reason, expected):
+    with scripted_server((200, VLLM_VERSION), (200, _vllm_completion(finish, stop_reason))) as (url, _):
+        resp = EngineClient(url, timeout=5.0, retries=0, api="vllm").generate([1, 2])
+    assert resp.meta_info.finish_reason.model_dump(exclude_none=True) == expected
+
+
+def test_vllm_ignore_eos_switches_off_the_stop_tokens_too_and_an_abort_raises():
+    """SGLang's ignore_eos switches off every token stop; vLLM's only the EOS, so the client leaves them out."""
+    from grpoflow.engine.protocol import SamplingParams
+
+    params = SamplingParams(ignore_eos=True, stop_token_ids=[7])
+    with scripted_server((200, VLLM_VERSION), (200, _vllm_completion("abort"))) as (url, script):
+        with pytest.raises(EngineError, match="was aborted"):
+            EngineClient(url, timeout=5.0, retries=0, api="vllm").generate([1, 2], params, return_logprob=False)
+    body = script.requests[1]["body"]
+    assert "stop_token_ids" not in body and body["ignore_eos"] is True and "logprobs" not in body
+
+
+def test_a_vllm_disk_load_pauses_reloads_labels_and_resumes(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with scripted_server((200, {"status": "ok"})) as (url, script):
+        EngineClient(url, timeout=5.0, retries=0, api="vllm").update_weights_from_disk(str(tmp_path), "4")
+    assert [(r["path"], r["body"]) for r in script.requests] == [
+        ("/pause?mode=wait", None),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}),
+        ("/update_weight_version", {"new_version": "4"}),
+        ("/resume", None),
+    ]
+
+
+def test_a_failed_vllm_reload_resumes_generation_and_raises_with_vllms_reason(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    answers = [(200, {}), (500, {"error": "Worker failed with error 'bad shape'"}), (200, {})]
+    with scripted_server(*answers) as (url, script):
+        with pytest.raises(EngineError, match=r"/update_weights_from_disk: failed: vLLM reload_weights.*bad shape"):
+            EngineClient(url, timeout=5.0, retries=0, api="vllm").update_weights_from_disk(str(tmp_path), "4")
+    assert [r["path"] for r in script.requests] == ["/pause?mode=wait", "/collective_rpc", "/resume"]

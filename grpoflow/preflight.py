@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
@@ -23,6 +24,7 @@ from grpoflow.credentials import (
     policy_key_problems,
     sandbox_key_problems,
 )
+from grpoflow.engine.launch import server_env
 from grpoflow.engine.router import replica_urls
 from grpoflow.errors import ConfigError, GrpoflowError, one_line
 from grpoflow.paths import run_dir_problems
@@ -51,13 +53,44 @@ def check_run(
     problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.policy_api_key_file)
     if stage in ("train", "resume"):
         problems += sampling_problems(cfg.rollout)
-    problems += check_sandbox(cfg.rollout, env, timeout_s) + gpu_problems(cfg)
+    problems += check_sandbox(cfg.rollout, env, timeout_s) + gpu_problems(cfg) + nccl_problems(cfg)
     if cfg.engine.attached and cfg.engine.url:
         # each server behind a router (which has no /model_info of its own), or the one server
         urls = replica_urls(cfg.engine.url, timeout_s) if cfg.engine.api == "sglang" else [cfg.engine.url]
         for url in urls:
             problems += check_engine(url, cfg.model.source, "model.source", timeout_s)
     return problems
+
+
+_NCCL_PROBE = (
+    "import torch; v = torch.version.cuda and torch.cuda.nccl.version(); "
+    "print(torch.__version__, '.'.join(map(str, v)) if v else '-')"
+)
+
+
+def nccl_problems(cfg: RunConfig) -> list[str]:
+    """A `distributed` sync on GPUs joins the trainer and a launched engine in one NCCL communicator, across two
+    environments (the engine pins its own torch): their NCCL versions must agree, or the first sync fails after a
+    whole rollout and update. Over gloo (the CPU) torch versions may differ."""
+    e = cfg.engine
+    python = {"sglang-launch": e.sglang_python, "vllm-launch": e.vllm_python}.get(e.backend)
+    if python is None or e.device != "cuda" or cfg.weight_sync_mode() != "distributed":
+        return []
+    ours = subprocess.run([sys.executable, "-c", _NCCL_PROBE], capture_output=True, text=True, timeout=120)
+    try:
+        theirs = subprocess.run(
+            [python, "-c", _NCCL_PROBE], capture_output=True, text=True, timeout=120, env=server_env(), check=True
+        )
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+        detail = getattr(err, "stderr", None) or err
+        return [f"engine.{e.backend.split('-')[0]}_python {python}: cannot report its torch ({one_line(detail, 200)})"]
+    (t_ours, n_ours), (t_theirs, n_theirs) = ours.stdout.split()[:2], theirs.stdout.split()[:2]
+    if n_ours != n_theirs:
+        return [
+            f"engine.weight_sync=distributed: the engine's torch {t_theirs} has NCCL {n_theirs}, the trainer's torch "
+            f"{t_ours} NCCL {n_ours}: one communicator needs one NCCL (or set engine.weight_sync=disk)"
+        ]
+    return []
 
 
 def gpu_problems(cfg: RunConfig, gpus: int | None = None) -> list[str]:

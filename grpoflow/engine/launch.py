@@ -167,6 +167,12 @@ def server_python(python: str, field: str, name: str, example: str) -> str:
     return exe
 
 
+def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A launched server's environment: ours less what would put grpoflow's packages into its interpreter, plus
+    `env`."""
+    return {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED} | (env or {})
+
+
 def start_server(
     name: str,
     cmd: list[str],
@@ -190,7 +196,7 @@ def start_server(
         log_path = Path(tempfile.mkdtemp(prefix=f"grpoflow-{name.lower()}-")) / "engine.log"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    child_env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED} | (env or {})
+    child_env = server_env(env)
     with open(log_path, "ab") as log_file:
         log_file.write(f"grpoflow: starting {' '.join(cmd)}\n".encode())
         log_file.flush()

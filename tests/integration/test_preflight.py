@@ -483,3 +483,34 @@ def test_harbor_s_docker_environment_needs_compose_v2(tmp_path):
     assert "\n" not in problem and problem.endswith("or use rollout.sandbox=local")
     assert preflight.check_docker_compose(str(full)) == []
     assert preflight.check_docker_compose(str(tmp_path / "no-such-docker")) != []
+
+
+def test_a_distributed_sync_on_gpus_needs_one_nccl_on_both_sides(tmp_path):
+    import subprocess
+    import sys
+
+    ours = subprocess.run([sys.executable, "-c", preflight._NCCL_PROBE], capture_output=True, text=True).stdout
+    torch_ours, nccl_ours = ours.split()
+
+    def engine_python(name, prints):  # the engine environment's python, as far as the probe asks it
+        script = tmp_path / name
+        script.write_text(f"#!/bin/sh\necho '{prints}'\n")
+        script.chmod(0o755)
+        return str(script)
+
+    def cfg(python, sync="distributed", device="cuda"):
+        engine = {"backend": "sglang-launch", "sglang_python": python, "device": device, "weight_sync": sync}
+        return parse_run_config({"run_id": "n", "engine": engine})
+
+    other = engine_python("other", "2.9.1+cu128 2.27.3")
+    [problem] = preflight.nccl_problems(cfg(other))
+    assert problem == (
+        f"engine.weight_sync=distributed: the engine's torch 2.9.1+cu128 has NCCL 2.27.3, the trainer's torch "
+        f"{torch_ours} NCCL {nccl_ours}: one communicator needs one NCCL (or set engine.weight_sync=disk)"
+    )
+    assert preflight.nccl_problems(cfg(engine_python("same", f"2.9.1+cu128 {nccl_ours}"))) == []
+    # a disk sync, or gloo on the CPU, joins no NCCL communicator
+    assert preflight.nccl_problems(cfg(other, sync="disk")) == []
+    assert preflight.nccl_problems(cfg(other, device="cpu")) == []
+    [broken] = preflight.nccl_problems(cfg(str(tmp_path / "missing-python")))
+    assert broken.startswith(f"engine.sglang_python {tmp_path / 'missing-python'}: cannot report its torch")

@@ -94,6 +94,7 @@ CURVES = [
     ("rollout/reward_mean", "mean reward"),
     ("rollout/pass_at_k", "pass@k"),
     ("rollout/truncated_ratio", "truncated share"),
+    ("rollout/first_command_top_share", "most common first command's share"),
 ]
 # one curve per evaluated side of the split (`unseen` only with a split by family)
 EVAL_CURVES = [(f"eval/{name}/pass_at_1", title) for name, title in SPLIT_LABELS.items()]

@@ -1,7 +1,10 @@
-"""A step's rollout metrics: rewards, pass rates, truncation, tokens, retries, time, exit statuses."""
+"""A step's rollout metrics: rewards, pass rates, truncation, tokens, retries, time, exit statuses, and how varied
+the policy's first commands are (a policy that collapses onto one command for every task shows it here first)."""
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -60,4 +63,33 @@ def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshol
         )
     for status, count in Counter(s.exit_status for s in samples).items():
         m[f"exit/{status}"] = float(count)
+    m.update(first_command_spread(samples))
     return m
+
+
+_FENCED = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def first_command(sample: Sample) -> str | None:
+    """The program the trial's first reply runs: the first word of its first fenced block (else of the reply),
+    e.g. `echo` for "```bash\necho hi > /app/x\n```"; None without an assistant reply in the sample."""
+    reply = next((m.get("content") for m in sample.messages if m.get("role") == "assistant"), None)
+    if not isinstance(reply, str):
+        return None
+    block = _FENCED.search(reply)
+    for line in (block.group(1) if block else reply).splitlines():
+        if words := line.split():
+            return words[0]
+    return None
+
+
+def first_command_spread(trials: Sequence[Sample]) -> dict[str, float]:
+    """Over the step's trials (one sample each): the entropy in bits of their first commands and the share of the
+    most common one. Different tasks want different commands, so a share near 1 is a collapse (one command
+    for everything), whatever the rewards say. Empty when no trial has a reply to read."""
+    commands = Counter(c for s in trials if (c := first_command(s)) is not None)
+    n = sum(commands.values())
+    if not n:
+        return {}
+    entropy = -sum(k / n * math.log2(k / n) for k in commands.values())
+    return {"first_command_entropy": entropy + 0.0, "first_command_top_share": max(commands.values()) / n}

@@ -30,9 +30,11 @@ from harbor.models.trial.result import TrialResult
 
 from grpoflow.cluster import forwarded_env
 from grpoflow.config import ClusterConfig
+from grpoflow.errors import EngineError, one_line
 from grpoflow.rollout.trials import SandboxGate, WorkerLost
 
 log = logging.getLogger(__name__)
+REACH_TIMEOUT_S = 5.0  # a worker's wait for the engine's /health before the first trial
 
 
 class _Worker:
@@ -45,6 +47,18 @@ class _Worker:
         import ray
 
         return {"pid": self.pid, "node": ray.get_runtime_context().get_node_id()}
+
+    async def reach(self, url: str) -> str | None:
+        """None when `url` answers `GET /health` from this worker's node (any status: it is there); else why
+        not, in one line."""
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=REACH_TIMEOUT_S) as client:
+                await client.get(f"{url.rstrip('/')}/health")
+        except httpx.HTTPError as err:
+            return one_line(err, 200)
+        return None
 
     async def run(self, cfg: TrialConfig) -> TrialResult:
         from harbor.trial.trial import Trial
@@ -126,6 +140,17 @@ class RolloutWorkers:
         finally:
             slot.in_flight -= 1
 
+    def unreachable(self, urls: list[str]) -> list[str]:
+        """One line per (worker, URL) where the worker's node cannot reach the URL: trials there would fail."""
+        import ray
+
+        asks = [(s, url, s.actor.reach.remote(url)) for s in self.slots for url in urls]
+        return [
+            f"{s.name} (node {s.info['node'][:12]}) cannot reach {url}: {why}"
+            for s, url, ref in asks
+            if (why := ray.get(ref)) is not None
+        ]
+
     def close(self) -> None:
         import ray
 
@@ -134,10 +159,14 @@ class RolloutWorkers:
 
 
 @contextmanager
-def rollout_workers(cluster: ClusterConfig, concurrency: int) -> Iterator[RolloutWorkers | None]:
+def rollout_workers(
+    cluster: ClusterConfig, concurrency: int, reach: tuple[str, ...] = ()
+) -> Iterator[RolloutWorkers | None]:
     """The run's rollout workers for the block, on the Ray cluster the run holds (`grpoflow.cluster.ray_session`);
     None without one (`cluster.ray_address` empty): the trials run in this process. `cluster.rollout_workers`
-    actors (default: one per alive node), each taking up to `concurrency` trials."""
+    actors (default: one per alive node), each taking up to `concurrency` trials. Every worker must reach the
+    URLs in `reach` (the engine) from its node before the first trial, else `EngineError` in one line: on a node
+    that cannot, every trial would fail and its group be dropped."""
     if not cluster.ray_address:
         yield None
         return
@@ -146,6 +175,12 @@ def rollout_workers(cluster: ClusterConfig, concurrency: int) -> Iterator[Rollou
     n = cluster.rollout_workers or len([node for node in ray.nodes() if node.get("Alive")])
     workers = RolloutWorkers(n, concurrency)
     try:
+        if problems := workers.unreachable(list(reach)):
+            raise EngineError(
+                f"rollout workers cannot reach the engine: {problems[0]} ({len(problems)} of "
+                f"{len(workers.slots) * len(reach)} checks failed); an engine the run starts listens on loopback, so "
+                "on several nodes attach one at an address every node reaches (engine.url)"
+            )
         yield workers
     finally:
         workers.close()

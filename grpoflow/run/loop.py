@@ -101,7 +101,10 @@ def evaluate_run(
     trials (`evaluate_policy`) on `prompts`, as weight version `version`, compared with the evaluation whose
     details dir is `base` (the train run's first one: the same trials, on the base policy). Its row goes to
     metrics.jsonl as step `version`."""
-    with serving(cfg, run, stages) as engine, rollout_workers(cfg.cluster, cfg.rollout.concurrency) as workers:
+    with (
+        serving(cfg, run, stages) as engine,
+        rollout_workers(cfg.cluster, cfg.rollout.concurrency, (engine.url,)) as workers,
+    ):
         setup = RolloutSetup(engine.url, run.model.path, None, workers)
         metrics = stages.evaluate(cfg, version, prompts, setup, run.paths, base)
     append_step(run.paths.metrics, version, {"weight_version": str(version), **metrics})
@@ -212,7 +215,7 @@ class StepLoop:
                 open_weight_sync(cfg, self.engine.replica_urls, self.trainer, self.paths.sync, self.engine.router)
             )
             stack.enter_context(trainer_ranks(self.trainer, self.run.model.path, cfg, self.weights))
-            workers = stack.enter_context(rollout_workers(cfg.cluster, cfg.rollout.concurrency))
+            workers = stack.enter_context(rollout_workers(cfg.cluster, cfg.rollout.concurrency, (self.engine.url,)))
             self._start(workers)
         except BaseException as err:
             if not stack.__exit__(type(err), err, err.__traceback__):

@@ -116,3 +116,29 @@ def test_the_train_flow_on_two_nodes_two_engines_and_two_trainer_ranks(tmp_path,
     assert all(r["rollout/scored"] == 8 for r in rows) and sum(r["train/optimizer_steps"] for r in rows) >= 1
     assert all(r["sync/replicas"] == 2 for r in rows if "sync/bytes" in r)
     assert (root / "checkpoints" / "step_1" / "model.safetensors").is_file()
+
+
+def test_workers_that_cannot_reach_the_engine_stop_the_run_before_its_first_trial(ray_cluster):
+    from grpoflow.cluster import ray_session
+    from grpoflow.config import ClusterConfig
+    from grpoflow.errors import EngineError
+    from grpoflow.rollout.workers import rollout_workers
+    from grpoflow.sockets import free_port
+
+    cluster = ClusterConfig(ray_address=ray_cluster)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with ray_session(cluster), rollout_workers(cluster, 2) as workers:
+        assert workers.unreachable([dead])[0].startswith("rollout-worker-0 (node ")
+    with ray_session(cluster), pytest.raises(EngineError) as err:
+        with rollout_workers(cluster, 2, (dead,)):
+            pytest.fail("no block may run: its trials could not reach the engine")
+    assert str(err.value).startswith("rollout workers cannot reach the engine: rollout-worker-0 (node ")
+    assert "(2 of 2 checks failed)" in str(err.value) and "\n" not in str(err.value)
+    assert not _workers() or _wait_gone()
+
+
+def _wait_gone() -> bool:
+    deadline = time.monotonic() + 30
+    while _workers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not _workers()

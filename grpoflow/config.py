@@ -96,6 +96,12 @@ with warnings.catch_warnings():
             "task's content and the sandbox kind. Empty: on for every dataset but the built-in one (which the tests check).",
         )
 
+        build_images: bool = Field(
+            False,
+            description="On the local sandbox, build a task's environment/Dockerfile with this machine's Docker "
+            "engine and run its trials in the image. Only for datasets you trust: the image's own setpriv drops "
+            "the sandbox's privileges. Off: a task whose Dockerfile needs a build is left out with one line.",
+        )
         reward: str | dict[str, float] | None = Field(
             None,
             description="For verifiers that write several rewards (reward.json with more than one key and no "

@@ -55,13 +55,15 @@ def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
     return out
 
 
-def local_sandbox_problem(task_dir: Path) -> str | None:
+def local_sandbox_problem(task_dir: Path, build_images: bool = True) -> str | None:
     """Why the local sandbox cannot give the task the environment its Dockerfile describes, as one line naming
-    the file and line; None when it can: on the host rootfs, or (a Docker engine answering and the `FROM` images
-    present) in the image built from it."""
+    the file and line; None when it can: on the host rootfs, or (`build_images`, a Docker engine answering and
+    the `FROM` images present) in the image built from it."""
     problem = host_rootfs_problem(task_dir / "environment")
     if problem is None:
         return None
+    if not build_images:  # a dataset is third-party input: its image runs the sandbox's privilege drop
+        return f"{problem}; dataset.build_images=true builds it with Docker (only for a dataset you trust)"
     if (engine := docker_engine_problem()) is not None:
         return f"{problem}; {engine}"
     text = (task_dir / "environment" / "Dockerfile").read_text(encoding="utf-8")

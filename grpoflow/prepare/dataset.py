@@ -112,13 +112,19 @@ def dataset_root(path: str | Path, seed: int = 0, cache_dir: Path | None = None)
 
 
 def load_dataset(
-    path: str | Path, *, local_sandbox: bool = False, seed: int = 0, cache_dir: Path | None = None
+    path: str | Path,
+    *,
+    local_sandbox: bool = False,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    build_images: bool = False,
 ) -> Dataset:
     """Load and validate every task dir under `path` (or under `dataset_root`'s dir for `builtin`, generated from
     `seed`, and `builtin-fixed`).
 
     Every non-hidden subdirectory of `path` is a task dir. One that is malformed (or, with `local_sandbox`, whose
-    environment the local sandbox does not reproduce) is left out with its reason (`Dataset.left_out`); when none
+    environment the local sandbox does not reproduce, on the host's rootfs or, with `build_images`, in the image
+    built from its Dockerfile) is left out with its reason (`Dataset.left_out`); when none
     is left, `DatasetError` says why in one line. A dataset-wide problem (no such dir, a task dir linked from
     outside it, two tasks of one name) raises at once.
     """
@@ -136,7 +142,7 @@ def load_dataset(
     left_out: list[LeftOut] = []
     for d in task_dirs:
         try:
-            tasks.append(load_task(d, local_sandbox=local_sandbox))
+            tasks.append(load_task(d, local_sandbox=local_sandbox, build_images=build_images))
         except DatasetError as err:
             left_out.append(LeftOut(d.name, d.resolve(), str(err)))
     _check_unique_names(tasks)
@@ -151,7 +157,7 @@ def load_dataset(
     return Dataset(root=root, tasks=tuple(tasks), sha256=_dataset_sha256(tasks, left_out), left_out=tuple(left_out))
 
 
-def load_task(task_dir: Path, *, local_sandbox: bool = False) -> TaskSpec:
+def load_task(task_dir: Path, *, local_sandbox: bool = False, build_images: bool = False) -> TaskSpec:
     """Validate one task dir and describe it; raises `DatasetError` naming the dir and the problem. With
     `local_sandbox`, a task whose Dockerfile or workdir the local sandbox does not reproduce is refused too."""
     task_dir = Path(task_dir).resolve()
@@ -167,7 +173,9 @@ def load_task(task_dir: Path, *, local_sandbox: bool = False) -> TaskSpec:
         _fail(task_dir, "missing tests/test.sh (the verifier)")
     if not (task_dir / "environment").is_dir():
         _fail(task_dir, "missing environment/ directory")
-    if local_sandbox and (problem := workdir_problem(config.environment.workdir) or local_sandbox_problem(task_dir)):
+    if local_sandbox and (
+        problem := workdir_problem(config.environment.workdir) or local_sandbox_problem(task_dir, build_images)
+    ):
         _fail(task_dir, problem)
     if local_sandbox and (problem := beyond_one_container(task_dir, config)):
         _fail(task_dir, problem)

@@ -48,7 +48,11 @@ def load_run_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> Dataset:
     reproduce are left out (`grpoflow.dockerfile`). The built-in one is generated from the run's seed (into
     `cache_dir`), so a resumed run finds the very tasks it started with."""
     return load_dataset(
-        cfg.dataset.path, local_sandbox=cfg.rollout.sandbox == "local", seed=cfg.seed, cache_dir=cache_dir
+        cfg.dataset.path,
+        local_sandbox=cfg.rollout.sandbox == "local",
+        seed=cfg.seed,
+        cache_dir=cache_dir,
+        build_images=cfg.dataset.build_images,
     )
 
 

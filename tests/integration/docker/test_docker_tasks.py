@@ -29,7 +29,7 @@ def _cfg(tmp_path: Path, model: Path, dataset: Path, run_id: str, image_cache: P
             "run_id": run_id,
             "output_dir": str(tmp_path / "runs"),
             "model": {"source": str(model)},
-            "dataset": {"path": str(dataset)},
+            "dataset": {"path": str(dataset), "build_images": True},
             "rollout": {"sandbox_retries": 1, "sandbox_kwargs": {"image_cache_dir": str(image_cache)}},
         }
     )
@@ -84,7 +84,7 @@ def test_a_from_image_not_on_this_machine_is_refused_in_one_line(docker_ready, d
     dockerfile = docker_tasks / DOCKER_TASK / "environment" / "Dockerfile"
     dockerfile.write_text(dockerfile.read_text().replace("debian:bookworm-slim", "grpoflow-test/absent:1"))
     with pytest.raises(DatasetError) as info:
-        load_dataset(docker_tasks, local_sandbox=True)
+        load_dataset(docker_tasks, local_sandbox=True, build_images=True)
     reason = str(info.value)
     assert "\n" not in reason and str((docker_tasks / DOCKER_TASK).resolve()) in reason
     assert "environment/Dockerfile:3: FROM grpoflow-test/absent:1: the image is not on this machine" in reason
@@ -92,7 +92,17 @@ def test_a_from_image_not_on_this_machine_is_refused_in_one_line(docker_ready, d
 
 def test_without_a_docker_engine_the_task_is_refused_in_one_line(no_docker_engine, docker_tasks):
     with pytest.raises(DatasetError) as info:
-        load_dataset(docker_tasks, local_sandbox=True)
+        load_dataset(docker_tasks, local_sandbox=True, build_images=True)
     reason = str(info.value)
     assert "\n" not in reason and str((docker_tasks / DOCKER_TASK).resolve()) in reason
     assert "environment/Dockerfile:4: `RUN apt-get update" in reason and "no Docker engine answers" in reason
+
+
+def test_a_dataset_s_dockerfiles_are_built_only_when_the_run_says_it_trusts_them(docker_ready, docker_tasks):
+    # the image's own setpriv drops the sandbox's privileges: a third-party dataset is not built unasked
+    with pytest.raises(DatasetError) as info:
+        load_dataset(docker_tasks, local_sandbox=True)
+    reason = str(info.value)
+    assert "environment/Dockerfile:4: `RUN apt-get update" in reason and "\n" not in reason
+    assert reason.endswith("dataset.build_images=true builds it with Docker (only for a dataset you trust)")
+    assert [t.name for t in load_dataset(docker_tasks, local_sandbox=True, build_images=True).tasks] == [DOCKER_TASK]

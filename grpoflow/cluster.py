@@ -35,6 +35,22 @@ def ray_session(cluster: ClusterConfig) -> Iterator[bool]:
             ray.shutdown()
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def serve_host(cluster: ClusterConfig) -> str:
+    """Where the servers this run starts listen (`cluster.listen_host`): loopback unless asked, or unless the
+    run's Ray cluster (connected: call inside `ray_session`) has nodes on other machines, whose rollout workers
+    must reach them at this node's address."""
+    if cluster.listen_host:
+        return cluster.listen_host
+    if not cluster.ray_address or cluster.ray_address == "local":
+        return LOOPBACK
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
 def forwarded_env() -> dict[str, str]:
     """What a run's actors get of this process's environment: the offline settings (`grpoflow.offline`) and MKL's
     reproducible mode (`grpoflow.numerics`), as this process has them. No credentials: Ray keeps an actor's environment where its dashboard and state API

@@ -830,6 +830,12 @@ class ClusterConfig(_Section):
         "CPU, NCCL when each rank has a GPU of its own) before every rank takes the same step. 1: the flow's "
         "process trains alone.",
     )
+    listen_host: str = Field(
+        "",
+        pattern=r"^[A-Za-z0-9.:_-]*$",
+        description="The address the engine (and its router) this run starts listens on, and gives rollout "
+        "workers. Empty: 127.0.0.1, or this node's address when `ray_address` names a cluster of other machines.",
+    )
     collective_timeout_s: float = Field(
         600.0,
         gt=0,

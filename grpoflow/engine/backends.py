@@ -39,10 +39,16 @@ class EngineHandle:
 
 @contextmanager
 def open_engine(
-    cfg: EngineConfig, model_path: str, seed: int, log_path: Path, base_gpu_id: int | None = None
+    cfg: EngineConfig,
+    model_path: str,
+    seed: int,
+    log_path: Path,
+    base_gpu_id: int | None = None,
+    host: str = "127.0.0.1",
 ) -> Iterator[EngineHandle]:
     """Start (or reach) the engine for the block; a started one is stopped when the block ends, however it ends.
-    `base_gpu_id`: where a launched engine's GPUs start (the run's `placement.GpuPlan`)."""
+    `base_gpu_id`: where a launched engine's GPUs start (the run's `placement.GpuPlan`); `host`: the address a
+    started engine and its router listen on (`cluster.serve_host`)."""
     if cfg.backend == "embedded":
         with ExitStack() as stack:
             engines = [
@@ -57,6 +63,7 @@ def open_engine(
                         # Deterministic: a request's forwards never depend on what else is running or was cached.
                         max_batch_size=1 if cfg.deterministic else cfg.max_batch_size,
                         prefix_cache_tokens=0 if cfg.deterministic else None,
+                        host=host,
                     )
                 )
                 for i in range(cfg.replicas)
@@ -73,12 +80,13 @@ def open_engine(
                     log_path=log_path.with_name("router.log"),
                     client_timeout=cfg.request_timeout_s,
                     client_retries=cfg.retries,
+                    host=host,
                 )
             )
             yield EngineHandle(router.url, router.client, tuple(urls), host_threads=threads)
         return
     if cfg.backend in ("sglang-launch", "vllm-launch"):
-        with _launched(cfg, model_path, seed, log_path, base_gpu_id) as server:
+        with _launched(cfg, model_path, seed, log_path, base_gpu_id, host) as server:
             yield EngineHandle(server.url, server.client)
         return
     assert cfg.url, "validated by parse_run_config"
@@ -94,13 +102,16 @@ def open_engine(
         client.close()
 
 
-def _launched(cfg: EngineConfig, model_path: str, seed: int, log_path: Path, base_gpu_id: int | None) -> EngineProcess:
+def _launched(
+    cfg: EngineConfig, model_path: str, seed: int, log_path: Path, base_gpu_id: int | None, host: str
+) -> EngineProcess:
     """The SGLang or vLLM server `cfg` launches, serving, on the GPUs from `base_gpu_id` on (the run's plan)."""
     common = {
         "log_path": log_path,
         "startup_timeout": cfg.startup_timeout_s,
         "client_timeout": cfg.request_timeout_s,
         "client_retries": cfg.retries,
+        "host": host,
     }
     if cfg.backend == "vllm-launch":
         assert cfg.vllm_python, "validated by EngineConfig"

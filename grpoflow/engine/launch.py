@@ -76,8 +76,9 @@ def start_embedded_engine(
     client_retries: int = 3,
     served_model_name: str | None = None,
     prefix_cache_tokens: int | None = None,
+    host: str = "127.0.0.1",
 ) -> EngineProcess:
-    """Spawn `python -m grpoflow.embedded.engine.server` on 127.0.0.1 (free port) and return once /health answers.
+    """Spawn `python -m grpoflow.embedded.engine.server` on `host` (a free port) and return once /health answers.
 
     `threads=None` leaves the torch thread count to the server's default (1)."""
     model_path = Path(model_path)
@@ -97,7 +98,7 @@ def start_embedded_engine(
         "--model-path",
         str(model_path),
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         "0",
         "--seed",
@@ -121,7 +122,7 @@ def start_embedded_engine(
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
             )
         try:
-            url = _wait_until_serving(proc, port_file, log_path, startup_timeout)
+            url = _wait_until_serving(proc, port_file, log_path, startup_timeout, host)
         except BaseException:
             stop_process_group(proc, timeout=5.0)
             raise
@@ -131,7 +132,7 @@ def start_embedded_engine(
     return EngineProcess(proc, url, log_path, client)
 
 
-def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path, timeout: float) -> str:
+def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path, timeout: float, host: str) -> str:
     deadline = time.monotonic() + timeout
     url: str | None = None
     probe: EngineClient | None = None
@@ -145,7 +146,7 @@ def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path,
             if url is None and port_file.is_file():
                 port = port_file.read_text().strip()
                 if port:
-                    url = f"http://127.0.0.1:{port}"
+                    url = f"http://{host}:{port}"
                     probe = EngineClient(url, timeout=2.0, retries=0)
             if probe is not None and probe.health(timeout=2.0):
                 return url
@@ -185,8 +186,9 @@ def start_server(
     client_retries: int = 3,
     health_timeout: float = 10.0,
     api: Literal["sglang", "vllm"] = "sglang",
+    host: str = "127.0.0.1",
 ) -> EngineProcess:
-    """Run `cmd` (an engine server `name` listening on 127.0.0.1:`port`) in its own process group, with its output
+    """Run `cmd` (an engine server `name` listening on `host`:`port`) in its own process group, with its output
     in `log_path`, and return once `/health` answers 200.
 
     `env`: variables set for the server on top of ours (less the `_ENV_DROPPED`). Raises `EngineError` when the
@@ -208,7 +210,7 @@ def start_server(
             env=child_env,
             start_new_session=True,
         )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     try:
         _wait_until_healthy(name, proc, url, log_path, startup_timeout, health_timeout)
     except BaseException:

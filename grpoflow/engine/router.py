@@ -37,10 +37,11 @@ def start_router(
     startup_timeout: float = 60.0,
     client_timeout: float = 600.0,
     client_retries: int = 3,
+    host: str = "127.0.0.1",
 ) -> EngineProcess:
-    """`python -m sglang_router.launch_router` on a free port of 127.0.0.1 in front of `worker_urls`; returns once
+    """`python -m sglang_router.launch_router` on a free port of `host` in front of `worker_urls`; returns once
     it answers /health and lists every worker as healthy."""
-    port = free_port()
+    port = free_port(host)
     cmd = [
         sys.executable,
         "-m",
@@ -50,7 +51,7 @@ def start_router(
         "--policy",
         policy,
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--health-check-interval-secs",
@@ -72,7 +73,7 @@ def start_router(
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     try:
         _wait_for_workers(proc, url, len(worker_urls), log_path, startup_timeout)
     except BaseException:

@@ -87,12 +87,19 @@ def start_sglang_server(
     extra_args: list[str] | None = None,
     **server: Any,
 ) -> EngineProcess:
-    """Spawn SGLang on 127.0.0.1 (a free port) and return once `/health` answers 200. `server`: `start_server`'s
-    keywords (env, log_path, startup_timeout, client_timeout, client_retries)."""
+    """Spawn SGLang on `server["host"]` (default 127.0.0.1; a free port) and return once `/health` answers 200.
+    `server`: `start_server`'s keywords (env, log_path, startup_timeout, client_timeout, client_retries, host)."""
     exe = server_python(python, "engine.sglang_python", "SGLang", "/opt/sglang-venv/bin/python")
-    port = free_port()
+    host = server.setdefault("host", "127.0.0.1")
+    port = free_port(host)
     cmd = sglang_command(
-        exe, model_path, port, tp_size=tp_size, mem_fraction_static=mem_fraction_static, extra_args=extra_args
+        exe,
+        model_path,
+        port,
+        tp_size=tp_size,
+        mem_fraction_static=mem_fraction_static,
+        extra_args=extra_args,
+        host=host,
     )
     # SGLang's /health runs a one-token generation and polls for it once per second (http_server.py
     # health_generate), so one probe may take over a second even on a healthy server.

@@ -54,10 +54,12 @@ def launch_settings(cfg: EngineConfig, seed: int, base_gpu_id: int | None = None
 def start_vllm_server(
     python: str, model_path: str | Path, *, extra_args: list[str] | None = None, **server: Any
 ) -> EngineProcess:
-    """Spawn vLLM's OpenAI server on 127.0.0.1 (a free port) and return once `/health` answers 200. `server`:
-    `start_server`'s keywords (env, log_path, startup_timeout, client_timeout, client_retries)."""
+    """Spawn vLLM's OpenAI server on `server["host"]` (default 127.0.0.1; a free port) and return once `/health`
+    answers 200. `server`: `start_server`'s keywords (env, log_path, startup_timeout, client_timeout,
+    client_retries, host)."""
     exe = server_python(python, "engine.vllm_python", "vLLM", "/opt/vllm-venv/bin/python")
-    port = free_port()
+    host = server.setdefault("host", "127.0.0.1")
+    port = free_port(host)
     module = "vllm.entrypoints.openai.api_server"
     cmd = [
         exe,
@@ -66,7 +68,7 @@ def start_vllm_server(
         "--model",
         str(model_path),
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         *(extra_args or []),

@@ -178,8 +178,8 @@ def rollout_workers(
         if problems := workers.unreachable(list(reach)):
             raise EngineError(
                 f"rollout workers cannot reach the engine: {problems[0]} ({len(problems)} of "
-                f"{len(workers.slots) * len(reach)} checks failed); an engine the run starts listens on loopback, so "
-                "on several nodes attach one at an address every node reaches (engine.url)"
+                f"{len(workers.slots) * len(reach)} checks failed); every Ray node must reach it: set "
+                "cluster.listen_host to an address they all reach, or attach an engine there (engine.url)"
             )
         yield workers
     finally:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpoflow.cluster import ray_session
+from grpoflow.cluster import ray_session, serve_host
 from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.engine.backends import EngineHandle, open_engine
 from grpoflow.ledger import rollout_discards, time_ledger, token_ledger
@@ -86,7 +86,9 @@ def serving(cfg: RunConfig, run: PreparedRun, stages: Stages) -> Iterator[Engine
     update_run_info(run.paths, gpus=gpus.to_json())
     with (
         ray_session(cfg.cluster),
-        open_engine(cfg.engine, run.model.path, cfg.seed, run.paths.engine_log, gpus.engine_base_gpu) as engine,
+        open_engine(
+            cfg.engine, run.model.path, cfg.seed, run.paths.engine_log, gpus.engine_base_gpu, serve_host(cfg.cluster)
+        ) as engine,
     ):
         if not cfg.engine.attached:
             for url in engine.replica_urls:

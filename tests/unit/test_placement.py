@@ -72,3 +72,12 @@ def test_parts_that_take_none_of_this_machine_s_gpus_leave_them_to_the_trainer()
     # no GPU at all: everything on the CPU
     cpu = plan_gpus(_cfg(ranks=2, device="cpu"), 0)
     assert (cpu.trainer, cpu.engine) == ((), ()) and "no GPU" in cpu.describe()
+
+
+def test_the_run_s_servers_listen_on_loopback_unless_other_nodes_need_them():
+    from grpoflow.cluster import serve_host
+    from grpoflow.config import ClusterConfig
+
+    assert serve_host(ClusterConfig()) == "127.0.0.1"
+    assert serve_host(ClusterConfig(ray_address="local")) == "127.0.0.1"  # Ray on this machine alone
+    assert serve_host(ClusterConfig(ray_address="head:6379", listen_host="10.0.0.7")) == "10.0.0.7"

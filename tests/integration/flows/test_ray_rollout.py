@@ -54,6 +54,11 @@ def test_trials_run_on_ray_workers_on_both_nodes(tmp_path, tiny_model_dir, ray_c
     local = _config(tmp_path, tiny_model_dir, "in-process", "", steps=2)
     train_flow(parse_run_config(cfg))
     assert "trials run on 2 rollout workers on 2 Ray nodes" in caplog.text  # the flow's own line (log_prints)
+    # a cluster address (not `local`): the engine listens where other nodes reach it, this node's address
+    from ray.util import get_node_ip_address
+
+    engine_log = (tmp_path / "runs" / "on-ray" / "engine.log").read_text()
+    assert f"grpoflow-engine listening on http://{get_node_ip_address()}:" in engine_log
     train_flow(parse_run_config(local))
     ray_rows = read_metrics(tmp_path / "runs" / "on-ray" / "metrics.jsonl")
     local_rows = read_metrics(tmp_path / "runs" / "in-process" / "metrics.jsonl")

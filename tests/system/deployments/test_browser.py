@@ -53,7 +53,7 @@ def test_manual_train_run_form(prefect_stack, browser):
         assert label in text and description in text, f"{label!r} / {description!r} not in the form"
     # Choices are dropdowns with exactly the allowed values, preset to the default.
     selects = browser.evaluate(SELECTS)
-    assert ["embedded", "sglang", "sglang-launch"] in selects, selects
+    assert ["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"] in selects, selects
     assert ["token", "sample"] in selects and ["drop_group", "keep_group"] in selects, selects
     assert any("local" in s and "e2b" in s for s in selects), selects
     selected = browser.evaluate(SELECTED)

@@ -164,10 +164,11 @@ def test_parameter_schema_is_a_typed_form(prefect_stack):
     no_default = [
         p
         for p, s in leaves.items()
-        if "default" not in s and p != "config.engine.sglang_args" and p != "config.rollout.sandbox_kwargs"
+        if "default" not in s
+        and p not in ("config.engine.sglang_args", "config.engine.vllm_args", "config.rollout.sandbox_kwargs")
     ]  # default_factory lists/dicts render as empty
     assert not no_default, f"fields without a default in the form: {no_default}"
-    assert leaves["config.engine.backend"]["enum"] == ["embedded", "sglang", "sglang-launch"]
+    assert leaves["config.engine.backend"]["enum"] == ["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"]
     assert "e2b" in leaves["config.rollout.sandbox"]["enum"] and leaves["config.rollout.sandbox"]["default"] == "local"
     assert leaves["config.train.loss_aggregation"]["enum"] == ["token", "sample"]
     assert leaves["config.rollout.temperature"]["maximum"] == 2.0
@@ -177,7 +178,7 @@ def test_parameter_schema_is_a_typed_form(prefect_stack):
 
 BAD_CONFIGS = [
     ({"rollout": {"temperature": 5}}, "config.rollout.temperature"),
-    ({"engine": {"backend": "vllm"}}, "config.engine.backend"),
+    ({"engine": {"backend": "tgi"}}, "config.engine.backend"),
     ({"rollout": {"sandbox": "my-laptop"}}, "config.rollout.sandbox"),
     ({"run_id": "Not A Valid Id"}, "config.run_id"),
     ({"train": {"steps": "many"}}, "config.train.steps"),

@@ -41,7 +41,9 @@ PRESETS: dict[str, Preset] = {
             {
                 "prompts": {"difficulties": ["easy"]},
                 "rollout": {"max_turns": 3},
-                "train": {"learning_rate": 5e-5, "eval_samples_per_prompt": 2},
+                # Penalize over-long turns (DAPO's soft band): trained as any other, a cut-off turn that still
+                # passed taught the policy to run on past its command, until every turn was cut off.
+                "train": {"learning_rate": 5e-5, "eval_samples_per_prompt": 2, "truncated": "penalize"},
                 "report": {"regrade_per_task": 2},
             },
         ),

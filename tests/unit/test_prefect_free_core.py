@@ -35,3 +35,12 @@ def test_importing_every_module_of_the_core_loads_no_prefect():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
     assert int(out[0]) > 50 and out[1].strip() == "[]"
+
+
+def test_a_prefect_home_under_a_new_dir_is_made_before_prefect_needs_it(tmp_path):
+    import os
+
+    home = tmp_path / "new" / "dirs" / ".prefect"
+    env = {**os.environ, "PREFECT_HOME": str(home)}
+    subprocess.run([sys.executable, "-c", "import flows"], env=env, check=True, cwd=Path(__file__).parents[2])
+    assert home.is_dir()

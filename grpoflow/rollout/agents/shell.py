@@ -62,6 +62,12 @@ def parse_command(reply: str) -> str | None:
     return cmd or None
 
 
+def says_done(reply: str) -> bool:
+    """The reply says DONE outside its commands: `echo DONE > /app/x` is a command that writes a word, not the
+    end of the task (counted as one, it ended the episode after a command the policy never saw the output of)."""
+    return _DONE.search(_FENCE.sub("", reply)) is not None
+
+
 def format_output(stdout: str | None, stderr: str | None, return_code: int, cap: int) -> str:
     """Exit code plus output; over `cap` chars keep the head and the tail (errors tend to be at the end)."""
     out = (stdout or "") + (stderr or "")
@@ -177,14 +183,14 @@ class ShellAgent(BaseAgent):
             self._record(context, traj, rec)
             command = parse_command(reply)
             if command is None:
-                return END_DONE if _DONE.search(reply) else END_NO_COMMAND
+                return END_DONE if says_done(reply) else END_NO_COMMAND
             t0 = time.perf_counter()
             result = await environment.exec(command, cwd="/app", timeout_sec=self.command_timeout_sec)
             rec.tool_time_s += time.perf_counter() - t0
             rec.commands_run += 1
             feedback = format_output(result.stdout, result.stderr, result.return_code, self.output_cap_chars)
             traj.add_user(feedback)
-            if _DONE.search(reply):
+            if says_done(reply):
                 return END_DONE
 
     def _record(self, context: AgentContext, traj: TokenTrajectory, rec: TrialRecord) -> None:

@@ -1,6 +1,6 @@
 import pytest
 
-from grpoflow.rollout.agents.shell import format_output, parse_command
+from grpoflow.rollout.agents.shell import format_output, parse_command, says_done
 from grpoflow.tokens import TemplateError, TokenTrajectory, load_tokenizer
 
 
@@ -17,6 +17,20 @@ from grpoflow.tokens import TemplateError, TokenTrajectory, load_tokenizer
 )
 def test_parse_command(reply, command):
     assert parse_command(reply) == command
+
+
+@pytest.mark.parametrize(
+    "reply, done",
+    [
+        ("DONE", True),
+        ("Sure:\n```sh\nls\n```\nthen DONE", True),
+        ('```bash\necho "DONE" > /app/x\n```', False),  # a word the command writes
+        ("```bash\necho DONE", False),  # in an unclosed fence too
+        ("```bash\nls\n```", False),
+    ],
+)
+def test_only_a_done_outside_the_commands_ends_the_episode(reply, done):
+    assert says_done(reply) is done
 
 
 def test_output_is_capped_keeping_head_and_tail():

@@ -23,7 +23,7 @@ from pathlib import Path
 from grpoflow.fileio import publish_dir
 
 # Bump whenever what `generate` writes for a seed changes: the cache is keyed by it, and a run's dataset hash too.
-VERSION = 1
+VERSION = 2
 INSTANCES = 4  # per family; the main job evaluates every instance, so this sets its evaluation's cost
 MAX_DRAWS = 1000  # per family: far more than its pools need for `INSTANCES` distinct instances
 
@@ -196,7 +196,9 @@ FAMILIES: tuple[Family, ...] = (
          "Make a new, empty file at `{path}`.",
          "There must be an empty file `{path}`: create it."),
         _draw_empty, ("path",),
-        'need_file {path}\n[ -s {path} ] && {{ echo "FAIL: {path} is not empty"; finish 0.5; }}\nfinish 1',
+        # A file with text in it earns nothing: `echo ... > {path}` solves other families, and any share of the
+        # reward for it here draws every family toward that one command.
+        'need_file {path}\n[ -s {path} ] && fail "{path} is not empty"\nfinish 1',
         "touch {path}",
     ),
     Family(

@@ -18,7 +18,15 @@ if ! docker version >/dev/null 2>&1; then
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo -n"
   echo "docker-env.sh: starting dockerd in the background (log: $log)" >&2
-  nohup $sudo dockerd >"$log" 2>&1 </dev/null &
+  # The daemon outlives this script: it must not keep the caller's other descriptors open (a lock file the
+  # caller holds, e.g. `flock LOCK ./run.sh test`, would stay locked for as long as dockerd runs).
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      [ "$fd" -gt 2 ] && eval "exec $fd>&-" 2>/dev/null
+    done
+    exec nohup $sudo dockerd >"$log" 2>&1 </dev/null
+  ) &
   for _ in $(seq 60); do
     docker version >/dev/null 2>&1 && break
     sleep 0.5

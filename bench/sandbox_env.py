@@ -4,8 +4,10 @@ design choice, plain `docker run --network none` of the same image.
 
     .venv/bin/python bench/sandbox_env.py [--trials 16] [--concurrency 1 4 16] [--no-baseline]
 
-Per environment: trial start latency (start() up to the first command's answer, one at a time; median) and
-trials/s at each concurrency (a trial = start, two commands, stop and delete), and the trial dir's disk use. For
+Per environment: trial start latency (start() up to the first command's answer, one at a time; median),
+trials/s at each concurrency (a trial = start, two commands, stop and delete), the machine's memory in use at the
+highest concurrency (peak of MemTotal - MemAvailable over the idle level, sampled every 20 ms: the sandbox
+processes, the page cache they add and, for `docker run`, the engine's own work) and the trial dir's disk use. For
 the image: its build time cold (`docker build` with no layer cached, apt and pip from the network, plus the
 export) and cached (the digest's lookup). The dataset gate's cost per task (oracle + no-op, image cached) on each.
 Needs a Docker engine and the base image: scripts/docker-env.sh.
@@ -20,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -105,6 +108,30 @@ async def throughput(make, trials: int, concurrency: int) -> float:
     return trials / (time.perf_counter() - t0)
 
 
+def memory_in_use() -> int:
+    """Bytes the machine has in use: MemTotal - MemAvailable."""
+    info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in Path("/proc/meminfo").open())}
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+def throughput_and_memory(make, trials: int, concurrency: int) -> tuple[float, int]:
+    """(trials/s, peak bytes in use over the level before the trials) at `concurrency`."""
+    idle, peak, done = memory_in_use(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], memory_in_use() - idle)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        rate = asyncio.run(throughput(make, trials, concurrency))
+    finally:
+        done.set()
+        sampler.join()
+    return rate, peak[0]
+
+
 def build_times(work: Path) -> tuple[float, float]:
     """(cold, cached) seconds: a copy of the task's environment/ whose first RUN line is new, so no layer is
     cached (apt and pip run), built and exported; then the same lookup again."""
@@ -160,10 +187,18 @@ def main(argv: list[str] | None = None) -> None:
         for label, make in kinds.items():
             firsts = [asyncio.run(make(10_000 + i)) for i in range(5)]
             latency = statistics.median(f for f, _ in firsts) * 1000
-            rates = [asyncio.run(throughput(make, args.trials, c)) for c in args.concurrency]
+            runs = [throughput_and_memory(make, args.trials, c) for c in args.concurrency]
             disk = statistics.median(s for _, s in firsts) / 1e6
-            rows[label] = [f"{latency:.0f} ms", *(f"{r:.1f}" for r in rates), f"{disk:.1f} MB"]
-        head = ["environment", "start latency", *(f"trials/s c={c}" for c in args.concurrency), "trial dir"]
+            memory = runs[-1][1] / 1e6
+            rows[label] = [f"{latency:.0f} ms", *(f"{r:.1f}" for r, _ in runs), f"{memory:.0f} MB", f"{disk:.1f} MB"]
+        c_max = args.concurrency[-1]
+        head = [
+            "environment",
+            "start latency",
+            *(f"trials/s c={c}" for c in args.concurrency),
+            f"memory c={c_max}",
+            "trial dir",
+        ]
         widths = [max(len(head[0]), *map(len, rows))] + [max(len(h), 9) for h in head[1:]]
         print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
         for label, cells in rows.items():

@@ -27,11 +27,12 @@ def test_the_presets():
 def test_embedded_default_is_the_main_job_recipe_over_the_defaults():
     cfg, defaults = load_preset("embedded-default"), parse_run_config({})
     assert cfg.prompts.difficulties == ["easy"] and cfg.rollout.max_turns == 3
+    assert cfg.prompts.instance_eval_fraction == 0.5 and defaults.prompts.instance_eval_fraction is None
     assert (cfg.train.learning_rate, cfg.train.eval_samples_per_prompt) == (5e-5, 2)
     assert cfg.train.truncated == "penalize" and defaults.train.truncated == "train"
     assert cfg.report.regrade_per_task == 2 and defaults.report.regrade_per_task == 0
     recipe = {
-        "prompts": ["difficulties"],
+        "prompts": ["difficulties", "instance_eval_fraction"],
         "rollout": ["max_turns"],
         "train": ["learning_rate", "eval_samples_per_prompt", "truncated"],
         "report": ["regrade_per_task"],

@@ -6,8 +6,9 @@ design choice, plain `docker run --network none` of the same image.
 
 Per environment: trial start latency (start() up to the first command's answer, one at a time; median),
 trials/s at each concurrency (a trial = start, two commands, stop and delete), the machine's memory in use at the
-highest concurrency (peak of MemTotal - MemAvailable over the idle level, sampled every 20 ms: the sandbox
-processes, the page cache they add and, for `docker run`, the engine's own work) and the trial dir's disk use. For
+highest concurrency (peak proportional set size of the processes the trials run as, sampled every 20 ms: bwrap
+and what runs in it; the containers, under their containerd-shim, and the docker CLI calls; not dockerd itself)
+and the trial dir's disk use. For
 the image: its build time cold (`docker build` with no layer cached, apt and pip from the network, plus the
 export) and cached (the digest's lookup). The dataset gate's cost per task (oracle + no-op, image cached) on each.
 Needs a Docker engine and the base image: scripts/docker-env.sh.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import subprocess
@@ -108,28 +110,60 @@ async def throughput(make, trials: int, concurrency: int) -> float:
     return trials / (time.perf_counter() - t0)
 
 
-def memory_in_use() -> int:
-    """Bytes the machine has in use: MemTotal - MemAvailable."""
-    info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in Path("/proc/meminfo").open())}
-    return info["MemTotal"] - info["MemAvailable"]
+def _stat(pid: str) -> tuple[str, int]:
+    """(command name, parent pid) of a live process."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+    return name, int(rest[1])
 
 
-def throughput_and_memory(make, trials: int, concurrency: int) -> tuple[float, int]:
-    """(trials/s, peak bytes in use over the level before the trials) at `concurrency`."""
-    idle, peak, done = memory_in_use(), [0], threading.Event()
+def trial_processes_pss() -> int:
+    """Bytes of proportional set size of the processes trials run as: this process's descendants (bwrap and
+    everything under it; the docker CLI calls) and those of every containerd-shim (the containers)."""
+    parents: dict[int, int] = {}
+    roots = {os.getpid()}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                name, ppid = _stat(entry.name)
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                continue  # gone since the listing
+            parents[int(entry.name)] = ppid
+            if name.startswith("containerd-shim"):
+                roots.add(int(entry.name))
+    total = 0
+    for pid in parents:
+        p, hops = pid, 0
+        while p not in roots and p in parents and hops < 64:
+            p, hops = parents[p], hops + 1
+        if p in roots and pid != os.getpid():
+            try:
+                for line in Path(f"/proc/{pid}/smaps_rollup").open():
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+    return total
+
+
+def peak_memory(make, trials: int, concurrency: int) -> int:
+    """Peak bytes of the trials' processes at `concurrency`, sampled every 20 ms (a run of its own: the sampling
+    takes CPU the trials/s runs should not lose)."""
+    peak, done = [0], threading.Event()
 
     def sample() -> None:
         while not done.wait(0.02):
-            peak[0] = max(peak[0], memory_in_use() - idle)
+            peak[0] = max(peak[0], trial_processes_pss())
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        rate = asyncio.run(throughput(make, trials, concurrency))
+        asyncio.run(throughput(make, trials, concurrency))
     finally:
         done.set()
         sampler.join()
-    return rate, peak[0]
+    return peak[0]
 
 
 def build_times(work: Path) -> tuple[float, float]:
@@ -155,7 +189,8 @@ def gate_per_task(task_dir: Path, work: Path, images: Path) -> float:
     shutil.copytree(task_dir, root / task_dir.name)
     rollout = parse_run_config({"rollout": {"sandbox_kwargs": {"image_cache_dir": str(images)}}}).rollout
     t0 = time.perf_counter()
-    report = run_gate(load_dataset(root, local_sandbox=True), rollout, work / f"gate-cache-{task_dir.name}")
+    dataset = load_dataset(root, local_sandbox=True, build_images=True)
+    report = run_gate(dataset, rollout, work / f"gate-cache-{task_dir.name}")
     assert [t.verdict for t in report.tasks] == ["verified"], report.tasks
     return time.perf_counter() - t0
 
@@ -187,10 +222,10 @@ def main(argv: list[str] | None = None) -> None:
         for label, make in kinds.items():
             firsts = [asyncio.run(make(10_000 + i)) for i in range(5)]
             latency = statistics.median(f for f, _ in firsts) * 1000
-            runs = [throughput_and_memory(make, args.trials, c) for c in args.concurrency]
+            rates = [asyncio.run(throughput(make, args.trials, c)) for c in args.concurrency]
+            memory = peak_memory(make, args.trials, args.concurrency[-1]) / 1e6
             disk = statistics.median(s for _, s in firsts) / 1e6
-            memory = runs[-1][1] / 1e6
-            rows[label] = [f"{latency:.0f} ms", *(f"{r:.1f}" for r, _ in runs), f"{memory:.0f} MB", f"{disk:.1f} MB"]
+            rows[label] = [f"{latency:.0f} ms", *(f"{r:.1f}" for r in rates), f"{memory:.0f} MB", f"{disk:.1f} MB"]
         c_max = args.concurrency[-1]
         head = [
             "environment",

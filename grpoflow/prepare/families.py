@@ -23,7 +23,7 @@ from pathlib import Path
 from grpoflow.fileio import publish_dir
 
 # Bump whenever what `generate` writes for a seed changes: the cache is keyed by it, and a run's dataset hash too.
-VERSION = 2
+VERSION = 3
 INSTANCES = 4  # per family; the main job evaluates every instance, so this sets its evaluation's cost
 MAX_DRAWS = 1000  # per family: far more than its pools need for `INSTANCES` distinct instances
 
@@ -166,6 +166,27 @@ def _draw_replace(rng: random.Random) -> Params:
         "path": path, "name": Path(path).name, "old": old, "new": new,
         "body": body, "expected": body.replace(old, new),
     }  # fmt: skip
+
+
+# Ways a one-line script can be broken that a shell reports when it runs it: a misspelled command, an unclosed
+# quote, a missing redirection target directory.
+_BUGS = (
+    "ecoh {word} > {out}",
+    "ehco {word} > {out}",
+    'echo "{word} > {out}',
+    "echo {word} > {out_dir}/missing/{out_name}",
+)
+
+
+def _draw_fix(rng: random.Random) -> Params:
+    out = _file(rng)
+    params = {
+        "path": f"/app/{rng.choice(('write', 'make', 'save', 'emit', 'produce', 'store'))}_{Path(out).stem}.sh",
+        "out": out, "out_dir": str(Path(out).parent), "out_name": Path(out).name, "word": rng.choice(WORDS),
+    }  # fmt: skip
+    params["bug"] = rng.choice(_BUGS).format(**params)
+    params["path_name"] = Path(params["path"]).name
+    return params
 
 
 # fmt: off
@@ -313,6 +334,19 @@ FAMILIES: tuple[Family, ...] = (
         "sed -i 's/{old}/{new}/g' {path}",
         app={"{name}": "{body}"},
         tests={"expected.txt": "{expected}"},
+    ),
+    Family(
+        "fix-script", "medium", "shell", "Fix a small script that fails.",
+        ("The script `{path}` should write the word `{word}` to `{out}`, but it fails. Fix the script.",
+         "Running `sh {path}` fails; it is meant to write `{word}` into `{out}`. Repair it.",
+         "`{path}` is broken: make it work, so that running it writes `{word}` to `{out}`."),
+        _draw_fix, ("path", "out"),
+        # The verifier runs the script itself, with no output file left from the agent's own runs.
+        'need_file {path}\nrm -f {out}\n(cd /app && timeout 10 sh {path}) > /dev/null 2>&1 || '
+        'fail "{path} still fails"\nneed_file {out}\n'
+        '[ "$(cat {out})" = "{word}" ] || fail "running {path} does not write {word} to {out}"\nfinish 1',
+        "printf '%s\\n' '#!/bin/sh' 'echo {word} > {out}' > {path}",
+        app={"{path_name}": "#!/bin/sh\n# Writes a word to a file.\n{bug}\n"},
     ),
 )
 # fmt: on

@@ -58,7 +58,7 @@ def perturb(lps: torch.Tensor, noise: float, tail: float, gen: torch.Generator) 
 
 
 def run(model_dir: Path, overrides: dict, args) -> dict:
-    cfg = TrainConfig(learning_rate=3e-3, max_grad_norm=1.0, **overrides)
+    cfg = TrainConfig(optimizer={"learning_rate": 3e-3, "max_grad_norm": 1.0}, **overrides)
     state = load_trainer(model_dir, cfg, seed=0)
     tok = state.tokenizer
     text = tok.apply_chat_template(

@@ -50,25 +50,28 @@ def test_every_field_has_a_description():
     [
         ({"run_id": "Has Spaces"}, "run_id"),
         ({"seed": -1}, "seed"),
-        ({"rollout": {"temperature": 9}}, "rollout.temperature"),
+        ({"rollout": {"sampling": {"temperature": 9}}}, "rollout.sampling.temperature"),
         ({"rollout": {"n_samples_per_prompt": 0}}, "rollout.n_samples_per_prompt"),
         ({"rollout": {"temprature": 0.5}}, "rollout.temprature"),
-        ({"train": {"loss_aggregation": "mean"}}, "train.loss_aggregation"),
+        ({"train": {"loss": {"loss_aggregation": "mean"}}}, "train.loss.loss_aggregation"),
         ({"engine": {"backend": "tgi"}}, "engine.backend"),
         ({"engine": {"backend": "sglang"}}, "engine.url"),
         ({"engine": {"backend": "vllm"}}, "engine.url"),
         ({"engine": {"backend": "vllm-launch"}}, "engine.vllm_python"),
         ({"engine": {"backend": "vllm-launch", "vllm_python": "p", "url": "http://h:1"}}, "engine.url"),
         ({"engine": {"backend": "vllm-launch", "vllm_python": "p", "vllm_args": ["--seed=3"]}}, "engine.vllm_args"),
-        ({"engine": {"backend": "vllm", "url": "http://h:1", "weight_sync": "tensor"}}, "engine.weight_sync"),
+        (
+            {"engine": {"backend": "vllm", "url": "http://h:1", "weight_sync": {"mode": "tensor"}}},
+            "engine.weight_sync.mode",
+        ),
         ({"engine": {"backend": "vllm", "url": "http://h:1", "deterministic": True}}, "engine.deterministic"),
         ({"engine": {"backend": "vllm", "url": "http://h:1"}, "train": {"lora": {}}}, "train.lora"),
         ({"prompts": {"eval_fraction": 1.5}}, "prompts.eval_fraction"),
         ({"cluster": {"train_ranks": 0}}, "cluster.train_ranks"),
         ({"engine": {"replicas": 2, "backend": "sglang", "url": "http://h:1"}}, "engine.replicas"),
         (
-            {"cluster": {"ray_address": "local"}, "rollout": {"sandbox": "e2b", "sandbox_api_key_file": "/k"}},
-            "rollout.sandbox_api_key_file",
+            {"cluster": {"ray_address": "local"}, "rollout": {"sandbox": {"backend": "e2b", "api_key_file": "/k"}}},
+            "rollout.sandbox.api_key_file",
         ),
     ],
 )
@@ -82,17 +85,17 @@ def test_bad_value_gives_one_line_naming_the_field(data, field):
 
 def test_several_bad_fields_are_all_named_in_one_line():
     with pytest.raises(ConfigError) as exc:
-        parse_run_config({"seed": "x", "rollout": {"top_p": 0}})
+        parse_run_config({"seed": "x", "rollout": {"sampling": {"top_p": 0}}})
     msg = str(exc.value)
-    assert "`seed`" in msg and "`rollout.top_p`" in msg and "\n" not in msg
+    assert "`seed`" in msg and "`rollout.sampling.top_p`" in msg and "\n" not in msg
 
 
 def test_config_file_round_trip_and_overrides(tmp_path):
-    cfg = parse_run_config({"run_id": "abc", "rollout": {"temperature": 0.5}})
+    cfg = parse_run_config({"run_id": "abc", "rollout": {"sampling": {"temperature": 0.5}}})
     f = tmp_path / "c.json"
     f.write_text(json.dumps(cfg.model_dump(mode="json")))
-    again = load_run_config(f, {"rollout.max_turns": 7})
-    assert again.rollout.temperature == 0.5 and again.rollout.max_turns == 7 and again.run_id == "abc"
+    again = load_run_config(f, {"rollout.episode.max_turns": 7})
+    assert again.rollout.sampling.temperature == 0.5 and again.rollout.episode.max_turns == 7 and again.run_id == "abc"
 
 
 def test_config_file_errors_name_the_file(tmp_path):
@@ -126,7 +129,7 @@ def test_a_dotted_override_fills_an_empty_optional_section():
 def test_old_logprobs_auto_takes_the_decoupled_objective_when_rollouts_may_be_stale():
     assert parse_run_config({}).train.old_logprobs_mode() == "rollout"
     assert parse_run_config({"train": {"max_staleness": 1}}).train.old_logprobs_mode() == "recompute"
-    pinned = {"train": {"max_staleness": 1, "old_logprobs": "rollout"}}
+    pinned = {"train": {"max_staleness": 1, "loss": {"old_logprobs": "rollout"}}}
     assert parse_run_config(pinned).train.old_logprobs_mode() == "rollout"
 
 
@@ -134,21 +137,22 @@ def test_old_logprobs_auto_takes_the_decoupled_objective_when_rollouts_may_be_st
 def test_a_correction_that_would_do_nothing_is_refused_in_one_line(setting):
     name = next(iter(setting))
     with pytest.raises(ConfigError) as exc:
-        parse_run_config({"train": {"old_logprobs": "rollout", **setting}})
-    assert f"train.{name}" in str(exc.value) and "\n" not in str(exc.value)
+        parse_run_config({"train": {"loss": {"old_logprobs": "rollout", **setting}}})
+    assert f"train.loss.{name}" in str(exc.value) and "\n" not in str(exc.value)
     # the same setting with the old policy it acts on, or in an async run's default, is taken
-    assert getattr(parse_run_config({"train": {"old_logprobs": "recompute", **setting}}).train, name) is not None
-    assert getattr(parse_run_config({"train": {"max_staleness": 1, **setting}}).train, name) is not None
+    recomputed = {"train": {"loss": {"old_logprobs": "recompute", **setting}}}
+    assert getattr(parse_run_config(recomputed).train.loss, name) is not None
+    assert getattr(parse_run_config({"train": {"max_staleness": 1, "loss": setting}}).train.loss, name) is not None
 
 
 def test_a_saved_config_naming_every_default_still_loads():
     """config.json of an earlier run names every field, tis_cap's default among them, beside old_logprobs=rollout."""
     saved = parse_run_config({}).model_dump(mode="json")
-    saved["train"]["old_logprobs"] = "rollout"
-    assert parse_run_config(saved).train.tis_cap == 2.0
+    saved["train"]["loss"]["old_logprobs"] = "rollout"
+    assert parse_run_config(saved).train.loss.tis_cap == 2.0
 
 
 @pytest.mark.parametrize("band", [0.9, 1.0, [2.0, 5.0], [0.5, 0.9], [0.0, 5.0]])
 def test_a_band_that_holds_no_ratio_of_one_is_refused(band):
-    with pytest.raises(ConfigError, match="train.mismatch_band"):
-        parse_run_config({"train": {"old_logprobs": "recompute", "mismatch_band": band}})
+    with pytest.raises(ConfigError, match="train.loss.mismatch_band"):
+        parse_run_config({"train": {"loss": {"old_logprobs": "recompute", "mismatch_band": band}}})

@@ -1,18 +1,22 @@
 import json
 import re
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
 from grpoflow.config import (
+    MOVED_SETTINGS,
     RUN_ID_PATTERN,
     RunConfig,
     apply_overrides,
     load_run_config,
     new_run_id,
     parse_run_config,
+    read_config_file,
 )
 from grpoflow.errors import ConfigError
+from grpoflow.prepare.presets import layered_run_config
 
 
 def test_defaults_resolve_with_a_generated_readable_run_id():
@@ -156,3 +160,110 @@ def test_a_saved_config_naming_every_default_still_loads():
 def test_a_band_that_holds_no_ratio_of_one_is_refused(band):
     with pytest.raises(ConfigError, match="train.loss.mismatch_band"):
         parse_run_config({"train": {"loss": {"old_logprobs": "recompute", "mismatch_band": band}}})
+
+
+# --- the settings grouped by concern, and the old flat spellings that must keep loading ---
+
+FLAT_CONFIG = Path(__file__).parent / "fixtures" / "config_flat_layout.json"  # as main saved it before the groups
+
+
+def test_a_config_json_saved_in_the_flat_layout_loads_as_the_defaults():
+    saved = json.loads(FLAT_CONFIG.read_text())
+    assert "temperature" in saved["rollout"] and "learning_rate" in saved["train"]  # the old layout indeed
+    expected = RunConfig(run_id=saved["run_id"])
+    assert parse_run_config(saved) == expected
+    assert load_run_config(FLAT_CONFIG) == expected
+    assert RunConfig.model_validate(saved) == expected  # as Prefect validates a deployment's flat parameters
+
+
+def test_resume_and_rerun_read_a_run_dir_saved_in_the_flat_layout(tmp_path):
+    from grpoflow.run.resume import load_saved_config
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(FLAT_CONFIG.read_text())
+    cfg = load_saved_config(tmp_path / "old")
+    assert cfg == RunConfig(run_id="saved-before-config-groups")
+    assert read_config_file(tmp_path / "old" / "config.json")["rollout"]["sandbox"] == cfg.rollout.sandbox.model_dump()
+
+
+def test_a_flat_config_file_layers_under_a_preset_and_takes_new_overrides(tmp_path):
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps({"rollout": {"temperature": 0.7, "harness": "terminus-2"}, "train": {"steps": 3}}))
+    cfg = layered_run_config("embedded-default", f, {"rollout.sampling.top_k": 5})
+    assert (cfg.rollout.sampling.temperature, cfg.rollout.sampling.top_k) == (0.7, 5)
+    assert cfg.rollout.harness.name == "terminus-2" and cfg.rollout.episode.max_turns == 3  # the preset's
+    assert load_run_config(f, {"rollout.sampling.temperature": 0.2}).rollout.sampling.temperature == 0.2
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("rollout.temperature=0.7", "rollout.sampling.temperature=0.7"),
+        ("rollout.harness=terminus-2", "rollout.harness.name=terminus-2"),
+        ("rollout.sandbox_kwargs.memory_mb=512", "rollout.sandbox.kwargs.memory_mb=512"),
+        ("train.save_interval=3", "train.checkpoint.interval=3"),
+        ("train.learning_rate=0.001", "train.optimizer.learning_rate=0.001"),
+        ("engine.weight_sync=disk", "engine.weight_sync.mode=disk"),
+    ],
+)
+def test_an_old_set_key_gives_the_config_of_the_new_one(old, new):
+    from flows.cli import _config_from_args, build_parser
+
+    def cfg(item):
+        return _config_from_args(build_parser().parse_args(["train", "--run-id", "r", "--set", item]))
+
+    assert cfg(old) == cfg(new) != cfg("train.steps=16")
+
+
+def test_an_old_and_a_new_name_of_one_setting_at_once_is_one_line_naming_both(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        apply_overrides({}, {"rollout.temperature": 0.5, "rollout.sampling.temperature": 0.5})
+    msg = str(exc.value)
+    assert "`rollout.temperature`" in msg and "`rollout.sampling.temperature`" in msg and "\n" not in msg
+    both = {"rollout": {"temperature": 0.5, "sampling": {"temperature": 0.4}}}
+    with pytest.raises(ConfigError) as exc:
+        parse_run_config(both)
+    msg = str(exc.value)
+    assert "`rollout.temperature`" in msg and "`rollout.sampling.temperature`" in msg and "\n" not in msg
+    f = tmp_path / "both.json"
+    f.write_text(json.dumps({"train": {"save_interval": 2, "checkpoint": {"interval": 3}}}))
+    with pytest.raises(ConfigError, match=r"both.json: `train.save_interval` and `train.checkpoint.interval`"):
+        load_run_config(f)
+
+
+def test_every_old_path_leads_to_a_setting_that_exists():
+    defaults = RunConfig().model_dump()
+    for old, new in MOVED_SETTINGS.items():
+        node = defaults
+        for part in new.split("."):
+            node = node[part]  # KeyError: the table points nowhere
+        assert old.split(".")[0] == new.split(".")[0], old  # a setting stays in its section
+
+
+def _field_counts(model: type[BaseModel], prefix: str = "") -> dict[str, int]:
+    """Fields of each section and group, by dotted path (a nested group counts as one field of its parent)."""
+    counts = {prefix.rstrip(".") or "<run>": len(model.model_fields)}
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            counts |= _field_counts(field.annotation, f"{prefix}{name}.")
+    return counts
+
+
+def test_fields_per_group():
+    counts = _field_counts(RunConfig)
+    print(counts)
+    assert {k: v for k, v in counts.items() if k.split(".")[0] in ("rollout", "train", "engine")} == {
+        "rollout": 8,
+        "rollout.sampling": 4,
+        "rollout.episode": 5,
+        "rollout.harness": 7,
+        "rollout.sandbox": 7,
+        "train": 12,
+        "train.loss": 12,
+        "train.optimizer": 3,
+        "train.batch": 4,
+        "train.checkpoint": 1,
+        "train.eval": 2,
+        "engine": 20,
+        "engine.weight_sync": 3,
+    }

@@ -359,7 +359,8 @@ class EngineConfig(_Section):
                 )
         if self.api == "vllm" and self.weight_sync.mode in ("tensor", "adapter"):
             raise ValueError(
-                f"`engine.weight_sync.mode`: `{self.weight_sync.mode}` is not supported with vLLM here; use `disk` (or `auto`) "
+                f"`engine.weight_sync.mode`: `{self.weight_sync.mode}` is not supported with vLLM here; use `disk` "
+                "(or `auto`) "
                 "or `distributed`"
             )
         if self.api == "vllm" and self.deterministic:
@@ -488,7 +489,8 @@ class EpisodeConfig(_Section):
     )
     early_truncation_exit: bool = Field(
         True,
-        description="End the episode as soon as a turn is cut off at `sampling.max_new_tokens` (the cut command is not run; "
+        description="End the episode as soon as a turn is cut off at `sampling.max_new_tokens` (the cut command "
+        "is not run; "
         "the trial is still verified). Off only to measure what it saves.",
     )
     command_timeout_sec: float = Field(30.0, gt=0, le=86400, description="Time limit of one command in the sandbox.")
@@ -578,7 +580,8 @@ class SandboxConfig(_Section):
         "sandbox-create",
         description="Name of a Prefect global concurrency limit held while a sandbox starts, bounding sandbox "
         "creation across all runs (`prefect gcl create sandbox-create --limit 8`). No such limit on the "
-        "server, or trials on Ray rollout workers (`cluster.ray_address`): creation is bounded by `rollout.concurrency` "
+        "server, or trials on Ray rollout workers (`cluster.ray_address`): creation is bounded by "
+        "`rollout.concurrency` "
         "alone. Empty: never ask.",
     )
     retries: int = Field(
@@ -633,7 +636,8 @@ class RolloutConfig(_Section):
         le=64,
         description="Dynamic sampling (DAPO): at most this many extra rounds per training step, each running the "
         "groups of new prompts in place of the groups that carry no GRPO signal (equal rewards, or a failed trial "
-        "under `rollout.sandbox.on_retries_exhausted` drop_group), until the step has `prompts_per_step` informative groups. 0: off.",
+        "under `rollout.sandbox.on_retries_exhausted` drop_group), until the step has `prompts_per_step` "
+        "informative groups. 0: off.",
     )
     concurrency: int = Field(8, ge=1, le=4096, description="Trials running at once.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="How the engine samples each turn.")
@@ -724,7 +728,8 @@ class LossConfig(_Section):
         "train",
         description="Over-long samples (a turn cut off, or the context window full): `train` them as any other, "
         "`mask` their loss (their reward still counts in the group's statistics), or `penalize` every sample "
-        "DAPO-style: a turn longer than rollout.sampling.max_new_tokens - overlong_cache loses reward linearly, -1 at the limit.",
+        "DAPO-style: a turn longer than rollout.sampling.max_new_tokens - overlong_cache loses reward linearly, -1 "
+        "at the limit.",
     )
     overlong_cache: int | None = Field(
         None,

@@ -210,17 +210,11 @@ class WeightSyncConfig(_Section):
 
     mode: Literal["auto", "disk", "distributed", "tensor", "adapter"] = Field(
         "auto",
-        description="How each step's weights reach the engine. `auto`: `distributed` for the embedded engine, "
-        "`disk` for SGLang (whose GPUs must reach the trainer for `distributed`). "
-        "`adapter` (LoRA runs): the adapter alone, written to the run's `sync/` dir and loaded with SGLang's "
-        "`/load_lora_adapter` (SGLang started with --enable-lora); every request names it. "
-        "`disk`: the step writes its weights to "
-        "`checkpoints/step_<N>/` and the engine loads them (`/update_weights_from_disk`). `distributed`: in "
-        "memory, the trainer broadcasts them over a process group the engine joins at the start (SGLang's "
-        "`/init_weights_update_group`, `/update_weights_from_distributed`; NCCL on a GPU, gloo on the CPU), and "
-        "only full checkpoints (`train.checkpoint.interval`) are written. `tensor`: in memory, for an engine on this "
-        "host (with SGLang, colocated on the trainer's GPU): the engine maps the trainer's weights from shared "
-        "memory (CUDA IPC on a GPU) with `/update_weights_from_tensor`; only full checkpoints are written.",
+        description="How each step's weights reach the engine: `disk` (written to `checkpoints/step_<N>/`, loaded "
+        "with `/update_weights_from_disk`), `distributed` (broadcast in memory over a process group the engine joins; "
+        "NCCL on a GPU, gloo on the CPU), `tensor` (mapped from shared memory by an engine on this host) or `adapter` "
+        "(a LoRA run's adapter alone, loaded with `/load_lora_adapter`). `auto`: `distributed` for the embedded "
+        "engine, `disk` for SGLang; in memory, only full checkpoints (`train.checkpoint.interval`) are written.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
@@ -687,12 +681,10 @@ class LossConfig(_Section):
     kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of the k3 KL penalty to the reference model.")
     old_logprobs: Literal["auto", "rollout", "recompute"] = Field(
         "auto",
-        description="The PPO ratio's old policy: the engine's logprobs from the rollout, or the trainer's, "
-        "recomputed before the update (one more forward pass); then the engine-vs-trainer mismatch is corrected "
-        "apart (`tis_cap`, `mismatch_band`). With `max_staleness` > 0 the rollout's logprobs are those of the "
-        "weights that generated it: `rollout` clips the update against that stale behaviour policy; `recompute` "
-        "(the decoupled objective) clips against the trainer's current weights and weighs by trainer/behaviour "
-        "ratios. `auto`: `recompute` with `max_staleness` > 0, else `rollout`.",
+        description="The PPO ratio's old policy: `rollout` takes the engine's logprobs from the rollout; "
+        "`recompute` has the trainer recompute them before the update (one more forward pass; with stale rollouts, "
+        "the decoupled objective) and corrects the engine-vs-trainer mismatch apart (`tis_cap`, `mismatch_band`). "
+        "`auto`: `recompute` with `train.max_staleness` > 0, else `rollout`.",
     )
     dual_clip: float | None = Field(
         3.0,

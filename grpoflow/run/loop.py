@@ -71,7 +71,7 @@ CORE_STAGES = Stages(
 
 
 def evaluation_versions(train: TrainConfig) -> set[int]:
-    """Weight versions (updates so far) the run evaluates: the base policy, every `eval_interval`-th, the last."""
+    """Weight versions (updates so far) the run evaluates: the base policy, every `train.eval.interval`-th, the last."""
     if train.eval.samples_per_prompt == 0:
         return set()
     every = set(range(0, train.steps, train.eval.interval)) if train.eval.interval else set()

@@ -176,6 +176,17 @@ def test_a_config_json_saved_in_the_flat_layout_loads_as_the_defaults():
     assert RunConfig.model_validate(saved) == expected  # as Prefect validates a deployment's flat parameters
 
 
+def test_a_deployment_s_flat_parameters_validate_into_the_grouped_config():
+    """A deployment registered before the groups stores flat parameters; the flow's own validation moves them."""
+    from flows.evaluate import evaluate_flow
+    from flows.train import train_flow
+
+    flat = json.loads(FLAT_CONFIG.read_text())
+    assert train_flow.validate_parameters({"config": flat})["config"] == RunConfig(run_id=flat["run_id"])
+    params = evaluate_flow.validate_parameters({"config": {"train": {"eval_samples_per_prompt": 3}}})
+    assert params["config"].train.eval.samples_per_prompt == 3
+
+
 def test_resume_and_rerun_read_a_run_dir_saved_in_the_flat_layout(tmp_path):
     from grpoflow.run.resume import load_saved_config
 

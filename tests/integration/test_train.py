@@ -301,7 +301,10 @@ def _sample_completions(model, prompt, n, new_tokens, gen):
     "variant",
     [
         {"optimizer": {"learning_rate": 3e-3, "max_grad_norm": 1.0}},
-        {"optimizer": {"learning_rate": 3e-2, "max_grad_norm": 1.0}, "lora": {"rank": 8, "alpha": 16}},  # adapters: larger lr
+        {
+            "optimizer": {"learning_rate": 3e-2, "max_grad_norm": 1.0},
+            "lora": {"rank": 8, "alpha": 16},
+        },  # adapters: larger lr
     ],
     ids=["full", "lora"],
 )

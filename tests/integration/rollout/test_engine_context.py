@@ -38,7 +38,9 @@ def test_the_engine_context_is_read_as_sglang_reports_it(tiny_model_dir):
         assert (context, info["context_length"]) == (300, None)
         cfg = parse_run_config({"rollout": {"episode": {"max_context_tokens": 4096}}})
         fitted = asyncio.run(fit_to_engine(cfg.rollout, cfg.engine, server.url))
-        assert fitted.episode.max_context_tokens == 293 and cfg.rollout.episode.max_context_tokens == 4096  # SGLang's 300 - 7
+        assert (
+            fitted.episode.max_context_tokens == 293 and cfg.rollout.episode.max_context_tokens == 4096
+        )  # SGLang's 300 - 7
         small = parse_run_config({"rollout": {"episode": {"max_context_tokens": 256}}}).rollout
         assert asyncio.run(fit_to_engine(small, cfg.engine, server.url)) is small
 

@@ -43,7 +43,7 @@ def one_step(engine_url: str, model_path: str, prompts, outage_s: float, work: P
     cfg = parse_run_config(
         {
             "engine": {"backend": "sglang", "url": "http://unused", "outage_wait_s": args.wait},
-            "rollout": {"n_samples_per_prompt": args.samples, "concurrency": 8, "retry_backoff_s": 1.0},
+            "rollout": {"n_samples_per_prompt": args.samples, "concurrency": 8, "sandbox": {"retry_backoff_s": 1.0}},
         }
     )
     with StandinServer(model_path, upstream=engine_url) as front:

@@ -100,7 +100,7 @@ def sessions_tok_s(client, sessions: int, args) -> float:
 def sync_seconds(trainer, engine_cfg: EngineConfig, url: str, mode: str, work: Path, syncs: int) -> float:
     """Median seconds of one sync (`disk`: the weights are written first, in the engine's dtype, outside the
     timing)."""
-    cfg = parse_run_config({"engine": engine_cfg.model_dump() | {"weight_sync": mode}})
+    cfg = parse_run_config({"engine": engine_cfg.model_dump() | {"weight_sync": {"mode": mode}}})
     seconds = []
     with open_weight_sync(cfg, url, trainer) as sync:
         for i in range(syncs):

@@ -86,11 +86,11 @@ def one_setting(model: str, ranks: int, sharding: str, precision: str, samples: 
             "run_id": "bench",
             "model": {"source": model},
             "train": {
-                "learning_rate": 1e-5,
-                "filter_zero_std": False,
                 "sharding": sharding,
                 "precision": precision,
-                "micro_batch_tokens": 2 * tokens,
+                "optimizer": {"learning_rate": 1e-5},
+                "loss": {"filter_zero_std": False},
+                "batch": {"micro_batch_tokens": 2 * tokens},
             },
             "cluster": {"train_ranks": ranks},
         }

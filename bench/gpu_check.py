@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=8, help="samples per GRPO group")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample (prompt + completion)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sample (not trained)")
-    p.add_argument("--micro-batch-tokens", type=int, default=16384, help="train.micro_batch_tokens")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384, help="train.batch.micro_batch_tokens")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the frozen reference model's forward")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocator, kernels)")
@@ -90,17 +90,18 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.peak_tflops <= 0 or a.time_budget_s <= 0 or a.kl_coef < 0:
         p.error("--peak-tflops and --time-budget-s must be positive, --kl-coef not negative")
     if a.micro_batch_tokens < 64:
-        p.error(f"--micro-batch-tokens {a.micro_batch_tokens} must be at least 64 (train.micro_batch_tokens)")
+        p.error(f"--micro-batch-tokens {a.micro_batch_tokens} must be at least 64 (train.batch.micro_batch_tokens)")
 
 
 def train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        learning_rate=1e-6,
-        global_batch_size=a.batch,
-        micro_batch_tokens=a.micro_batch_tokens,
-        kl_coef=a.kl_coef,
-        gradient_checkpointing=a.gradient_checkpointing,
-        filter_zero_std=False,
+        optimizer={"learning_rate": 1e-6},
+        batch={
+            "global_batch_size": a.batch,
+            "micro_batch_tokens": a.micro_batch_tokens,
+            "gradient_checkpointing": a.gradient_checkpointing,
+        },
+        loss={"kl_coef": a.kl_coef, "filter_zero_std": False},
     )
 
 
@@ -186,7 +187,8 @@ def run(a: argparse.Namespace) -> dict:
     batch = a.group_size if dry else a.batch  # one group is enough to exercise the step
     device = torch.device("cpu" if dry else "cuda")
     tied = not a.untied
-    cfg = train_config(a).model_copy(update={"global_batch_size": batch})
+    cfg = train_config(a)
+    cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"global_batch_size": batch})})
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="grpoflow-gpu-check-") as tmp:
         model_dir = build_model_dir(shape, tied, seq_len, Path(tmp) / "model", device, a.seed)
@@ -222,9 +224,9 @@ def run(a: argparse.Namespace) -> dict:
         "batch": batch,
         "seq_len": seq_len,
         "prompt_len": prompt_len,
-        "micro_batch_tokens": cfg.micro_batch_tokens,
-        "gradient_checkpointing": cfg.gradient_checkpointing,
-        "kl_coef": cfg.kl_coef,
+        "micro_batch_tokens": cfg.batch.micro_batch_tokens,
+        "gradient_checkpointing": cfg.batch.gradient_checkpointing,
+        "kl_coef": cfg.loss.kl_coef,
         "autocast": str(state.autocast_dtype),
         "fp32_matmul_precision": torch.get_float32_matmul_precision(),
         "warmup": warmup,

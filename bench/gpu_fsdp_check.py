@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from grpoflow.train.fsdp import clip_gradients, mesh_of, serving_stream, shard_model  # noqa: E402
 from grpoflow.train.grpo import LossInputs, policy_loss  # noqa: E402
 
-# grpoflow's default loss settings (TrainConfig's), without the config's dependencies
+# grpoflow's default loss settings (LossConfig's), without the config's dependencies
 LOSS = SimpleNamespace(
     eps_low=0.2, eps_high=0.28, loss_aggregation="token", dual_clip=3.0, tis_cap=None, mismatch_band=None, kl_coef=0.0
 )

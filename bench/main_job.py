@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from grpoflow.config import read_config_file  # noqa: E402
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
 from grpoflow.scoring.evaluation import EVAL_SPLITS, before_after_lines, eval_metrics  # noqa: E402
@@ -81,7 +82,7 @@ def _bytes(path: Path) -> int:
 
 
 def summarize(run_dir: Path) -> dict:
-    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = read_config_file(run_dir / "config.json")  # today's layout, whatever the run saved
     records = read_step_records(run_dir / "metrics.jsonl")
     train, evals = training_rows(records), evaluation_rows(records)
     kept = sorted((run_dir / "checkpoints").glob("step_*"))
@@ -99,7 +100,7 @@ def summarize(run_dir: Path) -> dict:
         "step_wall": step_wall,
         "final_eval_s": final_eval,
         "commit_sync_share": sum(stages["time/commit_s"]) + sum(stages["time/sync_s"]),
-        "bytes_per_step": step_bytes(run_dir, len(train), cfg["train"]["save_interval"], weights, optimizer),
+        "bytes_per_step": step_bytes(run_dir, len(train), cfg["train"]["checkpoint"]["interval"], weights, optimizer),
         "bytes_every_step_before": weights + optimizer,  # the old commit: weights and AdamW state every step
         "verdict": verdict(run_dir, evals),
         "model": json.loads((run_dir / "run.json").read_text())["model"]["path"],

@@ -29,7 +29,7 @@ from grpoflow.train.step import train_step  # noqa: E402
 from grpoflow.train.trainer import load_trainer  # noqa: E402
 from tests.fakes.tiny_model import build_tiny_model  # noqa: E402
 
-VARIANTS = {
+VARIANTS = {  # train.loss settings
     "none": {"dual_clip": None},
     "dual-clip 3": {},
     "recompute + TIS 2": {"old_logprobs": "recompute"},
@@ -58,7 +58,7 @@ def perturb(lps: torch.Tensor, noise: float, tail: float, gen: torch.Generator) 
 
 
 def run(model_dir: Path, overrides: dict, args) -> dict:
-    cfg = TrainConfig(learning_rate=3e-3, max_grad_norm=1.0, **overrides)
+    cfg = TrainConfig(optimizer={"learning_rate": 3e-3, "max_grad_norm": 1.0}, loss=overrides)
     state = load_trainer(model_dir, cfg, seed=0)
     tok = state.tokenizer
     text = tok.apply_chat_template(

@@ -189,7 +189,7 @@ def build_times(work: Path) -> tuple[float, float]:
 def gate_per_task(task_dir: Path, work: Path, images: Path) -> float:
     root = work / f"gate-{task_dir.name}"
     shutil.copytree(task_dir, root / task_dir.name)
-    rollout = parse_run_config({"rollout": {"sandbox_kwargs": {"image_cache_dir": str(images)}}}).rollout
+    rollout = parse_run_config({"rollout": {"sandbox": {"kwargs": {"image_cache_dir": str(images)}}}}).rollout
     t0 = time.perf_counter()
     dataset = load_dataset(root, local_sandbox=True, build_images=True)
     report = run_gate(dataset, rollout, work / f"gate-cache-{task_dir.name}")

@@ -86,15 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             "rollout": {
                 "prompts_per_step": 2,
                 "n_samples_per_prompt": 2,
-                "max_new_tokens": 8,
-                "max_turns": 1,
-                "temperature": 1.0,
+                "sampling": {"max_new_tokens": 8, "temperature": 1.0},
+                "episode": {"max_turns": 1},
             },
             "train": {
                 "steps": args.steps,
-                "learning_rate": 1e-4,
-                "save_interval": args.steps,
-                "eval_samples_per_prompt": 0,
+                "optimizer": {"learning_rate": 1e-4},
+                "checkpoint": {"interval": args.steps},
+                "eval": {"samples_per_prompt": 0},
             },
         }
     )

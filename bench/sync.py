@@ -2,19 +2,19 @@
 
     .venv/bin/python bench/sync.py [--model smollm2-135m-instruct] [--steps 10] [--threads 1]
 
-One embedded engine, one trainer (AdamW state filled by a step), then `--steps` steps (one `train.save_interval`:
+One embedded engine, one trainer (AdamW state filled by a step), then `--steps` steps (one `train.checkpoint.interval`:
 the last writes the full checkpoint) of each path, side by side:
 - `every step a full checkpoint`: the first round's path: fp32 weights + AdamW state + counters, fsynced, then
   `/update_weights_from_disk`.
-- `disk`: `engine.weight_sync=disk`: the step's weights, unsynced, then `/update_weights_from_disk`; the full
+- `disk`: `engine.weight_sync.mode=disk`: the step's weights, unsynced, then `/update_weights_from_disk`; the full
   checkpoint at the end of the interval.
-- `distributed (gloo)`: `engine.weight_sync=distributed`: the weights broadcast in memory; the full checkpoint at
+- `distributed (gloo)`: `engine.weight_sync.mode=distributed`: the weights broadcast in memory; the full checkpoint at
   the end of the interval.
-- `tensor (shared memory)`: `engine.weight_sync=tensor`: the weights copied into shared memory that the engine
+- `tensor (shared memory)`: `engine.weight_sync.mode=tensor`: the weights copied into shared memory that the engine
   maps (`/update_weights_from_tensor`); the full checkpoint at the end of the interval.
 - `LoRA r16, merged (distributed)`: `train.lora` (rank 16 on every linear of the blocks), the merged weights
   broadcast in memory (the default); full checkpoints hold the adapter and its optimizer state.
-- `LoRA r16, adapter`: `engine.weight_sync=adapter`: the adapter alone, written and loaded with
+- `LoRA r16, adapter`: `engine.weight_sync.mode=adapter`: the adapter alone, written and loaded with
   `/load_lora_adapter`.
 Printed per path: bytes written per step (full checkpoints spread over the interval), seconds per step of commit +
 sync in the step's own time, the sync alone, and sync ÷ save-alone (the sync against writing the same weights to
@@ -76,7 +76,7 @@ def run_path(name: str, trainer, engine_url: str, root: Path, steps: int) -> dic
     written, foreground, sync_s = 0, 0.0, 0.0
     mode = name.split()[0] if name.split()[0] in ("distributed", "tensor", "adapter") else "disk"
     lora = {"lora": {}} if "LoRA" in name else {}
-    cfg = parse_run_config({"engine": {"weight_sync": mode}, "train": lora})
+    cfg = parse_run_config({"engine": {"weight_sync": {"mode": mode}}, "train": lora})
     with open_weight_sync(cfg, engine_url, trainer, root / "sync") as sync:
         for step in range(steps):
             nudge(trainer)

@@ -88,12 +88,9 @@ def _train_config(a: dict):
     from grpoflow.config import TrainConfig
 
     return TrainConfig(
-        learning_rate=a["lr"],
-        loss_aggregation=a["aggregation"],
-        gradient_checkpointing=a["gradient_checkpointing"],
-        micro_batch_tokens=a["batch"] * a["seq_len"],
-        filter_zero_std=False,
-        max_grad_norm=1.0,
+        optimizer={"learning_rate": a["lr"], "max_grad_norm": 1.0},
+        loss={"loss_aggregation": a["aggregation"], "filter_zero_std": False},
+        batch={"gradient_checkpointing": a["gradient_checkpointing"], "micro_batch_tokens": a["batch"] * a["seq_len"]},
     )
 
 

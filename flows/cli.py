@@ -24,7 +24,7 @@ from grpoflow.train.memory import KNOWN_SHAPES
 
 
 def _parse_value(text: str) -> Any:
-    """`--set rollout.temperature=0.7`: JSON if it parses (numbers, true, null), else the raw string."""
+    """`--set rollout.sampling.temperature=0.7`: JSON if it parses (numbers, true, null), else the raw string."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -36,7 +36,7 @@ def _set_overrides(items: list[str] | None) -> dict[str, Any]:
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise GrpoflowError(f"--set {item!r}: expected KEY=VALUE, e.g. rollout.temperature=0.7")
+            raise GrpoflowError(f"--set {item!r}: expected KEY=VALUE, e.g. rollout.sampling.temperature=0.7")
         overrides[key] = _parse_value(value)
     return overrides
 
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--validate",
         action="store_true",
         help="run the dataset gate on --dataset instead (as prepare does): each task's oracle and a no-op agent "
-        "once, in the sandbox of rollout.sandbox; print the tasks left out and why (verdicts cached)",
+        "once, in the sandbox of rollout.sandbox.backend; print the tasks left out and why (verdicts cached)",
     )
     p.add_argument("--dataset", help="with --validate: directory of Harbor tasks, `builtin` or `builtin-fixed`")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="with --validate: dotted override, repeatable")
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or _is_embedded_default(args) else ""
         print(
             f"grpoflow: {args.command} run {cfg.run_id} ({preset}model {cfg.model.source}, dataset "
-            f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox})",
+            f"{cfg.dataset.path}, engine {cfg.engine.backend}, sandbox {cfg.rollout.sandbox.backend})",
             flush=True,
         )
         if problems := run_dir_problems(cfg.output_dir, cfg.run_id):  # said before Prefect's slow start
@@ -292,7 +292,7 @@ def _regrade(root: Path, per_task: int) -> None:
     if per_task < 1:
         raise ConfigError(f"--per-task {per_task}: regrade at least 1 trial per task")
     cfg = load_saved_config(root)
-    export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
+    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.api_key_file)
     with run_lock(root):  # not while the run itself runs (it regrades at its end)
         regrades = regrade_run(root, cfg, per_task)
         if all(r.recorded is None for r in regrades):  # only rows of unreadable records, or none at all

@@ -1,5 +1,5 @@
 """The evaluate flow — the nightly evaluation: the train run's own evaluation trials (`evaluate_policy`: the same
-seeds, `train.eval_samples_per_prompt` trials per prompt, the same `eval/<split>/...` metrics) on a model, no
+seeds, `train.eval.samples_per_prompt` trials per prompt, the same `eval/<split>/...` metrics) on a model, no
 training. Of a train run's final checkpoint (`from_run`) it runs that run's trials and pairs each with the run's
 evaluation of its base policy, so the nightly result says what the night's training changed.
 
@@ -62,9 +62,9 @@ def of_train_run(config: RunConfig, run_dir: Path) -> RunConfig:
     update = {k: saved[k] for k in TRIAL_SETTINGS if k in saved}
     data = config.model_dump(mode="json") | update
     data["model"] = {**data["model"], "source": str(ckpt)}
-    n = saved.get("train", {}).get("eval_samples_per_prompt")
+    n = (saved.get("train", {}).get("eval") or {}).get("samples_per_prompt")
     if n:
-        data["train"] = {**data["train"], "eval_samples_per_prompt": n}
+        data["train"] = {**data["train"], "eval": {**data["train"]["eval"], "samples_per_prompt": n}}
     return RunConfig.model_validate(data)
 
 
@@ -97,5 +97,5 @@ def evaluation_summary(cfg: RunConfig, split: str, n_prompts: int, lines: list[s
     body = "\n".join(f"- {line}" for line in lines)
     return (
         f"# Evaluation `{cfg.run_id}`\n\nModel `{cfg.model.source}`, split `{split}`: {n_prompts} prompts x "
-        f"{cfg.train.eval_samples_per_prompt} trials, harness `{cfg.rollout.harness}`.\n\n{body}\n"
+        f"{cfg.train.eval.samples_per_prompt} trials, harness `{cfg.rollout.harness.name}`.\n\n{body}\n"
     )

@@ -7,6 +7,7 @@ failure becomes one `ConfigError` line that names the dotted field path.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -204,6 +205,30 @@ class PromptsConfig(_Section):
         return self
 
 
+class WeightSyncConfig(_Section):
+    """How each step's weights reach the engine."""
+
+    mode: Literal["auto", "disk", "distributed", "tensor", "adapter"] = Field(
+        "auto",
+        description="How each step's weights reach the engine: `disk` (written to `checkpoints/step_<N>/`, loaded "
+        "with `/update_weights_from_disk`), `distributed` (broadcast in memory over a process group the engine joins; "
+        "NCCL on a GPU, gloo on the CPU), `tensor` (mapped from shared memory by an engine on this host) or `adapter` "
+        "(a LoRA run's adapter alone, loaded with `/load_lora_adapter`). `auto`: `distributed` for the embedded "
+        "engine, `disk` for SGLang; in memory, only full checkpoints (`train.checkpoint.interval`) are written.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="The dtype the engine gets the weights in: broadcast (`distributed`), or written to the step "
+        "dirs that are no full checkpoints (`disk`; full ones keep the float32 master weights). `auto`: float32 "
+        "for the embedded engine (it serves in float32), bfloat16 for SGLang.",
+    )
+    address: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="The address the engine reaches the trainer's weight-update group at (`distributed`).",
+    )
+
+
 class EngineConfig(_Section):
     backend: Literal["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"] = Field(
         "embedded",
@@ -284,30 +309,9 @@ class EngineConfig(_Section):
         "cost of batching. The embedded engine decodes each request alone with the prefix cache off; a launched "
         "SGLang gets `--enable-deterministic-inference`, an attached one must have been started with it.",
     )
-    weight_sync: Literal["auto", "disk", "distributed", "tensor", "adapter"] = Field(
-        "auto",
-        description="How each step's weights reach the engine. `auto`: `distributed` for the embedded engine, "
-        "`disk` for SGLang (whose GPUs must reach the trainer for `distributed`). "
-        "`adapter` (LoRA runs): the adapter alone, written to the run's `sync/` dir and loaded with SGLang's "
-        "`/load_lora_adapter` (SGLang started with --enable-lora); every request names it. "
-        "`disk`: the step writes its weights to "
-        "`checkpoints/step_<N>/` and the engine loads them (`/update_weights_from_disk`). `distributed`: in "
-        "memory, the trainer broadcasts them over a process group the engine joins at the start (SGLang's "
-        "`/init_weights_update_group`, `/update_weights_from_distributed`; NCCL on a GPU, gloo on the CPU), and "
-        "only full checkpoints (`train.save_interval`) are written. `tensor`: in memory, for an engine on this "
-        "host (with SGLang, colocated on the trainer's GPU): the engine maps the trainer's weights from shared "
-        "memory (CUDA IPC on a GPU) with `/update_weights_from_tensor`; only full checkpoints are written.",
-    )
-    weight_sync_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
-        description="The dtype the engine gets the weights in: broadcast (`distributed`), or written to the step "
-        "dirs that are no full checkpoints (`disk`; full ones keep the float32 master weights). `auto`: float32 "
-        "for the embedded engine (it serves in float32), bfloat16 for SGLang.",
-    )
-    weight_sync_address: str = Field(
-        "127.0.0.1",
-        min_length=1,
-        description="The address the engine reaches the trainer's weight-update group at (`distributed`).",
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig,
+        description="How each step's weights reach the engine: the mode, dtype, address.",
     )
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one engine request, in seconds.")
     retries: int = Field(
@@ -347,9 +351,10 @@ class EngineConfig(_Section):
                     f"`engine.url`: must be empty when engine.backend is `{launch}` "
                     "(the launched server's URL is chosen when it starts)"
                 )
-        if self.api == "vllm" and self.weight_sync in ("tensor", "adapter"):
+        if self.api == "vllm" and self.weight_sync.mode in ("tensor", "adapter"):
             raise ValueError(
-                f"`engine.weight_sync`: `{self.weight_sync}` is not supported with vLLM here; use `disk` (or `auto`) "
+                f"`engine.weight_sync.mode`: `{self.weight_sync.mode}` is not supported with vLLM here; use `disk` "
+                "(or `auto`) "
                 "or `distributed`"
             )
         if self.api == "vllm" and self.deterministic:
@@ -434,8 +439,62 @@ def _looks_like_credential(name: str) -> bool:
     return bool(_CREDENTIAL_WORDS & set(re.split(r"[^a-z0-9]+", str(name).lower())))
 
 
-class RolloutConfig(_Section):
-    harness: Literal["shell", "terminus-2", "claude-code", "opencode"] = Field(
+def _refuse_credentials(section: str, model: type[BaseModel], data: Any) -> Any:
+    # Refused before pydantic's "extra fields" error, which would echo the value (a key) into logs.
+    if isinstance(data, dict):
+        secret = [k for k in data if k not in model.model_fields and _looks_like_credential(k)]
+        if secret:
+            raise ValueError(
+                f"`{section}.{secret[0]}`: credentials are never part of the config (it is saved with the run); "
+                "put the key in the provider's environment variable (e.g. E2B_API_KEY) or name a key file "
+                "in rollout.sandbox.api_key_file"
+            )
+    return data
+
+
+class SamplingConfig(_Section):
+    """How the engine samples each turn."""
+
+    max_new_tokens: int = Field(
+        64, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."
+    )
+    temperature: float = Field(
+        0.5,
+        ge=0.0,
+        le=2.0,
+        description="Sampling temperature (0 = greedy). The trainer scores tokens at the same temperature.",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling threshold. Engine and trainer score tokens under the unfiltered "
+        "softmax(logits / temperature), so a train run refuses values below 1; an evaluate run may filter.",
+    )
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off); refused by a train run, as `top_p` is.")
+
+
+class EpisodeConfig(_Section):
+    """The limits of one episode (a trial's turns)."""
+
+    max_turns: int = Field(4, ge=0, le=1000, description="Most policy turns in one episode (0: none).")
+    max_context_tokens: int = Field(
+        2048, ge=64, le=1_048_576, description="Token budget of a whole episode (prompt, turns, tool output)."
+    )
+    early_truncation_exit: bool = Field(
+        True,
+        description="End the episode as soon as a turn is cut off at `sampling.max_new_tokens` (the cut command "
+        "is not run; "
+        "the trial is still verified). Off only to measure what it saves.",
+    )
+    command_timeout_sec: float = Field(30.0, gt=0, le=86400, description="Time limit of one command in the sandbox.")
+    output_cap_chars: int = Field(2000, ge=100, description="Command output fed back to the policy is cut to this.")
+
+
+class HarnessConfig(_Section):
+    """The agent that runs each trial, and how it reaches the policy."""
+
+    name: Literal["shell", "terminus-2", "claude-code", "opencode"] = Field(
         "shell",
         description="The agent that runs each trial: `shell` (grpoflow's token-native bash agent), or a Harbor "
         "harness talking to the policy through the session server: `terminus-2` (tmux), `claude-code` (Anthropic "
@@ -472,73 +531,54 @@ class RolloutConfig(_Section):
         "that check one; grpoflow's engine and session server do not). Read when trials start, handed to the "
         "harness by variable name; never stored.",
     )
-    sandbox: SandboxName = Field(
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        return _refuse_credentials("rollout.harness", cls, data)
+
+    @field_validator("session_server_url")
+    @classmethod
+    def _session_server_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            url = urlsplit(value)
+            if url.scheme != "http" or not url.hostname or url.port is None:
+                raise ValueError(
+                    f"`rollout.harness.session_server_url` {value!r}: give http://<host>:<port>, the "
+                    "address sandboxes reach this machine at"
+                )
+        return value
+
+
+class SandboxConfig(_Section):
+    """Where trials run, and how a sandbox failure is retried."""
+
+    backend: SandboxName = Field(
         "local",
         description="Where trials run: `local` (bubblewrap on this machine, no network), or a Harbor environment "
         "type (`e2b`, `daytona`, `modal`, `docker`, ...) passed to Harbor as `EnvironmentConfig(type=...)`.",
     )
-    sandbox_kwargs: dict[str, Any] = Field(
+    kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments of the sandbox environment (Harbor's `EnvironmentConfig.kwargs`), e.g. "
         "`sandbox_timeout_secs` for e2b or `memory_mb` for local (whose keys and values are checked here). Harbor "
         "writes them to every trial's config.json: credentials never go here.",
     )
-    sandbox_api_key_file: str | None = Field(
+    api_key_file: str | None = Field(
         None,
         description="File holding the sandbox provider's API key (for e2b: the `E2B_API_KEY` value). Read when "
         "trials start and handed to the provider through the process environment; never stored. Empty: the key "
         "comes from the environment variable.",
     )
-    sandbox_create_limit: str | None = Field(
+    create_limit: str | None = Field(
         "sandbox-create",
         description="Name of a Prefect global concurrency limit held while a sandbox starts, bounding sandbox "
         "creation across all runs (`prefect gcl create sandbox-create --limit 8`). No such limit on the "
-        "server, or trials on Ray rollout workers (`cluster.ray_address`): creation is bounded by `concurrency` "
+        "server, or trials on Ray rollout workers (`cluster.ray_address`): creation is bounded by "
+        "`rollout.concurrency` "
         "alone. Empty: never ask.",
     )
-    prompts_per_step: int = Field(4, ge=1, le=4096, description="Prompts (GRPO groups) sampled per training step.")
-    n_samples_per_prompt: int = Field(
-        4, ge=1, le=256, description="Trials per prompt; together they form one GRPO group."
-    )
-    refill_rounds: int = Field(
-        0,
-        ge=0,
-        le=64,
-        description="Dynamic sampling (DAPO): at most this many extra rounds per training step, each running the "
-        "groups of new prompts in place of the groups that carry no GRPO signal (equal rewards, or a failed trial "
-        "under `drop_group`), until the step has `prompts_per_step` informative groups. 0: off.",
-    )
-    max_turns: int = Field(4, ge=0, le=1000, description="Most policy turns in one episode (0: none).")
-    max_new_tokens: int = Field(
-        64, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."
-    )
-    temperature: float = Field(
-        0.5,
-        ge=0.0,
-        le=2.0,
-        description="Sampling temperature (0 = greedy). The trainer scores tokens at the same temperature. "
-        "0.5 suits the 135M default model (at 1.0 it rarely writes a usable command).",
-    )
-    top_p: float = Field(
-        1.0,
-        gt=0.0,
-        le=1.0,
-        description="Nucleus sampling threshold. Engine and trainer score tokens under the unfiltered "
-        "softmax(logits / temperature), so a train run refuses values below 1; an evaluate run may filter.",
-    )
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off); refused by a train run, as `top_p` is.")
-    max_context_tokens: int = Field(
-        2048, ge=64, le=1_048_576, description="Token budget of a whole episode (prompt, turns, tool output)."
-    )
-    early_truncation_exit: bool = Field(
-        True,
-        description="End the episode as soon as a turn is cut off at `max_new_tokens` (the cut command is not run; "
-        "the trial is still verified). Off only to measure what it saves.",
-    )
-    command_timeout_sec: float = Field(30.0, gt=0, le=86400, description="Time limit of one command in the sandbox.")
-    output_cap_chars: int = Field(2000, ge=100, description="Command output fed back to the policy is cut to this.")
-    concurrency: int = Field(8, ge=1, le=4096, description="Trials running at once.")
-    sandbox_retries: int = Field(
+    retries: int = Field(
         2, ge=0, le=20, description="Retries of a trial in a fresh sandbox after a sandbox/infrastructure failure."
     )
     retry_backoff_s: float = Field(
@@ -553,46 +593,60 @@ class RolloutConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _no_credentials(cls, data: Any) -> Any:
-        # Refused before pydantic's "extra fields" error, which would echo the value (a key) into logs.
-        if isinstance(data, dict):
-            secret = [k for k in data if k not in cls.model_fields and _looks_like_credential(k)]
-            if secret:
-                raise ValueError(
-                    f"`rollout.{secret[0]}`: credentials are never part of the config (it is saved with the run); "
-                    "put the key in the provider's environment variable (e.g. E2B_API_KEY) or name a key file "
-                    "in rollout.sandbox_api_key_file"
-                )
-        return data
+        return _refuse_credentials("rollout.sandbox", cls, data)
 
     @model_validator(mode="after")
-    def _sandbox_settings(self) -> RolloutConfig:
-        secret = [k for k in self.sandbox_kwargs if _looks_like_credential(k)]
+    def _sandbox_settings(self) -> SandboxConfig:
+        secret = [k for k in self.kwargs if _looks_like_credential(k)]
         if secret:
             raise ValueError(
-                f"`rollout.sandbox_kwargs.{secret[0]}`: looks like a credential, and Harbor writes sandbox kwargs "
+                f"`rollout.sandbox.kwargs.{secret[0]}`: looks like a credential, and Harbor writes sandbox kwargs "
                 "to every trial's config.json; put the key in the provider's environment variable or name a key "
-                "file in rollout.sandbox_api_key_file"
+                "file in rollout.sandbox.api_key_file"
             )
-        if self.sandbox == "local" and (problem := sandbox_kwargs_problem(self.sandbox_kwargs)):
+        if self.backend == "local" and (problem := sandbox_kwargs_problem(self.kwargs)):
             raise ValueError(problem)
-        if self.sandbox_api_key_file is not None and sandbox_key_var(self.sandbox) is None:
+        if self.api_key_file is not None and sandbox_key_var(self.backend) is None:
             why = (
                 "the local sandbox needs no key"
-                if self.sandbox == "local"
+                if self.backend == "local"
                 else (
-                    f"grpoflow does not know which variable sandbox `{self.sandbox}` reads its key from; give its "
+                    f"grpoflow does not know which variable sandbox `{self.backend}` reads its key from; give its "
                     "credentials in the environment as Harbor documents"
                 )
             )
-            raise ValueError(f"`rollout.sandbox_api_key_file`: {why}")
-        if self.session_server_url is not None:
-            url = urlsplit(self.session_server_url)
-            if url.scheme != "http" or not url.hostname or url.port is None:
-                raise ValueError(
-                    f"`rollout.session_server_url` {self.session_server_url!r}: give http://<host>:<port>, the "
-                    "address sandboxes reach this machine at"
-                )
+            raise ValueError(f"`rollout.sandbox.api_key_file`: {why}")
         return self
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(4, ge=1, le=4096, description="Prompts (GRPO groups) sampled per training step.")
+    n_samples_per_prompt: int = Field(
+        4, ge=1, le=256, description="Trials per prompt; together they form one GRPO group."
+    )
+    refill_rounds: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Dynamic sampling (DAPO): at most this many extra rounds per training step, each running the "
+        "groups of new prompts in place of the groups that carry no GRPO signal (equal rewards, or a failed trial "
+        "under `rollout.sandbox.on_retries_exhausted` drop_group), until the step has `prompts_per_step` "
+        "informative groups. 0: off.",
+    )
+    concurrency: int = Field(8, ge=1, le=4096, description="Trials running at once.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="How the engine samples each turn.")
+    episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="The limits of one episode.")
+    harness: HarnessConfig = Field(
+        default_factory=HarnessConfig, description="The agent that runs each trial, and how it reaches the policy."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Where trials run, and how a sandbox failure is retried."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        return _refuse_credentials("rollout", cls, data)
 
 
 class LoraSettings(_Section):
@@ -619,31 +673,18 @@ class LoraSettings(_Section):
 _RECOMPUTE_ONLY = ("tis_cap", "mismatch_band")
 
 
-class TrainConfig(_Section):
-    steps: int = Field(16, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
-    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
+class LossConfig(_Section):
+    """The GRPO objective: clipping, the old policy, advantages, how the loss is aggregated."""
+
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1 (ratio >= 1 - eps_low).")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip range above 1 (ratio <= 1 + eps_high).")
     kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of the k3 KL penalty to the reference model.")
     old_logprobs: Literal["auto", "rollout", "recompute"] = Field(
         "auto",
-        description="The PPO ratio's old policy: the engine's logprobs from the rollout, or the trainer's, "
-        "recomputed before the update (one more forward pass); then the engine-vs-trainer mismatch is corrected "
-        "apart (`tis_cap`, `mismatch_band`). With `max_staleness` > 0 the rollout's logprobs are those of the "
-        "weights that generated it: `rollout` clips the update against that stale behaviour policy; `recompute` "
-        "(the decoupled objective) clips against the trainer's current weights and weighs by trainer/behaviour "
-        "ratios. `auto`: `recompute` with `max_staleness` > 0, else `rollout`.",
-    )
-    max_staleness: int = Field(
-        0,
-        ge=0,
-        le=16,
-        description="How many updates behind the trainer the weights that generated a step's trials may be. 0: "
-        "each step's rollout waits for the previous step's update. 1 or more: the next step's rollout runs on "
-        "the engine while the trainer trains on this one (one rollout ahead), and the weights reach the engine "
-        "between rollouts, at most `max_staleness` updates late (k > 1 syncs less often). A trial's turns all "
-        "come from one weight version; older samples are dropped and counted. On a CPU box with the embedded "
-        "engine the trainer then takes the cores the engine leaves.",
+        description="The PPO ratio's old policy: `rollout` takes the engine's logprobs from the rollout; "
+        "`recompute` has the trainer recompute them before the update (one more forward pass; with stale rollouts, "
+        "the decoupled objective) and corrects the engine-vs-trainer mismatch apart (`tis_cap`, `mismatch_band`). "
+        "`auto`: `recompute` with `train.max_staleness` > 0, else `rollout`.",
     )
     dual_clip: float | None = Field(
         3.0,
@@ -675,6 +716,41 @@ class TrainConfig(_Section):
         True,
         description="Leave out groups whose rewards are all equal (they carry no GRPO signal); counted in metrics.",
     )
+    truncated: Literal["train", "mask", "penalize"] = Field(
+        "train",
+        description="Over-long samples (a turn cut off, or the context window full): `train` them as any other, "
+        "`mask` their loss (their reward still counts in the group's statistics), or `penalize` every sample "
+        "DAPO-style: a turn longer than rollout.sampling.max_new_tokens - overlong_cache loses reward linearly, -1 "
+        "at the limit.",
+    )
+    overlong_cache: int | None = Field(
+        None,
+        ge=1,
+        description="The soft band of `penalize`, in tokens. Empty: a quarter of rollout.sampling.max_new_tokens.",
+    )
+
+    @field_validator("mismatch_band")
+    @classmethod
+    def _band_holds_one(cls, band: float | tuple[float, float] | None) -> float | tuple[float, float] | None:
+        if band is None:
+            return None
+        low, high = (1 / band, band) if isinstance(band, float) else band
+        if not 0 < low < 1 < high:
+            raise ValueError("a number above 1, or a pair [low, high] with 0 < low < 1 < high")
+        return band
+
+
+class OptimizerConfig(_Section):
+    """The AdamW optimizer."""
+
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+
+
+class BatchConfig(_Section):
+    """How a step's rollouts are cut into optimizer steps and micro-batches, and what that costs in memory."""
+
     global_batch_size: int | None = Field(
         None,
         ge=1,
@@ -683,14 +759,57 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Token budget of one forward/backward micro-batch (gradients accumulate)."
     )
-    truncated: Literal["train", "mask", "penalize"] = Field(
-        "train",
-        description="Over-long samples (a turn cut off, or the context window full): `train` them as any other, "
-        "`mask` their loss (their reward still counts in the group's statistics), or `penalize` every sample "
-        "DAPO-style: a turn longer than max_new_tokens - overlong_cache loses reward linearly, -1 at the limit.",
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    checkpoint_above_tokens: int | None = Field(
+        4096,
+        ge=1,
+        description="Recompute activations in backward for every micro-batch whose longest sample is longer than "
+        "this (all of them with `gradient_checkpointing`). Empty: `gradient_checkpointing` alone decides.",
     )
-    overlong_cache: int | None = Field(
-        None, ge=1, description="The soft band of `penalize`, in tokens. Empty: a quarter of rollout.max_new_tokens."
+
+
+class CheckpointConfig(_Section):
+    """Which steps leave a full checkpoint."""
+
+    interval: int = Field(
+        10,
+        ge=1,
+        description="Write a full checkpoint (weights, optimizer state, counters: a resume point, kept) after every "
+        "N steps and after the last. Other steps write only the weights the engine loads next, and only the "
+        "latest of those is kept.",
+    )
+
+
+class EvalConfig(_Section):
+    """The policy's evaluation on its train tasks and the held-out split."""
+
+    samples_per_prompt: int = Field(
+        4,
+        ge=0,
+        le=256,
+        description="Trials per prompt when the run evaluates the policy on its train tasks and on the held-out "
+        "`eval` split, with the same seeds every time, so evaluations differ only by the weights. 0: no evaluation.",
+    )
+    interval: int = Field(
+        0,
+        ge=0,
+        description="Evaluate before the first step, after the last, and also every N steps between (0: only "
+        "before and after).",
+    )
+
+
+class TrainConfig(_Section):
+    steps: int = Field(16, ge=0, le=100000, description="Training steps (rollout -> evaluate -> GRPO update).")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="How many updates behind the trainer the weights that generated a step's trials may be. 0: "
+        "each step's rollout waits for the previous step's update. 1 or more: the next step's rollout runs on "
+        "the engine while the trainer trains on this one (one rollout ahead), and the weights reach the engine "
+        "between rollouts, at most `max_staleness` updates late (k > 1 syncs less often). A trial's turns all "
+        "come from one weight version; older samples are dropped and counted. On a CPU box with the embedded "
+        "engine the trainer then takes the cores the engine leaves.",
     )
     max_probe_logprob_gap: float | None = Field(
         0.1,
@@ -704,15 +823,6 @@ class TrainConfig(_Section):
         ge=1,
         description="Steps in a row whose every trial failed, before the run stops with the most common reasons "
         "(instead of committing unchanged weights).",
-    )
-    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
-    checkpoint_above_tokens: int | None = Field(
-        4096,
-        ge=1,
-        description="Recompute activations in backward for every micro-batch whose longest sample is longer than "
-        "this (all of them with `gradient_checkpointing`). Empty: `gradient_checkpointing` alone decides.",
     )
     sharding: Literal["auto", "replicate", "fsdp"] = Field(
         "auto",
@@ -730,36 +840,11 @@ class TrainConfig(_Section):
         description="Train LoRA adapters (PEFT) instead of all weights: only the adapters are trained and "
         "checkpointed; the engine serves the base model with the adapters merged in. Empty: full training.",
     )
-    save_interval: int = Field(
-        10,
-        ge=1,
-        description="Write a full checkpoint (weights, optimizer state, counters: a resume point, kept) after every "
-        "N steps and after the last. Other steps write only the weights the engine loads next, and only the "
-        "latest of those is kept.",
-    )
-    eval_samples_per_prompt: int = Field(
-        4,
-        ge=0,
-        le=256,
-        description="Trials per prompt when the run evaluates the policy on its train tasks and on the held-out "
-        "`eval` split, with the same seeds every time, so evaluations differ only by the weights. 0: no evaluation.",
-    )
-    eval_interval: int = Field(
-        0,
-        ge=0,
-        description="Evaluate before the first step, after the last, and also every N steps between (0: only "
-        "before and after).",
-    )
-
-    @field_validator("mismatch_band")
-    @classmethod
-    def _band_holds_one(cls, band: float | tuple[float, float] | None) -> float | tuple[float, float] | None:
-        if band is None:
-            return None
-        low, high = (1 / band, band) if isinstance(band, float) else band
-        if not 0 < low < 1 < high:
-            raise ValueError("a number above 1, or a pair [low, high] with 0 < low < 1 < high")
-        return band
+    loss: LossConfig = Field(default_factory=LossConfig, description="The GRPO objective.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="The AdamW optimizer.")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Optimizer steps and micro-batches.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Full checkpoints.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation of the policy.")
 
     @model_validator(mode="after")
     def _no_setting_that_does_nothing(self) -> TrainConfig:
@@ -767,18 +852,20 @@ class TrainConfig(_Section):
             return self
         for name in _RECOMPUTE_ONLY:
             # A saved config.json names every field: only a value other than the default (or off) was chosen.
-            value = getattr(self, name)
-            if name in self.model_fields_set and value is not None and value != type(self).model_fields[name].default:
+            value = getattr(self.loss, name)
+            default = LossConfig.model_fields[name].default
+            if name in self.loss.model_fields_set and value is not None and value != default:
                 raise ValueError(
-                    f"`train.{name}`: acts only on recomputed old logprobs and this run takes the rollout's; set "
-                    "train.old_logprobs=recompute (`auto` does with max_staleness > 0), or leave it unset"
+                    f"`train.loss.{name}`: acts only on recomputed old logprobs and this run takes the rollout's; set "
+                    "train.loss.old_logprobs=recompute (`auto` does with max_staleness > 0), or leave it unset"
                 )
         return self
 
     def old_logprobs_mode(self) -> Literal["rollout", "recompute"]:
-        """`old_logprobs` with `auto` resolved: the decoupled objective (`recompute`) when rollouts may be stale."""
-        if self.old_logprobs != "auto":
-            return self.old_logprobs
+        """`loss.old_logprobs` with `auto` resolved: the decoupled objective (`recompute`) when rollouts may be
+        stale."""
+        if self.loss.old_logprobs != "auto":
+            return self.loss.old_logprobs
         return "recompute" if self.max_staleness > 0 else "rollout"
 
 
@@ -866,6 +953,17 @@ class RunConfig(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where the work runs.")
     report: ReportConfig = Field(default_factory=ReportConfig, description="What the run's summary says.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_layout(cls, data: Any) -> Any:
+        # Prefect hands its flow parameter here directly: a deployment may still spell the old names.
+        if not isinstance(data, dict):
+            return data
+        try:
+            return migrate_config(data)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+
     @property
     def run_dir(self) -> Path:
         if self.run_id is None:
@@ -876,18 +974,24 @@ class RunConfig(_Section):
     def _ray_takes_no_key_files(self) -> RunConfig:
         # A key read from a file reaches only this process's environment; Ray workers would start sandboxes
         # without it, and grpoflow ships no secret through Ray.
-        for name in ("sandbox_api_key_file", "policy_api_key_file"):
-            if self.cluster.ray_address and getattr(self.rollout, name):
+        keys = {
+            "rollout.sandbox.api_key_file": self.rollout.sandbox.api_key_file,
+            "rollout.harness.policy_api_key_file": self.rollout.harness.policy_api_key_file,
+        }
+        for name, value in keys.items():
+            if self.cluster.ray_address and value:
                 raise ValueError(
-                    f"`rollout.{name}`: not with cluster.ray_address; put the key in the environment each Ray "
+                    f"`{name}`: not with cluster.ray_address; put the key in the environment each Ray "
                     "node was started in"
                 )
         return self
 
     @model_validator(mode="after")
     def _adapter_sync_needs_lora(self) -> RunConfig:
-        if self.engine.weight_sync == "adapter" and self.train.lora is None:
-            raise ValueError("`engine.weight_sync`: `adapter` syncs a LoRA adapter; set train.lora, or another sync")
+        if self.engine.weight_sync.mode == "adapter" and self.train.lora is None:
+            raise ValueError(
+                "`engine.weight_sync.mode`: `adapter` syncs a LoRA adapter; set train.lora, or another sync"
+            )
         if self.train.lora is not None and self.engine.api == "vllm":
             raise ValueError(
                 "`train.lora`: LoRA runs are not supported with vLLM here; use SGLang or the embedded engine"
@@ -902,15 +1006,116 @@ class RunConfig(_Section):
         return "fsdp" if (ranks or self.cluster.train_ranks) > 1 else "replicate"
 
     def weight_sync_mode(self) -> Literal["disk", "distributed", "tensor", "adapter"]:
-        """`engine.weight_sync` with `auto` resolved: to the embedded engine in memory, to SGLang through the
+        """`engine.weight_sync.mode` with `auto` resolved: to the embedded engine in memory, to SGLang through the
         run dir."""
-        if self.engine.weight_sync != "auto":
-            return self.engine.weight_sync
+        if self.engine.weight_sync.mode != "auto":
+            return self.engine.weight_sync.mode
         return "distributed" if self.engine.backend == "embedded" else "disk"
 
 
 # The name a LoRA run's adapter is loaded under in the engine (one per engine: each sync replaces it).
 SERVED_ADAPTER = "grpoflow-policy"
+
+
+# Where each setting went when `rollout`, `train` and `engine` were grouped by concern: old dotted path -> new one.
+# Run dirs made before keep config.json in the old layout (resume and rerun read it), deployments and `--set` keys
+# may spell the old names: `migrate_config` and `apply_overrides` move them, and nothing else knows the old names.
+MOVED_SETTINGS: dict[str, str] = {
+    **{f"rollout.{k}": f"rollout.sampling.{k}" for k in ("max_new_tokens", "temperature", "top_p", "top_k")},
+    **{
+        f"rollout.{k}": f"rollout.episode.{k}"
+        for k in ("max_turns", "max_context_tokens", "early_truncation_exit", "command_timeout_sec", "output_cap_chars")
+    },
+    "rollout.harness": "rollout.harness.name",
+    **{
+        f"rollout.{k}": f"rollout.harness.{k}"
+        for k in (
+            "tool_call_parser",
+            "session_server_url",
+            "parser",
+            "summarize",
+            "linear_history",
+            "policy_api_key_file",
+        )
+    },
+    "rollout.sandbox": "rollout.sandbox.backend",
+    "rollout.sandbox_kwargs": "rollout.sandbox.kwargs",
+    "rollout.sandbox_api_key_file": "rollout.sandbox.api_key_file",
+    "rollout.sandbox_create_limit": "rollout.sandbox.create_limit",
+    "rollout.sandbox_retries": "rollout.sandbox.retries",
+    "rollout.retry_backoff_s": "rollout.sandbox.retry_backoff_s",
+    "rollout.on_retries_exhausted": "rollout.sandbox.on_retries_exhausted",
+    **{
+        f"train.{k}": f"train.loss.{k}"
+        for k in (
+            "eps_low",
+            "eps_high",
+            "kl_coef",
+            "old_logprobs",
+            "dual_clip",
+            "tis_cap",
+            "mismatch_band",
+            "scale_by_std",
+            "loss_aggregation",
+            "filter_zero_std",
+            "truncated",
+            "overlong_cache",
+        )
+    },
+    **{f"train.{k}": f"train.optimizer.{k}" for k in ("learning_rate", "max_grad_norm", "weight_decay")},
+    **{
+        f"train.{k}": f"train.batch.{k}"
+        for k in ("global_batch_size", "micro_batch_tokens", "gradient_checkpointing", "checkpoint_above_tokens")
+    },
+    "train.save_interval": "train.checkpoint.interval",
+    "train.eval_samples_per_prompt": "train.eval.samples_per_prompt",
+    "train.eval_interval": "train.eval.interval",
+    "engine.weight_sync": "engine.weight_sync.mode",
+    "engine.weight_sync_dtype": "engine.weight_sync.dtype",
+    "engine.weight_sync_address": "engine.weight_sync.address",
+}
+
+
+def _became_section(old: str, value: Any) -> bool:
+    """`rollout.harness` (and `sandbox`, `engine.weight_sync`) was a value and is now a section of that name: a
+    dict there is the new layout already."""
+    return MOVED_SETTINGS[old].startswith(old + ".") and isinstance(value, dict)
+
+
+def moved_path(dotted: str) -> str:
+    """A dotted setting's path in today's layout: `rollout.temperature` -> `rollout.sampling.temperature`, also
+    below a moved dict (`rollout.sandbox_kwargs.memory_mb`); any other path as it is."""
+    if dotted in MOVED_SETTINGS:
+        return MOVED_SETTINGS[dotted]
+    for old, new in MOVED_SETTINGS.items():
+        if dotted.startswith(old + ".") and not new.startswith(old + "."):
+            return new + dotted[len(old) :]
+    return dotted
+
+
+def migrate_config(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (left as it is) with every setting of the old flat layout moved to its place (`MOVED_SETTINGS`);
+    a setting given under both names is a `ConfigError` naming both."""
+    out = copy.deepcopy(data)
+    moved = []
+    for old, new in MOVED_SETTINGS.items():
+        section, key = old.split(".")
+        node = out.get(section)
+        if isinstance(node, dict) and key in node and not _became_section(old, node[key]):
+            moved.append((old, new, node.pop(key)))
+    for old, new, value in moved:
+        node = out
+        *parents, leaf = new.split(".")
+        for p in parents:
+            if node.get(p) is None:
+                node[p] = {}
+            node = node[p]
+            if not isinstance(node, dict):
+                raise ConfigError(f"`{old}`: moved to `{new}`, but `{p}` there is not a section")
+        if leaf in node:
+            raise ConfigError(f"`{old}` and `{new}` are one setting (the first its old name): give only `{new}`")
+        node[leaf] = value
+    return out
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
@@ -931,6 +1136,10 @@ def parse_run_config(data: dict[str, Any] | RunConfig, source: str = "run config
     """
     if isinstance(data, RunConfig):
         data = data.model_dump()
+    try:
+        data = migrate_config(data)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
     if not data.get("run_id"):
         data = {**data, "run_id": new_run_id()}
     try:
@@ -943,12 +1152,12 @@ def parse_run_config(data: dict[str, Any] | RunConfig, source: str = "run config
 
 
 def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read a JSON config file, apply dotted-key overrides (`rollout.temperature=0.7`), validate."""
+    """Read a JSON config file, apply dotted-key overrides (`rollout.sampling.temperature=0.7`), validate."""
     return parse_run_config(apply_overrides(read_config_file(path), overrides or {}), source=str(path))
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """The JSON object in a config file (not validated yet); one-line errors naming the file."""
+    """The JSON object in a config file (not validated yet) in today's layout; one-line errors naming the file."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -962,13 +1171,24 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
-    return data
+    try:
+        return migrate_config(data)  # a run dir made before the settings were grouped holds the old layout
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Set dotted keys in a nested dict (copying), e.g. {"rollout.temperature": 0.7}."""
-    out = json.loads(json.dumps(data))
-    for dotted, value in overrides.items():
+    """Set dotted keys in a nested dict (copying), e.g. {"rollout.sampling.temperature": 0.7}. `data` and the keys
+    may use the old names (`MOVED_SETTINGS`): the result has today's layout."""
+    out = migrate_config(json.loads(json.dumps(data)))
+    given: dict[str, str] = {}  # today's path -> the key it was given as
+    for key, value in overrides.items():
+        dotted = moved_path(key)
+        if dotted in given:
+            raise ConfigError(
+                f"overrides `{given[dotted]}` and `{key}` set one setting (`{dotted}`; one is its old name): give one"
+            )
+        given[dotted] = key
         node = out
         *parents, leaf = dotted.split(".")
         for p in parents:

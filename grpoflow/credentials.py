@@ -3,7 +3,7 @@ reaches the provider's SDK without being written anywhere.
 
 Harbor writes each trial's whole `TrialConfig` (including `EnvironmentConfig.kwargs` and `.env`) to
 `trials/*/config.json` and `result.json`, so a key never travels in kwargs or config. It comes from this process's
-environment (e.g. `E2B_API_KEY`) or from a key file (`rollout.sandbox_api_key_file`) that the rollout task reads
+environment (e.g. `E2B_API_KEY`) or from a key file (`rollout.sandbox.api_key_file`) that the rollout task reads
 and exports into this process's environment, where the provider SDK looks for it.
 """
 
@@ -64,7 +64,7 @@ def sandbox_key_var(sandbox: str) -> str | None:
     return provider.key_var if provider else None
 
 
-def read_key_file(path: str | Path, key_var: str, field: str = "rollout.sandbox_api_key_file") -> str:
+def read_key_file(path: str | Path, key_var: str, field: str = "rollout.sandbox.api_key_file") -> str:
     """The key in `path`, stripped. Raises `CredentialError` naming the field and file when it is missing,
     unreadable or empty (an empty placeholder file must fail here, not as an authentication error in every trial)."""
     p = Path(path).expanduser()
@@ -94,8 +94,8 @@ def sandbox_key_problems(sandbox: str, key_file: str | None, environ: Mapping[st
         return []
     if not environ.get(key_var, "").strip():
         return [
-            f"rollout.sandbox={sandbox} needs an API key: set {key_var} in the environment, or set "
-            f"rollout.sandbox_api_key_file to a file holding it"
+            f"rollout.sandbox.backend={sandbox} needs an API key: set {key_var} in the environment, or set "
+            f"rollout.sandbox.api_key_file to a file holding it"
         ]
     return []
 
@@ -111,7 +111,7 @@ def export_sandbox_key(
     key_var = sandbox_key_var(sandbox)
     if key_var is None:  # refused by RolloutConfig's validator; kept for callers that build configs by hand
         raise CredentialError(
-            f"rollout.sandbox_api_key_file: grpoflow does not know which variable sandbox `{sandbox}` reads its "
+            f"rollout.sandbox.api_key_file: grpoflow does not know which variable sandbox `{sandbox}` reads its "
             "key from; give its credentials in the environment"
         )
     env = os.environ if environ is None else environ
@@ -124,21 +124,21 @@ POLICY_KEY_VAR = "GRPOFLOW_POLICY_API_KEY"
 
 
 def export_policy_key(key_file: str | None, environ: MutableMapping[str, str] | None = None) -> str | None:
-    """Put the policy endpoint's key from `rollout.policy_api_key_file` into the process environment as
+    """Put the policy endpoint's key from `rollout.harness.policy_api_key_file` into the process environment as
     `POLICY_KEY_VAR`, where Harbor resolves the harness's reference to it. Returns the variable's name when set."""
     if not key_file:
         return None
     env = os.environ if environ is None else environ
-    env[POLICY_KEY_VAR] = read_key_file(key_file, POLICY_KEY_VAR, field="rollout.policy_api_key_file")
+    env[POLICY_KEY_VAR] = read_key_file(key_file, POLICY_KEY_VAR, field="rollout.harness.policy_api_key_file")
     return POLICY_KEY_VAR
 
 
 def policy_key_problems(key_file: str | None) -> list[str]:
-    """Preflight of `rollout.policy_api_key_file`: when set, the file holds a key."""
+    """Preflight of `rollout.harness.policy_api_key_file`: when set, the file holds a key."""
     if not key_file:
         return []
     try:
-        read_key_file(key_file, POLICY_KEY_VAR, field="rollout.policy_api_key_file")
+        read_key_file(key_file, POLICY_KEY_VAR, field="rollout.harness.policy_api_key_file")
     except CredentialError as err:
         return [str(err)]
     return []

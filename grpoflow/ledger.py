@@ -7,12 +7,12 @@ them:
 - `stale`: its group had a sample older than `train.max_staleness` allows (`scoring.drop_stale`);
 - `infrastructure`: its trial FAILED for the sandbox or the engine, after its retries (`SandboxError`,
   `EngineError`); `failed_trial`: its trial FAILED otherwise (no verifier reward); `dropped_group`: another trial
-  of its group failed (`rollout.on_retries_exhausted=drop_group`);
-- `masked_overlong`: its trial was TRUNCATED and `train.truncated=mask`;
-- `zero_std_group`: its group's rewards were all equal (`train.filter_zero_std`);
+  of its group failed (`rollout.sandbox.on_retries_exhausted=drop_group`);
+- `masked_overlong`: its trial was TRUNCATED and `train.loss.truncated=mask`;
+- `zero_std_group`: its group's rewards were all equal (`train.loss.filter_zero_std`);
 - `zero_advantage`, `nonfinite`: its optimizer minibatch was skipped (every advantage zero; a gradient norm not
   finite);
-- `mismatch_masked`: trainer and engine disagreed on it beyond `train.mismatch_band`.
+- `mismatch_masked`: trainer and engine disagreed on it beyond `train.loss.mismatch_band`.
 
 So `ledger/generated` = `ledger/trained` + the sum of `ledger/discarded/<reason>` on every step (counts, in
 metrics.jsonl). `ledger/after_truncation` says how many of the generated tokens came after a turn was cut off

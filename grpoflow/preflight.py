@@ -50,7 +50,7 @@ def check_run(
     problems = (check_run_dir(cfg) if stage != "resume" else []) + harbor
     if stage == "prepare" or harbor:  # prepare needs no sandbox or engine; without harbor the sandbox checks can't run
         return problems
-    problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.policy_api_key_file)
+    problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.harness.policy_api_key_file)
     if stage in ("train", "resume"):
         problems += sampling_problems(cfg.rollout)
     problems += check_sandbox(cfg.rollout, env, timeout_s) + gpu_problems(cfg) + nccl_problems(cfg)
@@ -87,8 +87,8 @@ def nccl_problems(cfg: RunConfig) -> list[str]:
     (t_ours, n_ours), (t_theirs, n_theirs) = ours.stdout.split()[:2], theirs.stdout.split()[:2]
     if n_ours != n_theirs:
         return [
-            f"engine.weight_sync=distributed: the engine's torch {t_theirs} has NCCL {n_theirs}, the trainer's torch "
-            f"{t_ours} NCCL {n_ours}: one communicator needs one NCCL (or set engine.weight_sync=disk)"
+            f"engine.weight_sync.mode=distributed: the engine's torch {t_theirs} has NCCL {n_theirs}, the trainer's torch "
+            f"{t_ours} NCCL {n_ours}: one communicator needs one NCCL (or set engine.weight_sync.mode=disk)"
         ]
     return []
 
@@ -106,12 +106,14 @@ def sampling_problems(rollout: RolloutConfig) -> list[str]:
     """A train run samples its trials from the distribution the trainer scores: engine and trainer both score
     tokens under the unfiltered softmax(logits / temperature), so a nucleus or top-k filter would train another
     objective than the one sampled (and the start-of-run probe would not see it)."""
-    filters = [f"top_p={rollout.top_p}"] * (rollout.top_p < 1.0) + [f"top_k={rollout.top_k}"] * (rollout.top_k > 0)
+    filters = [f"top_p={rollout.sampling.top_p}"] * (rollout.sampling.top_p < 1.0) + [
+        f"top_k={rollout.sampling.top_k}"
+    ] * (rollout.sampling.top_k > 0)
     if not filters:
         return []
     return [
         f"rollout.{' and rollout.'.join(filters)}: a train run samples from the distribution the trainer scores "
-        "(the unfiltered softmax at rollout.temperature); leave top_p at 1 and top_k at -1 (an evaluate run may "
+        "(the unfiltered softmax at rollout.sampling.temperature); leave top_p at 1 and top_k at -1 (an evaluate run may "
         "filter)"
     ]
 
@@ -132,18 +134,18 @@ def check_harbor(import_module: Callable[[str], object] = importlib.import_modul
 def check_sandbox(
     rollout: RolloutConfig, environ: Mapping[str, str], timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[str]:
-    if rollout.sandbox == "local":
+    if rollout.sandbox.backend == "local":
         return check_local_sandbox()
-    loaded = check_harbor_environment(rollout.sandbox)
+    loaded = check_harbor_environment(rollout.sandbox.backend)
     if loaded:  # nothing more can be asked of an environment Harbor cannot load
         return loaded
-    if rollout.sandbox in PROVIDERS:
-        problems = sandbox_key_problems(rollout.sandbox, rollout.sandbox_api_key_file, environ)
+    if rollout.sandbox.backend in PROVIDERS:
+        problems = sandbox_key_problems(rollout.sandbox.backend, rollout.sandbox.api_key_file, environ)
     else:
-        problems = check_harbor_preflight(rollout.sandbox)
-        if rollout.sandbox == "docker" and not problems:
+        problems = check_harbor_preflight(rollout.sandbox.backend)
+        if rollout.sandbox.backend == "docker" and not problems:
             problems = check_docker_compose()
-    return problems + check_sandbox_api(rollout.sandbox, environ, timeout_s)
+    return problems + check_sandbox_api(rollout.sandbox.backend, environ, timeout_s)
 
 
 def check_local_sandbox() -> list[str]:
@@ -154,7 +156,7 @@ def check_local_sandbox() -> list[str]:
         getattr(importlib.import_module(module), name).preflight()
     except SystemExit as err:
         return [
-            f"rollout.sandbox=local: {line}, or set rollout.sandbox to a Harbor environment type (e.g. e2b)"
+            f"rollout.sandbox.backend=local: {line}, or set rollout.sandbox.backend to a Harbor environment type (e.g. e2b)"
             for line in str(err.code).splitlines()
         ]
     return []
@@ -171,12 +173,12 @@ def check_harbor_environment(sandbox: str) -> list[str]:
         # Public and side-effect free; it imports the environment's module, which is what can fail.
         EnvironmentFactory.resource_capabilities(env_type)
     except ImportError as err:
-        return [f"rollout.sandbox={sandbox}: Harbor cannot load this environment: {one_line(str(err), 400)}"]
+        return [f"rollout.sandbox.backend={sandbox}: Harbor cannot load this environment: {one_line(str(err), 400)}"]
     entry = _ENVIRONMENT_REGISTRY.get(env_type)
     missing = missing_extra_packages(entry.pip_extra) if entry and entry.pip_extra else []
     if missing:
         return [
-            f"rollout.sandbox={sandbox}: Harbor's `{entry.pip_extra}` extra is not fully installed (missing "
+            f"rollout.sandbox.backend={sandbox}: Harbor's `{entry.pip_extra}` extra is not fully installed (missing "
             f"{', '.join(missing)}): pip install 'harbor[{entry.pip_extra}]=={_harbor_version()}'"
         ]
     return []
@@ -213,9 +215,9 @@ def check_docker_compose(docker: str = "docker") -> list[str]:
         subprocess.run([docker, "compose", "version"], capture_output=True, timeout=10, check=True)
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
         return [
-            "rollout.sandbox=docker: Harbor's docker environment needs `docker compose` (v2, the CLI plugin), "
+            "rollout.sandbox.backend=docker: Harbor's docker environment needs `docker compose` (v2, the CLI plugin), "
             f"which `docker compose version` does not answer ({one_line(err, 120)}); install it, or use "
-            "rollout.sandbox=local"
+            "rollout.sandbox.backend=local"
         ]
     return []
 
@@ -228,10 +230,10 @@ def check_harbor_preflight(sandbox: str) -> list[str]:
     try:
         EnvironmentFactory.run_preflight(EnvironmentType(sandbox))
     except SystemExit as err:  # Harbor's preflights exit with the message meant for the user
-        return [f"rollout.sandbox={sandbox}: {one_line(str(err.code), 400)}"]
+        return [f"rollout.sandbox.backend={sandbox}: {one_line(str(err.code), 400)}"]
     except Exception as err:  # a provider's check may fail in its own way; report it, don't crash the check
         return [
-            f"rollout.sandbox={sandbox}: Harbor's preflight failed: {type(err).__name__}: {one_line(str(err), 400)}"
+            f"rollout.sandbox.backend={sandbox}: Harbor's preflight failed: {type(err).__name__}: {one_line(str(err), 400)}"
         ]
     return []
 

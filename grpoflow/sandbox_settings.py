@@ -1,4 +1,4 @@
-"""The local sandbox's settings as `rollout.sandbox_kwargs` gives them, checked when the run config is, so a bad
+"""The local sandbox's settings as `rollout.sandbox.kwargs` gives them, checked when the run config is, so a bad
 value is one line naming the key before anything is written (the sandbox's constructor would refuse it only once
 the first trial starts). `LocalSandbox.__init__` takes the same keywords with the same defaults (a test holds the
 two together); grpoflow sets its other keywords (the session bridge, the CLI dir) itself."""
@@ -34,7 +34,7 @@ class LocalSandboxSettings(BaseModel):
 SETTINGS: type[LocalSandboxSettings] = LocalSandboxSettings
 
 
-def sandbox_kwargs_problem(kwargs: dict[str, Any], field: str = "rollout.sandbox_kwargs") -> str | None:
+def sandbox_kwargs_problem(kwargs: dict[str, Any], field: str = "rollout.sandbox.kwargs") -> str | None:
     """The first bad key of `kwargs` as one line naming `field.<key>`, or None."""
     try:
         SETTINGS.model_validate(kwargs)

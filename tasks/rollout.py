@@ -2,7 +2,7 @@
 asyncio, bounded), not one task per trial — Prefect costs tens of ms per task run and struggles with thousands.
 Retries of sandbox failures happen per trial inside; they show up here as warnings in the task's log, a count in
 the metrics, and rows in the step's trial table. Sandbox starts take a slot of the Prefect global concurrency
-limit `rollout.sandbox_create_limit` when the server has one."""
+limit `rollout.sandbox.create_limit` when the server has one."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def evaluate_policy_task(
 
 class PrefectHooks(RolloutHooks):
     """What Prefect shows of a step's trials: a progress bar, sandbox retries in the log, a table of the trials,
-    and sandbox starts gated by the global concurrency limit `rollout.sandbox_create_limit`."""
+    and sandbox starts gated by the global concurrency limit `rollout.sandbox.create_limit`."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg, self.logger = cfg, get_run_logger()
@@ -98,7 +98,7 @@ class PrefectHooks(RolloutHooks):
         )
 
     async def sandbox_gate(self) -> SandboxGate | None:
-        return await sandbox_create_gate(self.cfg.rollout.sandbox_create_limit, self.logger)
+        return await sandbox_create_gate(self.cfg.rollout.sandbox.create_limit, self.logger)
 
     async def finished(self, label: str, result: StepRollout) -> None:
         await _best_effort(
@@ -140,7 +140,7 @@ def regrade_trials_task(cfg: RunConfig, paths: RunPaths) -> list[Regrade]:
     """Harbor's regrade of up to `report.regrade_per_task` of each task's stored trials, on the run's sandbox
     provider: the verdicts go to the run's regrades.jsonl, where task health reads them."""
     logger = get_run_logger()
-    export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
+    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.api_key_file)
     regrades = regrade_run(paths.root, cfg, cfg.report.regrade_per_task)
     head, *rows = regrade_summary(regrades)
     logger.info(head)

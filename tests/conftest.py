@@ -17,7 +17,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture
 def faulty_sandbox(monkeypatch):
-    """`rollout.sandbox=local` runs `tests.fakes.faulty_sandbox.FaultySandbox`: `rollout.sandbox_kwargs` can inject
+    """`rollout.sandbox.backend=local` runs `tests.fakes.faulty_sandbox.FaultySandbox`: `rollout.sandbox.kwargs` can inject
     sandbox faults (`fail_start_probability`, `die_after_execs`)."""
     from tests.fakes.faulty_sandbox import FAULTY_SANDBOX_IMPORT_PATH, FaultySandboxSettings
 

@@ -71,7 +71,7 @@ def shared_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch
     if need > free:
         raise MemoryError(
             f"/dev/shm has {free / 2**20:.0f} MiB free and the weights need {need / 2**20:.0f} MiB: enlarge it "
-            "(docker: --shm-size) or use another `engine.weight_sync`"
+            "(docker: --shm-size) or use another `engine.weight_sync.mode`"
         )
     flat = torch.empty(numel, dtype=dtype)
     with shared_by_file_name():

@@ -51,7 +51,7 @@ def installed_cli(harness: str, cache_dir: Path | None = None) -> Path:
     path = cli_dir(harness, cache_dir)
     if not _installed(path, CLI_PACKAGES[harness]):
         raise ConfigError(
-            f"rollout.harness={harness}: its CLI {CLI_PACKAGES[harness].spec} is not installed in {path}; the "
+            f"rollout.harness.name={harness}: its CLI {CLI_PACKAGES[harness].spec} is not installed in {path}; the "
             "prepare stage installs it (npm and the npm registry needed once)"
         )
     return path
@@ -66,7 +66,7 @@ def ensure_cli(harness: str, cache_dir: Path | None = None) -> Path:
     npm = shutil.which("npm")
     if npm is None:
         raise ConfigError(
-            f"rollout.harness={harness}: npm is needed once to install {pkg.spec} for the local sandbox "
+            f"rollout.harness.name={harness}: npm is needed once to install {pkg.spec} for the local sandbox "
             "(apt-get install -y npm)"
         )
     # A dir there is a broken install: replaced. 0755 lets the sandbox's own uid read it.

@@ -205,7 +205,7 @@ def beyond_one_container(task_dir: Path, config: TaskConfig) -> str | None:
     for name in ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml"):
         if (task_dir / "environment" / name).is_file():
             return (
-                f"environment/{name}: the local sandbox runs no extra services (rollout.sandbox=docker runs them "
+                f"environment/{name}: the local sandbox runs no extra services (rollout.sandbox.backend=docker runs them "
                 "with docker compose v2)"
             )
     env = config.environment

@@ -42,10 +42,14 @@ PRESETS: dict[str, Preset] = {
                 # Half the trained families' instances held out: 20 paired trials on held-out instances, where a
                 # quarter gave 10, too few for an interval that can exclude zero at the gains this model makes.
                 "prompts": {"difficulties": ["easy"], "instance_eval_fraction": 0.5},
-                "rollout": {"max_turns": 3},
+                "rollout": {"episode": {"max_turns": 3}},
                 # Penalize over-long turns (DAPO's soft band): trained as any other, a cut-off turn that still
                 # passed taught the policy to run on past its command, until every turn was cut off.
-                "train": {"learning_rate": 5e-5, "eval_samples_per_prompt": 2, "truncated": "penalize"},
+                "train": {
+                    "optimizer": {"learning_rate": 5e-5},
+                    "eval": {"samples_per_prompt": 2},
+                    "loss": {"truncated": "penalize"},
+                },
                 "report": {"regrade_per_task": 2},
             },
         ),
@@ -59,25 +63,29 @@ PRESETS: dict[str, Preset] = {
                 # terminus-2 summarises long episodes (compaction) and keeps each context a linear history, the
                 # unit that trains as one segment; its XML reply format as in the recipe.
                 "rollout": {
-                    "harness": "terminus-2",
-                    "parser": "xml",
-                    "summarize": True,
-                    "linear_history": True,
+                    "harness": {"name": "terminus-2", "parser": "xml", "summarize": True, "linear_history": True},
                     "prompts_per_step": 4,
                     "n_samples_per_prompt": 8,
-                    "max_new_tokens": 8192,
-                    "max_context_tokens": 32768,
+                    "sampling": {"max_new_tokens": 8192},
+                    "episode": {"max_context_tokens": 32768},
                 },
                 # kl_coef weighs the k3 estimator, the "low-variance KL" of the recipe.
-                "train": {"steps": 100, "global_batch_size": 32, "eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.01},
+                "train": {
+                    "steps": 100,
+                    "batch": {"global_batch_size": 32},
+                    "loss": {"eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.01},
+                },
             },
         ),
         Preset(
             "sglang-e2b",
             "Production: attach to an SGLang server already running (SGLang's default port on this host; set "
             "engine.url for another) and run trials in e2b sandboxes (key from E2B_API_KEY or "
-            "rollout.sandbox_api_key_file).",
-            {"engine": {"backend": "sglang", "url": "http://127.0.0.1:30000"}, "rollout": {"sandbox": "e2b"}},
+            "rollout.sandbox.api_key_file).",
+            {
+                "engine": {"backend": "sglang", "url": "http://127.0.0.1:30000"},
+                "rollout": {"sandbox": {"backend": "e2b"}},
+            },
         ),
     ]
 }

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# The longest time limit a task may set (24 h, as rollout.command_timeout_sec): a trial that may run longer never
+# The longest time limit a task may set (24 h, as rollout.episode.command_timeout_sec): a trial that may run longer never
 # ends a step in practice, and `inf` or 1e300 mean "no limit", which a task must not be able to choose.
 MAX_TASK_SECONDS = 86400.0
 

@@ -1,6 +1,6 @@
 """Harness bindings: how each agent harness is configured for one trial (Harbor `AgentConfig` kwargs and env).
 
-`HARNESSES` maps `rollout.harness` to a `HarnessBinding`; `agent_factory` turns a run's config into the
+`HARNESSES` maps `rollout.harness.name` to a `HarnessBinding`; `agent_factory` turns a run's config into the
 `TrialSpec -> AgentConfig` factory the rollout layer calls once per trial attempt. Every binding but `shell` talks
 to an OpenAI-compatible policy endpoint given per trial (`api_base`, ending in `/v1`): the session server's
 `<url>/sessions/<rollout_id>/v1` in a run (`api_base_for`), else the engine's own `<engine_url>/v1`.
@@ -16,12 +16,12 @@ to an OpenAI-compatible policy endpoint given per trial (`api_base`, ending in `
 
 claude-code and opencode run in the sandbox: the local sandbox gets their pinned CLIs from prepare's cache and a
 bridge to the session server (`SandboxNeeds`, which the rollout adds to the sandbox's kwargs); a cloud sandbox
-installs them with Harbor's own install and reaches `rollout.session_server_url`.
+installs them with Harbor's own install and reaches `rollout.harness.session_server_url`.
 
 Keys: through the session server each trial sends its session's own token (`TrialEndpoint.token`), in a variable
 whose name Harbor treats as a secret (it writes every trial's config to its trial dir, redacting those); terminus-2
 takes it from `SESSION_TOKEN_VAR` in its agent env (`GrpoTerminus2`), so it never reaches the sandbox. Straight
-to the engine, our servers take any key, so a fixed dummy is used; a real key (`rollout.policy_api_key_file`) is
+to the engine, our servers take any key, so a fixed dummy is used; a real key (`rollout.harness.policy_api_key_file`) is
 exported into this process's environment as `POLICY_KEY_VAR` (`grpoflow.credentials.export_policy_key`) and
 the bindings only name that variable (`AgentConfig.model_api_key_name`, or a `${VAR}` template in
 `AgentConfig.env` that Harbor resolves when it builds the agent), so a key value never goes into a config.
@@ -93,13 +93,15 @@ class HarnessBinding:
 def sampling_params(rollout: RolloutConfig, seed: int) -> dict[str, Any]:
     """OpenAI chat-completion sampling parameters of one trial (terminus-2's `llm_call_kwargs`)."""
     params: dict[str, Any] = {
-        "temperature": rollout.temperature,
-        "top_p": rollout.top_p,
-        "max_tokens": rollout.max_new_tokens,
+        "temperature": rollout.sampling.temperature,
+        "top_p": rollout.sampling.top_p,
+        "max_tokens": rollout.sampling.max_new_tokens,
         "seed": seed,
     }
-    if rollout.top_k != -1:
-        params["extra_body"] = {"top_k": rollout.top_k}  # not an OpenAI parameter; SGLang and our engine read it
+    if rollout.sampling.top_k != -1:
+        params["extra_body"] = {
+            "top_k": rollout.sampling.top_k
+        }  # not an OpenAI parameter; SGLang and our engine read it
     return params
 
 
@@ -111,16 +113,16 @@ def _shell(b: BindingInput) -> AgentConfig:
             "engine_url": b.engine_url,
             "engine_api": b.engine.api,
             "tokenizer_path": b.tokenizer_path,
-            "max_turns": r.max_turns,
-            "max_new_tokens": r.max_new_tokens,
-            "max_context_tokens": r.max_context_tokens,
-            "temperature": r.temperature,
-            "top_p": r.top_p,
-            "top_k": r.top_k,
+            "max_turns": r.episode.max_turns,
+            "max_new_tokens": r.sampling.max_new_tokens,
+            "max_context_tokens": r.episode.max_context_tokens,
+            "temperature": r.sampling.temperature,
+            "top_p": r.sampling.top_p,
+            "top_k": r.sampling.top_k,
             "seed": b.spec.seed,
-            "command_timeout_sec": r.command_timeout_sec,
-            "output_cap_chars": r.output_cap_chars,
-            "early_truncation_exit": r.early_truncation_exit,
+            "command_timeout_sec": r.episode.command_timeout_sec,
+            "output_cap_chars": r.episode.output_cap_chars,
+            "early_truncation_exit": r.episode.early_truncation_exit,
             "request_timeout_s": b.engine.request_timeout_s,
             "engine_retries": b.engine.retries,
             "outage_wait_s": b.engine.outage_wait_s,
@@ -133,27 +135,27 @@ def _terminus(b: BindingInput) -> AgentConfig:
     r, ep = b.rollout, b.endpoint
     kwargs: dict[str, Any] = {
         "api_base": ep.api_base,
-        "parser_name": r.parser,
+        "parser_name": r.harness.parser,
         "llm_call_kwargs": sampling_params(r, b.spec.seed),
         # Terminus-2 has no api_key parameter: LiteLLM takes it from llm_kwargs (or the key variable below).
         "llm_kwargs": {} if ep.key_from_env else {"api_key": LOCAL_API_KEY},
         # LiteLLM knows nothing of our model: tell terminus-2 its window (proactive summarisation reads it).
         "model_info": {
-            "max_input_tokens": r.max_context_tokens,
-            "max_output_tokens": r.max_new_tokens,
+            "max_input_tokens": r.episode.max_context_tokens,
+            "max_output_tokens": r.sampling.max_new_tokens,
             # all four costs, or LiteLLM warns per trial that the cache costs default to 0
             "input_cost_per_token": 0.0,
             "output_cost_per_token": 0.0,
             "cache_creation_input_token_cost": 0.0,
             "cache_read_input_token_cost": 0.0,
         },
-        "enable_summarize": r.summarize,
-        "trajectory_config": {"linear_history": r.linear_history},
+        "enable_summarize": r.harness.summarize,
+        "trajectory_config": {"linear_history": r.harness.linear_history},
         "collect_rollout_details": True,
-        "max_turns": r.max_turns,  # always set (0 means no turn), never left to terminus-2's 1e6
+        "max_turns": r.episode.max_turns,  # always set (0 means no turn), never left to terminus-2's 1e6
         "suppress_max_turns_warning": True,
         "record_terminal_session": False,  # asciinema is not in the sandbox and cannot be installed offline
-        "early_truncation_exit": r.early_truncation_exit,
+        "early_truncation_exit": r.episode.early_truncation_exit,
         # terminus-2 has no web tools to turn off; saying so keeps Harbor from logging an ERROR per trial when
         # the sandbox has no network.
         "disable_web_search": False,
@@ -208,7 +210,7 @@ def _claude_code(b: BindingInput) -> AgentConfig:
         skip_model_parsing=True,  # our served name is not an Anthropic model id
         base_url=claude_code_base_url(ep.api_base),
         env={"ANTHROPIC_API_KEY": _key_env(ep), **CLAUDE_CODE_QUIET},
-        kwargs={"max_turns": b.rollout.max_turns, "version": CLI_PACKAGES["claude-code"].version},
+        kwargs={"max_turns": b.rollout.episode.max_turns, "version": CLI_PACKAGES["claude-code"].version},
     )
 
 
@@ -221,12 +223,12 @@ def _policy_hosts(ep: TrialEndpoint) -> list[str]:
 
 def sandbox_allowed_hosts(rollout: RolloutConfig) -> list[str]:
     """What the sandbox of a CLI harness must reach: the session server (loopback through the local sandbox's
-    bridge, else `rollout.session_server_url`'s host); nothing for the other harnesses."""
-    if not get_binding(rollout.harness).in_sandbox_cli:
+    bridge, else `rollout.harness.session_server_url`'s host); nothing for the other harnesses."""
+    if not get_binding(rollout.harness.name).in_sandbox_cli:
         return []
-    if rollout.sandbox == "local" or rollout.session_server_url is None:
+    if rollout.sandbox.backend == "local" or rollout.harness.session_server_url is None:
         return [BRIDGE_HOST]
-    return [urlsplit(rollout.session_server_url).hostname or ""]
+    return [urlsplit(rollout.harness.session_server_url).hostname or ""]
 
 
 def opencode_model(model: str) -> str:
@@ -271,28 +273,32 @@ def get_binding(harness: str) -> HarnessBinding:
     try:
         return HARNESSES[harness]
     except KeyError:
-        raise ConfigError(f"rollout.harness `{harness}`: unknown; known harnesses: {', '.join(HARNESSES)}") from None
+        raise ConfigError(
+            f"rollout.harness.name `{harness}`: unknown; known harnesses: {', '.join(HARNESSES)}"
+        ) from None
 
 
 def harness_problems(rollout: RolloutConfig) -> list[str]:
-    """What stops `rollout.harness` from running on this machine (one line each; empty: fine)."""
-    binding = get_binding(rollout.harness)
-    if rollout.sandbox != "local":
-        if binding.in_sandbox_cli and rollout.session_server_url is None:
+    """What stops `rollout.harness.name` from running on this machine (one line each; empty: fine)."""
+    binding = get_binding(rollout.harness.name)
+    if rollout.sandbox.backend != "local":
+        if binding.in_sandbox_cli and rollout.harness.session_server_url is None:
             # the CLI calls the policy from the cloud sandbox, which cannot reach this machine's loopback
             return [
-                f"rollout.harness={rollout.harness} on rollout.sandbox={rollout.sandbox} calls the session server "
-                "from the sandbox: set rollout.session_server_url to an address the sandbox reaches"
+                f"rollout.harness.name={rollout.harness.name} on rollout.sandbox.backend={rollout.sandbox.backend} calls the session server "
+                "from the sandbox: set rollout.harness.session_server_url to an address the sandbox reaches"
             ]
         return []
-    if rollout.harness == "terminus-2" and shutil.which("tmux") is None:
+    if rollout.harness.name == "terminus-2" and shutil.which("tmux") is None:
         # The local sandbox shows the host's /usr, and terminus-2 drives a tmux in it (it cannot install one
         # offline).
-        return ["rollout.harness=terminus-2 needs tmux on this machine for the local sandbox: apt-get install -y tmux"]
+        return [
+            "rollout.harness.name=terminus-2 needs tmux on this machine for the local sandbox: apt-get install -y tmux"
+        ]
     if binding.in_sandbox_cli and not Path(SANDBOX_PYTHON).is_file():
         # the bridge's forwarder inside the sandbox runs on the host's python3, which the sandbox sees in /usr
         return [
-            f"rollout.harness={rollout.harness} needs {SANDBOX_PYTHON} on this machine for the local sandbox's "
+            f"rollout.harness.name={rollout.harness.name} needs {SANDBOX_PYTHON} on this machine for the local sandbox's "
             "bridge to the session server: apt-get install -y python3"
         ]
     return []
@@ -309,8 +315,8 @@ def agent_factory(
     token_for: Callable[[TrialSpec], str] | None = None,
     lora_path: str | None = None,
 ) -> Callable[[TrialSpec], AgentConfig]:
-    """The per-trial `AgentConfig` factory of `rollout.harness`. Raises `ConfigError` before any trial starts when
-    the harness is unknown or cannot run in `rollout.sandbox`.
+    """The per-trial `AgentConfig` factory of `rollout.harness.name`. Raises `ConfigError` before any trial starts when
+    the harness is unknown or cannot run in `rollout.sandbox.backend`.
 
     model: the served model name (default: `tokenizer_path`, which is what the embedded engine serves); see
         `model_alias`.
@@ -318,14 +324,14 @@ def agent_factory(
         gives each trial its own (`<url>/sessions/<rollout_id>/v1`).
     token_for: the API key of one trial (the session server's token of its session).
     """
-    binding = get_binding(rollout.harness)
+    binding = get_binding(rollout.harness.name)
     problems = harness_problems(rollout)
     if problems:
         raise ConfigError(problems[0])
     base = engine_url.rstrip("/")
     url_of = api_base_for or (lambda spec: f"{base}/v1")
     served = model_alias(model or tokenizer_path)
-    key_from_env = rollout.policy_api_key_file is not None
+    key_from_env = rollout.harness.policy_api_key_file is not None
 
     def make(spec: TrialSpec) -> AgentConfig:
         token = token_for(spec) if token_for is not None else None

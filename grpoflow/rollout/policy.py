@@ -59,15 +59,16 @@ async def fit_to_engine(rollout: RolloutConfig, engine: EngineConfig, engine_url
         context = await client.acontext_length()
     finally:
         await client.aclose()
-    if context is None or rollout.max_context_tokens <= token_budget(context):
+    if context is None or rollout.episode.max_context_tokens <= token_budget(context):
         return rollout
     log.warning(
-        "rollout.max_context_tokens=%d does not fit the engine's context length %d: episodes are bounded by %d",
-        rollout.max_context_tokens,
+        "rollout.episode.max_context_tokens=%d does not fit the engine's context length %d: episodes are bounded by %d",
+        rollout.episode.max_context_tokens,
         context,
         token_budget(context),
     )
-    return rollout.model_copy(update={"max_context_tokens": token_budget(context)})
+    episode = rollout.episode.model_copy(update={"max_context_tokens": token_budget(context)})
+    return rollout.model_copy(update={"episode": episode})
 
 
 @asynccontextmanager
@@ -77,10 +78,10 @@ async def policy_access(
     """Our shell agent talks to the engine itself and keeps the exact tokens. Every OpenAI-speaking harness
     (terminus-2, claude-code, opencode) goes through a session server for the block: it keeps the exact tokens
     of each trial's session, and the session's segments become the trial's samples (`segment_samples`).
-    Episodes are bounded by `rollout.max_context_tokens` or the engine's context, whichever is smaller.
+    Episodes are bounded by `rollout.episode.max_context_tokens` or the engine's context, whichever is smaller.
     `lora_path`: the adapter every generation names (a LoRA run's adapter sync, `grpoflow.train.sync`)."""
     rollout = await fit_to_engine(rollout, engine, engine_url)
-    binding = get_binding(rollout.harness)
+    binding = get_binding(rollout.harness.name)
     if not binding.via_session_server:
         make = agent_factory(rollout, engine, engine_url, tokenizer_path, lora_path=lora_path)
         yield PolicyAccess(make)
@@ -88,26 +89,30 @@ async def policy_access(
     settings = SessionSettings(
         engine_url,
         tokenizer_path,
-        max_new_tokens=rollout.max_new_tokens,
-        context_length=rollout.max_context_tokens,
-        sampling={"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k},
+        max_new_tokens=rollout.sampling.max_new_tokens,
+        context_length=rollout.episode.max_context_tokens,
+        sampling={
+            "temperature": rollout.sampling.temperature,
+            "top_p": rollout.sampling.top_p,
+            "top_k": rollout.sampling.top_k,
+        },
         request_timeout_s=engine.request_timeout_s,
         engine_retries=engine.retries,
         outage_s=engine.outage_wait_s,
         lora_path=lora_path,
         engine_api=engine.api,
-        tool_call_parser=rollout.tool_call_parser,
-        truncation_ends_episode=binding.in_sandbox_cli and rollout.early_truncation_exit,
+        tool_call_parser=rollout.harness.tool_call_parser,
+        truncation_ends_episode=binding.in_sandbox_cli and rollout.episode.early_truncation_exit,
     )
-    server = SessionServer(settings, public_url=rollout.session_server_url)
+    server = SessionServer(settings, public_url=rollout.harness.session_server_url)
     async with server:
         sandbox_kwargs: dict[str, Any] = {}
         url_of = server.session_url
-        if binding.in_sandbox_cli and rollout.sandbox == "local":
+        if binding.in_sandbox_cli and rollout.sandbox.backend == "local":
             # The CLI runs in the sandbox: prepare's pinned install, shown read-only, and a bridge from the
             # sandbox's loopback port to the server (wherever it listens), so the harness's URL is the loopback one.
             at = urlsplit(server.url)
-            sandbox_kwargs = {"cli_dir": str(installed_cli(rollout.harness)), "session_bridge": at.netloc}
+            sandbox_kwargs = {"cli_dir": str(installed_cli(rollout.harness.name)), "session_bridge": at.netloc}
 
             def url_of(session_id: str, seed: int | None = None) -> str:
                 return server.session_url(session_id, seed).replace(server.url, f"http://{BRIDGE_HOST}:{at.port}", 1)

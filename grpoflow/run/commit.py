@@ -1,7 +1,7 @@
 """A step's commit: its checkpoint dir, the full checkpoint made in the background, then its log rows.
 
 Every step writes `checkpoints/step_<N>/` (the weights the engine loads next, and `step.json`, the step's record)
-by one atomic rename; the engine syncs from it. After every `train.save_interval` steps and after the last, the
+by one atomic rename; the engine syncs from it. After every `train.checkpoint.interval` steps and after the last, the
 dir is made a *full* checkpoint in a background thread (`StepCommits`): the AdamW state and the trainer counters
 join it and everything is fsynced. Other steps skip both (the optimizer state is twice the size of the weights),
 so most steps' commit costs one unsynced write of the weights. A step's metrics.jsonl / timings.jsonl rows follow

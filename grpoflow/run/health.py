@@ -178,7 +178,7 @@ def task_health(output_dir: Path, unreadable: list[str] | None = None) -> tuple[
 
 def _provider(root: Path) -> str:
     try:
-        return str(read_config_file(RunPaths(root).config)["rollout"]["sandbox"])
+        return str(read_config_file(RunPaths(root).config)["rollout"]["sandbox"]["backend"])
     except (ConfigError, KeyError, TypeError):
         return "unknown"
 

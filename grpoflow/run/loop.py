@@ -1,6 +1,6 @@
 """The training loop, without Prefect: per step, rollout (now, or started during the previous step) -> filter
 -> GRPO update -> commit -> weight sync, with the policy evaluated before the first step, every
-`train.eval_interval` steps and after the last.
+`train.eval.interval` steps and after the last.
 
     for step in range(start_step, cfg.train.steps):
         loop.step(step)
@@ -71,10 +71,10 @@ CORE_STAGES = Stages(
 
 
 def evaluation_versions(train: TrainConfig) -> set[int]:
-    """Weight versions (updates so far) the run evaluates: the base policy, every `eval_interval`-th, the last."""
-    if train.eval_samples_per_prompt == 0:
+    """Weight versions (updates so far) the run evaluates: the base policy, every `train.eval.interval`-th, the last."""
+    if train.eval.samples_per_prompt == 0:
         return set()
-    every = set(range(0, train.steps, train.eval_interval)) if train.eval_interval else set()
+    every = set(range(0, train.steps, train.eval.interval)) if train.eval.interval else set()
     return {0, train.steps} | every
 
 
@@ -346,7 +346,7 @@ class StepLoop:
         samples, stale = rollout.samples, {}
         if self.cfg.train.max_staleness:
             samples, stale = drop_stale(samples, step, self.cfg.train.max_staleness)
-        trainable, dropped = select_trainable(samples, self.cfg.rollout.on_retries_exhausted)
+        trainable, dropped = select_trainable(samples, self.cfg.rollout.sandbox.on_retries_exhausted)
         self.failed_steps.record(step, rollout.samples, trainable)
         filtered = {"rollout/dropped_groups": float(dropped), **{f"rollout/{k}": v for k, v in stale.items()}}
         return trainable, filtered, rollout_discards(rollout.samples, samples, trainable)
@@ -366,7 +366,7 @@ class StepLoop:
         cfg = self.cfg
         t2 = time.perf_counter()
         self.commits.flush()  # the previous full checkpoint is durable (it had the whole step to finish)
-        full = is_full_checkpoint(step, cfg.train.steps, cfg.train.save_interval)
+        full = is_full_checkpoint(step, cfg.train.steps, cfg.train.checkpoint.interval)
         last = step == cfg.train.steps - 1
         plan = step_dir(full, last, self.syncs.needs_dir, sync_dtype(cfg.engine))  # None: an in-memory sync's
         ckpt = self.stages.save(self.trainer, self.paths, step, record, plan) if plan else None

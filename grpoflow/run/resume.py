@@ -4,7 +4,7 @@ A full checkpoint is a resume point. Resuming means: find the newest full checkp
 (append its rows if the crash came before they were appended, drop rows and torn lines of later steps), remove
 temp dirs and later checkpoints, restore the trainer, and go on at the next step. The steps after it are done
 again, but their trials are not: every finished trial is in its step's journal (`grpoflow.scoring.step`), so a redone
-step only trains again (bit-exact on CPU); what a crash costs is the training of at most `save_interval - 1`
+step only trains again (bit-exact on CPU); what a crash costs is the training of at most `train.checkpoint.interval - 1`
 steps, plus the trials of the interrupted step that had not finished.
 """
 
@@ -52,7 +52,7 @@ def run_lock(root: Path) -> Iterator[None]:
 def load_saved_config(root: Path) -> RunConfig:
     """The run's own config.json, validated; one line naming the file when it is missing or bad.
 
-    config.json holds every field the run had. One without `train.eval_samples_per_prompt` was made before runs
+    config.json holds every field the run had. One without `train.eval.samples_per_prompt` was made before runs
     evaluated themselves: it keeps running without evaluations, so a resume or rerun does what the run did. One
     without `train.sharding` was made before sharded training: its ranks keep replicating the model. One without
     `prompts.split_by` split by task (`recorded_split`)."""
@@ -61,8 +61,8 @@ def load_saved_config(root: Path) -> RunConfig:
         raise RunDirError(f"run dir {root} does not exist")
     data = read_config_file(path)
     train = data.get("train")
-    if isinstance(train, dict) and "eval_samples_per_prompt" not in train:
-        data = {**data, "train": {**train, "eval_samples_per_prompt": 0}}
+    if isinstance(train, dict) and "samples_per_prompt" not in (train.get("eval") or {}):
+        data = {**data, "train": {**train, "eval": {**(train.get("eval") or {}), "samples_per_prompt": 0}}}
     train = data.get("train")
     if isinstance(train, dict) and "sharding" not in train:  # made before sharded training: ranks replicated
         data = {**data, "train": {**train, "sharding": "replicate"}}

@@ -49,7 +49,7 @@ def load_run_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> Dataset:
     `cache_dir`), so a resumed run finds the very tasks it started with."""
     return load_dataset(
         cfg.dataset.path,
-        local_sandbox=cfg.rollout.sandbox == "local",
+        local_sandbox=cfg.rollout.sandbox.backend == "local",
         seed=cfg.seed,
         cache_dir=cache_dir,
         build_images=cfg.dataset.build_images,
@@ -64,7 +64,7 @@ def gate_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> tuple[Dataset
     if gate_wanted(cfg):
         report = run_gate(dataset, cfg.rollout, Path(cache_dir or default_cache_dir()), cfg.dataset.reward_rule())
     else:
-        report = ungated_report(dataset, cfg.rollout.sandbox)
+        report = ungated_report(dataset, cfg.rollout.sandbox.backend)
     if report.gated or report.left_out:
         for line in report.lines():
             print(f"grpoflow: {line}", flush=True)
@@ -105,7 +105,7 @@ def record_run(
     """Create runs/<run_id>/ and write config.json, run.json (provenance; the flow run and the deployment that
     started it; the split: which tasks and families on which side), prompts.jsonl and, with `gate`, gate.json
     (the dataset gate's verdict per task dir)."""
-    if cfg.rollout.harness == "shell":  # it extends the chat token by token; the session server can re-tokenise
+    if cfg.rollout.harness.name == "shell":  # it extends the chat token by token; the session server can re-tokenise
         try:
             check_chat_template(load_tokenizer(model.path))
         except TemplateError as err:

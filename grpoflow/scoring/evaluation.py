@@ -1,6 +1,6 @@
 """Evaluating the policy inside a train run: fixed prompts and seeds, so two evaluations differ only by the weights.
 
-An evaluation runs `train.eval_samples_per_prompt` trials per prompt of each side of the split
+An evaluation runs `train.eval.samples_per_prompt` trials per prompt of each side of the split
 (`grpoflow.prepare.prompts.side_of`): `trained` (the train split, the tasks the run trains on), `heldout` (the
 eval split, never trained on) and, when the split is by task family, `unseen` (the eval split's instances of
 families none of whose instances is trained; `heldout` then holds the held-out instances of trained families).
@@ -240,7 +240,7 @@ def evaluate_policy(
     """Evaluate the engine's weights (version `version`: updates so far) on the train tasks and the held-out
     ones (each side of the split), with the same trials as every other evaluation of the run; returns the `eval/...` metrics, each split
     compared with the evaluation whose details dir is `base` (default: the run's first one, version 0)."""
-    plan = eval_plan(prompts, version, cfg.train.eval_samples_per_prompt, cfg.seed)
+    plan = eval_plan(prompts, version, cfg.train.eval.samples_per_prompt, cfg.seed)
     specs = [s for group in plan.values() for s in group]
     trials, details = paths.eval_trials(version), paths.eval_details(version)
     result = asyncio.run(collect_with(cfg, version, specs, setup, trials, details, f"eval-{version}", hooks))

@@ -145,7 +145,7 @@ def run_gate(dataset: Dataset, rollout: RolloutConfig, cache_dir: Path, reward: 
     pending: list[tuple[TaskSpec, str]] = []
     for task in dataset.tasks:
         digest = sha256_tree(task.path)
-        hit = _read_cache(gate_cache_path(cache_dir, rollout.sandbox, digest + scored_by))
+        hit = _read_cache(gate_cache_path(cache_dir, rollout.sandbox.backend, digest + scored_by))
         if hit is not None:
             verdicts[task.name] = replace(hit, name=task.name, path=str(task.path), digest=digest, cached=True)
         else:
@@ -158,10 +158,10 @@ def run_gate(dataset: Dataset, rollout: RolloutConfig, cache_dir: Path, reward: 
             verdicts[task.name] = verdict
             if verdict.verdict in CACHED:
                 write_json_atomic(
-                    gate_cache_path(cache_dir, rollout.sandbox, digest + scored_by), _cache_record(verdict)
+                    gate_cache_path(cache_dir, rollout.sandbox.backend, digest + scored_by), _cache_record(verdict)
                 )
     tasks = sorted([*verdicts.values(), *refused(dataset.left_out)], key=_by_name)
-    return GateReport(str(dataset.root), rollout.sandbox, True, tasks, len(specs), time.perf_counter() - t0)
+    return GateReport(str(dataset.root), rollout.sandbox.backend, True, tasks, len(specs), time.perf_counter() - t0)
 
 
 def admitted_dataset(dataset: Dataset, report: GateReport) -> Dataset:
@@ -215,7 +215,7 @@ def _run(specs: list[TrialSpec], rollout: RolloutConfig, reward: RewardRule | No
     # The oracle and the no-op reach no host: a CLI harness's session-server allowance has nothing to serve here,
     # and the local sandbox refuses a host it cannot reach.
     environment = sandbox_config(rollout).model_copy(update={"extra_allowed_hosts": []})
-    export_sandbox_key(rollout.sandbox, rollout.sandbox_api_key_file)
+    export_sandbox_key(rollout.sandbox.backend, rollout.sandbox.api_key_file)
     outcomes: dict[str, TrialOutcome] = {}
     with tempfile.TemporaryDirectory(prefix="grpoflow-gate-") as tmp:
         result = asyncio.run(

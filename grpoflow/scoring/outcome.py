@@ -106,7 +106,7 @@ def classify(
         if name in _VERIFIED_ENDINGS and reward is not None:
             if truncated or name in _LENGTH:
                 return "SequenceLengthLimitExceeded", "TRUNCATED", reward, reason
-            if name == "AgentTimeoutError":  # cut by the wall clock: over-long, as a cut turn is (train.truncated)
+            if name == "AgentTimeoutError":  # cut by the wall clock: over-long, as a cut turn is (train.loss.truncated)
                 return "TimeLimitExceeded", "TRUNCATED", reward, reason
             # The CLI failed (API error, auth, crash): the episode says little about the policy.
             return "AgentError", "FAILED", None, f"{reason} (the verifier gave {reward}; not trained)"

@@ -89,7 +89,7 @@ class GroupRefill:
     `max_rounds` rounds or until the pool runs out.
 
     A round asks for exactly the missing number of groups, so a step never has more than `target` informative
-    groups (the others stay, and `train.filter_zero_std` leaves out the flat ones).
+    groups (the others stay, and `train.loss.filter_zero_std` leaves out the flat ones).
     New prompts are drawn without replacement from the pool, less the step's own, seeded by (seed, step, round):
     a resumed step plans the same refill trials as long as the trials it reuses scored as before. Their groups
     and seeds continue the step's plan (`plan_group_trials` over all the step's prompts), so none collides.
@@ -182,8 +182,8 @@ async def collect_step(
             environment,
             trials_dir,
             concurrency=rollout.concurrency,
-            retries=rollout.sandbox_retries,
-            backoff_s=rollout.retry_backoff_s,
+            retries=rollout.sandbox.retries,
+            backoff_s=rollout.sandbox.retry_backoff_s,
             on_done=finished,
             on_retry=retrying,
             sandbox_gate=sandbox_gate,
@@ -232,7 +232,7 @@ def run_step_trials(
             n_samples=r.n_samples_per_prompt,
             seed=cfg.seed,
             step=step,
-            on_retries_exhausted=r.on_retries_exhausted,
+            on_retries_exhausted=r.sandbox.on_retries_exhausted,
         )
     specs = plan_group_trials(prompts, step, r.n_samples_per_prompt, cfg.seed)
     t0 = time.perf_counter()
@@ -258,8 +258,8 @@ async def collect_with(
     `hooks` what happens."""
     hooks = hooks or RolloutHooks()
     await hooks.started(label, len(specs), len(read_journal(details_dir)))
-    export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
-    export_policy_key(cfg.rollout.policy_api_key_file)
+    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.api_key_file)
+    export_policy_key(cfg.rollout.harness.policy_api_key_file)
     async with policy_access(
         cfg.rollout, cfg.engine, setup.engine_url, setup.tokenizer_path, setup.lora_path
     ) as policy:

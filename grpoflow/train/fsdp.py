@@ -185,14 +185,14 @@ def skeleton_trainer(model_path: str, cfg: TrainConfig, device: torch.device) ->
     model.train()
     if cfg.lora is not None:
         model = add_lora(model, cfg.lora)
-    if cfg.gradient_checkpointing or cfg.checkpoint_above_tokens is not None:
+    if cfg.batch.gradient_checkpointing or cfg.batch.checkpoint_above_tokens is not None:
         model.activation_checkpointing_enable()
-        _checkpoint_layers(model, cfg.gradient_checkpointing)
+        _checkpoint_layers(model, cfg.batch.gradient_checkpointing)
     ref = None
-    if cfg.kl_coef > 0:
+    if cfg.loss.kl_coef > 0:
         ref = AdapterOff(model) if cfg.lora is not None else empty().eval().requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.optimizer.learning_rate, weight_decay=cfg.optimizer.weight_decay)
     return TrainerState(
         model=model,
         tokenizer=None,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the loss reads its settings' fields only: it runs where the config's dependencies do not
-    from grpoflow.config import TrainConfig
+    from grpoflow.config import LossConfig
 
 # |log ratio| beyond this is clipped anyway (exp(20) >> 1 + eps); the clamp keeps exp() finite, so a token
 # with a wild rollout logprob cannot turn the loss into inf * 0 = nan.
@@ -126,7 +126,7 @@ def in_mismatch_band(
     return mask & (log_w.abs() <= math.log(band))
 
 
-def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """(B, T) PPO's pessimistic clipped loss, with the asymmetric clip range (DAPO's clip-higher) and dual-clip:
     past ratio `dual_clip` a token with a negative advantage keeps no gradient (verl's `clip_ratio_c`)."""
     clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
@@ -157,7 +157,7 @@ def aggregate(per_token: torch.Tensor, trained: torch.Tensor, x: LossInputs, how
     return total / (count if x.denominator is None else x.denominator)
 
 
-def policy_loss(x: LossInputs, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(x: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of one micro-batch (`cfg`: the clip range, dual-clip, the KL coefficient, the mismatch
     corrections, the aggregation); returns (scalar loss, detached metrics).
 
@@ -182,7 +182,7 @@ def policy_loss(x: LossInputs, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str
     return loss, _loss_metrics(x, cfg, mask, trained, ratio, adv, kl)
 
 
-def _loss_metrics(x: LossInputs, cfg: TrainConfig, mask, trained, ratio, adv, kl) -> dict[str, torch.Tensor]:
+def _loss_metrics(x: LossInputs, cfg: LossConfig, mask, trained, ratio, adv, kl) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         # the engine-vs-trainer mismatch: log(trainer / engine) on every token of the mask

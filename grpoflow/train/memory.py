@@ -154,16 +154,18 @@ def train_setup(cfg: RunConfig, ranks: int, on_gpu: bool) -> TrainSetup:
     """The run's trainer settings with `ranks` ranks, `auto`s resolved as the trainer resolves them."""
     t = cfg.train
     precision = t.precision if t.precision != "auto" else ("bf16" if on_gpu else "fp32")
-    long_batches = t.checkpoint_above_tokens is not None and t.micro_batch_tokens > t.checkpoint_above_tokens
+    long_batches = (
+        t.batch.checkpoint_above_tokens is not None and t.batch.micro_batch_tokens > t.batch.checkpoint_above_tokens
+    )
     return TrainSetup(
         ranks=ranks,
         sharding=cfg.sharding_mode(ranks),
         precision=precision,
         lora_rank=t.lora.rank if t.lora else None,
         lora_targets=list(t.lora.target_modules) if t.lora else [],
-        kl=t.kl_coef > 0,
-        micro_batch_tokens=t.micro_batch_tokens,
-        checkpointing=t.gradient_checkpointing or long_batches,
+        kl=t.loss.kl_coef > 0,
+        micro_batch_tokens=t.batch.micro_batch_tokens,
+        checkpointing=t.batch.gradient_checkpointing or long_batches,
     )
 
 

@@ -2,7 +2,7 @@
 the ranks' gradients and metric sums.
 
 Every optimizer minibatch is split between the ranks by rollout (a rollout's segments stay on one rank), balanced
-by tokens. Each rank scales its loss by the *whole* minibatch's count (tokens or rollouts, `train.loss_aggregation`),
+by tokens. Each rank scales its loss by the *whole* minibatch's count (tokens or rollouts, `train.loss.loss_aggregation`),
 so the sum of the ranks' gradients is the single-process gradient; one all-reduce (sum) per optimizer step gives
 every rank that sum, and every rank then clips and steps alike: the replicas stay equal, as under DDP. The
 sums behind the step's metrics are reduced the same way, so the metrics are the single-process ones too (but

@@ -46,9 +46,13 @@ def logprob_gap(client: EngineClient, state: TrainerState, cfg: RunConfig, seed:
     """{mean, max} of |engine - trainer| logprob over a probe reply the engine samples."""
     r = cfg.rollout
     params = SamplingParams(
-        max_new_tokens=PROBE_TOKENS, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, sampling_seed=seed
+        max_new_tokens=PROBE_TOKENS,
+        temperature=r.sampling.temperature,
+        top_p=r.sampling.top_p,
+        top_k=r.sampling.top_k,
+        sampling_seed=seed,
     )
-    out, engine, trainer = _probe_reply(client, state, params, r.temperature)
+    out, engine, trainer = _probe_reply(client, state, params, r.sampling.temperature)
     if not out:
         return {"mean": 0.0, "max": 0.0, "tokens": 0.0}
     gap = (trainer - engine).abs()
@@ -110,7 +114,7 @@ def check_logprob_agreement(client: EngineClient, state: TrainerState, cfg: RunC
         raise EngineError(
             f"engine and trainer score the same {int(gap['tokens'])} tokens {gap['mean']:.3f} nats apart on "
             f"average (max {gap['max']:.3f}; train.max_probe_logprob_gap={limit}): check that the engine serves "
-            "this model in the trainer's precision, samples at rollout.temperature, and returns the logprobs of "
+            "this model in the trainer's precision, samples at rollout.sampling.temperature, and returns the logprobs of "
             "the distribution it samples from (top-p/top-k, SGLANG_RETURN_ORIGINAL_LOGPROB)"
         )
     return gap

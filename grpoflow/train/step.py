@@ -6,7 +6,7 @@ Layout: a `Sample`'s `tokens`, `loss_mask` and `rollout_logprobs` are aligned (l
 
 An optimizer minibatch whose advantages are all zero is skipped (no forward, no `optimizer.step`): AdamW would
 still move the weights through weight decay and momentum. A KL term alone does not justify a step either. A
-minibatch whose gradient norm is not finite, or whose every token fell outside `train.mismatch_band`, is skipped
+minibatch whose gradient norm is not finite, or whose every token fell outside `train.loss.mismatch_band`, is skipped
 too (counted).
 """
 
@@ -67,9 +67,9 @@ def recompute_old_logprobs(
     state: TrainerState, samples: list[Sample], cfg: TrainConfig, temperature: float = 1.0
 ) -> list[torch.Tensor]:
     """The trainer's logprobs of each sample's tokens before the update (len - 1 each, zero off the loss mask):
-    the "old" policy of the PPO ratio when `train.old_logprobs` is `recompute`."""
+    the "old" policy of the PPO ratio when `train.loss.old_logprobs` is `recompute`."""
     out: list[torch.Tensor | None] = [None] * len(samples)
-    batches = pack_micro_batches([len(s.tokens) for s in samples], cfg.micro_batch_tokens)
+    batches = pack_micro_batches([len(s.tokens) for s in samples], cfg.batch.micro_batch_tokens)
     idle = idle_passes(len(batches), state)  # before any pass: its all-reduce must pair with the other ranks'
     for idx in batches:
         ids, mask, _, _ = _collate([samples[i] for i in idx], state.device)
@@ -112,11 +112,11 @@ def backward_minibatch(
         rollout_tokens[s.rollout_id] = rollout_tokens.get(s.rollout_id, 0) + _n_trained(s)
     row_tokens = torch.tensor([rollout_tokens[s.rollout_id] for s in samples])  # (N,)
     # the whole minibatch's count on every rank: the ranks' gradients then sum to the single-process one
-    denom = sum(map(_n_trained, samples)) if cfg.loss_aggregation == "token" else len(rollout_tokens)
+    denom = sum(map(_n_trained, samples)) if cfg.loss.loss_aggregation == "token" else len(rollout_tokens)
     sums: dict[str, float] = {"loss": 0.0, "n_tokens": 0, "n_mask_tokens": 0, **dict.fromkeys(_MAX_KEYS, 0.0)}
     sums |= {"n_forward_tokens": 0, "n_micro_batches": 0} | dict.fromkeys(_MEAN_KEYS + ("kl", "entropy"), 0.0)
     mine = local_rows([s.rollout_id for s in samples], [len(s.tokens) for s in samples], state.dp)
-    batches = pack_micro_batches([len(samples[i].tokens) for i in mine], cfg.micro_batch_tokens)
+    batches = pack_micro_batches([len(samples[i].tokens) for i in mine], cfg.batch.micro_batch_tokens)
     idle = idle_passes(len(batches), state)  # before any pass: its all-reduce must pair with the other ranks'
     for packed in batches:
         idx = [mine[j] for j in packed]
@@ -140,7 +140,7 @@ def backward_minibatch(
             sample_tokens=row_tokens[idx],
             denominator=denom,
         )
-        loss, m = policy_loss(inputs, cfg)
+        loss, m = policy_loss(inputs, cfg.loss)
         loss.backward()
         sums["loss"] += loss.item()
         sums["n_tokens"] += int(m.pop("n_tokens"))
@@ -185,9 +185,11 @@ def prepare_samples(samples: list[Sample], cfg: TrainConfig) -> tuple[list[Sampl
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # (N,)
     group_ids = [s.group_id for s in samples]
     # a trial split into segments (context compaction) is one rollout: one slot in its group's statistics
-    adv = group_advantages(rewards, group_ids, cfg.scale_by_std, rollout_ids=[s.rollout_id for s in samples])
+    adv = group_advantages(rewards, group_ids, cfg.loss.scale_by_std, rollout_ids=[s.rollout_id for s in samples])
     flat = set(zero_std_groups(rewards, group_ids))
-    keep = [i for i, s in enumerate(samples) if _n_trained(s) > 0 and not (cfg.filter_zero_std and s.group_id in flat)]
+    keep = [
+        i for i, s in enumerate(samples) if _n_trained(s) > 0 and not (cfg.loss.filter_zero_std and s.group_id in flat)
+    ]
     kept = set(keep)
     counts = {
         "n_groups": len(set(group_ids)),
@@ -224,7 +226,7 @@ def train_step(
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     kept, adv, counts = prepare_samples(samples, cfg)
-    minibatches = _rollout_minibatches(kept, cfg.global_batch_size, seed)
+    minibatches = _rollout_minibatches(kept, cfg.batch.global_batch_size, seed)
     old = None
     if cfg.old_logprobs_mode() == "recompute" and kept:
         # only the rows this rank trains (all of them on one rank); the others stay None
@@ -268,10 +270,10 @@ def train_step(
         )
         if is_sharded(state.model):  # FSDP reduce-scattered the gradients into the shards during backward
             shards = [p for group in state.optimizer.param_groups for p in group["params"]]
-            grad_norm = clip_gradients(shards, cfg.max_grad_norm)
+            grad_norm = clip_gradients(shards, cfg.optimizer.max_grad_norm)
         else:
             all_reduce_grads(params, state.dp)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optimizer.max_grad_norm).item()
         if not math.isfinite(grad_norm):
             out["skipped_nonfinite"] += 1
             out["discarded/nonfinite"] += in_batch
@@ -323,9 +325,9 @@ def overlong_penalty(s: Sample, max_new_tokens: int, cache: int) -> float:
 
 
 def shape_overlong(samples: list[Sample], cfg: RunConfig) -> tuple[list[Sample], dict[str, float]]:
-    """`train.truncated` applied to a step's trainable samples (copies; the journaled samples stay as they were):
+    """`train.loss.truncated` applied to a step's trainable samples (copies; the journaled samples stay as they were):
     `mask` zeroes the loss mask of TRUNCATED ones, `penalize` adds `overlong_penalty` to every reward."""
-    mode = cfg.train.truncated
+    mode = cfg.train.loss.truncated
     if mode == "mask":
         out = [
             s.model_copy(update={"loss_mask": [0] * len(s.loss_mask)}) if s.status == "TRUNCATED" else s
@@ -333,8 +335,8 @@ def shape_overlong(samples: list[Sample], cfg: RunConfig) -> tuple[list[Sample],
         ]
         return out, {"truncated_masked": float(sum(s.status == "TRUNCATED" for s in samples))}
     if mode == "penalize":
-        limit = cfg.rollout.max_new_tokens
-        cache = min(cfg.train.overlong_cache or max(limit // 4, 1), limit)
+        limit = cfg.rollout.sampling.max_new_tokens
+        cache = min(cfg.train.loss.overlong_cache or max(limit // 4, 1), limit)
         # one penalty per rollout (its longest turn in any segment): the segments of a rollout share one reward
         per_rollout: dict[str, float] = {}
         for s in samples:
@@ -350,8 +352,10 @@ def shape_overlong(samples: list[Sample], cfg: RunConfig) -> tuple[list[Sample],
 def grpo_update(state: TrainerState, samples: list[Sample], cfg: RunConfig, step: int) -> dict[str, float]:
     """Step `step`'s GRPO update on its trainable samples. With none (every group dropped) the weights stay as
     they are and the metrics, every key of them, say so (`n_samples` 0)."""
-    masked = sum(_n_trained(s) for s in samples if s.status == "TRUNCATED") if cfg.train.truncated == "mask" else 0
+    masked = sum(_n_trained(s) for s in samples if s.status == "TRUNCATED") if cfg.train.loss.truncated == "mask" else 0
     samples, shaped = shape_overlong(samples, cfg)
     shaped["discarded/masked_overlong"] = masked  # their tokens left every loss (grpoflow.ledger)
-    metrics = train_step(state, samples, cfg.train, seed=step_seed(cfg.seed, step), temperature=cfg.rollout.temperature)
+    metrics = train_step(
+        state, samples, cfg.train, seed=step_seed(cfg.seed, step), temperature=cfg.rollout.sampling.temperature
+    )
     return metrics | shaped

@@ -1,4 +1,4 @@
-"""The weight sync: each step's new weights into the engine, by `engine.weight_sync`.
+"""The weight sync: each step's new weights into the engine, by `engine.weight_sync.mode`.
 
 - `disk`: the step's checkpoint dir (written by the commit, `grpoflow.run.commit.save_step`) is loaded with
   `/update_weights_from_disk`.
@@ -6,7 +6,7 @@
 - `distributed`: in memory. At the start the trainer hosts a process group (rank 0) that the engine joins
   (`/init_weights_update_group`); each sync announces every tensor (name, dtype, shape) with
   `/update_weights_from_distributed` and broadcasts them in that order, in the engine's dtype. Nothing is written
-  for the sync; full checkpoints are still written every `train.save_interval` steps.
+  for the sync; full checkpoints are still written every `train.checkpoint.interval` steps.
 - `tensor`: in memory, for an engine on the same host (on the same GPU with SGLang). Each sync copies the weights,
   in the engine's dtype, into one flat buffer the engine can map (shared memory on the CPU; CUDA IPC on a GPU) and
   `/update_weights_from_tensor` tells the engine where each tensor lies (`grpoflow.engine.shared_tensors`); the
@@ -87,7 +87,7 @@ class DistributedSync:
         # A name of its own: torch keeps group names per process, and an engine may outlive one run's sync.
         self.group_name = f"grpoflow-{uuid.uuid4().hex[:12]}"
         self.broken = False  # a failed update left one side of a collective waiting: the group is unusable
-        address, timeout = cfg.weight_sync_address, UPDATE_GROUP_TIMEOUT_S
+        address, timeout = cfg.weight_sync.address, UPDATE_GROUP_TIMEOUT_S
         world = 1 + cfg.tp_size  # the trainer (rank 0), then the engine's workers (ranks 1 .. tp_size)
         store = host_update_store(address, world, timeout)
         self.group = self._paired(
@@ -179,8 +179,8 @@ class TensorSync:
 
 
 def sync_dtype(cfg: EngineConfig) -> torch.dtype:
-    if cfg.weight_sync_dtype != "auto":
-        return getattr(torch, cfg.weight_sync_dtype)
+    if cfg.weight_sync.dtype != "auto":
+        return getattr(torch, cfg.weight_sync.dtype)
     return torch.float32 if cfg.backend == "embedded" else torch.bfloat16
 
 
@@ -318,7 +318,7 @@ def sync_weights(
     syncs: ReplicaSyncs, trainer: TrainerState, ckpt: Path | None, version: str, probe: SyncProbe | None
 ) -> dict[str, float]:
     """The trainer's weights into every engine as weight version `version` (the number of GRPO updates in them),
-    from the step's checkpoint dir or in memory (`engine.weight_sync`); each engine must then report that
+    from the step's checkpoint dir or in memory (`engine.weight_sync.mode`); each engine must then report that
     version, and with `probe` prove that it serves them. Returns the `sync/...` metrics."""
     moved = syncs.push(trainer, version, ckpt)
     checked: dict[str, float] = {}

@@ -69,21 +69,21 @@ def load_trainer(
     model.train()  # activation checkpointing only runs in training mode; dropout is off anyway
     if cfg.lora is not None:
         model = add_lora(model, cfg.lora)
-    if cfg.gradient_checkpointing or cfg.checkpoint_above_tokens is not None:
+    if cfg.batch.gradient_checkpointing or cfg.batch.checkpoint_above_tokens is not None:
         model.activation_checkpointing_enable()
         # on for every forward only with `gradient_checkpointing`; per micro-batch: `use_activation_checkpointing`
-        _checkpoint_layers(model, cfg.gradient_checkpointing)
+        _checkpoint_layers(model, cfg.batch.gradient_checkpointing)
     ref = None
-    if cfg.kl_coef > 0 and cfg.lora is not None:
+    if cfg.loss.kl_coef > 0 and cfg.lora is not None:
         ref = AdapterOff(model)  # the base model is the policy with its adapters off: no second copy
-    elif cfg.kl_coef > 0:
+    elif cfg.loss.kl_coef > 0:
         # fp32 like the policy, under the same autocast: at step 0 the two score alike and the KL is exactly 0
         # (bf16 reference weights would put a rounding-sized KL in every step's loss).
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(where).eval()
         ref.requires_grad_(False)
     check_logprob_path(model)
     trainable = [p for p in model.parameters() if p.requires_grad]  # the adapters alone under LoRA
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.optimizer.learning_rate, weight_decay=cfg.optimizer.weight_decay)
     return TrainerState(
         model=model,
         tokenizer=AutoTokenizer.from_pretrained(model_path),
@@ -105,10 +105,10 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
 @contextmanager
 def use_activation_checkpointing(model: torch.nn.Module, longest: int, cfg: TrainConfig) -> Iterator[None]:
     """For the block (one micro-batch whose longest row has `longest` tokens), the decoder layers recompute
-    their activations in backward when `train.gradient_checkpointing` is on or the rows are longer than
-    `train.checkpoint_above_tokens`; the layers' setting is restored after."""
-    above = cfg.checkpoint_above_tokens
-    on = cfg.gradient_checkpointing or (above is not None and longest > above)
+    their activations in backward when `train.batch.gradient_checkpointing` is on or the rows are longer than
+    `train.batch.checkpoint_above_tokens`; the layers' setting is restored after."""
+    above = cfg.batch.checkpoint_above_tokens
+    on = cfg.batch.gradient_checkpointing or (above is not None and longest > above)
     before = _checkpoint_layers(model, on)
     try:
         yield

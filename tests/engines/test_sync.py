@@ -18,7 +18,7 @@ pytestmark = pytest.mark.sglang
 
 
 def _cfg(sglang, mode: str):
-    return parse_run_config({"engine": {"backend": "sglang", "url": sglang.url, "weight_sync": mode}})
+    return parse_run_config({"engine": {"backend": "sglang", "url": sglang.url, "weight_sync": {"mode": mode}}})
 
 
 def test_engine_and_trainer_score_a_probe_reply_alike(sglang):

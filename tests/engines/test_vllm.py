@@ -24,7 +24,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _cfg(vllm, mode: str = "disk"):
-    return parse_run_config({"engine": {"backend": "vllm", "url": vllm.url, "weight_sync": mode}})
+    return parse_run_config({"engine": {"backend": "vllm", "url": vllm.url, "weight_sync": {"mode": mode}}})
 
 
 def test_the_server_serves_through_vllm_launch(vllm):
@@ -57,7 +57,7 @@ def test_a_load_of_a_dir_without_weights_is_refused_and_vllm_serves_on(vllm, tmp
 @pytest.mark.parametrize(
     "engine, field",
     [
-        ({"weight_sync": "tensor"}, "engine.weight_sync"),
+        ({"weight_sync": "tensor"}, "engine.weight_sync.mode"),
         ({"deterministic": True}, "engine.deterministic"),
     ],
 )

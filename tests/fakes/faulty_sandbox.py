@@ -3,8 +3,8 @@
 `fail_start_probability` (with `fail_start_seed`, a function of (seed, session id): a retry draws again, a rerun of
 the same trial repeats its fate) makes `start()` raise `SandboxStartError`; `die_after_execs` makes the sandbox
 "die" after that many execs (Harbor's own, the verifier's among them, count too): every later exec raises
-`SandboxDiedError`. The `faulty_sandbox` fixture (tests/conftest.py) puts it where a run's `rollout.sandbox=local`
-goes, so `rollout.sandbox_kwargs` reach it.
+`SandboxDiedError`. The `faulty_sandbox` fixture (tests/conftest.py) puts it where a run's `rollout.sandbox.backend=local`
+goes, so `rollout.sandbox.kwargs` reach it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def update_fingerprint(threads: int) -> dict:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        cfg = TrainConfig(learning_rate=1e-4)  # the whole step in one micro-batch, as on the main job
+        cfg = TrainConfig(optimizer={"learning_rate": 1e-4})  # the whole step in one micro-batch, as on the main job
         state = load_trainer(prepare_model("smollm2-135m-instruct").path, cfg, seed=3)
         m = train_step(state, agentic_samples(state.model, n_groups=2, per_group=4), cfg, seed=7)
     finally:

@@ -110,8 +110,8 @@ def test_each_missing_local_tool_names_its_package(missing, package, monkeypatch
     problems = check_local_sandbox()
     assert len(problems) == 1
     tool = missing.rsplit("/", 1)[-1]
-    assert problems[0].startswith(f"rollout.sandbox=local: the local sandbox needs `{tool}`")
-    assert f"apt-get install -y {package}" in problems[0] and "rollout.sandbox to" in problems[0]
+    assert problems[0].startswith(f"rollout.sandbox.backend=local: the local sandbox needs `{tool}`")
+    assert f"apt-get install -y {package}" in problems[0] and "rollout.sandbox.backend to" in problems[0]
 
 
 def test_all_local_tools_missing_lists_all(monkeypatch):
@@ -153,10 +153,10 @@ def test_harbor_environment_whose_extra_is_missing(monkeypatch):
 
     monkeypatch.setattr(EnvironmentFactory, "resource_capabilities", missing_extra)
     [problem] = check_harbor_environment("modal")
-    assert problem.startswith("rollout.sandbox=modal: Harbor cannot load this environment")
+    assert problem.startswith("rollout.sandbox.backend=modal: Harbor cannot load this environment")
     assert "pip install 'harbor[modal]'" in problem and "\n" not in problem
     # and check_sandbox stops there: no key or API check of an environment that cannot load
-    assert check_sandbox(parse_run_config({"rollout": {"sandbox": "modal"}}).rollout, {}) == [problem]
+    assert check_sandbox(parse_run_config({"rollout": {"sandbox": {"backend": "modal"}}}).rollout, {}) == [problem]
 
 
 def test_e2b_environment_loads_here():
@@ -166,7 +166,7 @@ def test_e2b_environment_loads_here():
 def test_harbor_extra_not_fully_installed(monkeypatch):
     monkeypatch.setattr(preflight, "missing_extra_packages", lambda extra: ["dockerfile-parse"])
     assert check_harbor_environment("e2b") == [
-        "rollout.sandbox=e2b: Harbor's `e2b` extra is not fully installed (missing dockerfile-parse): "
+        "rollout.sandbox.backend=e2b: Harbor's `e2b` extra is not fully installed (missing dockerfile-parse): "
         "pip install 'harbor[e2b]==0.25.0'"
     ]
 
@@ -196,7 +196,7 @@ def test_harbor_preflight_exit_message_becomes_a_problem(monkeypatch):
 
     monkeypatch.setattr(EnvironmentFactory, "run_preflight", no_docker)
     assert check_harbor_preflight("docker") == [
-        "rollout.sandbox=docker: Docker is not installed or not on PATH. Please install Docker and try again."
+        "rollout.sandbox.backend=docker: Docker is not installed or not on PATH. Please install Docker and try again."
     ]
 
 
@@ -208,7 +208,7 @@ def test_harbor_preflight_crash_becomes_a_problem(monkeypatch):
 
     monkeypatch.setattr(EnvironmentFactory, "run_preflight", broken)
     assert check_harbor_preflight("modal") == [
-        "rollout.sandbox=modal: Harbor's preflight failed: RuntimeError: token file unreadable"
+        "rollout.sandbox.backend=modal: Harbor's preflight failed: RuntimeError: token file unreadable"
     ]
 
 
@@ -220,8 +220,8 @@ def test_missing_or_blank_key_variable(environ, stand_in):
     api = stand_in(default=(401, {}))
     problems = check_sandbox(_e2b(), {**environ, "E2B_API_URL": api.url})
     assert problems == [
-        "rollout.sandbox=e2b needs an API key: set E2B_API_KEY in the environment, or set "
-        "rollout.sandbox_api_key_file to a file holding it"
+        "rollout.sandbox.backend=e2b needs an API key: set E2B_API_KEY in the environment, or set "
+        "rollout.sandbox.api_key_file to a file holding it"
     ]
 
 
@@ -229,7 +229,7 @@ def test_key_file_missing(tmp_path, stand_in):
     api = stand_in(default=(401, {}))
     path = tmp_path / "nope"
     problems = check_sandbox(_e2b(sandbox_api_key_file=str(path)), {"E2B_API_URL": api.url, "E2B_API_KEY": "x"})
-    assert problems == [f"rollout.sandbox_api_key_file {path}: no such file (it should hold the E2B_API_KEY value)"]
+    assert problems == [f"rollout.sandbox.api_key_file {path}: no such file (it should hold the E2B_API_KEY value)"]
 
 
 @pytest.mark.parametrize("content", ["", "\n", "   \n\t"])
@@ -238,7 +238,7 @@ def test_empty_key_file_fails_even_with_the_variable_set(tmp_path, content, stan
     path = tmp_path / "key"
     path.write_text(content)
     problems = check_sandbox(_e2b(sandbox_api_key_file=str(path)), {"E2B_API_URL": api.url, "E2B_API_KEY": "x"})
-    assert problems == [f"rollout.sandbox_api_key_file {path} is empty: put the E2B_API_KEY value in it"]
+    assert problems == [f"rollout.sandbox.api_key_file {path} is empty: put the E2B_API_KEY value in it"]
 
 
 def test_unreadable_key_file(tmp_path, stand_in):
@@ -246,7 +246,7 @@ def test_unreadable_key_file(tmp_path, stand_in):
     path = tmp_path / "key-dir"
     path.mkdir()  # a directory: unreadable as a file even for root
     [problem] = check_sandbox(_e2b(sandbox_api_key_file=str(path)), {"E2B_API_URL": api.url})
-    assert problem.startswith(f"rollout.sandbox_api_key_file {path}: cannot be read (")
+    assert problem.startswith(f"rollout.sandbox.api_key_file {path}: cannot be read (")
 
 
 def test_key_from_file_or_variable_passes(tmp_path, stand_in):
@@ -381,7 +381,7 @@ def test_prepare_checks_neither_sandbox_nor_engine(tmp_path):
         {
             "run_id": "p1",
             "output_dir": str(tmp_path),
-            "rollout": {"sandbox": "e2b"},
+            "rollout": {"sandbox": {"backend": "e2b"}},
             "engine": {"backend": "sglang", "url": refused_url()},
         }
     )
@@ -395,14 +395,14 @@ def test_train_collects_every_problem(tmp_path):
         {
             "run_id": "t1",
             "output_dir": str(tmp_path),
-            "rollout": {"sandbox": "e2b"},
+            "rollout": {"sandbox": {"backend": "e2b"}},
             "engine": {"backend": "sglang", "url": url},
         }
     )
     problems = check_run(cfg, "train", environ={"E2B_API_URL": url}, timeout_s=1)
     assert [p.split(" ")[0:2] for p in problems] == [
         ["run", "dir"],
-        ["rollout.sandbox=e2b", "needs"],
+        ["rollout.sandbox.backend=e2b", "needs"],
         ["the", "e2b"],
         ["engine", "at"],
     ]
@@ -411,7 +411,7 @@ def test_train_collects_every_problem(tmp_path):
 
 def test_embedded_engine_is_not_checked_before_it_starts(tmp_path, stand_in):
     api = stand_in(default=(401, {}))
-    cfg = parse_run_config({"run_id": "e1", "output_dir": str(tmp_path), "rollout": {"sandbox": "e2b"}})
+    cfg = parse_run_config({"run_id": "e1", "output_dir": str(tmp_path), "rollout": {"sandbox": {"backend": "e2b"}}})
     assert check_run(cfg, "evaluate", environ={"E2B_API_URL": api.url, "E2B_API_KEY": "k"}) == []
 
 
@@ -421,7 +421,7 @@ def test_preflight_task_raises_listing_every_problem(tmp_path, monkeypatch):
     monkeypatch.delenv("E2B_API_KEY", raising=False)
     monkeypatch.setenv("E2B_API_URL", refused_url())
     (tmp_path / "t2").mkdir()
-    cfg = parse_run_config({"run_id": "t2", "output_dir": str(tmp_path), "rollout": {"sandbox": "e2b"}})
+    cfg = parse_run_config({"run_id": "t2", "output_dir": str(tmp_path), "rollout": {"sandbox": {"backend": "e2b"}}})
     with pytest.raises(PreflightError) as info:
         preflight_task.fn(cfg, "train")
     lines = str(info.value).splitlines()
@@ -445,7 +445,11 @@ def test_terminus_without_tmux_on_the_host_is_a_problem_before_any_trial(tmp_pat
     import grpoflow.rollout.harnesses
 
     cfg = parse_run_config(
-        {"output_dir": str(tmp_path), "run_id": "h1", "rollout": {"harness": "terminus-2", "sandbox": "local"}}
+        {
+            "output_dir": str(tmp_path),
+            "run_id": "h1",
+            "rollout": {"harness": {"name": "terminus-2"}, "sandbox": {"backend": "local"}},
+        }
     )
     real_which = grpoflow.rollout.harnesses.shutil.which
     monkeypatch.setattr(grpoflow.rollout.harnesses.shutil, "which", lambda n: None if n == "tmux" else real_which(n))
@@ -455,10 +459,14 @@ def test_terminus_without_tmux_on_the_host_is_a_problem_before_any_trial(tmp_pat
 
 def test_missing_policy_key_file_is_a_problem(tmp_path):
     cfg = parse_run_config(
-        {"output_dir": str(tmp_path), "run_id": "h2", "rollout": {"policy_api_key_file": str(tmp_path / "nope.key")}}
+        {
+            "output_dir": str(tmp_path),
+            "run_id": "h2",
+            "rollout": {"harness": {"policy_api_key_file": str(tmp_path / "nope.key")}},
+        }
     )
     problems = check_run(cfg, "train")
-    assert any("rollout.policy_api_key_file" in p for p in problems)
+    assert any("rollout.harness.policy_api_key_file" in p for p in problems)
 
 
 @pytest.mark.parametrize("sampling", [{"top_p": 0.9}, {"top_k": 20}])
@@ -479,8 +487,8 @@ def test_harbor_s_docker_environment_needs_compose_v2(tmp_path):
     for script in (bare, full):
         script.chmod(0o755)
     [problem] = preflight.check_docker_compose(str(bare))
-    assert problem.startswith("rollout.sandbox=docker: Harbor's docker environment needs `docker compose` (v2")
-    assert "\n" not in problem and problem.endswith("or use rollout.sandbox=local")
+    assert problem.startswith("rollout.sandbox.backend=docker: Harbor's docker environment needs `docker compose` (v2")
+    assert "\n" not in problem and problem.endswith("or use rollout.sandbox.backend=local")
     assert preflight.check_docker_compose(str(full)) == []
     assert preflight.check_docker_compose(str(tmp_path / "no-such-docker")) != []
 
@@ -505,8 +513,8 @@ def test_a_distributed_sync_on_gpus_needs_one_nccl_on_both_sides(tmp_path):
     other = engine_python("other", "2.9.1+cu128 2.27.3")
     [problem] = preflight.nccl_problems(cfg(other))
     assert problem == (
-        f"engine.weight_sync=distributed: the engine's torch 2.9.1+cu128 has NCCL 2.27.3, the trainer's torch "
-        f"{torch_ours} NCCL {nccl_ours}: one communicator needs one NCCL (or set engine.weight_sync=disk)"
+        f"engine.weight_sync.mode=distributed: the engine's torch 2.9.1+cu128 has NCCL 2.27.3, the trainer's torch "
+        f"{torch_ours} NCCL {nccl_ours}: one communicator needs one NCCL (or set engine.weight_sync.mode=disk)"
     )
     assert preflight.nccl_problems(cfg(engine_python("same", f"2.9.1+cu128 {nccl_ours}"))) == []
     # a disk sync, or gloo on the CPU, joins no NCCL communicator

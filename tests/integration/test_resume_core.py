@@ -56,7 +56,7 @@ def test_split_rule_sends_wall_clock_keys_to_timings():
 
 def test_restored_trainer_continues_bit_exact(tiny_model_dir, tmp_path):
     """Two steps in one process == one step, commit, a fresh process's trainer restored from it, one step."""
-    cfg = TrainConfig(learning_rate=1e-2)
+    cfg = TrainConfig(optimizer={"learning_rate": 1e-2})
     paths = _run_dir(tmp_path)
     a = load_trainer(tiny_model_dir, cfg, seed=0)
     samples = agentic_samples(a.model)
@@ -168,13 +168,13 @@ def test_a_run_made_before_evaluations_resumes_and_reruns_without_them(tmp_path)
     from grpoflow.run.resume import load_saved_config
 
     saved = parse_run_config({"run_id": "old"}).model_dump(mode="json")
-    del saved["train"]["eval_samples_per_prompt"]  # config.json as a run of the earlier code wrote it
+    del saved["train"]["eval"]  # config.json as a run of the earlier code wrote it
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
-    assert load_saved_config(tmp_path / "old").train.eval_samples_per_prompt == 0
-    saved["train"]["eval_samples_per_prompt"] = 3  # a run that evaluates keeps its setting
+    assert load_saved_config(tmp_path / "old").train.eval.samples_per_prompt == 0
+    saved["train"]["eval"] = {"samples_per_prompt": 3}  # a run that evaluates keeps its setting
     (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
-    assert load_saved_config(tmp_path / "old").train.eval_samples_per_prompt == 3
+    assert load_saved_config(tmp_path / "old").train.eval.samples_per_prompt == 3
 
 
 def test_run_json_is_typed_a_damaged_field_fails_with_one_line_naming_it(tmp_path):

@@ -115,15 +115,15 @@ def key_file(tmp_path):
 
 def test_every_harbor_environment_type_is_a_sandbox_choice():
     for t in EnvironmentType:
-        assert parse_run_config({"rollout": {"sandbox": t.value}}).rollout.sandbox == t.value
-    assert parse_run_config({}).rollout.sandbox == "local"
+        assert parse_run_config({"rollout": {"sandbox": {"backend": t.value}}}).rollout.sandbox.backend == t.value
+    assert parse_run_config({}).rollout.sandbox.backend == "local"
 
 
 def test_unknown_sandbox_names_the_field_and_lists_the_choices():
     with pytest.raises(ConfigError) as info:
-        parse_run_config({"rollout": {"sandbox": "e2c"}})
+        parse_run_config({"rollout": {"sandbox": {"backend": "e2c"}}})
     msg = str(info.value)
-    assert "field `rollout.sandbox`" in msg and '(got "e2c")' in msg
+    assert "field `rollout.sandbox.backend`" in msg and '(got "e2c")' in msg
     assert all(f"'{name}'" in msg for name in ("local", "e2b", "daytona", "modal", "docker"))
 
 
@@ -140,7 +140,7 @@ def test_credentials_in_the_config_are_refused_without_echoing_them(rollout):
     with pytest.raises(ConfigError) as info:
         parse_run_config({"rollout": rollout})
     msg = str(info.value)
-    assert KEY not in msg and "credential" in msg and "rollout.sandbox_api_key_file" in msg
+    assert KEY not in msg and "credential" in msg and "rollout.sandbox.api_key_file" in msg
 
 
 @pytest.mark.parametrize(
@@ -149,19 +149,21 @@ def test_credentials_in_the_config_are_refused_without_echoing_them(rollout):
 )
 def test_key_file_only_for_providers_with_a_known_key_variable(sandbox, why):
     with pytest.raises(ConfigError, match=why):
-        parse_run_config({"rollout": {"sandbox": sandbox, "sandbox_api_key_file": "/k"}})
+        parse_run_config({"rollout": {"sandbox": {"backend": sandbox, "api_key_file": "/k"}}})
 
 
 def test_sandbox_config_local_and_harbor_types():
     local = sandbox_config(
-        parse_run_config({"rollout": {"sandbox_kwargs": {"memory_mb": 512}}}).rollout, work_dir="/tmp/x"
+        parse_run_config({"rollout": {"sandbox": {"kwargs": {"memory_mb": 512}}}}).rollout, work_dir="/tmp/x"
     )
     assert (local.import_path, local.type, local.kwargs) == (
         LOCAL_SANDBOX_IMPORT_PATH,
         None,
         {"memory_mb": 512, "work_dir": "/tmp/x"},
     )
-    rollout = parse_run_config({"rollout": {"sandbox": "e2b", "sandbox_kwargs": {"sandbox_timeout_secs": 600}}}).rollout
+    rollout = parse_run_config(
+        {"rollout": {"sandbox": {"backend": "e2b", "kwargs": {"sandbox_timeout_secs": 600}}}}
+    ).rollout
     e2b = sandbox_config(rollout)
     assert (e2b.type, e2b.import_path, e2b.kwargs) == (EnvironmentType.E2B, None, {"sandbox_timeout_secs": 600})
     assert sandbox_config(rollout, sandbox_timeout_secs=60).kwargs == {"sandbox_timeout_secs": 60}  # call site wins
@@ -245,19 +247,21 @@ def _e2b_rollout(tmp_path, key_file, retries=1, n=2):
     return parse_run_config(
         {
             "rollout": {
-                "sandbox": "e2b",
-                "sandbox_api_key_file": str(key_file),
                 "n_samples_per_prompt": n,
                 "concurrency": 4,
-                "sandbox_retries": retries,
-                "retry_backoff_s": 0.01,
+                "sandbox": {
+                    "backend": "e2b",
+                    "api_key_file": str(key_file),
+                    "retries": retries,
+                    "retry_backoff_s": 0.01,
+                },
             }
         }
     ).rollout
 
 
 def _collect(tmp_path, rollout):
-    export_sandbox_key(rollout.sandbox, rollout.sandbox_api_key_file)
+    export_sandbox_key(rollout.sandbox.backend, rollout.sandbox.api_key_file)
     return asyncio.run(
         collect_step(
             "leak",
@@ -375,7 +379,7 @@ def test_a_failing_gate_fails_the_trial_without_retry(tmp_path):
 
         return slot()
 
-    cfg = parse_run_config({"rollout": {"n_samples_per_prompt": 1, "sandbox_retries": 2}})
+    cfg = parse_run_config({"rollout": {"n_samples_per_prompt": 1, "sandbox": {"retries": 2}}})
     res = asyncio.run(
         collect_step(
             "g",
@@ -446,10 +450,10 @@ def test_prefect_gate_takes_a_slot_of_the_named_limit(prefect_server, all_logs):
 def test_cli_preflight_fails_first_listing_what_to_set(prefect_server, tmp_path, capfd, e2b_stand_in):
     from flows.cli import main
 
-    rc = main(["train", "--output-dir", str(tmp_path), "--run-id", "pf-1", "--set", "rollout.sandbox=e2b"])
+    rc = main(["train", "--output-dir", str(tmp_path), "--run-id", "pf-1", "--set", "rollout.sandbox.backend=e2b"])
     err = capfd.readouterr().err
     assert rc == 2 and "preflight found 1 problem:" in err
-    assert "rollout.sandbox=e2b needs an API key: set E2B_API_KEY" in err
+    assert "rollout.sandbox.backend=e2b needs an API key: set E2B_API_KEY" in err
     assert not (tmp_path / "pf-1").exists()  # failed before anything was prepared
 
 
@@ -469,14 +473,11 @@ def test_train_flow_on_e2b_writes_the_key_nowhere(
             "model": {"source": str(tiny_model_dir)},
             "dataset": {"path": "builtin-fixed"},
             "rollout": {
-                "sandbox": "e2b",
-                "sandbox_api_key_file": str(key_file),
                 "prompts_per_step": 1,
                 "n_samples_per_prompt": 2,
-                "sandbox_retries": 1,
-                "retry_backoff_s": 0.01,
+                "sandbox": {"backend": "e2b", "api_key_file": str(key_file), "retries": 1, "retry_backoff_s": 0.01},
             },
-            "train": {"steps": 1, "eval_samples_per_prompt": 0},
+            "train": {"steps": 1, "eval": {"samples_per_prompt": 0}},
         }
     )
     t0 = time.perf_counter()

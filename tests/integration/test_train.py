@@ -61,14 +61,15 @@ def test_pack_micro_batches():
 
 @pytest.mark.parametrize("aggregation", ["token", "sample"])
 def test_micro_batching_gives_the_whole_batch_gradient(tiny_model_dir, aggregation):
-    cfg = TrainConfig(loss_aggregation=aggregation, micro_batch_tokens=100_000)
+    cfg = TrainConfig(loss={"loss_aggregation": aggregation}, batch={"micro_batch_tokens": 100_000})
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     samples = agentic_samples(state.model)
     kept, adv, _ = prepare_samples(samples, cfg)
 
     def grads(budget):
         state.model.zero_grad(set_to_none=True)
-        m = backward_minibatch(state, kept, adv, cfg.model_copy(update={"micro_batch_tokens": budget}))
+        batch = cfg.batch.model_copy(update={"micro_batch_tokens": budget})
+        m = backward_minibatch(state, kept, adv, cfg.model_copy(update={"batch": batch}))
         return {n: p.grad.clone() for n, p in state.model.named_parameters()}, m
 
     whole, m_whole = grads(100_000)
@@ -84,7 +85,7 @@ def test_micro_batching_gives_the_whole_batch_gradient(tiny_model_dir, aggregati
 @pytest.mark.parametrize("filter_zero_std", [True, False])
 def test_all_zero_advantages_leave_weights_bitwise_unchanged(tiny_model_dir, filter_zero_std):
     # weight decay on: an optimizer.step with zero gradients would still shrink the weights
-    cfg = TrainConfig(filter_zero_std=filter_zero_std, weight_decay=0.1, learning_rate=1e-2)
+    cfg = TrainConfig(loss={"filter_zero_std": filter_zero_std}, optimizer={"weight_decay": 0.1, "learning_rate": 1e-2})
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     samples = agentic_samples(state.model)
     for s in samples:
@@ -97,7 +98,10 @@ def test_all_zero_advantages_leave_weights_bitwise_unchanged(tiny_model_dir, fil
 
 
 def test_train_step_is_deterministic_and_moves_weights(tiny_model_dir):
-    cfg = TrainConfig(learning_rate=1e-3, global_batch_size=5, micro_batch_tokens=64, weight_decay=0.01)
+    cfg = TrainConfig(
+        optimizer={"learning_rate": 1e-3, "weight_decay": 0.01},
+        batch={"global_batch_size": 5, "micro_batch_tokens": 64},
+    )
     runs = []
     for _ in range(2):
         state = load_trainer(tiny_model_dir, cfg, seed=3)
@@ -134,7 +138,7 @@ def test_an_update_sharing_cores_with_a_rollout_takes_them_back_within_a_micro_b
     fixed thread count gives, or a rerun of an async run would depend on timing. SmolLM2, the main job's model:
     its GEMMs are wide enough to be split between threads. Here, on 2 threads beside a 1-thread engine."""
     model = prepare_model("smollm2-135m-instruct").path
-    cfg = TrainConfig(learning_rate=1e-4)  # the whole step in one micro-batch, as on the main job
+    cfg = TrainConfig(optimizer={"learning_rate": 1e-4})  # the whole step in one micro-batch, as on the main job
     threads = torch.get_num_threads()
     seen = []  # the thread count each time the share is asked, before it sets the next
 
@@ -170,7 +174,7 @@ def test_an_update_sharing_cores_with_a_rollout_takes_them_back_within_a_micro_b
 
 
 def test_kl_to_reference(tiny_model_dir):
-    cfg = TrainConfig(kl_coef=0.1, learning_rate=1e-3)
+    cfg = TrainConfig(loss={"kl_coef": 0.1}, optimizer={"learning_rate": 1e-3})
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     assert state.ref_model is not None and not any(p.requires_grad for p in state.ref_model.parameters())
     samples = agentic_samples(state.model)
@@ -182,7 +186,7 @@ def test_kl_to_reference(tiny_model_dir):
 
 def test_bf16_autocast_path_runs(tiny_model_dir):
     # the CUDA configuration (fp32 weights, bf16 backbone, fp32 head), exercised with CPU autocast
-    cfg = TrainConfig(learning_rate=1e-3)
+    cfg = TrainConfig(optimizer={"learning_rate": 1e-3})
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     state.autocast_dtype = torch.bfloat16
     before = _weights(state.model)
@@ -205,7 +209,7 @@ def test_failed_or_unrewarded_samples_are_refused():
 def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
     from grpoflow.embedded.engine.weights import load_safetensors_dir
 
-    cfg = TrainConfig(learning_rate=1e-2, gradient_checkpointing=True)
+    cfg = TrainConfig(optimizer={"learning_rate": 1e-2}, batch={"gradient_checkpointing": True})
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     train_step(state, agentic_samples(state.model), cfg, seed=0)
     out = save_checkpoint(state.model, state.tokenizer, tmp_path / "checkpoints" / "step_1")
@@ -231,7 +235,9 @@ def test_a_lora_checkpoint_holds_the_adapter_and_the_merged_model_the_engine_ser
     from grpoflow.train.checkpoint import restore_training_state
     from grpoflow.train.lora import has_lora
 
-    cfg = TrainConfig(learning_rate=1e-2, lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    cfg = TrainConfig(
+        lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}, optimizer={"learning_rate": 1e-2}
+    )
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     trainable = [n for n, p in state.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)  # only the adapters train
@@ -294,13 +300,16 @@ def _sample_completions(model, prompt, n, new_tokens, gen):
 @pytest.mark.parametrize(
     "variant",
     [
-        {"learning_rate": 3e-3},
-        {"learning_rate": 3e-2, "lora": {"rank": 8, "alpha": 16}},  # adapters alone: a larger step size
+        {"optimizer": {"learning_rate": 3e-3, "max_grad_norm": 1.0}},
+        {
+            "optimizer": {"learning_rate": 3e-2, "max_grad_norm": 1.0},
+            "lora": {"rank": 8, "alpha": 16},
+        },  # adapters: larger lr
     ],
     ids=["full", "lora"],
 )
 def test_grpo_learns_to_emit_a_target_token(tiny_model_dir, variant):
-    cfg = TrainConfig(max_grad_norm=1.0, **variant)
+    cfg = TrainConfig(**variant)
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     model, tok = state.model, state.tokenizer
     text = tok.apply_chat_template(
@@ -358,7 +367,9 @@ def test_recomputed_old_logprobs_make_the_first_ratio_exactly_one_and_report_the
     (and corrected) apart."""
     results = {}
     for mode in ("rollout", "recompute"):
-        cfg = TrainConfig(learning_rate=1e-3, micro_batch_tokens=64, old_logprobs=mode)
+        cfg = TrainConfig(
+            optimizer={"learning_rate": 1e-3}, batch={"micro_batch_tokens": 64}, loss={"old_logprobs": mode}
+        )
         state = load_trainer(tiny_model_dir, cfg, seed=3)
         samples = agentic_samples(state.model)
         for s in samples:  # an engine far off the trainer: N(0, 0.5) on every trained logprob
@@ -374,7 +385,9 @@ def test_recomputed_old_logprobs_make_the_first_ratio_exactly_one_and_report_the
 
 def test_a_minibatch_whose_every_token_left_the_mismatch_band_does_not_step(tiny_model_dir):
     # weight decay on: a step on the zero gradient would still shrink the weights
-    cfg = TrainConfig(old_logprobs="recompute", mismatch_band=1.5, weight_decay=0.1, learning_rate=1e-2)
+    cfg = TrainConfig(
+        loss={"old_logprobs": "recompute", "mismatch_band": 1.5}, optimizer={"weight_decay": 0.1, "learning_rate": 1e-2}
+    )
     state = load_trainer(tiny_model_dir, cfg, seed=0)
     samples = agentic_samples(state.model)
     for s in samples:  # an engine 1 nat off on every trained token: exp(1) > 1.5, all outside the band
@@ -399,7 +412,12 @@ def test_over_long_samples_are_trained_masked_or_penalized_as_configured():
     cut = _turns(5, 16, status="TRUNCATED", i=0)  # its second turn hit max_new_tokens = 16
     near = _turns(14, reward=1.0, i=1)  # 2 tokens into the soft band of 4
     short = _turns(6, reward=1.0, i=2)
-    cfg = lambda mode: parse_run_config({"rollout": {"max_new_tokens": 16}, "train": {"truncated": mode}})  # noqa: E731
+
+    def cfg(mode):
+        return parse_run_config(
+            {"rollout": {"sampling": {"max_new_tokens": 16}}, "train": {"loss": {"truncated": mode}}}
+        )
+
     same, extra = shape_overlong([cut, near, short], cfg("train"))
     assert same == [cut, near, short] and extra == {}
 
@@ -438,7 +456,9 @@ def test_the_segments_of_a_rollout_share_one_overlong_penalty():
     first = _turns(16, 4, i=0)  # a compacted trial: its segments train different turns, one of them hit the limit
     second = _turns(4, i=0).model_copy(update={"segment_index": 1})
     other = _turns(4, reward=1.0, i=1)
-    cfg = parse_run_config({"rollout": {"max_new_tokens": 16}, "train": {"truncated": "penalize"}})
+    cfg = parse_run_config(
+        {"rollout": {"sampling": {"max_new_tokens": 16}}, "train": {"loss": {"truncated": "penalize"}}}
+    )
     shaped, extra = shape_overlong([first, second, other], cfg)
     assert [s.reward for s in shaped] == [-1.0, -1.0, 1.0] and extra["overlong_penalty_mean"] == -0.5
     prepare_samples(shaped, cfg.train)  # one reward per rollout: its segments' rewards agree

@@ -115,7 +115,7 @@ def test_bf16_keeps_fp32_master_weights_and_two_ranks_take_one_ranks_step(tiny_m
     # Adam's first step moves every weight by about lr whatever its gradient's size, so a near-zero gradient
     # whose sign the other reduction order flips moves its weight the other way: some elements (about a tenth of
     # a percent, seen on the CPU) differ by up to 2 x lr; the others agree to within fp32 rounding of the update.
-    lr = _config(tiny_model_dir, 1, "fsdp", **train).train.learning_rate
+    lr = _config(tiny_model_dir, 1, "fsdp", **train).train.optimizer.learning_rate
     diff = torch.cat([(w2[name] - p).abs().flatten() for name, p in w1.items()])
     assert (diff > 2e-6).float().mean().item() < 1e-2 and diff.max().item() <= 2 * lr * 1.01
 

@@ -1,18 +1,22 @@
 import json
 import re
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
 from grpoflow.config import (
+    MOVED_SETTINGS,
     RUN_ID_PATTERN,
     RunConfig,
     apply_overrides,
     load_run_config,
     new_run_id,
     parse_run_config,
+    read_config_file,
 )
 from grpoflow.errors import ConfigError
+from grpoflow.prepare.presets import layered_run_config
 
 
 def test_defaults_resolve_with_a_generated_readable_run_id():
@@ -50,25 +54,28 @@ def test_every_field_has_a_description():
     [
         ({"run_id": "Has Spaces"}, "run_id"),
         ({"seed": -1}, "seed"),
-        ({"rollout": {"temperature": 9}}, "rollout.temperature"),
+        ({"rollout": {"sampling": {"temperature": 9}}}, "rollout.sampling.temperature"),
         ({"rollout": {"n_samples_per_prompt": 0}}, "rollout.n_samples_per_prompt"),
         ({"rollout": {"temprature": 0.5}}, "rollout.temprature"),
-        ({"train": {"loss_aggregation": "mean"}}, "train.loss_aggregation"),
+        ({"train": {"loss": {"loss_aggregation": "mean"}}}, "train.loss.loss_aggregation"),
         ({"engine": {"backend": "tgi"}}, "engine.backend"),
         ({"engine": {"backend": "sglang"}}, "engine.url"),
         ({"engine": {"backend": "vllm"}}, "engine.url"),
         ({"engine": {"backend": "vllm-launch"}}, "engine.vllm_python"),
         ({"engine": {"backend": "vllm-launch", "vllm_python": "p", "url": "http://h:1"}}, "engine.url"),
         ({"engine": {"backend": "vllm-launch", "vllm_python": "p", "vllm_args": ["--seed=3"]}}, "engine.vllm_args"),
-        ({"engine": {"backend": "vllm", "url": "http://h:1", "weight_sync": "tensor"}}, "engine.weight_sync"),
+        (
+            {"engine": {"backend": "vllm", "url": "http://h:1", "weight_sync": {"mode": "tensor"}}},
+            "engine.weight_sync.mode",
+        ),
         ({"engine": {"backend": "vllm", "url": "http://h:1", "deterministic": True}}, "engine.deterministic"),
         ({"engine": {"backend": "vllm", "url": "http://h:1"}, "train": {"lora": {}}}, "train.lora"),
         ({"prompts": {"eval_fraction": 1.5}}, "prompts.eval_fraction"),
         ({"cluster": {"train_ranks": 0}}, "cluster.train_ranks"),
         ({"engine": {"replicas": 2, "backend": "sglang", "url": "http://h:1"}}, "engine.replicas"),
         (
-            {"cluster": {"ray_address": "local"}, "rollout": {"sandbox": "e2b", "sandbox_api_key_file": "/k"}},
-            "rollout.sandbox_api_key_file",
+            {"cluster": {"ray_address": "local"}, "rollout": {"sandbox": {"backend": "e2b", "api_key_file": "/k"}}},
+            "rollout.sandbox.api_key_file",
         ),
     ],
 )
@@ -82,17 +89,17 @@ def test_bad_value_gives_one_line_naming_the_field(data, field):
 
 def test_several_bad_fields_are_all_named_in_one_line():
     with pytest.raises(ConfigError) as exc:
-        parse_run_config({"seed": "x", "rollout": {"top_p": 0}})
+        parse_run_config({"seed": "x", "rollout": {"sampling": {"top_p": 0}}})
     msg = str(exc.value)
-    assert "`seed`" in msg and "`rollout.top_p`" in msg and "\n" not in msg
+    assert "`seed`" in msg and "`rollout.sampling.top_p`" in msg and "\n" not in msg
 
 
 def test_config_file_round_trip_and_overrides(tmp_path):
-    cfg = parse_run_config({"run_id": "abc", "rollout": {"temperature": 0.5}})
+    cfg = parse_run_config({"run_id": "abc", "rollout": {"sampling": {"temperature": 0.5}}})
     f = tmp_path / "c.json"
     f.write_text(json.dumps(cfg.model_dump(mode="json")))
-    again = load_run_config(f, {"rollout.max_turns": 7})
-    assert again.rollout.temperature == 0.5 and again.rollout.max_turns == 7 and again.run_id == "abc"
+    again = load_run_config(f, {"rollout.episode.max_turns": 7})
+    assert again.rollout.sampling.temperature == 0.5 and again.rollout.episode.max_turns == 7 and again.run_id == "abc"
 
 
 def test_config_file_errors_name_the_file(tmp_path):
@@ -126,7 +133,7 @@ def test_a_dotted_override_fills_an_empty_optional_section():
 def test_old_logprobs_auto_takes_the_decoupled_objective_when_rollouts_may_be_stale():
     assert parse_run_config({}).train.old_logprobs_mode() == "rollout"
     assert parse_run_config({"train": {"max_staleness": 1}}).train.old_logprobs_mode() == "recompute"
-    pinned = {"train": {"max_staleness": 1, "old_logprobs": "rollout"}}
+    pinned = {"train": {"max_staleness": 1, "loss": {"old_logprobs": "rollout"}}}
     assert parse_run_config(pinned).train.old_logprobs_mode() == "rollout"
 
 
@@ -134,21 +141,140 @@ def test_old_logprobs_auto_takes_the_decoupled_objective_when_rollouts_may_be_st
 def test_a_correction_that_would_do_nothing_is_refused_in_one_line(setting):
     name = next(iter(setting))
     with pytest.raises(ConfigError) as exc:
-        parse_run_config({"train": {"old_logprobs": "rollout", **setting}})
-    assert f"train.{name}" in str(exc.value) and "\n" not in str(exc.value)
+        parse_run_config({"train": {"loss": {"old_logprobs": "rollout", **setting}}})
+    assert f"train.loss.{name}" in str(exc.value) and "\n" not in str(exc.value)
     # the same setting with the old policy it acts on, or in an async run's default, is taken
-    assert getattr(parse_run_config({"train": {"old_logprobs": "recompute", **setting}}).train, name) is not None
-    assert getattr(parse_run_config({"train": {"max_staleness": 1, **setting}}).train, name) is not None
+    recomputed = {"train": {"loss": {"old_logprobs": "recompute", **setting}}}
+    assert getattr(parse_run_config(recomputed).train.loss, name) is not None
+    assert getattr(parse_run_config({"train": {"max_staleness": 1, "loss": setting}}).train.loss, name) is not None
 
 
 def test_a_saved_config_naming_every_default_still_loads():
     """config.json of an earlier run names every field, tis_cap's default among them, beside old_logprobs=rollout."""
     saved = parse_run_config({}).model_dump(mode="json")
-    saved["train"]["old_logprobs"] = "rollout"
-    assert parse_run_config(saved).train.tis_cap == 2.0
+    saved["train"]["loss"]["old_logprobs"] = "rollout"
+    assert parse_run_config(saved).train.loss.tis_cap == 2.0
 
 
 @pytest.mark.parametrize("band", [0.9, 1.0, [2.0, 5.0], [0.5, 0.9], [0.0, 5.0]])
 def test_a_band_that_holds_no_ratio_of_one_is_refused(band):
-    with pytest.raises(ConfigError, match="train.mismatch_band"):
-        parse_run_config({"train": {"old_logprobs": "recompute", "mismatch_band": band}})
+    with pytest.raises(ConfigError, match="train.loss.mismatch_band"):
+        parse_run_config({"train": {"loss": {"old_logprobs": "recompute", "mismatch_band": band}}})
+
+
+# --- the settings grouped by concern, and the old flat spellings that must keep loading ---
+
+FLAT_CONFIG = Path(__file__).parent / "fixtures" / "config_flat_layout.json"  # as main saved it before the groups
+
+
+def test_a_config_json_saved_in_the_flat_layout_loads_as_the_defaults():
+    saved = json.loads(FLAT_CONFIG.read_text())
+    assert "temperature" in saved["rollout"] and "learning_rate" in saved["train"]  # the old layout indeed
+    expected = RunConfig(run_id=saved["run_id"])
+    assert parse_run_config(saved) == expected
+    assert load_run_config(FLAT_CONFIG) == expected
+    assert RunConfig.model_validate(saved) == expected  # as Prefect validates a deployment's flat parameters
+
+
+def test_a_deployment_s_flat_parameters_validate_into_the_grouped_config():
+    """A deployment registered before the groups stores flat parameters; the flow's own validation moves them."""
+    from flows.evaluate import evaluate_flow
+    from flows.train import train_flow
+
+    flat = json.loads(FLAT_CONFIG.read_text())
+    assert train_flow.validate_parameters({"config": flat})["config"] == RunConfig(run_id=flat["run_id"])
+    params = evaluate_flow.validate_parameters({"config": {"train": {"eval_samples_per_prompt": 3}}})
+    assert params["config"].train.eval.samples_per_prompt == 3
+
+
+def test_resume_and_rerun_read_a_run_dir_saved_in_the_flat_layout(tmp_path):
+    from grpoflow.run.resume import load_saved_config
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(FLAT_CONFIG.read_text())
+    cfg = load_saved_config(tmp_path / "old")
+    assert cfg == RunConfig(run_id="saved-before-config-groups")
+    assert read_config_file(tmp_path / "old" / "config.json")["rollout"]["sandbox"] == cfg.rollout.sandbox.model_dump()
+
+
+def test_a_flat_config_file_layers_under_a_preset_and_takes_new_overrides(tmp_path):
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps({"rollout": {"temperature": 0.7, "harness": "terminus-2"}, "train": {"steps": 3}}))
+    cfg = layered_run_config("embedded-default", f, {"rollout.sampling.top_k": 5})
+    assert (cfg.rollout.sampling.temperature, cfg.rollout.sampling.top_k) == (0.7, 5)
+    assert cfg.rollout.harness.name == "terminus-2" and cfg.rollout.episode.max_turns == 3  # the preset's
+    assert load_run_config(f, {"rollout.sampling.temperature": 0.2}).rollout.sampling.temperature == 0.2
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("rollout.temperature=0.7", "rollout.sampling.temperature=0.7"),
+        ("rollout.harness=terminus-2", "rollout.harness.name=terminus-2"),
+        ("rollout.sandbox_kwargs.memory_mb=512", "rollout.sandbox.kwargs.memory_mb=512"),
+        ("train.save_interval=3", "train.checkpoint.interval=3"),
+        ("train.learning_rate=0.001", "train.optimizer.learning_rate=0.001"),
+        ("engine.weight_sync=disk", "engine.weight_sync.mode=disk"),
+    ],
+)
+def test_an_old_set_key_gives_the_config_of_the_new_one(old, new):
+    from flows.cli import _config_from_args, build_parser
+
+    def cfg(item):
+        return _config_from_args(build_parser().parse_args(["train", "--run-id", "r", "--set", item]))
+
+    assert cfg(old) == cfg(new) != cfg("train.steps=16")
+
+
+def test_an_old_and_a_new_name_of_one_setting_at_once_is_one_line_naming_both(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        apply_overrides({}, {"rollout.temperature": 0.5, "rollout.sampling.temperature": 0.5})
+    msg = str(exc.value)
+    assert "`rollout.temperature`" in msg and "`rollout.sampling.temperature`" in msg and "\n" not in msg
+    both = {"rollout": {"temperature": 0.5, "sampling": {"temperature": 0.4}}}
+    with pytest.raises(ConfigError) as exc:
+        parse_run_config(both)
+    msg = str(exc.value)
+    assert "`rollout.temperature`" in msg and "`rollout.sampling.temperature`" in msg and "\n" not in msg
+    f = tmp_path / "both.json"
+    f.write_text(json.dumps({"train": {"save_interval": 2, "checkpoint": {"interval": 3}}}))
+    with pytest.raises(ConfigError, match=r"both.json: `train.save_interval` and `train.checkpoint.interval`"):
+        load_run_config(f)
+
+
+def test_every_old_path_leads_to_a_setting_that_exists():
+    defaults = RunConfig().model_dump()
+    for old, new in MOVED_SETTINGS.items():
+        node = defaults
+        for part in new.split("."):
+            node = node[part]  # KeyError: the table points nowhere
+        assert old.split(".")[0] == new.split(".")[0], old  # a setting stays in its section
+
+
+def _field_counts(model: type[BaseModel], prefix: str = "") -> dict[str, int]:
+    """Fields of each section and group, by dotted path (a nested group counts as one field of its parent)."""
+    counts = {prefix.rstrip(".") or "<run>": len(model.model_fields)}
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            counts |= _field_counts(field.annotation, f"{prefix}{name}.")
+    return counts
+
+
+def test_fields_per_group():
+    counts = _field_counts(RunConfig)
+    print(counts)
+    assert {k: v for k, v in counts.items() if k.split(".")[0] in ("rollout", "train", "engine")} == {
+        "rollout": 8,
+        "rollout.sampling": 4,
+        "rollout.episode": 5,
+        "rollout.harness": 7,
+        "rollout.sandbox": 7,
+        "train": 12,
+        "train.loss": 12,
+        "train.optimizer": 3,
+        "train.batch": 4,
+        "train.checkpoint": 1,
+        "train.eval": 2,
+        "engine": 20,
+        "engine.weight_sync": 3,
+    }

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpoflow.config import TrainConfig
+from grpoflow.config import LossConfig
 from grpoflow.train.grpo import LossInputs, group_advantages, policy_loss, zero_std_groups
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -45,7 +45,7 @@ def _loss(lp, old, adv, mask, agg="token", **kw):
     # the loss reads the behaviour logprobs it is given; `recompute` only lets the config name the corrections
     settings = {"dual_clip": None, "tis_cap": None, "old_logprobs": "recompute"}
     settings |= {k: kw.pop(k) for k in LOSS_SETTINGS if k in kw}
-    cfg = TrainConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH, loss_aggregation=agg, **settings)
+    cfg = LossConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH, loss_aggregation=agg, **settings)
     return policy_loss(LossInputs(lp, old, adv, mask, **kw), cfg)
 
 

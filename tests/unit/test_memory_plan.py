@@ -52,7 +52,7 @@ def test_activation_checkpointing_keeps_each_layer_s_input_only():
 
 
 def test_the_run_s_settings_resolve_as_the_trainer_resolves_them():
-    cfg = parse_run_config({"run_id": "p", "train": {"kl_coef": 0.1, "micro_batch_tokens": 8192}})
+    cfg = parse_run_config({"run_id": "p", "train": {"loss": {"kl_coef": 0.1}, "batch": {"micro_batch_tokens": 8192}}})
     gpu, cpu = train_setup(cfg, 4, on_gpu=True), train_setup(cfg, 1, on_gpu=False)
     assert (gpu.sharding, gpu.precision, gpu.kl, gpu.checkpointing) == ("fsdp", "bf16", True, True)
     assert (cpu.sharding, cpu.precision) == ("replicate", "fp32")

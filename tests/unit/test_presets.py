@@ -20,66 +20,80 @@ def _dump(cfg) -> dict:
     return cfg.model_dump(exclude={"run_id"})
 
 
+def _leaves(data: dict, prefix: str = "") -> dict:
+    """Every setting of a dumped config by its dotted path (`train.optimizer.learning_rate`)."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out |= _leaves(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def test_the_presets():
     assert list(PRESETS) == ["embedded-default", "terminus-2-compaction", "sglang-e2b"]
 
 
 def test_embedded_default_is_the_main_job_recipe_over_the_defaults():
     cfg, defaults = load_preset("embedded-default"), parse_run_config({})
-    assert cfg.prompts.difficulties == ["easy"] and cfg.rollout.max_turns == 3
+    assert cfg.prompts.difficulties == ["easy"] and cfg.rollout.episode.max_turns == 3
     assert cfg.prompts.instance_eval_fraction == 0.5 and defaults.prompts.instance_eval_fraction is None
-    assert (cfg.train.learning_rate, cfg.train.eval_samples_per_prompt) == (5e-5, 2)
-    assert cfg.train.truncated == "penalize" and defaults.train.truncated == "train"
+    assert (cfg.train.optimizer.learning_rate, cfg.train.eval.samples_per_prompt) == (5e-5, 2)
+    assert cfg.train.loss.truncated == "penalize" and defaults.train.loss.truncated == "train"
     assert cfg.report.regrade_per_task == 2 and defaults.report.regrade_per_task == 0
     recipe = {
-        "prompts": ["difficulties", "instance_eval_fraction"],
-        "rollout": ["max_turns"],
-        "train": ["learning_rate", "eval_samples_per_prompt", "truncated"],
-        "report": ["regrade_per_task"],
+        "prompts.difficulties",
+        "prompts.instance_eval_fraction",
+        "rollout.episode.max_turns",
+        "train.optimizer.learning_rate",
+        "train.eval.samples_per_prompt",
+        "train.loss.truncated",
+        "report.regrade_per_task",
     }
-    for section, fields in _dump(defaults).items():  # everything else is the default
-        if isinstance(fields, dict):
-            for name, value in fields.items():
-                if name not in recipe.get(section, []):
-                    assert _dump(cfg)[section][name] == value, f"{section}.{name}"
+    ours = _leaves(_dump(cfg))
+    for name, value in _leaves(_dump(defaults)).items():  # everything else is the default
+        if name not in recipe:
+            assert ours[name] == value, name
 
 
 def test_main_starts_from_the_recipe_and_train_from_the_defaults():
     main_cfg = _config_from_args(build_parser().parse_args(["main", "--set", "train.steps=2"]))
     train_cfg = _config_from_args(build_parser().parse_args(["train", "--set", "train.steps=2"]))
     assert main_cfg.prompts.difficulties == ["easy"] and main_cfg.train.steps == 2
-    assert train_cfg.prompts.difficulties == [] and train_cfg.train.learning_rate == 1e-5
+    assert train_cfg.prompts.difficulties == [] and train_cfg.train.optimizer.learning_rate == 1e-5
     # the recipe is for the built-in model and tasks: with others, main starts from the defaults
     for own in (["--dataset", "/data/tasks"], ["--model", "/models/qwen"]):
         cfg = _config_from_args(build_parser().parse_args(["main", *own]))
-        assert cfg.prompts.difficulties == [] and cfg.train.learning_rate == 1e-5, own
+        assert cfg.prompts.difficulties == [] and cfg.train.optimizer.learning_rate == 1e-5, own
 
 
 def test_terminus_2_compaction_resolves_to_the_recipe():
     cfg = load_preset("terminus-2-compaction")
     r, t, e = cfg.rollout, cfg.train, cfg.engine
     assert (r.prompts_per_step, r.n_samples_per_prompt) == (4, 8)
-    assert t.global_batch_size == 32 == r.prompts_per_step * r.n_samples_per_prompt  # one optimizer step per step
+    assert t.batch.global_batch_size == 32 == r.prompts_per_step * r.n_samples_per_prompt  # one optimizer step a step
     assert t.steps == 100
-    assert (r.max_context_tokens, r.max_new_tokens) == (32768, 8192)
-    assert (t.eps_low, t.eps_high, t.kl_coef) == (0.2, 0.28, 0.01)
+    assert (r.episode.max_context_tokens, r.sampling.max_new_tokens) == (32768, 8192)
+    assert (t.loss.eps_low, t.loss.eps_high, t.loss.kl_coef) == (0.2, 0.28, 0.01)
     assert (e.backend, e.sglang_python) == ("sglang-launch", "/opt/sglang-venv/bin/python")
     # Everything the recipe does not name stays at its default.
     rest = parse_run_config(preset_config("terminus-2-compaction"))
     assert _dump(rest) == _dump(cfg)
     assert cfg.model == parse_run_config({}).model
-    assert (r.harness, r.parser, r.summarize, r.linear_history) == ("terminus-2", "xml", True, True)
+    h = r.harness
+    assert (h.name, h.parser, h.summarize, h.linear_history) == ("terminus-2", "xml", True, True)
 
 
 def test_terminus_2_compaction_is_runnable_and_layers_like_any_preset():
-    cfg = layered_run_config("terminus-2-compaction", None, {"rollout.summarize": False})
-    assert cfg.rollout.harness == "terminus-2" and cfg.rollout.summarize is False
+    cfg = layered_run_config("terminus-2-compaction", None, {"rollout.harness.summarize": False})
+    assert cfg.rollout.harness.name == "terminus-2" and cfg.rollout.harness.summarize is False
 
 
 def test_sglang_e2b_attaches_to_sglang_and_runs_trials_in_e2b():
     cfg = load_preset("sglang-e2b")
     assert (cfg.engine.backend, cfg.engine.url) == ("sglang", "http://127.0.0.1:30000")
-    assert cfg.rollout.sandbox == "e2b"
+    assert cfg.rollout.sandbox.backend == "e2b"
 
 
 def test_unknown_preset_lists_the_known_ones():
@@ -121,7 +135,7 @@ def test_cli_layers_preset_then_config_file_then_flags_then_set(tmp_path):
         ]
     )
     cfg = _config_from_args(args)
-    assert cfg.rollout.sandbox == "e2b"  # from the preset
+    assert cfg.rollout.sandbox.backend == "e2b"  # from the preset
     assert cfg.engine.url == "http://file:1" and cfg.engine.backend == "sglang"  # file over preset, section merged
     assert cfg.seed == 6 and cfg.rollout.concurrency == 4 and cfg.run_id == "layers-1"  # flags, --set over the file
 

@@ -227,7 +227,7 @@ class LocalSandbox(BaseEnvironment):
         if beyond:
             raise ValueError(
                 f"LocalSandbox reaches no network host ({', '.join(beyond)} asked): only its session bridge, at "
-                "127.0.0.1 (rollout.session_server_url is for cloud sandboxes)"
+                "127.0.0.1 (rollout.harness.session_server_url is for cloud sandboxes)"
             )
 
     @classmethod

@@ -645,7 +645,7 @@ class SessionServer:
     """
 
     def __init__(self, settings: SessionSettings, *, host: str = "127.0.0.1", public_url: str | None = None):
-        """`public_url`: the URL sandboxes elsewhere reach this server at (`rollout.session_server_url`); the
+        """`public_url`: the URL sandboxes elsewhere reach this server at (`rollout.harness.session_server_url`); the
         server then listens on every interface at its port. Without it, on `host` (loopback) at a free port."""
         self.settings, self.store = settings, SessionStore()
         self._secret = secrets.token_bytes(32)  # per server: tokens of another run's server are refused

@@ -25,10 +25,10 @@ def _run(tmp_path, capfd, *args):
 OUT_OF_RANGE = [
     ("engine.threads=0", "engine.threads"),
     ("engine.mem_fraction_static=1.0", "engine.mem_fraction_static"),
-    ("rollout.top_p=0", "rollout.top_p"),
-    ("rollout.max_context_tokens=10", "rollout.max_context_tokens"),
-    ("train.eps_low=2", "train.eps_low"),
-    ("train.learning_rate=0", "train.learning_rate"),
+    ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
+    ("rollout.episode.max_context_tokens=10", "rollout.episode.max_context_tokens"),
+    ("train.loss.eps_low=2", "train.loss.eps_low"),
+    ("train.optimizer.learning_rate=0", "train.optimizer.learning_rate"),
     ("prompts.max_prompts=0", "prompts.max_prompts"),
     ("seed=-5", "seed"),
 ]
@@ -41,26 +41,26 @@ def test_out_of_range_value_names_the_field(tmp_path, capfd, setting, field):
 
 
 WRONG = [
-    ("rollout.max_turns=four", "rollout.max_turns"),
-    ('train.scale_by_std="maybe"', "train.scale_by_std"),
+    ("rollout.episode.max_turns=four", "rollout.episode.max_turns"),
+    ('train.loss.scale_by_std="maybe"', "train.loss.scale_by_std"),
     ("engine.sglang_args=--tp", "engine.sglang_args"),
     ("train=5", "train"),
     ("trian.steps=3", "trian"),  # unknown section
     ("rollout.temprature=0.7", "rollout.temprature"),  # unknown key
-    ("rollout.harness=terminus", "rollout.harness"),
-    ("rollout.sandbox=nowhere", "rollout.sandbox"),
+    ("rollout.harness.name=terminus", "rollout.harness.name"),
+    ("rollout.sandbox.backend=nowhere", "rollout.sandbox.backend"),
     ("engine.backend=sglang-launch", "engine.sglang_python"),  # cross-field: launch needs its python
     ("engine.backend=sglang", "engine.url"),  # cross-field: an external server needs its URL
-    ('rollout.sandbox_kwargs={"auth_token": "x"}', "rollout.sandbox_kwargs.auth_token"),
+    ('rollout.sandbox.kwargs={"auth_token": "x"}', "rollout.sandbox.kwargs.auth_token"),
     # the local sandbox's kwargs, checked here rather than when the first trial starts
-    ('rollout.sandbox_kwargs={"memory_mb": -5}', "rollout.sandbox_kwargs.memory_mb"),
-    ("rollout.sandbox_kwargs.memory_mb=-5", "rollout.sandbox_kwargs.memory_mb"),
-    ('rollout.sandbox_kwargs={"memory_mb": "lots"}', "rollout.sandbox_kwargs.memory_mb"),
-    ('rollout.sandbox_kwargs={"memory_mb": true}', "rollout.sandbox_kwargs.memory_mb"),
-    ('rollout.sandbox_kwargs={"cpu_time_sec": 0}', "rollout.sandbox_kwargs.cpu_time_sec"),
-    ('rollout.sandbox_kwargs={"max_output_bytes": 1.5}', "rollout.sandbox_kwargs.max_output_bytes"),
-    ('rollout.sandbox_kwargs={"process_scope": "forever"}', "rollout.sandbox_kwargs.process_scope"),
-    ('rollout.sandbox_kwargs={"memroy_mb": 512}', "rollout.sandbox_kwargs.memroy_mb"),  # unknown key
+    ('rollout.sandbox.kwargs={"memory_mb": -5}', "rollout.sandbox.kwargs.memory_mb"),
+    ("rollout.sandbox.kwargs.memory_mb=-5", "rollout.sandbox.kwargs.memory_mb"),
+    ('rollout.sandbox.kwargs={"memory_mb": "lots"}', "rollout.sandbox.kwargs.memory_mb"),
+    ('rollout.sandbox.kwargs={"memory_mb": true}', "rollout.sandbox.kwargs.memory_mb"),
+    ('rollout.sandbox.kwargs={"cpu_time_sec": 0}', "rollout.sandbox.kwargs.cpu_time_sec"),
+    ('rollout.sandbox.kwargs={"max_output_bytes": 1.5}', "rollout.sandbox.kwargs.max_output_bytes"),
+    ('rollout.sandbox.kwargs={"process_scope": "forever"}', "rollout.sandbox.kwargs.process_scope"),
+    ('rollout.sandbox.kwargs={"memroy_mb": 512}', "rollout.sandbox.kwargs.memroy_mb"),  # unknown key
 ]
 
 
@@ -78,7 +78,7 @@ def test_bad_run_id_is_refused(tmp_path, capfd, run_id):
 
 
 def test_unknown_sandbox_kwarg_says_what_the_local_sandbox_takes_without_echoing_it(tmp_path, capfd):
-    err = _run(tmp_path, capfd, "--set", 'rollout.sandbox_kwargs={"memroy_mb": "x-secretish-9"}')
+    err = _run(tmp_path, capfd, "--set", 'rollout.sandbox.kwargs={"memroy_mb": "x-secretish-9"}')
     assert "not a setting of the local sandbox" in err and "memory_mb" in err and "x-secretish-9" not in err
 
 
@@ -86,9 +86,9 @@ def test_valid_local_sandbox_kwargs_and_another_sandbox_s_kwargs_pass():
     from grpoflow.config import parse_run_config
 
     local = {"memory_mb": 512, "cpu_time_sec": 60, "process_scope": "trial", "work_dir": "/tmp/sb"}
-    assert parse_run_config({"rollout": {"sandbox_kwargs": local}}).rollout.sandbox_kwargs == local
+    assert parse_run_config({"rollout": {"sandbox": {"kwargs": local}}}).rollout.sandbox.kwargs == local
     e2b = {"sandbox_timeout_secs": 600}  # not the local sandbox's: Harbor's environment checks its own
-    assert parse_run_config({"rollout": {"sandbox": "e2b", "sandbox_kwargs": e2b}}).rollout.sandbox_kwargs == e2b
+    assert parse_run_config({"rollout": {"sandbox": {"backend": "e2b", "kwargs": e2b}}}).rollout.sandbox.kwargs == e2b
 
 
 def test_credential_in_config_is_refused_without_echoing_it(tmp_path, capfd):
@@ -129,9 +129,9 @@ def test_config_that_is_a_directory_names_it(tmp_path, capfd):
 def test_saved_config_with_a_bad_override_names_the_field(tmp_path, capfd):
     # A config.json saved by a run is valid; an override on top of it is still checked field by field.
     f = tmp_path / "config.json"
-    f.write_text(json.dumps({"run_id": "old-run", "rollout": {"temperature": 0.5}}))
-    err = _run(tmp_path, capfd, "--config", str(f), "--set", "rollout.temperature=-1")
-    assert str(f) in err and "field `rollout.temperature`" in err
+    f.write_text(json.dumps({"run_id": "old-run", "rollout": {"sampling": {"temperature": 0.5}}}))
+    err = _run(tmp_path, capfd, "--config", str(f), "--set", "rollout.sampling.temperature=-1")
+    assert str(f) in err and "field `rollout.sampling.temperature`" in err
 
 
 def test_assert_one_line_helper_rejects_multiline():

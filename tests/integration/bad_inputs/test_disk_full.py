@@ -45,8 +45,10 @@ def small_disk(tmp_path):
 
 @pytest.fixture(scope="module")
 def trainer(tiny_model_dir):
-    state = load_trainer(tiny_model_dir, TrainConfig(learning_rate=1e-2), seed=0)
-    train_step(state, agentic_samples(state.model), TrainConfig(learning_rate=1e-2), seed=0)  # AdamW moments exist
+    state = load_trainer(tiny_model_dir, TrainConfig(optimizer={"learning_rate": 1e-2}), seed=0)
+    train_step(
+        state, agentic_samples(state.model), TrainConfig(optimizer={"learning_rate": 1e-2}), seed=0
+    )  # AdamW moments exist
     return state
 
 

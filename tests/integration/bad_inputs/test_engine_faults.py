@@ -75,10 +75,9 @@ def agent_trials(tmp_path_factory, tiny_model_dir):
             "engine": {"retries": 1, "request_timeout_s": 10, "outage_wait_s": 0},
             "rollout": {
                 "n_samples_per_prompt": 1,
-                "max_turns": 2,
                 "concurrency": 8,
-                "sandbox_retries": 2,
-                "retry_backoff_s": 0.0,
+                "episode": {"max_turns": 2},
+                "sandbox": {"retries": 2, "retry_backoff_s": 0.0},
             },
         }
     )
@@ -114,7 +113,7 @@ def test_engine_fault_in_a_trial_fails_it_with_no_reward_and_names_why(agent_tri
     assert (s.status, s.exit_status) == ("FAILED", status), (s.status, s.exit_status, s.exit_reason)
     error = "EngineUnavailableError: " if kind in UNAVAILABLE else "EngineError: "
     assert s.exit_reason.startswith(error) and "/generate" in s.exit_reason and "\n" not in s.exit_reason
-    assert s.metrics["retries"] == (2 if kind in UNAVAILABLE else 0)  # rollout.sandbox_retries for infrastructure
+    assert s.metrics["retries"] == (2 if kind in UNAVAILABLE else 0)  # rollout.sandbox.retries for infrastructure
 
 
 def test_healthy_engine_trial_is_scored_and_faulty_groups_dropped(agent_trials):
@@ -143,7 +142,11 @@ def test_an_outage_outlasting_the_agent_time_limit_is_the_engine_s_not_a_scored_
     cfg = parse_run_config(
         {
             "engine": {"retries": 1, "request_timeout_s": 10, "outage_wait_s": 600},
-            "rollout": {"n_samples_per_prompt": 1, "max_turns": 2, "sandbox_retries": 1, "retry_backoff_s": 0.0},
+            "rollout": {
+                "n_samples_per_prompt": 1,
+                "episode": {"max_turns": 2},
+                "sandbox": {"retries": 1, "retry_backoff_s": 0.0},
+            },
         }
     )
     prompt = PromptRecord(instance_id="down", task_path=str(task.path), instruction=task.instruction)

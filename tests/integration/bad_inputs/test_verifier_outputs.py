@@ -58,7 +58,7 @@ def outcome(tmp_path_factory):
             (task / "tests" / "test.sh").write_text(_HEAD + body)
         prompts.append(PromptRecord(instance_id=case, task_path=str(task), instruction=load_task(task).instruction))
     cfg = parse_run_config(
-        {"rollout": {"n_samples_per_prompt": 1, "concurrency": 8, "sandbox_retries": 1, "retry_backoff_s": 0.01}}
+        {"rollout": {"n_samples_per_prompt": 1, "concurrency": 8, "sandbox": {"retries": 1, "retry_backoff_s": 0.01}}}
     )
     res = asyncio.run(
         collect_step(

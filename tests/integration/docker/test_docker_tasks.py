@@ -30,7 +30,7 @@ def _cfg(tmp_path: Path, model: Path, dataset: Path, run_id: str, image_cache: P
             "output_dir": str(tmp_path / "runs"),
             "model": {"source": str(model)},
             "dataset": {"path": str(dataset), "build_images": True},
-            "rollout": {"sandbox_retries": 1, "sandbox_kwargs": {"image_cache_dir": str(image_cache)}},
+            "rollout": {"sandbox": {"retries": 1, "kwargs": {"image_cache_dir": str(image_cache)}}},
         }
     )
 

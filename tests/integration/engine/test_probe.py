@@ -12,7 +12,7 @@ from grpoflow.train.trainer import load_trainer
 
 
 def test_engine_and_trainer_agree_on_the_probe(engine_url, tiny_model_dir):
-    cfg = parse_run_config({"rollout": {"temperature": 0.7}})
+    cfg = parse_run_config({"rollout": {"sampling": {"temperature": 0.7}}})
     state = load_trainer(tiny_model_dir, cfg.train, seed=0)
     with EngineClient(engine_url) as client:
         gap = check_logprob_agreement(client, state, cfg)

@@ -82,7 +82,7 @@ def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, 
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     client = engine.client
     before = _engine_logprobs(client)
-    cfg = parse_run_config({"engine": {"weight_sync": mode}})
+    cfg = parse_run_config({"engine": {"weight_sync": {"mode": mode}}})
     with open_weight_sync(cfg, engine.url, trainer) as sync:
         sync = sync.syncs[0]  # the one engine's own sync
         assert isinstance(sync, kind) and not sync.needs_dir
@@ -127,14 +127,18 @@ def test_the_engine_refuses_tensor_updates_that_name_anything_but_tensors(engine
 
 def test_a_refused_update_fails_at_once_with_the_engines_reason(engine, tiny_model_dir, caplog):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
-    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
+    with open_weight_sync(
+        parse_run_config({"engine": {"weight_sync": {"mode": "distributed"}}}), engine.url, trainer
+    ) as sync:
         sync = sync.syncs[0]  # the one engine's own sync
         sync.group_name = "no-such-group"  # the engine refuses before any tensor is sent
         with pytest.raises(EngineError, match="no weight update group 'no-such-group'"):
             sync.push(trainer, "9")
     # The failed sync left the engine's weight-update session open (as it would leave SGLang's): the next run's
     # first sync closes it, says so, and goes through.
-    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
+    with open_weight_sync(
+        parse_run_config({"engine": {"weight_sync": {"mode": "distributed"}}}), engine.url, trainer
+    ) as sync:
         sync = sync.syncs[0]  # the one engine's own sync
         sync.push(trainer, "9")
     assert "had a weight-update session open" in caplog.text
@@ -146,7 +150,7 @@ def test_a_refused_update_fails_at_once_with_the_engines_reason(engine, tiny_mod
 def test_disk_sync_loads_the_step_dir(engine, tiny_model_dir, tmp_path):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     trainer.model.save_pretrained(tmp_path / "step_0")
-    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "disk"}}), engine.url, trainer) as sync:
+    with open_weight_sync(parse_run_config({"engine": {"weight_sync": {"mode": "disk"}}}), engine.url, trainer) as sync:
         sync = sync.syncs[0]  # the one engine's own sync
         assert isinstance(sync, DiskSync) and sync.needs_dir
         assert sync.push(trainer, "10", tmp_path / "step_0")["bytes"] > 0
@@ -160,7 +164,7 @@ def test_a_sync_fails_when_the_engine_does_not_report_the_new_version(engine, ti
     trainer.model.save_pretrained(tmp_path / "step_0")
     with StandinServer(str(tiny_model_dir), upstream=engine.url) as front:
         front.faults.inject("ignore_version", path="/update_weights_from_disk")
-        cfg = parse_run_config({"engine": {"weight_sync": "disk"}})
+        cfg = parse_run_config({"engine": {"weight_sync": {"mode": "disk"}}})
         with open_weight_sync(cfg, front.url, trainer) as sync:
             sync = sync.syncs[0]  # the one engine's own sync
             # (a label the engine's own numbering, which counts up from the last number, cannot hit by chance)
@@ -173,7 +177,9 @@ def test_a_sync_fails_when_the_engine_does_not_report_the_new_version(engine, ti
 def test_the_sync_probe_fails_when_the_engine_did_not_apply_a_sync(engine, tiny_model_dir):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     probe = SyncProbe(limit=0.1)
-    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
+    with open_weight_sync(
+        parse_run_config({"engine": {"weight_sync": {"mode": "distributed"}}}), engine.url, trainer
+    ) as sync:
         sync = sync.syncs[0]  # the one engine's own sync
         sync.push(trainer, "20")
         assert probe.check(engine.client, trainer, "20")["probe_gap"] < 1e-4
@@ -189,7 +195,9 @@ def test_the_sync_probe_fails_when_the_engine_did_not_apply_a_sync(engine, tiny_
 
 def test_the_sync_probe_bounds_the_gap_to_the_trainer(engine, tiny_model_dir):
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
-    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "distributed"}}), engine.url, trainer) as sync:
+    with open_weight_sync(
+        parse_run_config({"engine": {"weight_sync": {"mode": "distributed"}}}), engine.url, trainer
+    ) as sync:
         sync = sync.syncs[0]  # the one engine's own sync
         sync.push(trainer, "30")
         with torch.no_grad():  # far from what the engine serves, at the first check (nothing to compare with)
@@ -219,12 +227,12 @@ def _lora_trainer(tiny_model_dir):
 
 def test_an_adapter_sync_serves_base_plus_adapter_and_only_to_requests_that_name_it(engine, tiny_model_dir, tmp_path):
     base = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
-    with open_weight_sync(parse_run_config({"engine": {"weight_sync": "disk"}}), engine.url, base) as sync:
+    with open_weight_sync(parse_run_config({"engine": {"weight_sync": {"mode": "disk"}}}), engine.url, base) as sync:
         sync = sync.syncs[0]  # the one engine's own sync
         base.model.save_pretrained(tmp_path / "base")
         sync.push(base, "40", tmp_path / "base")  # the engine serves the plain base model
     trainer = _lora_trainer(tiny_model_dir)
-    cfg = parse_run_config({"engine": {"weight_sync": "adapter"}, "train": {"lora": {"rank": 4}}})
+    cfg = parse_run_config({"engine": {"weight_sync": {"mode": "adapter"}}, "train": {"lora": {"rank": 4}}})
     assert cfg.weight_sync_mode() == "adapter"
     with open_weight_sync(cfg, engine.url, trainer, tmp_path / "sync") as sync:
         sync = sync.syncs[0]  # the one engine's own sync
@@ -263,7 +271,7 @@ def test_a_failure_on_the_trainers_side_raises_at_once(tiny_model_dir, tmp_path,
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     with start_embedded_engine(tiny_model_dir, log_path=tmp_path / "engine.log") as own_engine:
         with open_weight_sync(
-            parse_run_config({"engine": {"weight_sync": "distributed"}}), own_engine.url, trainer
+            parse_run_config({"engine": {"weight_sync": {"mode": "distributed"}}}), own_engine.url, trainer
         ) as syncs:
             s = syncs.syncs[0]  # the one engine's own sync
             monkeypatch.setattr(sync_module, "broadcast_tensors", broken)

@@ -98,11 +98,15 @@ def run_config(output_dir: Path, model: Path, dataset: Path, run_id: str, steps:
         "rollout": {
             "prompts_per_step": 2,
             "n_samples_per_prompt": 4,
-            "max_new_tokens": 16,
-            "max_turns": 2,
-            "temperature": 1.0,
             "concurrency": 4,
-            "sandbox_create_limit": None,
+            "sampling": {"max_new_tokens": 16, "temperature": 1.0},
+            "episode": {"max_turns": 2},
+            "sandbox": {"create_limit": None},
         },
-        "train": {"steps": steps, "learning_rate": 2e-3, "save_interval": 2, "eval_samples_per_prompt": evals},
+        "train": {
+            "steps": steps,
+            "optimizer": {"learning_rate": 2e-3},
+            "checkpoint": {"interval": 2},
+            "eval": {"samples_per_prompt": evals},
+        },
     }

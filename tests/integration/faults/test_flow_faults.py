@@ -57,7 +57,7 @@ def test_flaky_sandbox_creation_through_the_train_flow(tmp_path, tiny_model_dir,
             "retry_backoff_s": 0.01,
         },
     )
-    assert cfg.rollout.sandbox_kwargs == {"fail_start_probability": 0.3, "fail_start_seed": 1}
+    assert cfg.rollout.sandbox.kwargs == {"fail_start_probability": 0.3, "fail_start_seed": 1}
     train_flow(cfg)
     root = tmp_path / "flaky"
     records = read_metrics(root / "metrics.jsonl")

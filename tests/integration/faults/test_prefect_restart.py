@@ -83,8 +83,18 @@ def test_prefect_server_restart_during_rollout(tmp_path, tiny_model_dir):
         "output_dir": str(tmp_path / "runs"),
         "model": {"source": str(tiny_model_dir)},
         "dataset": {"path": "builtin-fixed"},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, "max_turns": 1},
-        "train": {"steps": 4, "learning_rate": 1e-3, "save_interval": 1, "eval_samples_per_prompt": 0},
+        "rollout": {
+            "prompts_per_step": 2,
+            "n_samples_per_prompt": 2,
+            "sampling": {"max_new_tokens": 8},
+            "episode": {"max_turns": 1},
+        },
+        "train": {
+            "steps": 4,
+            "optimizer": {"learning_rate": 1e-3},
+            "checkpoint": {"interval": 1},
+            "eval": {"samples_per_prompt": 0},
+        },
     }
     metrics = tmp_path / "runs" / "restart" / "metrics.jsonl"
     server_log = open(tmp_path / "server.log", "ab")

@@ -97,8 +97,11 @@ def _with(cfg: dict, overrides: dict | None) -> dict:
     return cfg
 
 
-DISK = {"engine": {"weight_sync": "disk"}}
-LORA = {"engine": {"weight_sync": "adapter"}, "train": {"learning_rate": 3e-2, "lora": {"rank": 4, "alpha": 8}}}
+DISK = {"engine": {"weight_sync": {"mode": "disk"}}}
+LORA = {
+    "engine": {"weight_sync": {"mode": "adapter"}},
+    "train": {"lora": {"rank": 4, "alpha": 8}, "optimizer": {"learning_rate": 3e-2}},
+}
 
 
 def _journal(root: Path, step: int) -> list[dict]:
@@ -231,7 +234,7 @@ def disk_reference(setup):
     ("step", "resumed"), [(1, "step 1/3 (no step had completed"), (2, "step 3/3 (checkpoint step_1")]
 )
 def test_killed_with_a_disk_sync_resumes_like_its_reference(setup, disk_reference, capfd, caplog, step, resumed):
-    """The tests above sync in memory (the embedded engine's default); with engine.weight_sync=disk every step
+    """The tests above sync in memory (the embedded engine's default); with engine.weight_sync.mode=disk every step
     writes its dir for the engine: killed in step 1's update the run resumes from the start (step 0's dir was
     no full checkpoint), killed in step 2's from step 1's, whose dir the engine loads. Either way the steps
     since train again on their journaled trials, and the run ends as one never interrupted."""

@@ -16,14 +16,14 @@ def _err_line(capfd):
 
 
 def test_invalid_config_value_names_the_field(tmp_path, capfd):
-    assert main(["prepare", "--output-dir", str(tmp_path), "--set", "rollout.temperature=9"]) == 2
+    assert main(["prepare", "--output-dir", str(tmp_path), "--set", "rollout.sampling.temperature=9"]) == 2
     line = _err_line(capfd)
-    assert line.startswith("grpoflow: error: command line: field `rollout.temperature`")
+    assert line.startswith("grpoflow: error: command line: field `rollout.sampling.temperature`")
     assert not any(tmp_path.iterdir())
 
 
 def test_bad_set_syntax(tmp_path, capfd):
-    assert main(["prepare", "--output-dir", str(tmp_path), "--set", "rollout.temperature"]) == 2
+    assert main(["prepare", "--output-dir", str(tmp_path), "--set", "rollout.sampling.temperature"]) == 2
     assert "expected KEY=VALUE" in _err_line(capfd)
 
 

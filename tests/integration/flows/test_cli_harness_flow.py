@@ -31,15 +31,14 @@ def test_smollm2_trains_a_step_through_the_real_cli(tmp_path, harness):
             "dataset": {"path": str(tasks)},
             "prompts": {"eval_fraction": 0.0},
             "rollout": {
-                "harness": harness,
                 "prompts_per_step": 1,
                 "n_samples_per_prompt": 2,
-                "max_turns": 2,
-                "max_new_tokens": 8,
-                "max_context_tokens": 8192,  # the CLIs' system prompts alone run to thousands of tokens
+                "harness": {"name": harness},
+                "episode": {"max_turns": 2, "max_context_tokens": 8192},
+                "sampling": {"max_new_tokens": 8},
             },
             # equal rewards carry no GRPO signal: keep the group anyway, so the update gets the CLIs' samples
-            "train": {"steps": 1, "eval_samples_per_prompt": 0, "filter_zero_std": False},
+            "train": {"steps": 1, "eval": {"samples_per_prompt": 0}, "loss": {"filter_zero_std": False}},
         }
     )
     last = train_flow(cfg)

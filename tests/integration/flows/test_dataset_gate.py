@@ -177,7 +177,7 @@ def test_a_sandbox_failure_is_no_verdict_on_the_task(tmp_path, faulty_sandbox):
     root = tmp_path / "tasks"
     _copy(root, "hello-file", "good")
     rollout = parse_run_config(
-        {"rollout": {"sandbox_retries": 1, "retry_backoff_s": 0.01, "sandbox_kwargs": {"fail_start_probability": 1.0}}}
+        {"rollout": {"sandbox": {"retries": 1, "retry_backoff_s": 0.01, "kwargs": {"fail_start_probability": 1.0}}}}
     ).rollout
     report = run_gate(load_dataset(root, local_sandbox=True), rollout, tmp_path / "cache")
     [task] = report.tasks

@@ -89,7 +89,7 @@ def test_rerun_names_the_first_tensor_whose_bits_differ(tmp_path):
 
 
 def test_an_in_memory_weight_sync_trains_exactly_like_a_disk_sync(tmp_path, tiny_model_dir):
-    """engine.weight_sync=distributed (gloo on the CPU) gives the same run as the disk path, metric for metric,
+    """engine.weight_sync.mode=distributed (gloo on the CPU) gives the same run as the disk path, metric for metric,
     and writes only the full checkpoints; every sync is verified by the probe."""
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     data = reward_tasks(tmp_path / "tasks")

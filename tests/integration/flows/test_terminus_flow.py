@@ -86,21 +86,24 @@ def test_terminus2_trains_through_the_session_server(tmp_path, tiny_model_dir, s
             "prompts": {"eval_fraction": 0.0},
             "engine": {"backend": "sglang", "url": standin.url},
             "rollout": {
-                "harness": "terminus-2",
                 "prompts_per_step": 1,
                 "n_samples_per_prompt": 2,
-                "max_turns": 3,
-                "max_new_tokens": 256,
-                "max_context_tokens": 8192,
-                "temperature": 1.0,
+                "harness": {"name": "terminus-2"},
+                "episode": {"max_turns": 3, "max_context_tokens": 8192},
+                "sampling": {"max_new_tokens": 256, "temperature": 1.0},
             },
             # the stand-in scripts terminus-2's replies: its logprobs are not the model's, so no agreement probe
-            "train": {"steps": 1, "learning_rate": 1e-3, "eval_samples_per_prompt": 0, "max_probe_logprob_gap": None},
+            "train": {
+                "steps": 1,
+                "max_probe_logprob_gap": None,
+                "optimizer": {"learning_rate": 1e-3},
+                "eval": {"samples_per_prompt": 0},
+            },
         }
     )
     # The turn seeds of trial 1 of step 0's group (`grpoflow.seeds`): that trial solves the task, trial 0 does not.
     trial = trial_seed(cfg.seed, 0, "hello-file", 1)
-    standin.model.solving = frozenset(turn_seed(trial, turn) for turn in range(cfg.rollout.max_turns))
+    standin.model.solving = frozenset(turn_seed(trial, turn) for turn in range(cfg.rollout.episode.max_turns))
     last = train_flow(cfg)
 
     root = tmp_path / "runs" / "t2"
@@ -150,14 +153,14 @@ def test_terminus2_cut_off_by_its_time_limit_while_the_engine_is_down_is_not_sco
             "prompts": {"eval_fraction": 0.0},
             "engine": {"backend": "sglang", "url": standin.url, "outage_wait_s": 600},
             "rollout": {
-                "harness": "terminus-2",
                 "prompts_per_step": 1,
                 "n_samples_per_prompt": 2,
-                "max_new_tokens": 64,
-                "max_context_tokens": 8192,
-                "sandbox_retries": 0,
+                "harness": {"name": "terminus-2"},
+                "sampling": {"max_new_tokens": 64},
+                "episode": {"max_context_tokens": 8192},
+                "sandbox": {"retries": 0},
             },
-            "train": {"steps": 1, "eval_samples_per_prompt": 0, "max_probe_logprob_gap": None},
+            "train": {"steps": 1, "max_probe_logprob_gap": None, "eval": {"samples_per_prompt": 0}},
         }
     )
     train_flow(cfg)

@@ -26,11 +26,15 @@ def _cfg(tmp_path, model, run_id, evals=0, **over):
             "rollout": {
                 "prompts_per_step": 2,
                 "n_samples_per_prompt": 2,
-                "max_new_tokens": 16,
-                "max_turns": 2,
-                "temperature": 1.0,
+                "sampling": {"max_new_tokens": 16, "temperature": 1.0},
+                "episode": {"max_turns": 2},
             },
-            "train": {"steps": 3, "learning_rate": 1e-3, "save_interval": 2, "eval_samples_per_prompt": evals},
+            "train": {
+                "steps": 3,
+                "optimizer": {"learning_rate": 1e-3},
+                "checkpoint": {"interval": 2},
+                "eval": {"samples_per_prompt": evals},
+            },
             **over,
         }
     )
@@ -99,7 +103,7 @@ def test_evaluate_flow_scores_the_eval_split_without_training(tmp_path, tiny_mod
     m = evaluate_flow(_cfg(tmp_path, tiny_model_dir, "eval-1", prompts={}), split="eval")
     root = tmp_path / "eval-1"
     n_eval = sum(json.loads(line)["split"] == "eval" for line in (root / "prompts.jsonl").read_text().splitlines())
-    n = parse_run_config(json.loads((root / "config.json").read_text())).train.eval_samples_per_prompt
+    n = parse_run_config(json.loads((root / "config.json").read_text())).train.eval.samples_per_prompt
     assert m["eval/heldout/trials"] == n_eval * n and not (root / "checkpoints").exists()
     assert "eval/trained/trials" not in m  # the eval split only
     assert read_metrics(root / "metrics.jsonl")[0]["eval/heldout/trials"] == m["eval/heldout/trials"]

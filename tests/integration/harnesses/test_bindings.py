@@ -89,7 +89,7 @@ def test_a_key_file_is_handed_over_by_variable_name_only(tmp_path, monkeypatch):
 
 def test_an_empty_policy_key_file_is_a_one_line_error(tmp_path):
     (tmp_path / "k").write_text("  \n")
-    with pytest.raises(CredentialError, match=r"^rollout.policy_api_key_file .*k is empty"):
+    with pytest.raises(CredentialError, match=r"^rollout.harness.policy_api_key_file .*k is empty"):
         export_policy_key(str(tmp_path / "k"), environ={})
 
 
@@ -97,7 +97,12 @@ def test_an_empty_policy_key_file_is_a_one_line_error(tmp_path):
 def test_claude_code_gets_the_server_root_so_the_sdk_does_not_double_v1(api_base, tmp_path):
     assert claude_code_base_url(api_base) == "http://10.0.0.5:8100/sessions/step0-hello-file-3"
     cfg = parse_run_config(
-        {"rollout": {"harness": "claude-code", "sandbox": "e2b", "session_server_url": "http://10.0.0.5:8100"}}
+        {
+            "rollout": {
+                "harness": {"name": "claude-code", "session_server_url": "http://10.0.0.5:8100"},
+                "sandbox": {"backend": "e2b"},
+            }
+        }
     )
     ac = agent_factory(cfg.rollout, cfg.engine, "http://x", "m", api_base_for=lambda s: api_base)(SPEC)
     agent = AgentFactory.create_agent_from_config(ac, logs_dir=tmp_path)
@@ -114,21 +119,23 @@ def test_opencode_talks_chat_completions_to_our_url_under_its_own_provider_id(tm
 
 
 def test_unknown_harness_and_harnesses_the_sandbox_cannot_run_fail_before_any_trial():
-    with pytest.raises(ConfigError, match=r"rollout.harness `aider`: unknown; known harnesses: shell, terminus-2"):
+    with pytest.raises(ConfigError, match=r"rollout.harness.name `aider`: unknown; known harnesses: shell, terminus-2"):
         get_binding("aider")
-    with pytest.raises(ConfigError, match=r"field `rollout.harness`: Input should be"):
-        parse_run_config({"rollout": {"harness": "aider"}})
+    with pytest.raises(ConfigError, match=r"field `rollout.harness.name`: Input should be"):
+        parse_run_config({"rollout": {"harness": {"name": "aider"}}})
     for url in ("10.0.0.5", "https://10.0.0.5:8300"):
-        with pytest.raises(ConfigError, match=r"rollout.session_server_url.*give http://<host>:<port>"):
-            parse_run_config({"rollout": {"harness": "opencode", "session_server_url": url}})
-    cloud = parse_run_config({"rollout": {"harness": "claude-code", "sandbox": "e2b"}})
-    with pytest.raises(ConfigError, match=r"on rollout.sandbox=e2b calls the session server.*session_server_url"):
+        with pytest.raises(ConfigError, match=r"rollout.harness.session_server_url.*give http://<host>:<port>"):
+            parse_run_config({"rollout": {"harness": {"name": "opencode", "session_server_url": url}}})
+    cloud = parse_run_config({"rollout": {"harness": {"name": "claude-code"}, "sandbox": {"backend": "e2b"}}})
+    with pytest.raises(
+        ConfigError, match=r"on rollout.sandbox.backend=e2b calls the session server.*session_server_url"
+    ):
         agent_factory(cloud.rollout, cloud.engine, "http://x", "m")
 
 
 @pytest.mark.parametrize("harness", ["terminus-2", "claude-code", "opencode"])
 def test_each_trial_sends_its_own_session_token_and_no_config_holds_it_whole(harness, tmp_path):
-    cfg = parse_run_config({"rollout": {"harness": harness}})
+    cfg = parse_run_config({"rollout": {"harness": {"name": harness}}})
     make = agent_factory(
         cfg.rollout,
         cfg.engine,
@@ -151,7 +158,9 @@ def test_each_trial_sends_its_own_session_token_and_no_config_holds_it_whole(har
 def test_the_local_sandbox_keeps_processes_for_the_trial_only_when_the_harness_needs_it():
     def kwargs(harness, sandbox="local", **extra):
         return sandbox_config(
-            parse_run_config({"rollout": {"harness": harness, "sandbox": sandbox, "sandbox_kwargs": extra}}).rollout
+            parse_run_config(
+                {"rollout": {"harness": {"name": harness}, "sandbox": {"backend": sandbox, "kwargs": extra}}}
+            ).rollout
         ).kwargs
 
     assert kwargs("shell") == {}

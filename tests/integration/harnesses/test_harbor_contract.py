@@ -17,7 +17,7 @@ from harbor.models.trial.error_policy import ERROR_POLICIES
 from harbor.models.trial.result import ExceptionInfo, TrialResult
 from harbor.models.verifier.result import VerifierResult
 
-from grpoflow.config import RolloutConfig, SandboxName, parse_run_config
+from grpoflow.config import HarnessConfig, SandboxName, parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path
 from grpoflow.rollout.harnesses import HARNESSES, agent_factory
 from grpoflow.rollout.sandbox import sandbox_config
@@ -29,7 +29,7 @@ HARBOR_AGENTS = [h for h, b in HARNESSES.items() if b.harbor_agent in AgentName.
 
 
 def _cfg(harness: str):
-    return parse_run_config({"rollout": {"harness": harness, "sandbox": "local"}})
+    return parse_run_config({"rollout": {"harness": {"name": harness}, "sandbox": {"backend": "local"}}})
 
 
 def _agent_config(harness: str, api_base: str = "http://127.0.0.1:30000/v1"):
@@ -41,7 +41,7 @@ def _agent_config(harness: str, api_base: str = "http://127.0.0.1:30000/v1"):
 
 
 def test_the_config_offers_exactly_the_harnesses_of_the_table():
-    assert set(typing.get_args(RolloutConfig.model_fields["harness"].annotation)) == set(HARNESSES)
+    assert set(typing.get_args(HarnessConfig.model_fields["name"].annotation)) == set(HARNESSES)
 
 
 @pytest.mark.parametrize("harness", HARBOR_AGENTS)
@@ -75,7 +75,7 @@ def test_the_built_trial_config_is_a_valid_harbor_trial_config(harness, tmp_path
 
 @pytest.mark.parametrize("sandbox", [s for s in typing.get_args(SandboxName) if s != "local"])
 def test_every_pass_through_environment_type_exists_in_harbor(sandbox):
-    env = sandbox_config(parse_run_config({"rollout": {"sandbox": sandbox}}).rollout)
+    env = sandbox_config(parse_run_config({"rollout": {"sandbox": {"backend": sandbox}}}).rollout)
     assert env.type == EnvironmentType(sandbox) and env.import_path is None
 
 

@@ -36,10 +36,12 @@ def test_the_engine_context_is_read_as_sglang_reports_it(tiny_model_dir):
         context, info = asyncio.run(read())
         # SGLang's /get_server_info holds the --context-length flag (None here); /v1/models has the model's
         assert (context, info["context_length"]) == (300, None)
-        cfg = parse_run_config({"rollout": {"max_context_tokens": 4096}})
+        cfg = parse_run_config({"rollout": {"episode": {"max_context_tokens": 4096}}})
         fitted = asyncio.run(fit_to_engine(cfg.rollout, cfg.engine, server.url))
-        assert fitted.max_context_tokens == 293 and cfg.rollout.max_context_tokens == 4096  # SGLang's 300 - 7
-        small = parse_run_config({"rollout": {"max_context_tokens": 256}}).rollout
+        assert (
+            fitted.episode.max_context_tokens == 293 and cfg.rollout.episode.max_context_tokens == 4096
+        )  # SGLang's 300 - 7
+        small = parse_run_config({"rollout": {"episode": {"max_context_tokens": 256}}}).rollout
         assert asyncio.run(fit_to_engine(small, cfg.engine, server.url)) is small
 
 
@@ -50,7 +52,11 @@ def test_an_episode_past_the_engine_context_ends_by_its_budget_not_as_a_failed_t
     cfg = parse_run_config(
         {
             "engine": {"retries": 0},
-            "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 64, "max_context_tokens": 4096},
+            "rollout": {
+                "n_samples_per_prompt": 2,
+                "sampling": {"max_new_tokens": 64},
+                "episode": {"max_context_tokens": 4096},
+            },
         }
     )
     prompts = [PromptRecord(instance_id="hello-file", task_path=str(task.path), instruction=task.instruction)]

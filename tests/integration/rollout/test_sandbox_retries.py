@@ -22,7 +22,13 @@ pytestmark = [
 
 def _collect(tmp_path, prompts, retries, **sandbox_kwargs):
     cfg = parse_run_config(
-        {"rollout": {"n_samples_per_prompt": 4, "concurrency": 8, "sandbox_retries": retries, "retry_backoff_s": 0.01}}
+        {
+            "rollout": {
+                "n_samples_per_prompt": 4,
+                "concurrency": 8,
+                "sandbox": {"retries": retries, "retry_backoff_s": 0.01},
+            }
+        }
     )
     retried = []
     res = asyncio.run(

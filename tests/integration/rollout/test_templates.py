@@ -74,7 +74,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_for_the_shell_agent_o
     dataset = load_dataset("builtin-fixed")
     for harness, refused in (("shell", True), ("terminus-2", False)):
         cfg = parse_run_config(
-            {"run_id": harness, "output_dir": str(tmp_path / "runs"), "rollout": {"harness": harness}}
+            {"run_id": harness, "output_dir": str(tmp_path / "runs"), "rollout": {"harness": {"name": harness}}}
         )
         if refused:
             with pytest.raises(ModelError, match=r"renders earlier turns differently.*the shell agent cannot keep"):

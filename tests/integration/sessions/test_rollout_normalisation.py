@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpoflow.config import TrainConfig
+from grpoflow.config import LossConfig
 from grpoflow.samples import Sample
 from grpoflow.train.grpo import LossInputs, group_advantages, policy_loss
 from grpoflow.train.step import _rollout_minibatches
@@ -35,7 +35,7 @@ def test_sample_aggregation_weighs_a_segmented_rollout_as_one_sample():
 
     def run(rows_lp, rows_old, masks, adv, **kw):
         lp = rows_lp.clone().requires_grad_(True)
-        cfg = TrainConfig(eps_low=0.2, eps_high=0.28, loss_aggregation="sample", dual_clip=None, tis_cap=None)
+        cfg = LossConfig(eps_low=0.2, eps_high=0.28, loss_aggregation="sample", dual_clip=None, tis_cap=None)
         loss, _ = policy_loss(LossInputs(lp, rows_old, adv, masks, **kw), cfg)
         loss.backward()
         return loss.item(), lp.grad
@@ -126,7 +126,7 @@ def test_train_step_trains_each_generated_token_of_a_segmented_rollout_once(tiny
     other = _s("b").model_copy(
         update={"reward": 0.0, "tokens": [5, 6, 30], "loss_mask": [0, 0, 1], "rollout_logprobs": [0.0, 0.0, -2.0]}
     )
-    cfg = TrainConfig(loss_aggregation=aggregation, global_batch_size=1, micro_batch_tokens=64)
+    cfg = TrainConfig(loss={"loss_aggregation": aggregation}, batch={"global_batch_size": 1, "micro_batch_tokens": 64})
     state = load_trainer(tiny_model_dir, cfg, seed=0, device="cpu")
     out = train_step(state, segs + [other], cfg, seed=0)
     assert out["optimizer_steps"] == 2  # 2 rollouts, one per minibatch: the 3 segments travel together

@@ -417,7 +417,7 @@ def test_each_attempt_of_a_trial_gets_a_session_and_token_of_its_own(tiny_model_
     from grpoflow.rollout.trials import TrialSpec
     from tests.fakes.scripted_engine import ScriptedEngine
 
-    cfg = parse_run_config({"rollout": {"harness": "terminus-2"}})
+    cfg = parse_run_config({"rollout": {"harness": {"name": "terminus-2"}}})
     engine = ScriptedEngine(str(tiny_model_dir), lambda ids, i: Out([tok_id for tok_id in ids[:1]]))
     spec = TrialSpec("task", "/tasks/task", "g", 0, "g-0", 7)
 

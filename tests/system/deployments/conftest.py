@@ -117,8 +117,13 @@ def tiny_config(run_id: str, output_dir: Path, model_dir: Path) -> dict:
         "run_id": run_id,
         "output_dir": str(output_dir),
         "model": {"source": str(model_dir)},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, "max_turns": 1},
-        "train": {"steps": 1, "eval_samples_per_prompt": 0},
+        "rollout": {
+            "prompts_per_step": 2,
+            "n_samples_per_prompt": 2,
+            "sampling": {"max_new_tokens": 8},
+            "episode": {"max_turns": 1},
+        },
+        "train": {"steps": 1, "eval": {"samples_per_prompt": 0}},
         "report": {"regrade_per_task": 1},  # as the nightly recipe: the morning's task health regrades trials
     }
 

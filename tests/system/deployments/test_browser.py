@@ -109,7 +109,7 @@ def test_form_refuses_an_out_of_range_value(prefect_stack, browser):
         missing_model = str(prefect_stack.tmp / "no-such-model")
         _set_fields_until_they_stay(browser, {"Source": missing_model, "Temperature": "7"})
         browser.click_text("Submit")
-        message = "Validation failed for field 'config.rollout.temperature'"
+        message = "Validation failed for field 'config.rollout.sampling.temperature'"
         deadline = time.monotonic() + 30
         while message not in browser.text():
             assert time.monotonic() < deadline, f"no refusal shown:\n{browser.text()[-2000:]}"

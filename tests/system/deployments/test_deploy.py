@@ -165,21 +165,24 @@ def test_parameter_schema_is_a_typed_form(prefect_stack):
         p
         for p, s in leaves.items()
         if "default" not in s
-        and p not in ("config.engine.sglang_args", "config.engine.vllm_args", "config.rollout.sandbox_kwargs")
+        and p not in ("config.engine.sglang_args", "config.engine.vllm_args", "config.rollout.sandbox.kwargs")
     ]  # default_factory lists/dicts render as empty
     assert not no_default, f"fields without a default in the form: {no_default}"
     assert leaves["config.engine.backend"]["enum"] == ["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"]
-    assert "e2b" in leaves["config.rollout.sandbox"]["enum"] and leaves["config.rollout.sandbox"]["default"] == "local"
-    assert leaves["config.train.loss_aggregation"]["enum"] == ["token", "sample"]
-    assert leaves["config.rollout.temperature"]["maximum"] == 2.0
+    assert (
+        "e2b" in leaves["config.rollout.sandbox.backend"]["enum"]
+        and leaves["config.rollout.sandbox.backend"]["default"] == "local"
+    )
+    assert leaves["config.train.loss.loss_aggregation"]["enum"] == ["token", "sample"]
+    assert leaves["config.rollout.sampling.temperature"]["maximum"] == 2.0
     ev = stack.deployments["nightly-evaluate"]["parameter_openapi_schema"]["properties"]["split"]
     assert ev["enum"] == ["eval", "train", "all"] and ev["default"] == "eval" and ev["description"]
 
 
 BAD_CONFIGS = [
-    ({"rollout": {"temperature": 5}}, "config.rollout.temperature"),
+    ({"rollout": {"sampling": {"temperature": 5}}}, "config.rollout.sampling.temperature"),
     ({"engine": {"backend": "tgi"}}, "config.engine.backend"),
-    ({"rollout": {"sandbox": "my-laptop"}}, "config.rollout.sandbox"),
+    ({"rollout": {"sandbox": {"backend": "my-laptop"}}}, "config.rollout.sandbox.backend"),
     ({"run_id": "Not A Valid Id"}, "config.run_id"),
     ({"train": {"steps": "many"}}, "config.train.steps"),
     ({"train": {"stepz": 3}}, "config.train"),  # a typo is refused, not ignored
@@ -246,7 +249,11 @@ def test_two_nights_train_then_evaluate_by_event(prefect_stack, tiny_model_dir, 
     stack = prefect_stack
     ev = stack.deployments["nightly-evaluate"]
     runs = stack.tmp / "nights"
-    eval_config = {**tiny_config("", runs, tiny_model_dir), "run_id": None, "train": {"eval_samples_per_prompt": 0}}
+    eval_config = {
+        **tiny_config("", runs, tiny_model_dir),
+        "run_id": None,
+        "train": {"eval": {"samples_per_prompt": 0}},
+    }
     r = stack.request("PATCH", f"/deployments/{ev['id']}", {"parameters": {"config": eval_config, "split": "all"}})
     assert r.status_code == 204, r.text
     try:

@@ -7,7 +7,7 @@ Skipped unless both are set:
 
     GRPOFLOW_E2E_SANDBOX   the Harbor environment type to test, e.g. `e2b`
     its key variable       e.g. `E2B_API_KEY` for e2b; or GRPOFLOW_E2E_KEY_FILE, a file holding the key (it is
-                           passed as rollout.sandbox_api_key_file, which is the path production runs can use)
+                           passed as rollout.sandbox.api_key_file, which is the path production runs can use)
 
 Optional: GRPOFLOW_E2E_TASKS, comma-separated built-in tasks (default `hello-file,answer-42`); the provider's own
 settings (e.g. E2B_DOMAIN or E2B_API_URL for a self-hosted E2B). Run:
@@ -96,7 +96,7 @@ def test_oracle_trials_on_the_real_sandbox_are_verified(prefect_server, tmp_path
     assert {p.instance_id for p in prompts} == set(TASKS), f"built-in tasks not found: {TASKS}"
 
     # 3. a rollout-only step on the real sandbox (the key reaches the provider through the process environment).
-    export_sandbox_key(cfg.rollout.sandbox, cfg.rollout.sandbox_api_key_file)
+    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.api_key_file)
     step = asyncio.run(
         collect_step(
             cfg.run_id,

@@ -30,7 +30,8 @@ def test_the_next_rollout_overlaps_training_within_the_staleness_bound(tmp_path,
     data = reward_tasks(tmp_path / "tasks")
     runs = tmp_path / "runs"
     cfg = run_config(runs, model, data, f"async-{k}", steps=STEPS, evals=2)
-    cfg["train"] |= {"max_staleness": k, "eval_interval": 2}
+    cfg["train"]["max_staleness"] = k
+    cfg["train"]["eval"]["interval"] = 2
     state = train_flow(parse_run_config(cfg), return_state=True)
     assert state.is_completed()
     root = runs / f"async-{k}"

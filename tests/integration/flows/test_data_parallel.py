@@ -21,7 +21,7 @@ def _run(tmp_path, tiny_model_dir, run_id, ranks, steps):
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     data = reward_tasks(tmp_path / "tasks")
     cfg = run_config(tmp_path / "runs", model, data, run_id, steps=steps)
-    cfg["train"] |= {"save_interval": 1}
+    cfg["train"]["checkpoint"] = {"interval": 1}
     cfg["cluster"] = {"train_ranks": ranks}
     train_flow(parse_run_config(cfg))
     return tmp_path / "runs" / run_id

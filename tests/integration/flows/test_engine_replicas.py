@@ -27,7 +27,7 @@ def _config(tmp_path, tiny_model_dir, run_id):
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     data = reward_tasks(tmp_path / "tasks")
     cfg = run_config(tmp_path / "runs", model, data, run_id, steps=STEPS)
-    cfg["engine"] |= {"replicas": 2, "weight_sync": "distributed"}
+    cfg["engine"] |= {"replicas": 2, "weight_sync": {"mode": "distributed"}}
     return cfg
 
 

@@ -17,13 +17,10 @@ pytestmark = [pytest.mark.flow, pytest.mark.skipif(shutil.which("bwrap") is None
 def test_every_generated_token_is_trained_or_discarded_for_a_reason(tmp_path, tiny_model_dir, faulty_sandbox):
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     cfg = run_config(tmp_path / "runs", model, reward_tasks(tmp_path / "tasks", n=4), "ledger", steps=3)
-    cfg["rollout"] |= {
-        "prompts_per_step": 4,
-        "sandbox_kwargs": {"fail_start_probability": 0.1, "fail_start_seed": 2},
-        "sandbox_retries": 0,
-        "max_new_tokens": 10,  # some of the fence policy's replies run past 10 tokens: cut-off turns
-    }
-    cfg["train"] |= {"truncated": "mask"}
+    cfg["rollout"]["prompts_per_step"] = 4
+    cfg["rollout"]["sandbox"] |= {"kwargs": {"fail_start_probability": 0.1, "fail_start_seed": 2}, "retries": 0}
+    cfg["rollout"]["sampling"]["max_new_tokens"] = 10  # some of the fence policy's replies run past 10: cut-off turns
+    cfg["train"]["loss"] = {"truncated": "mask"}
     cfg["report"] = {"cost_per_gpu_hour": 2.0, "cost_per_sandbox_hour": 0.1}
     train_flow(parse_run_config(cfg))
     root = tmp_path / "runs" / "ledger"

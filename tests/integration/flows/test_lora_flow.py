@@ -21,8 +21,9 @@ def test_a_lora_run_trains_adapters_and_exports_the_merged_model(tmp_path, tiny_
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     runs = tmp_path / "runs"
     cfg = run_config(runs, model, reward_tasks(tmp_path / "tasks"), "lora", steps=3)
-    cfg["engine"]["weight_sync"] = sync
-    cfg["train"] |= {"learning_rate": 3e-2, "lora": {"rank": 4, "alpha": 8}}
+    cfg["engine"]["weight_sync"] = {"mode": sync}
+    cfg["train"]["optimizer"]["learning_rate"] = 3e-2
+    cfg["train"]["lora"] = {"rank": 4, "alpha": 8}
     train_flow(parse_run_config(cfg))
     rows = read_metrics(runs / "lora" / "metrics.jsonl")
     assert sum(r["train/optimizer_steps"] for r in rows) >= 1

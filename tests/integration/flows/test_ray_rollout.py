@@ -75,7 +75,7 @@ def test_trials_run_on_ray_workers_on_both_nodes(tmp_path, tiny_model_dir, ray_c
 
 def test_a_rollout_worker_killed_mid_step_loses_no_finished_trial(tmp_path, tiny_model_dir, ray_cluster):
     cfg = _config(tmp_path, tiny_model_dir, "lose-worker", ray_cluster, steps=1)
-    cfg["train"]["eval_samples_per_prompt"] = 0
+    cfg["train"]["eval"]["samples_per_prompt"] = 0
     root = tmp_path / "runs" / "lose-worker"
     seen: dict = {}
 
@@ -109,8 +109,8 @@ def test_a_rollout_worker_killed_mid_step_loses_no_finished_trial(tmp_path, tiny
 def test_the_train_flow_on_two_nodes_two_engines_and_two_trainer_ranks(tmp_path, tiny_model_dir, ray_cluster, caplog):
     cfg = _config(tmp_path, tiny_model_dir, "scaled-out", ray_cluster, steps=2)
     cfg["cluster"] |= {"train_ranks": 2}
-    cfg["engine"] |= {"replicas": 2}
-    cfg["train"] |= {"save_interval": 1}
+    cfg["engine"]["replicas"] = 2
+    cfg["train"]["checkpoint"] = {"interval": 1}
     train_flow(parse_run_config(cfg))
     out = caplog.text  # the flow's own lines (log_prints)
     assert "2 trainer ranks over gloo: rank 0 here, the other 1 as Ray actors" in out

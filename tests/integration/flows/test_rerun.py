@@ -97,7 +97,7 @@ def test_an_in_memory_weight_sync_trains_exactly_like_a_disk_sync(tmp_path, tiny
     rows = {}
     for sync in ("disk", "distributed"):
         cfg = run_config(runs, model, data, sync, steps=3)
-        cfg["engine"]["weight_sync"] = sync
+        cfg["engine"]["weight_sync"] = {"mode": sync}
         train_flow(parse_run_config(cfg))
         rows[sync] = read_metrics(runs / sync / "metrics.jsonl")
     assert sum(r["train/optimizer_steps"] for r in rows["disk"]) >= 1  # the weights moved, so syncs mattered

@@ -27,7 +27,8 @@ def test_two_nights_per_task_with_flags_and_infra_errors(tmp_path, tiny_model_di
     runs = tmp_path / "runs"
     for night, kwargs in (("night-1", {}), ("night-2", {"fail_start_probability": 0.2, "fail_start_seed": 5})):
         cfg = run_config(runs, model, data, night, steps=1)
-        cfg["rollout"] |= {"prompts_per_step": 3, "sandbox_kwargs": kwargs, "sandbox_retries": 0}
+        cfg["rollout"]["prompts_per_step"] = 3
+        cfg["rollout"]["sandbox"] |= {"kwargs": kwargs, "retries": 0}
         cfg["report"] = {"regrade_per_task": 2}
         # never-ok is the task the dataset gate leaves out (its oracle scores 0): off here, as task health is
         # what flags such a task in runs made without the gate

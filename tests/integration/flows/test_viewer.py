@@ -25,7 +25,7 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("viewer")
     model = fence_policy(tiny_model_dir, tmp / "policy")
     cfg = run_config(tmp / "runs", model, reward_tasks(tmp / "tasks"), "viewed", steps=2, evals=1)
-    cfg["rollout"]["max_new_tokens"] = 10  # some replies run longer: cut-off turns
+    cfg["rollout"]["sampling"]["max_new_tokens"] = 10  # some replies run longer: cut-off turns
     train_flow(parse_run_config(cfg))
     return tmp / "runs" / "viewed"
 

@@ -2,7 +2,7 @@
 the machine's GPU count alone (so it is tested without GPUs), refused with one line when it cannot work, and
 written into run.json.
 
-The trainer's ranks take GPUs 0..R-1 (rank r on GPU r, `train.parallel.rank_device`); an engine the run launches
+The trainer's ranks take GPUs 0..R-1 (rank r on GPU r, `GpuPlan.rank_device`); an engine the run launches
 on GPUs (`engine.backend` sglang-launch or vllm-launch, `engine.device` cuda) takes the next `engine.tp_size`,
 from GPU R (SGLang's `--base-gpu-id`; vLLM sees only those through `CUDA_VISIBLE_DEVICES`). Overlap is refused
 rather than shared: an engine's KV pool sized on a GPU that already holds the trainer runs the first update out
@@ -32,6 +32,10 @@ class GpuPlan:
     def engine_base_gpu(self) -> int | None:
         """The first GPU of a launched engine (SGLang's `--base-gpu-id`); None when it takes no GPU here."""
         return self.engine[0] if self.engine else None
+
+    def rank_device(self, rank: int) -> str:
+        """The torch device of trainer rank `rank` started on this machine: its GPU, or the CPU (gloo)."""
+        return f"cuda:{self.trainer[rank]}" if self.trainer else "cpu"
 
     def to_json(self) -> dict[str, object]:
         return {"gpus": self.gpus, "trainer": list(self.trainer), "engine": list(self.engine)}

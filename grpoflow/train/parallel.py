@@ -96,11 +96,6 @@ def all_reduce_sums(sums: dict[str, float], max_keys: Sequence[str], dp: DataPar
     return out
 
 
-def rank_device(rank: int, world: int) -> str:
-    """`cuda:<rank>` when every rank has a GPU of its own, else the CPU (gloo)."""
-    return f"cuda:{rank}" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
-
-
 class RankError(RuntimeError):
     """A trainer rank failed; the message carries its traceback."""
 

@@ -40,8 +40,9 @@ from grpoflow.engine.update_group import (
     join_update_group,
 )
 from grpoflow.errors import one_line
+from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.train.checkpoint import restore_training_state
-from grpoflow.train.parallel import DataParallel, RankError, rank_device
+from grpoflow.train.parallel import DataParallel, RankError
 from grpoflow.train.step import grpo_update
 from grpoflow.train.trainer import load_trainer
 
@@ -171,6 +172,8 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "threads": torch.get_num_threads(),
         "sharded": sharded,
+        # ranks started here: each on its GPU of the run's plan (the one the engine's GPUs were placed beside)
+        "devices": [] if on_ray else [plan_gpus(cfg, machine_gpus()).rank_device(r) for r in range(world)],
     }
     procs = _start_on_ray(spec, world, backend) if on_ray else _start_here(spec, world)
     workers = RankWorkers(store, procs, cfg.cluster.collective_timeout_s)
@@ -296,7 +299,7 @@ def _stop(procs: list) -> None:
 
 
 def _start_here(spec: dict, world: int) -> list[subprocess.Popen]:
-    """Ranks 1.. as processes of this machine, each on `rank_device`."""
+    """Ranks 1.. as processes of this machine, each on its device of the run's GPU plan (`spec["devices"]`)."""
     return [
         subprocess.Popen([sys.executable, "-m", "grpoflow.train.ranks", json.dumps(spec), str(rank)])
         for rank in range(1, world)
@@ -431,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     spec = json.loads(args.spec)
-    _worker(spec, args.rank, rank_device(args.rank, spec["world"]))
+    _worker(spec, args.rank, spec["devices"][args.rank])
     return 0
 
 

@@ -81,3 +81,10 @@ def test_the_run_s_servers_listen_on_loopback_unless_other_nodes_need_them():
     assert serve_host(ClusterConfig()) == "127.0.0.1"
     assert serve_host(ClusterConfig(ray_address="local")) == "127.0.0.1"  # Ray on this machine alone
     assert serve_host(ClusterConfig(ray_address="head:6379", listen_host="10.0.0.7")) == "10.0.0.7"
+
+
+def test_trainer_ranks_started_here_take_the_plan_s_gpus_and_the_cpu_without_one():
+    plan = plan_gpus(_cfg(ranks=4, tp=4), 8)
+    assert [plan.rank_device(r) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    cpu = plan_gpus(_cfg(ranks=2, backend="embedded"), 0)
+    assert [cpu.rank_device(r) for r in range(2)] == ["cpu", "cpu"]

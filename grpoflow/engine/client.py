@@ -46,7 +46,7 @@ from grpoflow.engine.protocol import (
     VLLMWeightInfo,
     WeightsUpdateGroupResponse,
 )
-from grpoflow.errors import EngineError, EngineUnavailableError
+from grpoflow.errors import EngineError, EngineUnavailableError, one_line
 
 M = TypeVar("M", bound=BaseModel)
 U = TypeVar("U", UpdateWeightsFromDiskResponse, WeightsUpdateGroupResponse, LoRAUpdateResponse)
@@ -540,13 +540,13 @@ def _error_text(resp: httpx.Response) -> str:
     try:
         data = resp.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return resp.text[:300].replace("\n", " ")
+        return one_line(resp.text)
     if isinstance(data, dict):
         err = data.get("error")
         msg = data.get("message") or (err.get("message") if isinstance(err, dict) else err) or data.get("detail")
         if msg:
-            return str(msg).replace("\n", " ")[:300]
-    return json.dumps(data)[:300]
+            return one_line(msg)
+    return one_line(json.dumps(data))
 
 
 def _describe(e: BaseException) -> str:

@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpoflow.errors import ConfigError
+from grpoflow.errors import ConfigError, one_line
 from grpoflow.fileio import publish_dir
 from grpoflow.prepare.model import default_cache_dir
 
@@ -103,4 +103,4 @@ def _install(npm: str, pkg: CliPackage, prefix: Path) -> None:
 
 
 def _tail(text: str) -> str:
-    return " ".join(text.strip().splitlines()[-3:])[:400]
+    return one_line(" ".join(text.strip().splitlines()[-3:]), 400)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from grpoflow.errors import one_line
+
 
 def safetensors_problem(model_dir: Path) -> str | None:
     """The first problem of `model_dir`'s safetensors files as one line, or None."""
@@ -17,7 +19,7 @@ def safetensors_problem(model_dir: Path) -> str | None:
         try:
             shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            return f"{index.name} is not a safetensors index ({type(err).__name__}: {_one_line(err)})"
+            return f"{index.name} is not a safetensors index ({type(err).__name__}: {one_line(str(err))})"
         missing = sorted(s for s in shards if not (model_dir / s).is_file())
         if missing:
             return f"{index.name} names {', '.join(missing[:3])}, which the dir lacks"
@@ -27,9 +29,5 @@ def safetensors_problem(model_dir: Path) -> str | None:
             with safe_open(f, framework="pt") as weights:
                 weights.keys()
         except (SafetensorError, OSError) as err:
-            return f"{f.name} is truncated or corrupt ({_one_line(err)})"
+            return f"{f.name} is truncated or corrupt ({one_line(str(err))})"
     return None
-
-
-def _one_line(err: object) -> str:
-    return " ".join(str(err).split())[:300]

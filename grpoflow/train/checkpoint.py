@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from grpoflow.errors import CheckpointError
+from grpoflow.errors import CheckpointError, one_line
 from grpoflow.fileio import publish_dir
 from grpoflow.train.fsdp import OPTIMIZER_DCP
 from grpoflow.train.lora import ADAPTER_DIR, has_lora, load_adapter, save_adapter, serving_tensors
@@ -89,7 +89,7 @@ def write_failure(path: Path, err: BaseException) -> CheckpointError | None:
     elif type(err).__name__ == "SafetensorError" or (
         isinstance(err, RuntimeError) and free is not None and free < FULL
     ):
-        why = " ".join(str(err).split())[:200]
+        why = one_line(str(err), 200)
     else:
         return None
     room = "" if free is None else f" ({free // 1024} KiB free on its filesystem)"

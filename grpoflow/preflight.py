@@ -73,8 +73,8 @@ def nccl_problems(cfg: RunConfig) -> list[str]:
     environments (the engine pins its own torch): their NCCL versions must agree, or the first sync fails after a
     whole rollout and update. Over gloo (the CPU) torch versions may differ."""
     e = cfg.engine
-    python = {"sglang-launch": e.sglang_python, "vllm-launch": e.vllm_python}.get(e.backend)
-    if python is None or e.device != "cuda" or cfg.weight_sync_mode() != "distributed":
+    python = {"sglang-launch": e.sglang.python, "vllm-launch": e.vllm.python}.get(e.backend)
+    if python is None or e.launch.device != "cuda" or cfg.weight_sync_mode() != "distributed":
         return []
     ours = subprocess.run([sys.executable, "-c", _NCCL_PROBE], capture_output=True, text=True, timeout=120)
     try:
@@ -83,7 +83,7 @@ def nccl_problems(cfg: RunConfig) -> list[str]:
         )
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
         detail = getattr(err, "stderr", None) or err
-        return [f"engine.{e.backend.split('-')[0]}_python {python}: cannot report its torch ({one_line(detail, 200)})"]
+        return [f"engine.{e.api}.python {python}: cannot report its torch ({one_line(detail, 200)})"]
     (t_ours, n_ours), (t_theirs, n_theirs) = ours.stdout.split()[:2], theirs.stdout.split()[:2]
     if n_ours != n_theirs:
         return [

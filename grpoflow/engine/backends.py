@@ -1,5 +1,5 @@
 """The engine a run talks to, whichever backend: the embedded one started for the run (or several, behind an
-sglang-router started with them: `engine.replicas`), an SGLang or vLLM server started for the run from its own
+sglang-router started with them: `engine.embedded.replicas`), an SGLang or vLLM server started for the run from its own
 environment, or an SGLang server (or a router in front of several) or a vLLM server already running. Either way
 the rest of the pipeline generates through one URL with one client (`EngineClient`, which speaks vLLM's API
 where `engine.api` says so and answers as SGLang does) that retries infrastructure faults (`engine.retries`)
@@ -56,19 +56,19 @@ def open_engine(
                     start_embedded_engine(
                         model_path,
                         seed=seed,
-                        threads=cfg.threads,
-                        log_path=_replica_log(log_path, i, cfg.replicas),
+                        threads=cfg.embedded.threads,
+                        log_path=_replica_log(log_path, i, cfg.embedded.replicas),
                         client_timeout=cfg.request_timeout_s,
                         client_retries=cfg.retries,
                         # Deterministic: a request's forwards never depend on what else is running or was cached.
-                        max_batch_size=1 if cfg.deterministic else cfg.max_batch_size,
+                        max_batch_size=1 if cfg.deterministic else cfg.embedded.max_batch_size,
                         prefix_cache_tokens=0 if cfg.deterministic else None,
                         host=host,
                     )
                 )
-                for i in range(cfg.replicas)
+                for i in range(cfg.embedded.replicas)
             ]
-            threads = cfg.threads * cfg.replicas
+            threads = cfg.embedded.threads * cfg.embedded.replicas
             if len(engines) == 1:
                 yield EngineHandle(engines[0].url, engines[0].client, host_threads=threads)
                 return
@@ -76,7 +76,7 @@ def open_engine(
             router = stack.enter_context(
                 start_router(
                     urls,
-                    policy=cfg.router_policy,
+                    policy=cfg.embedded.router_policy,
                     log_path=log_path.with_name("router.log"),
                     client_timeout=cfg.request_timeout_s,
                     client_retries=cfg.retries,
@@ -108,22 +108,22 @@ def _launched(
     """The SGLang or vLLM server `cfg` launches, serving, on the GPUs from `base_gpu_id` on (the run's plan)."""
     common = {
         "log_path": log_path,
-        "startup_timeout": cfg.startup_timeout_s,
+        "startup_timeout": cfg.launch.startup_timeout_s,
         "client_timeout": cfg.request_timeout_s,
         "client_retries": cfg.retries,
         "host": host,
     }
     if cfg.backend == "vllm-launch":
-        assert cfg.vllm_python, "validated by EngineConfig"
+        assert cfg.vllm.python, "validated by EngineConfig"
         extra_args, env = vllm_launch.launch_settings(cfg, seed, base_gpu_id)
-        return vllm_launch.start_vllm_server(cfg.vllm_python, model_path, extra_args=extra_args, env=env, **common)
-    assert cfg.sglang_python, "validated by EngineConfig"
+        return vllm_launch.start_vllm_server(cfg.vllm.python, model_path, extra_args=extra_args, env=env, **common)
+    assert cfg.sglang.python, "validated by EngineConfig"
     extra_args, env = sglang_launch.launch_settings(cfg, seed, base_gpu_id)
     return sglang_launch.start_sglang_server(
-        cfg.sglang_python,
+        cfg.sglang.python,
         model_path,
         tp_size=cfg.tp_size,
-        mem_fraction_static=cfg.mem_fraction_static,
+        mem_fraction_static=cfg.launch.mem_fraction_static,
         extra_args=extra_args,
         env=env,
         **common,

@@ -1,16 +1,16 @@
 """Start an SGLang server for a run from SGLang's own Python environment, wait until it serves, stop it after.
 
 SGLang pins its own torch, transformers and CUDA kernels (and conflicts with Harbor's openai pin), so it runs from
-a separate interpreter (`engine.sglang_python`) and grpoflow only talks to it over HTTP. The command is
+a separate interpreter (`engine.sglang.python`) and grpoflow only talks to it over HTTP. The command is
 
-    <sglang_python> -m sglang.launch_server --model-path M --host 127.0.0.1 --port P --tp-size N
-        --mem-fraction-static F --random-seed S [--max-total-tokens T] [CPU flags] [engine.sglang_args]
+    <engine.sglang.python> -m sglang.launch_server --model-path M --host 127.0.0.1 --port P --tp-size N
+        --mem-fraction-static F --random-seed S [--max-total-tokens T] [CPU flags] [engine.sglang.args]
 
 with flag names from sgl-project/sglang `python/sglang/srt/server_args.py` (`ServerArgs.add_cli_args`).
-`engine.device = "cpu"` runs it on the CPU (`launch_settings`): `SGLANG_USE_CPU_ENGINE=1`, `--device cpu`,
+`engine.launch.device = "cpu"` runs it on the CPU (`launch_settings`): `SGLANG_USE_CPU_ENGINE=1`, `--device cpu`,
 `--attention-backend torch_native` (SGLang's CPU attention kernels come from `sgl_kernel`'s CPU build, which the
 torch-native backend does not need), `--sleep-on-idle` (else its idle scheduler polls on a full core) and a KV
-cache of `engine.max_total_tokens` (else SGLang sizes it from the host's free memory).
+cache of `engine.sglang.max_total_tokens` (else SGLang sizes it from the host's free memory).
 SGLang has no "bind port 0 and report it" option, so a free port is picked here just before the start; if another
 process takes it in between, SGLang dies at startup and the error below says so with its log.
 
@@ -28,18 +28,18 @@ from grpoflow.config import EngineConfig
 from grpoflow.engine.launch import EngineProcess, server_python, start_server
 from grpoflow.sockets import free_port
 
-CPU_MAX_TOTAL_TOKENS = 16384  # the KV cache of a CPU launch unless engine.max_total_tokens says otherwise
+CPU_MAX_TOTAL_TOKENS = 16384  # the KV cache of a CPU launch unless engine.sglang.max_total_tokens says otherwise
 
 
 def launch_settings(cfg: EngineConfig, seed: int, base_gpu_id: int | None = None) -> tuple[list[str], dict[str, str]]:
-    """The flags a launch from `cfg` passes after grpoflow's own (`sglang_command`), `cfg.sglang_args` last, and
+    """The flags a launch from `cfg` passes after grpoflow's own (`sglang_command`), `engine.sglang.args` last, and
     the environment variables it sets (see the module doc). `base_gpu_id`: the first of the GPUs the run's plan
     gives the engine (`grpoflow.placement`), so it does not start on the trainer's."""
     args, env = ["--random-seed", str(seed)], {}
-    if base_gpu_id is not None and cfg.device == "cuda":
+    if base_gpu_id is not None and cfg.launch.device == "cuda":
         args += ["--base-gpu-id", str(base_gpu_id)]
-    total = cfg.max_total_tokens
-    if cfg.device == "cpu":
+    total = cfg.sglang.max_total_tokens
+    if cfg.launch.device == "cpu":
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         total = total or CPU_MAX_TOTAL_TOKENS
@@ -47,7 +47,7 @@ def launch_settings(cfg: EngineConfig, seed: int, base_gpu_id: int | None = None
         args += ["--max-total-tokens", str(total)]
     if cfg.deterministic:
         args.append("--enable-deterministic-inference")
-    return args + cfg.sglang_args, env
+    return args + cfg.sglang.args, env
 
 
 def sglang_command(
@@ -89,7 +89,7 @@ def start_sglang_server(
 ) -> EngineProcess:
     """Spawn SGLang on `server["host"]` (default 127.0.0.1; a free port) and return once `/health` answers 200.
     `server`: `start_server`'s keywords (env, log_path, startup_timeout, client_timeout, client_retries, host)."""
-    exe = server_python(python, "engine.sglang_python", "SGLang", "/opt/sglang-venv/bin/python")
+    exe = server_python(python, "engine.sglang.python", "SGLang", "/opt/sglang-venv/bin/python")
     host = server.setdefault("host", "127.0.0.1")
     port = free_port(host)
     cmd = sglang_command(

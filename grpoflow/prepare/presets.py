@@ -59,7 +59,7 @@ PRESETS: dict[str, Preset] = {
             "rollout step, 100 steps, 32k-token episodes, 8k-token turns, clip 0.2/0.28, k3 KL 0.01.",
             {
                 # SGLang started for the run from its own environment; the path is the usual install location.
-                "engine": {"backend": "sglang-launch", "sglang_python": "/opt/sglang-venv/bin/python"},
+                "engine": {"backend": "sglang-launch", "sglang": {"python": "/opt/sglang-venv/bin/python"}},
                 # terminus-2 summarises long episodes (compaction) and keeps each context a linear history, the
                 # unit that trains as one segment; its XML reply format as in the recipe.
                 "rollout": {

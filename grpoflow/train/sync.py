@@ -217,7 +217,7 @@ class AdapterSync:
 
 
 class ReplicaSyncs:
-    """One sync per engine (one, or each replica: `engine.replicas`, or the servers behind a router): each push
+    """One sync per engine (one, or each replica: `engine.embedded.replicas`, or the servers behind a router): each push
     reaches every live engine, and each must then report the new weight version, or the sync fails naming it. A
     replica that no longer answers /health is left out from then on (the router stops routing to it too), and
     said so; with none left the sync fails."""

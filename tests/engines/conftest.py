@@ -1,5 +1,5 @@
 """The live engine lanes: one real SGLang 0.5.23 server and one real vLLM 0.32 server on the CPU for the whole
-session, each started from a run config (`engine.backend = "sglang-launch"` / `"vllm-launch"`, `engine.device =
+session, each started from a run config (`engine.backend = "sglang-launch"` / `"vllm-launch"`, `engine.launch.device =
 "cpu"`) over the tiny random model on first use, and stopped at the end.
 
 SGLang's CPU kernels are not built here; its torch-native paths run (`install_sglang.sh` and `sgl_kernel_shim/`).
@@ -82,13 +82,16 @@ def sglang(request, tmp_path_factory, sglang_model) -> Iterator[LiveEngine]:
     from grpoflow.config import EngineConfig
     from grpoflow.engine.backends import open_engine
 
-    cfg = EngineConfig(
-        backend="sglang-launch",
-        sglang_python=request.getfixturevalue("sglang_python"),
-        device="cpu",
-        sglang_args=["--context-length", str(CONTEXT_LENGTH)],
-        startup_timeout_s=300,
-        retries=0,
+    cfg = EngineConfig.model_validate(
+        {
+            "backend": "sglang-launch",
+            "sglang": {
+                "python": request.getfixturevalue("sglang_python"),
+                "args": ["--context-length", str(CONTEXT_LENGTH)],
+            },
+            "launch": {"device": "cpu", "startup_timeout_s": 300},
+            "retries": 0,
+        }
     )
     log = tmp_path_factory.mktemp("sglang") / "engine.log"
     t0 = time.perf_counter()
@@ -108,13 +111,13 @@ def vllm_engine_config(vllm_python: str, **fields):
     """The lane's `vllm-launch` engine config (the CPU, the lane's context length), with `fields` on top."""
     from grpoflow.config import EngineConfig
 
-    return EngineConfig(
-        backend="vllm-launch",
-        vllm_python=vllm_python,
-        device="cpu",
-        vllm_args=["--max-model-len", str(CONTEXT_LENGTH)],
-        startup_timeout_s=600,
-        **fields,
+    return EngineConfig.model_validate(
+        {
+            "backend": "vllm-launch",
+            "vllm": {"python": vllm_python, "args": ["--max-model-len", str(CONTEXT_LENGTH)]},
+            "launch": {"device": "cpu", "startup_timeout_s": 600},
+            **fields,
+        }
     )
 
 

@@ -60,8 +60,14 @@ def test_a_server_killed_behind_the_router_is_left_out_and_the_run_goes_on(
 ):
     """sglang-router in front of the lane's server and a second one; the second is killed once step 0 is
     recorded: its requests go to the other, the next sync leaves it out (and takes it out of the router)."""
-    cfg = EngineConfig(backend="sglang-launch", sglang_python=sglang_python, device="cpu")
-    args, env = launch_settings(cfg.model_copy(update={"sglang_args": ["--context-length", str(CONTEXT_LENGTH)]}), 1)
+    cfg = EngineConfig.model_validate(
+        {
+            "backend": "sglang-launch",
+            "sglang": {"python": sglang_python, "args": ["--context-length", str(CONTEXT_LENGTH)]},
+            "launch": {"device": "cpu"},
+        }
+    )
+    args, env = launch_settings(cfg, 1)
     policy = fence_policy(sglang.model_dir, tmp_path / "policy")
     metrics = tmp_path / "runs" / "routed" / "metrics.jsonl"
     killed: list[int] = []

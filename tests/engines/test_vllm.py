@@ -57,7 +57,7 @@ def test_a_load_of_a_dir_without_weights_is_refused_and_vllm_serves_on(vllm, tmp
 @pytest.mark.parametrize(
     "engine, field",
     [
-        ({"weight_sync": "tensor"}, "engine.weight_sync.mode"),
+        ({"weight_sync": {"mode": "tensor"}}, "engine.weight_sync.mode"),
         ({"deterministic": True}, "engine.deterministic"),
     ],
 )

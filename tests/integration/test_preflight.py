@@ -507,7 +507,12 @@ def test_a_distributed_sync_on_gpus_needs_one_nccl_on_both_sides(tmp_path):
         return str(script)
 
     def cfg(python, sync="distributed", device="cuda"):
-        engine = {"backend": "sglang-launch", "sglang_python": python, "device": device, "weight_sync": sync}
+        engine = {
+            "backend": "sglang-launch",
+            "sglang": {"python": python},
+            "launch": {"device": device},
+            "weight_sync": {"mode": sync},
+        }
         return parse_run_config({"run_id": "n", "engine": engine})
 
     other = engine_python("other", "2.9.1+cu128 2.27.3")
@@ -521,4 +526,4 @@ def test_a_distributed_sync_on_gpus_needs_one_nccl_on_both_sides(tmp_path):
     assert preflight.nccl_problems(cfg(other, sync="disk")) == []
     assert preflight.nccl_problems(cfg(other, device="cpu")) == []
     [broken] = preflight.nccl_problems(cfg(str(tmp_path / "missing-python")))
-    assert broken.startswith(f"engine.sglang_python {tmp_path / 'missing-python'}: cannot report its torch")
+    assert broken.startswith(f"engine.sglang.python {tmp_path / 'missing-python'}: cannot report its torch")

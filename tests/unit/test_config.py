@@ -61,9 +61,13 @@ def test_every_field_has_a_description():
         ({"engine": {"backend": "tgi"}}, "engine.backend"),
         ({"engine": {"backend": "sglang"}}, "engine.url"),
         ({"engine": {"backend": "vllm"}}, "engine.url"),
-        ({"engine": {"backend": "vllm-launch"}}, "engine.vllm_python"),
-        ({"engine": {"backend": "vllm-launch", "vllm_python": "p", "url": "http://h:1"}}, "engine.url"),
-        ({"engine": {"backend": "vllm-launch", "vllm_python": "p", "vllm_args": ["--seed=3"]}}, "engine.vllm_args"),
+        ({"engine": {"backend": "vllm-launch"}}, "engine.vllm.python"),
+        ({"engine": {"backend": "sglang-launch"}}, "engine.sglang.python"),
+        ({"engine": {"backend": "vllm-launch", "vllm": {"python": "p"}, "url": "http://h:1"}}, "engine.url"),
+        (
+            {"engine": {"backend": "vllm-launch", "vllm": {"python": "p", "args": ["--seed=3"]}}},
+            "engine.vllm.args",
+        ),
         (
             {"engine": {"backend": "vllm", "url": "http://h:1", "weight_sync": {"mode": "tensor"}}},
             "engine.weight_sync.mode",
@@ -72,7 +76,13 @@ def test_every_field_has_a_description():
         ({"engine": {"backend": "vllm", "url": "http://h:1"}, "train": {"lora": {}}}, "train.lora"),
         ({"prompts": {"eval_fraction": 1.5}}, "prompts.eval_fraction"),
         ({"cluster": {"train_ranks": 0}}, "cluster.train_ranks"),
-        ({"engine": {"replicas": 2, "backend": "sglang", "url": "http://h:1"}}, "engine.replicas"),
+        (
+            {"engine": {"embedded": {"replicas": 2}, "backend": "sglang", "url": "http://h:1"}},
+            "engine.embedded.replicas",
+        ),
+        ({"engine": {"embedded": {"threads": 0}}}, "engine.embedded.threads"),
+        ({"engine": {"launch": {"mem_fraction_static": 1.0}}}, "engine.launch.mem_fraction_static"),
+        ({"engine": {"sglang": {"max_total_tokens": 8}}}, "engine.sglang.max_total_tokens"),
         (
             {"cluster": {"ray_address": "local"}, "rollout": {"sandbox": {"backend": "e2b", "api_key_file": "/k"}}},
             "rollout.sandbox.api_key_file",
@@ -170,6 +180,7 @@ FLAT_CONFIG = Path(__file__).parent / "fixtures" / "config_flat_layout.json"  # 
 def test_a_config_json_saved_in_the_flat_layout_loads_as_the_defaults():
     saved = json.loads(FLAT_CONFIG.read_text())
     assert "temperature" in saved["rollout"] and "learning_rate" in saved["train"]  # the old layout indeed
+    assert "sglang_python" in saved["engine"] and "threads" in saved["engine"]
     expected = RunConfig(run_id=saved["run_id"])
     assert parse_run_config(saved) == expected
     assert load_run_config(FLAT_CONFIG) == expected
@@ -185,6 +196,42 @@ def test_a_deployment_s_flat_parameters_validate_into_the_grouped_config():
     assert train_flow.validate_parameters({"config": flat})["config"] == RunConfig(run_id=flat["run_id"])
     params = evaluate_flow.validate_parameters({"config": {"train": {"eval_samples_per_prompt": 3}}})
     assert params["config"].train.eval.samples_per_prompt == 3
+
+
+def test_every_old_engine_setting_of_a_flat_config_lands_in_its_group():
+    """The fixture's flat engine section with a value other than the default in each moved setting."""
+    saved = json.loads(FLAT_CONFIG.read_text())
+    saved["engine"] |= {
+        "backend": "sglang-launch",
+        "sglang_python": "/opt/sglang-venv/bin/python",
+        "sglang_args": ["--context-length", "8192"],
+        "max_total_tokens": 4096,
+        "vllm_python": "/opt/vllm-venv/bin/python",
+        "vllm_args": ["--max-model-len", "8192"],
+        "device": "cpu",
+        "mem_fraction_static": 0.5,
+        "startup_timeout_s": 60.0,
+        "threads": 2,
+        "router_policy": "round_robin",
+        "max_batch_size": 8,
+    }
+    grouped = {
+        "backend": "sglang-launch",
+        "sglang": {
+            "python": "/opt/sglang-venv/bin/python",
+            "args": ["--context-length", "8192"],
+            "max_total_tokens": 4096,
+        },
+        "vllm": {"python": "/opt/vllm-venv/bin/python", "args": ["--max-model-len", "8192"]},
+        "launch": {"device": "cpu", "mem_fraction_static": 0.5, "startup_timeout_s": 60.0},
+        "embedded": {"threads": 2, "router_policy": "round_robin", "max_batch_size": 8},
+    }
+    expected = RunConfig.model_validate({"run_id": saved["run_id"], "engine": grouped})
+    assert parse_run_config(saved) == expected
+    today = RunConfig().engine.model_dump()
+    assert all(k in today or f"engine.{k}" in MOVED_SETTINGS for k in saved["engine"])  # every flat name known
+    saved["engine"] |= {"backend": "embedded", "device": "cuda", "replicas": 2}
+    assert parse_run_config(saved).engine.embedded.replicas == 2
 
 
 def test_resume_and_rerun_read_a_run_dir_saved_in_the_flat_layout(tmp_path):
@@ -215,6 +262,10 @@ def test_a_flat_config_file_layers_under_a_preset_and_takes_new_overrides(tmp_pa
         ("train.save_interval=3", "train.checkpoint.interval=3"),
         ("train.learning_rate=0.001", "train.optimizer.learning_rate=0.001"),
         ("engine.weight_sync=disk", "engine.weight_sync.mode=disk"),
+        ("engine.sglang_python=/opt/sglang/bin/python", "engine.sglang.python=/opt/sglang/bin/python"),
+        ('engine.vllm_args=["--enforce-eager"]', 'engine.vllm.args=["--enforce-eager"]'),
+        ("engine.threads=2", "engine.embedded.threads=2"),
+        ("engine.device=cpu", "engine.launch.device=cpu"),
     ],
 )
 def test_an_old_set_key_gives_the_config_of_the_new_one(old, new):
@@ -249,6 +300,10 @@ def test_every_old_path_leads_to_a_setting_that_exists():
         for part in new.split("."):
             node = node[part]  # KeyError: the table points nowhere
         assert old.split(".")[0] == new.split(".")[0], old  # a setting stays in its section
+        section, key = old.split(".")
+        # An old name is no name of today (`engine.sglang_python` vs the group `engine.sglang`), unless it became
+        # the section its setting moved into (`rollout.harness` -> `rollout.harness.name`).
+        assert key not in defaults[section] or new.startswith(old + "."), old
 
 
 def _field_counts(model: type[BaseModel], prefix: str = "") -> dict[str, int]:
@@ -275,6 +330,10 @@ def test_fields_per_group():
         "train.batch": 4,
         "train.checkpoint": 1,
         "train.eval": 2,
-        "engine": 20,
+        "engine": 12,
         "engine.weight_sync": 3,
+        "engine.embedded": 4,
+        "engine.launch": 3,
+        "engine.sglang": 3,
+        "engine.vllm": 2,
     }

@@ -12,9 +12,9 @@ from grpoflow.preflight import gpu_problems
 
 
 def _cfg(ranks=1, tp=1, backend="sglang-launch", device="cuda", ray=""):
-    engine = {"backend": backend, "tp_size": tp, "device": device}
+    engine = {"backend": backend, "tp_size": tp, "launch": {"device": device}}
     if backend == "sglang-launch":
-        engine["sglang_python"] = "/opt/sglang/bin/python"
+        engine["sglang"] = {"python": "/opt/sglang/bin/python"}
     return parse_run_config({"run_id": "p", "engine": engine, "cluster": {"train_ranks": ranks, "ray_address": ray}})
 
 
@@ -36,7 +36,7 @@ def test_a_launched_engine_is_told_to_start_after_the_trainer_s_gpus():
     vllm = parse_run_config(
         {
             "run_id": "p",
-            "engine": {"backend": "vllm-launch", "vllm_python": "/opt/vllm/bin/python", "tp_size": 4},
+            "engine": {"backend": "vllm-launch", "vllm": {"python": "/opt/vllm/bin/python"}, "tp_size": 4},
             "cluster": {"train_ranks": 4},
         }
     )
@@ -51,7 +51,7 @@ def test_a_launched_engine_is_told_to_start_after_the_trainer_s_gpus():
         (4, 8, 8, "engine.tp_size=8 beside cluster.train_ranks=4 needs 12 GPUs, this machine has 8"),
         (1, 8, 8, "engine.tp_size=8 beside cluster.train_ranks=1 needs 9 GPUs, this machine has 8"),
         (9, 1, 8, "cluster.train_ranks=9: one GPU per rank, this machine has 8"),
-        (1, 1, 0, "engine.backend=sglang-launch with engine.device=cuda: this machine has no GPU"),
+        (1, 1, 0, "engine.backend=sglang-launch with engine.launch.device=cuda: this machine has no GPU"),
     ],
 )
 def test_plans_that_put_two_parts_on_one_gpu_are_refused_with_one_line(ranks, tp, gpus, message):

@@ -76,7 +76,7 @@ def test_terminus_2_compaction_resolves_to_the_recipe():
     assert t.steps == 100
     assert (r.episode.max_context_tokens, r.sampling.max_new_tokens) == (32768, 8192)
     assert (t.loss.eps_low, t.loss.eps_high, t.loss.kl_coef) == (0.2, 0.28, 0.01)
-    assert (e.backend, e.sglang_python) == ("sglang-launch", "/opt/sglang-venv/bin/python")
+    assert (e.backend, e.sglang.python) == ("sglang-launch", "/opt/sglang-venv/bin/python")
     # Everything the recipe does not name stays at its default.
     rest = parse_run_config(preset_config("terminus-2-compaction"))
     assert _dump(rest) == _dump(cfg)
@@ -107,10 +107,10 @@ def test_preset_data_is_a_copy():
 
 
 def test_merge_replaces_leaves_and_lists_and_merges_sections():
-    base = {"engine": {"backend": "sglang", "url": "u", "sglang_args": ["--a"]}, "seed": 1}
-    top = {"engine": {"url": "v", "sglang_args": ["--b"]}, "train": {"steps": 2}}
+    base = {"engine": {"backend": "sglang", "url": "u", "sglang": {"args": ["--a"]}}, "seed": 1}
+    top = {"engine": {"url": "v", "sglang": {"args": ["--b"]}}, "train": {"steps": 2}}
     assert merge_config(base, top) == {
-        "engine": {"backend": "sglang", "url": "v", "sglang_args": ["--b"]},
+        "engine": {"backend": "sglang", "url": "v", "sglang": {"args": ["--b"]}},
         "seed": 1,
         "train": {"steps": 2},
     }

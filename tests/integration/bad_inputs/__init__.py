@@ -32,10 +32,10 @@ Through `prepare_run` (dataset -> model -> prompts -> run dir), every failure be
 | file missing | `DatasetError` `<file>: prompts file not found` |
 | task_path to a dir that is not a task | `DatasetError` naming that dir: `missing task.toml` (not the jsonl line) |
 | **config, through the `grpoflow` CLI** (`test_config_cli.py`) | exit 2, one stderr line, output dir untouched |
-| out of range: engine.threads, engine.mem_fraction_static, rollout.sampling.top_p, rollout.episode.max_context_tokens, train.loss.eps_low, train.optimizer.learning_rate, prompts.max_prompts, seed | ``field `<dotted>` `` named |
-| wrong type (max_turns=four, scale_by_std="maybe", sglang_args a string, `train=5`) | field named |
+| out of range: engine.embedded.threads, engine.launch.mem_fraction_static, rollout.sampling.top_p, rollout.episode.max_context_tokens, train.loss.eps_low, train.optimizer.learning_rate, prompts.max_prompts, seed | ``field `<dotted>` `` named |
+| wrong type (max_turns=four, scale_by_std="maybe", engine.sglang.args a string, `train=5`) | field named |
 | unknown section / unknown key (`trian.steps`, `rollout.temprature`), unknown harness or sandbox | field named |
-| cross-field: sglang-launch without sglang_python, sglang without url | field named |
+| cross-field: sglang-launch without engine.sglang.python, sglang without url | field named |
 | a credential in the config (`rollout.api_key`, `sandbox_kwargs.auth_token`) | refused, field named, value never echoed |
 | local sandbox kwargs: `memory_mb` -5 / "lots" / true, `cpu_time_sec` 0, `max_output_bytes` 1.5, `process_scope` forever, an unknown key (`memroy_mb`) | ``field `rollout.sandbox.kwargs.<key>` `` named (an unknown key's value not echoed; the line lists what the sandbox takes), before anything is written |
 | bad run_id (upper case, space, `../escape`, leading dash, 64 chars, underscore) | ``field `run_id` `` named, nothing created |

@@ -23,8 +23,8 @@ def _run(tmp_path, capfd, *args):
 
 
 OUT_OF_RANGE = [
-    ("engine.threads=0", "engine.threads"),
-    ("engine.mem_fraction_static=1.0", "engine.mem_fraction_static"),
+    ("engine.embedded.threads=0", "engine.embedded.threads"),
+    ("engine.launch.mem_fraction_static=1.0", "engine.launch.mem_fraction_static"),
     ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
     ("rollout.episode.max_context_tokens=10", "rollout.episode.max_context_tokens"),
     ("train.loss.eps_low=2", "train.loss.eps_low"),
@@ -43,13 +43,13 @@ def test_out_of_range_value_names_the_field(tmp_path, capfd, setting, field):
 WRONG = [
     ("rollout.episode.max_turns=four", "rollout.episode.max_turns"),
     ('train.loss.scale_by_std="maybe"', "train.loss.scale_by_std"),
-    ("engine.sglang_args=--tp", "engine.sglang_args"),
+    ("engine.sglang.args=--tp", "engine.sglang.args"),
     ("train=5", "train"),
     ("trian.steps=3", "trian"),  # unknown section
     ("rollout.temprature=0.7", "rollout.temprature"),  # unknown key
     ("rollout.harness.name=terminus", "rollout.harness.name"),
     ("rollout.sandbox.backend=nowhere", "rollout.sandbox.backend"),
-    ("engine.backend=sglang-launch", "engine.sglang_python"),  # cross-field: launch needs its python
+    ("engine.backend=sglang-launch", "engine.sglang.python"),  # cross-field: launch needs its python
     ("engine.backend=sglang", "engine.url"),  # cross-field: an external server needs its URL
     ('rollout.sandbox.kwargs={"auth_token": "x"}', "rollout.sandbox.kwargs.auth_token"),
     # the local sandbox's kwargs, checked here rather than when the first trial starts

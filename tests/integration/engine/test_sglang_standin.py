@@ -249,13 +249,13 @@ def test_launch_health_generate_stop(fake_sglang_python, tiny_model_dir, tmp_pat
     # Refused connections while "loading", then 503 from /health while "starting": the wait must ride both out.
     monkeypatch.setenv("STANDIN_LOAD_S", "0.5")
     monkeypatch.setenv("STANDIN_WARMUP_S", "1.0")
-    cfg = EngineConfig(
-        backend="sglang-launch",
-        sglang_python=fake_sglang_python,
-        tp_size=2,
-        mem_fraction_static=0.55,
-        sglang_args=["--context-length", "1024"],
-        startup_timeout_s=60,
+    cfg = EngineConfig.model_validate(
+        {
+            "backend": "sglang-launch",
+            "sglang": {"python": fake_sglang_python, "args": ["--context-length", "1024"]},
+            "tp_size": 2,
+            "launch": {"mem_fraction_static": 0.55, "startup_timeout_s": 60},
+        }
     )
     log = tmp_path / "run" / "engine.log"
     with open_engine(cfg, str(tiny_model_dir), seed=0, log_path=log) as engine:
@@ -276,7 +276,13 @@ def test_launch_health_generate_stop(fake_sglang_python, tiny_model_dir, tmp_pat
 
 
 def test_a_cpu_launch_passes_sglangs_cpu_flags_and_environment(fake_sglang_python, tiny_model_dir, tmp_path):
-    cfg = EngineConfig(backend="sglang-launch", sglang_python=fake_sglang_python, device="cpu", startup_timeout_s=60)
+    cfg = EngineConfig.model_validate(
+        {
+            "backend": "sglang-launch",
+            "sglang": {"python": fake_sglang_python},
+            "launch": {"device": "cpu", "startup_timeout_s": 60},
+        }
+    )
     with open_engine(cfg, str(tiny_model_dir), seed=7, log_path=tmp_path / "engine.log") as engine:
         info = httpx.get(engine.url + "/get_server_info").json()
     assert {k: info[k] for k in ("device", "attention_backend", "max_total_tokens", "random_seed")} == {
@@ -286,7 +292,9 @@ def test_a_cpu_launch_passes_sglangs_cpu_flags_and_environment(fake_sglang_pytho
         "random_seed": 7,
     }
     assert info["sleep_on_idle"] and info["use_cpu_engine"] == "1" and not info["enable_deterministic_inference"]
-    gpu = EngineConfig(backend="sglang-launch", sglang_python="/p", max_total_tokens=4096, sglang_args=["--x"])
+    gpu = EngineConfig.model_validate(
+        {"backend": "sglang-launch", "sglang": {"python": "/p", "max_total_tokens": 4096, "args": ["--x"]}}
+    )
     assert launch_settings(gpu, seed=3) == (["--random-seed", "3", "--max-total-tokens", "4096", "--x"], {})
 
 
@@ -353,21 +361,26 @@ def _pids_with(text: str) -> list[int]:
 
 
 def test_missing_sglang_python_is_a_clear_error(tiny_model_dir, tmp_path):
-    with pytest.raises(EngineError, match=r"engine.sglang_python .*/nope/python: no such executable"):
+    with pytest.raises(EngineError, match=r"engine.sglang.python .*/nope/python: no such executable"):
         start_sglang_server(str(tmp_path / "nope" / "python"), tiny_model_dir)
 
 
 @pytest.mark.parametrize(
     "engine, message",
     [
-        ({"backend": "sglang-launch"}, "`engine.sglang_python`: required"),
-        ({"backend": "sglang-launch", "sglang_python": "/p", "url": "http://h:1"}, "`engine.url`: must be empty"),
-        ({"sglang_args": ["--port=9"]}, "`engine.sglang_args`: --port=9 is set by grpoflow"),
-        ({"sglang_args": ["--tp", "2"]}, "`engine.sglang_args`: --tp is set by grpoflow"),
-        ({"sglang_args": ["--random-seed", "2"]}, "`engine.sglang_args`: --random-seed is set by grpoflow"),
-        ({"sglang_args": ["--device=cpu"]}, "`engine.sglang_args`: --device=cpu is set by grpoflow"),
+        ({"backend": "sglang-launch"}, "`engine.sglang.python`: required"),
+        ({"backend": "sglang-launch", "sglang": {"python": "/p"}, "url": "http://h:1"}, "`engine.url`: must be empty"),
+        ({"sglang": {"args": ["--port=9"]}}, "`engine.sglang.args`: --port=9 is set by grpoflow"),
+        ({"sglang": {"args": ["--tp", "2"]}}, "`engine.sglang.args`: --tp is set by grpoflow"),
+        ({"sglang": {"args": ["--random-seed", "2"]}}, "`engine.sglang.args`: --random-seed is set by grpoflow"),
+        ({"sglang": {"args": ["--device=cpu"]}}, "`engine.sglang.args`: --device=cpu is set by grpoflow"),
         (
-            {"backend": "sglang-launch", "sglang_python": "/p", "device": "cpu", "deterministic": True},
+            {
+                "backend": "sglang-launch",
+                "sglang": {"python": "/p"},
+                "launch": {"device": "cpu"},
+                "deterministic": True,
+            },
             "`engine.deterministic`: SGLang's deterministic inference needs a GPU attention backend",
         ),
         ({"retries": -1}, "`engine.retries`"),
@@ -381,9 +394,8 @@ def test_engine_config_refuses_bad_launch_settings(engine, message):
 def test_engine_config_accepts_a_launch_recipe():
     engine = {
         "backend": "sglang-launch",
-        "sglang_python": "/opt/sglang-venv/bin/python",
+        "sglang": {"python": "/opt/sglang-venv/bin/python", "args": ["--context-length", "32768"]},
         "tp_size": 2,
-        "sglang_args": ["--context-length", "32768"],
         "retries": 5,
     }
     cfg = parse_run_config({"engine": engine})

@@ -1,4 +1,4 @@
-"""Two embedded engines behind the real sglang-router (`engine.replicas=2`): the train flow runs its trials
+"""Two embedded engines behind the real sglang-router (`engine.embedded.replicas=2`): the train flow runs its trials
 through the router, every weight sync reaches both replicas (each reports the new weight version), and a
 replica killed mid-run is left out while the run goes on."""
 
@@ -27,7 +27,7 @@ def _config(tmp_path, tiny_model_dir, run_id):
     model = fence_policy(tiny_model_dir, tmp_path / "policy")
     data = reward_tasks(tmp_path / "tasks")
     cfg = run_config(tmp_path / "runs", model, data, run_id, steps=STEPS)
-    cfg["engine"] |= {"replicas": 2, "weight_sync": {"mode": "distributed"}}
+    cfg["engine"] |= {"embedded": {"replicas": 2}, "weight_sync": {"mode": "distributed"}}
     return cfg
 
 

@@ -109,7 +109,7 @@ def test_a_rollout_worker_killed_mid_step_loses_no_finished_trial(tmp_path, tiny
 def test_the_train_flow_on_two_nodes_two_engines_and_two_trainer_ranks(tmp_path, tiny_model_dir, ray_cluster, caplog):
     cfg = _config(tmp_path, tiny_model_dir, "scaled-out", ray_cluster, steps=2)
     cfg["cluster"] |= {"train_ranks": 2}
-    cfg["engine"]["replicas"] = 2
+    cfg["engine"]["embedded"] = {"replicas": 2}
     cfg["train"]["checkpoint"] = {"interval": 1}
     train_flow(parse_run_config(cfg))
     out = caplog.text  # the flow's own lines (log_prints)

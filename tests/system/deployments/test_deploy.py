@@ -165,7 +165,7 @@ def test_parameter_schema_is_a_typed_form(prefect_stack):
         p
         for p, s in leaves.items()
         if "default" not in s
-        and p not in ("config.engine.sglang_args", "config.engine.vllm_args", "config.rollout.sandbox.kwargs")
+        and p not in ("config.engine.sglang.args", "config.engine.vllm.args", "config.rollout.sandbox.kwargs")
     ]  # default_factory lists/dicts render as empty
     assert not no_default, f"fields without a default in the form: {no_default}"
     assert leaves["config.engine.backend"]["enum"] == ["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"]

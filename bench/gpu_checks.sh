@@ -19,6 +19,7 @@ cpu=""
 if [ "${1:-}" = "--cpu" ]; then cpu=1; shift; fi
 out=${1:-${OUT:-gpu-checks}}
 python=${PYTHON:-python3}
+case $python in */*) python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python") ;; esac  # checks run from the repo root
 budget=${BUDGET_S:-200}
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
@@ -29,8 +30,13 @@ check() {  # check NAME SCRIPT ARGS...: run it, keep its report and its RESULT l
   local name=$1
   shift
   echo "== $name: $*"
+  local result=""
   if (cd "$here" && "$python" "$@") 2>&1 | tee "$out/$name.log"; then
-    grep '^RESULT ' "$out/$name.log" | tail -1 | sed 's/^RESULT //' >"$out/$name.json"
+    result=$(grep '^RESULT ' "$out/$name.log" | tail -1)
+    [ -n "$result" ] || echo "== $name: exited 0 without a RESULT line"
+  fi
+  if [ -n "$result" ]; then
+    echo "${result#RESULT }" >"$out/$name.json"
   else
     echo "== $name: FAILED (see $out/$name.log)"
     failed=$((failed + 1))

@@ -14,6 +14,7 @@ sandboxes, ranks > 0) is reached over HTTP or a pipe and is not counted: it is n
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import threading
@@ -67,7 +68,7 @@ def package(module: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--keep", type=Path, help="write the run dir here (default: a temporary dir, removed)")
+    ap.add_argument("--keep", type=Path, help="write the run dir here (default: a temporary dir, removed at the end)")
     args = ap.parse_args()
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="step-modules-"))
@@ -104,8 +105,10 @@ def main() -> None:
     finally:
         threading.setprofile_all_threads(None)
         loop_mod.StepLoop.step = step_fn
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
 
-    print(f"preset {PRESET}, {args.steps} steps, run dir {cfg.run_dir}")
+    print(f"preset {PRESET}, {args.steps} steps" + (f", run dir {cfg.run_dir}" if args.keep else ""))
     for step, modules, crossings in per_step:
         by_package: dict[str, list[str]] = defaultdict(list)
         for m in sorted(modules):

@@ -41,3 +41,9 @@ def test_every_failing_check_is_counted_and_leaves_its_log(tmp_path):
         "train_step.log",
         "gpu_plan.log",
     }
+
+
+def test_a_check_that_exits_0_without_its_result_is_a_failure(tmp_path):
+    proc = _run(tmp_path, "/bin/true")
+    assert proc.returncode == 3, proc.stdout[-2000:]
+    assert proc.stdout.count("exited 0 without a RESULT line") == 3 and not list(tmp_path.glob("*.json"))

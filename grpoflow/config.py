@@ -420,19 +420,21 @@ class EngineConfig(_Section):
                 "`engine.embedded.replicas`: starts embedded engines; for SGLang servers, run sglang-router in "
                 "front of them and set engine.url to it (backend `sglang`)"
             )
-        reserved = [a for a in self.sglang.args if a.split("=", 1)[0] in SGLANG_RESERVED_FLAGS]
-        if reserved:
-            raise ValueError(
-                f"`engine.sglang.args`: {', '.join(reserved)} is set by grpoflow itself; use engine.tp_size, "
-                "engine.launch.* (mem_fraction_static, device), engine.sglang.max_total_tokens or the run's seed "
-                "instead"
-            )
-        reserved = [a for a in self.vllm.args if a.split("=", 1)[0] in VLLM_RESERVED_FLAGS]
-        if reserved:
-            raise ValueError(
-                f"`engine.vllm.args`: {', '.join(reserved)} is set by grpoflow itself; use engine.tp_size, "
-                "engine.launch.mem_fraction_static or the run's seed instead"
-            )
+        for name, args, flags, instead in (
+            (
+                "sglang",
+                self.sglang.args,
+                SGLANG_RESERVED_FLAGS,
+                "engine.launch.* (mem_fraction_static, device), engine.sglang.max_total_tokens",
+            ),
+            ("vllm", self.vllm.args, VLLM_RESERVED_FLAGS, "engine.launch.mem_fraction_static"),
+        ):
+            reserved = [a for a in args if a.split("=", 1)[0] in flags]
+            if reserved:
+                raise ValueError(
+                    f"`engine.{name}.args`: {', '.join(reserved)} is set by grpoflow itself; use engine.tp_size, "
+                    f"{instead} or the run's seed instead"
+                )
         return self
 
 

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,10 @@ def context_digest(environment_dir: Path) -> str:
     return sha256_tree(environment_dir)[:DIGEST_CHARS]
 
 
-def task_image(environment_dir: Path, cache_dir: Path) -> TaskImage:
+DEFAULT_IMAGE_MAX_MB = 8192
+
+
+def task_image(environment_dir: Path, cache_dir: Path, max_mb: int = DEFAULT_IMAGE_MAX_MB) -> TaskImage:
     """The task's image, built and unpacked unless the cache has it. Safe to call from many trials (threads or
     processes) at once: one builds, the others wait on a lock and reuse it."""
     digest = context_digest(environment_dir)
@@ -69,7 +73,7 @@ def task_image(environment_dir: Path, cache_dir: Path) -> TaskImage:
             return _read(meta, tag, log, built=False)
         try:
             _build(environment_dir, tag, log)
-            _unpack(tag, done)
+            _unpack(tag, done, max_mb)
         except ImageBuildError as err:
             _failed[digest] = err
             raise
@@ -97,32 +101,74 @@ def _build(environment_dir: Path, tag: str, log: Path) -> None:
         raise ImageBuildError(f"docker build failed (exit {rc}): {tail}", log)
 
 
-def _unpack(tag: str, done: Path) -> None:
-    """`docker create` + `docker export` into `done/rootfs`, with the image's WORKDIR and ENV in image.json."""
-    info = json.loads(_docker("image", "inspect", "--format", "{{json .Config}}", tag).stdout)
+def _unpack(tag: str, done: Path, max_mb: int) -> None:
+    """`docker create` + `docker export` into `done/rootfs`, with the image's WORKDIR and ENV in image.json.
+
+    The export is third-party bytes: unpacked by `_tree_member`'s rules (no owners, no setuid/setgid bits, no
+    device nodes, FIFOs or sockets, nothing outside the tree), and no larger than `max_mb` (an image over it is
+    refused before the export and removed from the engine).
+    """
+    info = json.loads(_docker("image", "inspect", "--format", "{{json .}}", tag).stdout)
+    size_mb = int(info.get("Size") or 0) / 2**20
+    if size_mb > max_mb:
+        _docker("rmi", "-f", tag, check=False)
+        raise ImageBuildError(f"the image is {size_mb:.0f} MB, over the local sandbox's image_max_mb={max_mb}")
+    config = info.get("Config") or {}
     staging = Path(tempfile.mkdtemp(prefix=f".{done.name}-", dir=done.parent))
     container = _docker("create", tag, "/bin/true").stdout.strip()
+    skipped: list[str] = []
     try:
         (staging / "rootfs").mkdir()
         export = subprocess.Popen(["docker", "export", container], stdout=subprocess.PIPE)
-        untar = subprocess.run(
-            ["tar", "-x", "--numeric-owner", "-C", str(staging / "rootfs")],
-            stdin=export.stdout,
-            capture_output=True,
-            text=True,
-        )
         assert export.stdout is not None
-        export.stdout.close()
-        if export.wait() != 0 or untar.returncode != 0:
-            raise ImageBuildError(f"could not export {tag} (docker export exit {export.returncode}): {untar.stderr}")
+        try:
+            with tarfile.open(fileobj=export.stdout, mode="r|") as tar:
+                _extract(tar, staging / "rootfs", max_mb * 2**20, skipped)
+        except (tarfile.TarError, OSError) as exc:
+            export.kill()
+            raise ImageBuildError(f"could not unpack {tag}: {exc}") from exc
+        finally:
+            export.stdout.close()
+            export.wait()
+        if export.returncode != 0:
+            raise ImageBuildError(f"could not export {tag} (docker export exit {export.returncode})")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     finally:
         _docker("rm", "-f", container, check=False)
-    env = dict(item.split("=", 1) for item in info.get("Env") or [] if "=" in item)
-    meta = {"tag": tag, "workdir": info.get("WorkingDir") or None, "env": env}
+    env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
+    meta = {"tag": tag, "workdir": config.get("WorkingDir") or None, "env": env, "skipped": skipped}
     (staging / "image.json").write_text(json.dumps(meta, indent=1))
     if done.exists():  # a half-unpacked tree from a process that died: never marked done
         shutil.rmtree(done)
     staging.rename(done)
+
+
+def _extract(tar: tarfile.TarFile, dest: Path, max_bytes: int, skipped: list[str]) -> None:
+    total = 0
+    for member in tar:
+        safe = _tree_member(member, str(dest))
+        if safe is None:
+            skipped.append(member.name)
+            continue
+        total += safe.size if safe.isreg() else 0
+        if total > max_bytes:
+            raise ImageBuildError(f"the image's tree is over the local sandbox's image_max_mb={max_bytes // 2**20}")
+        tar.extract(safe, dest, filter="fully_trusted")  # `safe` already passed the rules
+
+
+def _tree_member(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """The member as unpacked into an image tree, or None when it is skipped: only regular files, dirs and links,
+    inside the tree (tarfile's `tar_filter`: no absolute or escaping names, no setuid/setgid/sticky or
+    group/other-write bits), owned by whoever unpacks (the tree is read-only to every trial)."""
+    if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+        return None  # a device node, FIFO or socket: nothing a trial may open from the host's cache
+    try:
+        safe = tarfile.tar_filter(member, dest)
+    except tarfile.FilterError:
+        return None
+    return safe.replace(uid=None, gid=None, uname=None, gname=None, deep=False)
 
 
 def _read(meta: Path, tag: str, log: Path, built: bool) -> TaskImage:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -38,24 +39,23 @@ from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
 from grpoflow.embedded.sandbox.images import TaskImage, task_image
 from grpoflow.embedded.sandbox.orphans import claim
 from grpoflow.embedded.sandbox.processes import (
-    PRLIMIT,
-    SETPRIV,
+    HOST_ENV,
     CappedOutput,
     allocate_uid,
     drain,
-    enter_argv,
     kill_and_reap,
     kill_exec_and_reap,
     kill_group,
     kill_sandbox,
     kill_uid,
-    limits_argv,
+    launch_argv,
     missing_tools,
     process_exit,
     read_marker,
     reap_after_kill,
     release_uid,
     require_tools,
+    rlimits,
     start_holder,
     stop_holder,
 )
@@ -64,6 +64,8 @@ from grpoflow.embedded.sandbox.rootfs import (
     SANDBOX_HOME,
     Base,
     Bind,
+    Sources,
+    TreeFileError,
     build_rootfs,
     bwrap_argv,
     copy_dir_in,
@@ -79,6 +81,7 @@ from grpoflow.embedded.sandbox.rootfs import (
     rmtree,
     scrub_log_symlinks,
 )
+from grpoflow.embedded.sandbox.seccomp import filter_fd
 from grpoflow.errors import one_line
 from grpoflow.paths import default_cache_dir
 from grpoflow.rollout.environments import (
@@ -98,6 +101,7 @@ DEFAULT_WORKDIR = "/app"
 BRIDGE_DIR = PurePosixPath("/run/grpoflow")  # the bridge's socket and forwarder, read-only in the sandbox
 CLI_DIR = PurePosixPath("/opt/grpoflow/cli")  # `cli_dir`, read-only; its node_modules/.bin goes on PATH
 LOOPBACK_HOSTS = frozenset({BRIDGE_HOST, "localhost", "::1"})
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class LocalSandbox(BaseEnvironment):
@@ -199,9 +203,10 @@ class LocalSandbox(BaseEnvironment):
         self._binds = harbor_binds(self._host_mounts)
         self._root: Path | None = None  # the per-trial temp dir; None until start()
         self._uid: int | None = None  # the sandbox uid when we are root
-        self._argv_prefix: list[str] = []
+        self._argv_prefix: list[str] = []  # bwrap's, up to its "--"
+        self._sources = Sources(staged=False)  # what bwrap mounts, as the launcher stages it (see Sources)
         self._holder: subprocess.Popen[bytes] | None = None  # process_scope="trial": the namespaces' bwrap
-        self._enter_prefix: list[str] = []  # process_scope="trial": nsenter into the holder's namespaces
+        self._holder_pids: tuple[int, ...] = ()  # that bwrap and its child, pid 1 inside: uid U, never swept
         self._procs: set[asyncio.subprocess.Process] = set()
         self._dead_reason: str | None = None
 
@@ -250,9 +255,18 @@ class LocalSandbox(BaseEnvironment):
         except OSError as exc:
             raise SandboxStartError(f"could not create the sandbox dirs for {self.session_id}: {exc}") from exc
         if self.process_scope == "trial":
-            # The bwrap that holds the trial's namespaces; every exec then enters them with nsenter.
-            self._holder, holder_pid = await start_holder(self._argv_prefix, self._exec_env(None), self.session_id)
-            self._enter_prefix = enter_argv(tools["nsenter"], holder_pid)
+            # The bwrap that holds the trial's namespaces; every exec then joins them through the launcher.
+            seccomp = filter_fd()
+            try:
+                self._holder, holder_pid = await start_holder(
+                    lambda argv: self._launch(argv, stage=self._sources.stage()),
+                    [*self._argv_prefix[:-1], "--seccomp", str(seccomp), "--"],
+                    (seccomp,),
+                    self.session_id,
+                )
+            finally:
+                os.close(seccomp)
+            self._holder_pids = (self._holder.pid, int(holder_pid))
         if self._bridge_to is not None:
             await self._open_bridge()
         # One real command: proves bwrap can create its namespaces here before Harbor starts the agent.
@@ -317,8 +331,8 @@ class LocalSandbox(BaseEnvironment):
         """SIGKILL every process of a trial-scope sandbox but its init, from inside (twice: a process forking
         while the first sweep runs may leave a child), and as root every process of the sandbox uid."""
         await self._run("kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true", "/", None, 30)
-        if self._uid is not None:
-            await asyncio.to_thread(kill_uid, self._uid)
+        if self._uid is not None:  # the holder's bwrap and pid 1 run as the sandbox uid too: they stay
+            await asyncio.to_thread(kill_uid, self._uid, spare=self._holder_pids)
 
     async def exec(
         self,
@@ -353,7 +367,8 @@ class LocalSandbox(BaseEnvironment):
         if self._holder is None:  # "trial": the holder's mounts are in place for its whole life
             await asyncio.to_thread(self._repair_mount_points)
         marker_r, marker_w = os.pipe()
-        argv = self._exec_argv(command, cwd, marker_w)
+        env_fd, seccomp = self._env_fd(self._exec_env(env)), filter_fd()
+        argv = self._exec_argv(command, cwd, marker_w, env_fd, seccomp)
         try:
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -361,12 +376,13 @@ class LocalSandbox(BaseEnvironment):
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
-                    env=self._exec_env(env),
-                    start_new_session=True,  # bwrap/nsenter leads its own process group: one killpg ends it
-                    pass_fds=(marker_w,),
+                    env=HOST_ENV,
+                    start_new_session=True,  # the launcher leads its own process group: one killpg ends it
+                    pass_fds=(marker_w, env_fd, seccomp),
                 )
             finally:
-                os.close(marker_w)  # the sandbox holds the only write end now: EOF once it closed it
+                for fd in (marker_w, env_fd, seccomp):
+                    os.close(fd)  # the sandbox holds the only marker write end now: EOF once it closed it
             self._procs.add(proc)
             try:
                 return await self._collect(proc, marker_r, command, timeout_sec)
@@ -441,22 +457,45 @@ class LocalSandbox(BaseEnvironment):
             )
         return ExecResult(stdout=out.text(), stderr=err.text(), return_code=proc.returncode or 0)
 
-    def _exec_argv(self, command: str, cwd: str, marker_fd: int) -> list[str]:
+    def _exec_argv(self, command: str, cwd: str, marker_fd: int, env_fd: int, seccomp_fd: int) -> list[str]:
         # The wrapper proves the sandbox came up (a byte on marker_fd, which it then closes so the command can't
-        # touch it); a failure before that byte is the sandbox's, after it the command's. `cd` is done here, not
-        # with bwrap's --chdir, so a missing cwd is the command's failure, not the sandbox's.
-        wrapper = f'printf 1 >&{marker_fd}; exec {marker_fd}>&-; cd -- "$1" || exit 1; exec /bin/bash -c "$2"'
-        prefix = self._enter_prefix if self._holder is not None else self._argv_prefix
-        return [*prefix, *self._limits_argv(), "/bin/bash", "-c", wrapper, "grpoflow-exec", cwd, command]
+        # touch it); a failure before that byte is the sandbox's, after it the command's. It then exports the
+        # sandbox's environment (NUL-separated NAME=value on env_fd): no host-side process ever has it, so a
+        # task's LD_PRELOAD acts only inside. `cd` is done here, not with bwrap's --chdir, so a missing cwd is
+        # the command's failure, not the sandbox's.
+        wrapper = (
+            f"printf 1 >&{marker_fd}; exec {marker_fd}>&-; "
+            f"while IFS= read -r -d '' kv; do export \"$kv\"; done <&{env_fd}; exec {env_fd}<&-; "
+            'cd -- "$1" || exit 1; exec /bin/bash -c "$2"'
+        )
+        command_argv = ["/bin/bash", "-c", wrapper, "grpoflow-exec", cwd, command]
+        if self._holder is not None:
+            return self._launch(command_argv, enter=self._holder_pids[1], seccomp_fd=seccomp_fd)
+        bwrap = [*self._argv_prefix[:-1], "--seccomp", str(seccomp_fd), "--"]
+        return self._launch([*bwrap, *command_argv], stage=self._sources.stage())
 
-    def _limits_argv(self) -> list[str]:
-        return limits_argv(
+    def _launch(self, argv: list[str], **spec: object) -> list[str]:
+        limits = rlimits(
             memory_mb=self.memory_mb,
             cpu_time_sec=self.cpu_time_sec,
             max_processes=self.max_processes,
             max_file_size_mb=self.max_file_size_mb,
             uid=self._uid,
         )
+        return launch_argv(argv, limits=limits, uid=self._uid, **spec)
+
+    @staticmethod
+    def _env_fd(env: dict[str, str]) -> int:
+        """A memfd with `env` as NUL-separated NAME=value, at offset 0, for the wrapper to export."""
+        bad = [name for name in env if not ENV_NAME.fullmatch(name)]
+        if bad:
+            raise ValueError(f"the sandbox's environment has a name a shell cannot export: {bad[0]!r}")
+        if any("\0" in value for value in env.values()):
+            raise ValueError("the sandbox's environment has a value with a NUL byte")
+        fd = os.memfd_create("grpoflow-env", os.MFD_CLOEXEC)
+        os.write(fd, b"".join(f"{k}={v}\0".encode() for k, v in env.items()))
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
 
     def _exec_env(self, env: dict[str, str] | None) -> dict[str, str]:
         # An image's ENV comes first (its PATH included); the task's [environment.env] and the exec's env win.
@@ -486,13 +525,11 @@ class LocalSandbox(BaseEnvironment):
         # Every trial says which image it ran in and where its build log is (a copy only where it was built).
         record = {"tag": image.tag, "tree": str(image.rootfs), "build_log": str(image.build_log), "built": image.built}
         (keep.parent / "environment-image.json").write_text(json.dumps(record, indent=1) + "\n")
-        # The rlimits and the drop to the sandbox uid run inside the sandbox, so from the image's own util-linux.
-        needed = (PRLIMIT, SETPRIV) if os.geteuid() == 0 else (PRLIMIT,)
-        missing = [tool for tool in needed if not os.path.lexists(image.rootfs / tool.lstrip("/"))]
-        if missing:
+        # Every command runs as `/bin/bash -c` inside: without it no command can run at all.
+        if not os.path.lexists(image.rootfs / "bin" / "bash"):
             raise ImageBuildError(
-                f"sandbox for {self.session_id}: the image has no {' or '.join(missing)}, which the sandbox runs to "
-                "apply its limits (install util-linux in the Dockerfile)"
+                f"sandbox for {self.session_id}: the image has no /bin/bash, which runs every command in the sandbox "
+                "(install bash in the Dockerfile)"
             )
         if self.task_env_config.workdir is None:
             self._workdir = image.workdir or DEFAULT_WORKDIR
@@ -511,7 +548,13 @@ class LocalSandbox(BaseEnvironment):
         own = self._own = self._own_binds(root)
         binds = [*self._binds, *own]
         extra_ro = build_rootfs(root / "rootfs", app, binds, self._uid, self.auto_mounting, self.base)
-        self._argv_prefix = bwrap_argv(tools["bwrap"], root, binds, self._uid, extra_ro, self.base)
+        # As root, bwrap runs as the sandbox uid: its mount sources are staged (see Sources).
+        self._sources = Sources(staged=self._uid is not None)
+        uid = self._uid if self._uid is not None else os.getuid()
+        try:
+            self._argv_prefix = bwrap_argv(tools["bwrap"], root, binds, uid, extra_ro, self._sources, self.base)
+        except TreeFileError as exc:
+            raise ImageBuildError(f"sandbox for {self.session_id}: {exc}: refused") from exc
 
     def _own_binds(self, root: Path) -> list[Bind]:
         """Read-only dirs of ours (not Harbor's mounts, so never a target of uploads): the bridge and the CLIs."""

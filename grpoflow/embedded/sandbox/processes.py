@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import resource
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from pathlib import Path
 
 from grpoflow.rollout.environments import SandboxStartError, SandboxUnavailableError
 
-PRLIMIT = "/usr/bin/prlimit"
-SETPRIV = "/usr/bin/setpriv"
-NSENTER = "/usr/bin/nsenter"
+# Every sandbox process starts through it, run by this Python: see its module doc.
+LAUNCHER = Path(__file__).with_name("launch.py")
+# The whole environment of the host-side processes (launcher, bwrap): nothing of ours or of a task's.
+HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 # pid 1 of a trial-scope sandbox: never exits on its own, ignores signals, reaps orphans.
 HOLDER_LOOP = "trap '' HUP INT QUIT TERM USR1 USR2; while :; do sleep 86400 & wait $!; done"
 
@@ -32,15 +36,9 @@ _uid_lock = threading.Lock()
 _uids_in_use: set[int] = set()
 
 
-# What the sandbox runs on the host, and the Debian package each comes in: bwrap from PATH, the others at the
-# absolute paths it execs (inside the sandbox too).
-HOST_TOOLS: dict[str, str] = {
-    "bwrap": "bubblewrap",
-    PRLIMIT: "util-linux",
-    SETPRIV: "util-linux",
-    NSENTER: "util-linux",
-    "/bin/bash": "bash",
-}
+# What the sandbox runs on the host, and the Debian package each comes in: bwrap from PATH, bash at the path it
+# execs (inside the sandbox: the host's on the host rootfs).
+HOST_TOOLS: dict[str, str] = {"bwrap": "bubblewrap", "/bin/bash": "bash"}
 
 
 def missing_tools(find: Callable[[str], str | None] | None = None) -> list[str]:
@@ -58,7 +56,7 @@ def require_tools() -> dict[str, str]:
     problems = missing_tools()
     if problems:
         raise SandboxUnavailableError("; ".join(problems))
-    return {"bwrap": shutil.which("bwrap") or "bwrap", "nsenter": NSENTER}
+    return {"bwrap": shutil.which("bwrap") or "bwrap"}
 
 
 # ---- sandbox uids and limits ----------------------------------------------------------------------------------
@@ -79,39 +77,33 @@ def release_uid(uid: int) -> None:
         _uids_in_use.discard(uid)
 
 
-def limits_argv(
-    *, memory_mb: int, cpu_time_sec: int, max_processes: int, max_file_size_mb: int, uid: int | None
-) -> list[str]:
-    """prlimit (and, with a sandbox uid, setpriv to it) in front of every command a sandbox runs."""
+def rlimits(*, memory_mb: int, cpu_time_sec: int, max_processes: int, max_file_size_mb: int, uid: int | None) -> dict:
+    """The rlimits the launcher sets on the host before anything of the sandbox runs (resource names: values)."""
     nproc = max_processes
     if uid is None:
         # Without a uid of our own, RLIMIT_NPROC counts every process of this user on the host.
         nproc += count_uid_processes(os.getuid())
-    limits = {
-        "as": (resource.RLIMIT_AS, memory_mb * 2**20),
-        "cpu": (resource.RLIMIT_CPU, cpu_time_sec),
-        "nproc": (resource.RLIMIT_NPROC, nproc),
-        "fsize": (resource.RLIMIT_FSIZE, max_file_size_mb * 2**20),
-        "core": (resource.RLIMIT_CORE, 0),
+    want = {
+        "RLIMIT_AS": memory_mb * 2**20,
+        "RLIMIT_CPU": cpu_time_sec,
+        "RLIMIT_NPROC": nproc,
+        "RLIMIT_FSIZE": max_file_size_mb * 2**20,
+        "RLIMIT_CORE": 0,
     }
-    argv = [PRLIMIT]
-    for name, (res, want) in limits.items():
-        hard = resource.getrlimit(res)[1]
-        # Never above our own hard limit: a non-root prlimit could not raise it and would fail.
-        value = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        argv.append(f"--{name}={value}")
-    argv.append("--")
-    if uid is not None:
-        argv += [
-            SETPRIV,
-            f"--reuid={uid}",
-            f"--regid={uid}",
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            "--",
-        ]
-    return argv
+    limits = {}
+    for name, value in want.items():
+        hard = resource.getrlimit(getattr(resource, name))[1]
+        # Never above our own hard limit: a non-root launcher could not raise it.
+        limits[name] = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    return limits
+
+
+def launch_argv(
+    argv: list[str], *, limits: dict, uid: int | None, stage: list | None = None, **spec: object
+) -> list[str]:
+    """The host command that starts `argv` (bwrap, or with `enter=<pid>` a command in that sandbox): launch.py."""
+    body = {"env": HOST_ENV, "rlimits": limits, "uid": uid, "stage": stage or [], **spec}
+    return [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(body), "--", *argv]
 
 
 # ---- output and fds -------------------------------------------------------------------------------------------
@@ -239,10 +231,10 @@ def kill_group(proc: asyncio.subprocess.Process) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # bwrap leads its own group (start_new_session)
 
 
-def kill_uid(uid: int, wait_sec: float = 5.0) -> None:
-    """SIGKILL every process running as `uid` (a sandbox uid of ours) and wait until they are gone."""
+def kill_uid(uid: int, wait_sec: float = 5.0, spare: Collection[int] = ()) -> None:
+    """SIGKILL every process running as `uid` (a sandbox uid of ours) but `spare`, and wait until they are gone."""
     deadline = time.monotonic() + wait_sec
-    while pids := uid_pids(uid):
+    while pids := [pid for pid in uid_pids(uid) if pid not in spare]:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                 os.kill(pid, signal.SIGKILL)
@@ -286,11 +278,11 @@ def count_uid_processes(uid: int) -> int:
 
 
 async def start_holder(
-    bwrap_prefix: list[str], env: dict[str, str], session_id: str
+    launch: Callable[[list[str]], list[str]], bwrap_prefix: list[str], pass_fds: tuple[int, ...], session_id: str
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start the bwrap that holds a trial's namespaces: (that bwrap, the pid of its child, pid 1 inside).
 
-    `bwrap_prefix` is the per-exec bwrap argv, ending in "--".
+    `bwrap_prefix` is the per-exec bwrap argv, ending in "--"; `launch` puts the launcher in front of an argv.
     """
     info_r, info_w = os.pipe()
     ready_r, ready_w = os.pipe()
@@ -298,7 +290,7 @@ async def start_holder(
     # the orphans a command leaves (bash reaps any child on SIGCHLD). bwrap reports the child's pid on the
     # info fd before the child has built its mounts; the loop's byte on ready_w says it has.
     loop = f"printf 1 >&{ready_w}; exec {ready_w}>&-; {HOLDER_LOOP}"
-    argv = [*bwrap_prefix[:-1], "--as-pid-1", "--info-fd", str(info_w), "--", "/bin/bash", "-c", loop]
+    argv = launch([*bwrap_prefix[:-1], "--as-pid-1", "--info-fd", str(info_w), "--", "/bin/bash", "-c", loop])
     try:
         try:
             # A plain Popen, not an asyncio process: stop() may run in another event loop than start().
@@ -307,9 +299,9 @@ async def start_holder(
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
-                env=env,
+                env=HOST_ENV,
                 start_new_session=True,
-                pass_fds=(info_w, ready_w),
+                pass_fds=(info_w, ready_w, *pass_fds),
             )
         finally:
             os.close(info_w)
@@ -325,14 +317,6 @@ async def start_holder(
         err = holder.stderr.read().decode(errors="replace").strip() if holder.stderr else ""
         raise SandboxStartError(f"sandbox for {session_id}: bwrap did not start its namespaces: {err[:2000]}")
     return holder, match.group(1).decode()
-
-
-def enter_argv(nsenter: str, holder_pid: str) -> list[str]:
-    """The argv prefix that runs a command inside the namespaces of the holder's pid 1."""
-    argv = [nsenter, f"--target={holder_pid}", "--mount", "--pid", "--net", "--ipc", "--uts", "--cgroup"]
-    if os.geteuid() != 0:
-        argv += ["--user", "--preserve-credentials"]  # bwrap made a user namespace for a normal user
-    return [*argv, "--root", "--wd", "--"]
 
 
 def stop_holder(holder: subprocess.Popen[bytes]) -> None:

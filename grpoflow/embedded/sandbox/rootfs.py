@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from grpoflow.embedded.sandbox.launch import STAGE
+
 SANDBOX_HOME = "/root"
 # Host dirs shown read-only. Everything else of the host stays invisible.
 HOST_RO_DIRS = ("/usr", "/etc")
@@ -129,7 +131,10 @@ def build_rootfs(
         bind.source.mkdir(parents=True, exist_ok=True)
         if uid is not None and bind in log_binds(binds):
             bind.source.chmod(0o777)  # as Harbor does for Docker: the sandbox user writes its logs there
-    repair_mount_points(rootfs, binds)
+    # bwrap runs unprivileged: every mount point must exist before it starts (it cannot create them in rootfs)
+    for ro in extra_ro:
+        (rootfs / ro[1:]).mkdir(exist_ok=True)
+    repair_mount_points(rootfs, binds, base)
     if not auto_mounting:
         # Harbor's log dirs are then plain sandbox dirs that Harbor downloads; the sandbox writes them.
         for rel in ("logs/agent", "logs/verifier", "logs/artifacts"):
@@ -138,31 +143,57 @@ def build_rootfs(
     return extra_ro
 
 
+class Sources:
+    """The host paths bwrap mounts, as it will name them. As root, bwrap runs as the sandbox uid, which may not be
+    able to enter the dirs above a source (a 0700 home, pytest's temp dir): the launcher then binds each source
+    at `STAGE/<n>` in a mount namespace of its own (`launch.stage`), refusing a link. Otherwise the path is used
+    as it is."""
+
+    def __init__(self, staged: bool):
+        self.staged = staged
+        self.paths: list[str] = []
+
+    def __call__(self, path: Path) -> str:
+        if not self.staged:
+            return str(path)
+        self.paths.append(str(path))
+        return f"{STAGE}/{len(self.paths) - 1}"
+
+    def stage(self) -> list[list[str]]:
+        """The launcher's `stage`: [path, name] per source."""
+        return [[path, str(n)] for n, path in enumerate(self.paths)]
+
+
 def bwrap_argv(
-    bwrap: str, root: Path, binds: list[Bind], uid: int | None, extra_ro: list[str], base: Base = HOST_BASE
+    bwrap: str,
+    root: Path,
+    binds: list[Bind],
+    uid: int,
+    extra_ro: list[str],
+    sources: Sources,
+    base: Base = HOST_BASE,
 ) -> list[str]:
     """bwrap's argv up to the command ("--" last): the mounts over root/rootfs and the namespaces to unshare.
 
-    With a sandbox uid it also writes the passwd/group files (in `root`) that it binds over the base's.
+    bwrap runs as `uid` (the launcher dropped to it) and makes a user namespace that maps only that uid: nothing
+    inside holds a capability of the host's. It also writes the passwd/group files (in `root`) that it binds over
+    the base's, with a `sandbox` entry for the uid: tools that look the user up (git, whoami, ssh) fail when the
+    uid has no name.
     """
-    rootfs = root / "rootfs"
-    argv = [bwrap, "--bind", str(rootfs), "/"]
+    argv = [bwrap, "--unshare-user", "--uid", str(uid), "--gid", str(uid), "--cap-drop", "ALL"]
+    argv += ["--bind", sources(root / "rootfs"), "/"]
     for ro in (*base.ro_dirs, *extra_ro):
-        argv += ["--ro-bind", str(base.root / ro[1:]), ro]
-    if uid is not None:
-        # The base's passwd/group plus a `sandbox` entry for our uid: tools that look the user up (git,
-        # whoami, ssh) fail when the uid has no name.
-        for name, line in (
-            ("passwd", f"sandbox:x:{uid}:{uid}:sandbox:{SANDBOX_HOME}:/bin/bash\n"),
-            ("group", f"sandbox:x:{uid}:\n"),
-        ):
-            source = base.root / "etc" / name
-            text = source.read_text() if source.is_file() else ""
-            (root / name).write_text(text + ("" if text.endswith("\n") or not text else "\n") + line)
-            argv += ["--ro-bind", str(root / name), f"/etc/{name}"]
+        argv += ["--ro-bind", sources(base.root / ro[1:]), ro]
+    for name, line in (
+        ("passwd", f"sandbox:x:{uid}:{uid}:sandbox:{SANDBOX_HOME}:/bin/bash\n"),
+        ("group", f"sandbox:x:{uid}:\n"),
+    ):
+        text = read_tree_file(base.root, f"etc/{name}")
+        (root / name).write_text(text + ("" if text.endswith("\n") or not text else "\n") + line)
+        argv += ["--ro-bind", sources(root / name), f"/etc/{name}"]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     for bind in binds:
-        argv += ["--ro-bind" if bind.read_only else "--bind", str(bind.source), str(bind.target)]
+        argv += ["--ro-bind" if bind.read_only else "--bind", sources(bind.source), str(bind.target)]
     argv += [
         "--unshare-net",
         "--unshare-pid",
@@ -178,6 +209,41 @@ def bwrap_argv(
         "--",
     ]
     return argv
+
+
+TREE_FILE_MAX_BYTES = 1 << 20  # passwd/group: far above any real one
+
+
+def read_tree_file(tree: Path, rel: str, limit: int = TREE_FILE_MAX_BYTES) -> str:
+    """A small text file of a base's tree ("" when absent), read on the host without following any link on the
+    way and without blocking: a link (to /proc/self/environ, a host key), a FIFO or a device in an image is an
+    error naming the file, never a read of something outside the tree."""
+    parts = PurePosixPath(rel).parts
+    fd = os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        leaf = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=fd)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:  # ELOOP (a link), ENOTDIR
+        raise TreeFileError(f"/{rel} of the sandbox's base is a link or under one, not a regular file") from exc
+    finally:
+        os.close(fd)
+    with os.fdopen(leaf, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise TreeFileError(f"/{rel} of the sandbox's base is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TreeFileError(f"/{rel} of the sandbox's base is over {limit} bytes")
+    return data.decode("utf-8", errors="replace")
+
+
+class TreeFileError(ValueError):
+    """A file the host reads from a base's tree is a link, a special file or too large."""
 
 
 def repair_mount_points(rootfs: Path, binds: list[Bind], base: Base = HOST_BASE) -> None:

@@ -51,13 +51,13 @@ def test_the_trial_runs_in_the_image_and_its_writes_stay_in_the_trial(
     assert record["tag"] == first.image.tag and Path(record["build_log"]).is_file()
 
 
-def test_an_image_without_util_linux_fails_at_start_in_one_line(image_cache: Path, tmp_path: Path) -> None:
-    """The rlimits and the uid drop run from the image's /usr/bin: without them no command may run at all."""
+def test_an_image_without_bash_fails_at_start_in_one_line(image_cache: Path, tmp_path: Path) -> None:
+    """Every command runs as the image's `/bin/bash -c`: without it no command may run at all."""
     task = shutil.copytree(TASKS / DOCKER_TASK, tmp_path / "bare")
     (task / "environment" / "Dockerfile").write_text("FROM scratch\nCOPY data/ /workspace/\n")
     factory = sandbox_factory(lambda _: task, "bare", tmp_path, image_cache_dir=str(image_cache))
     make = next(factory)
-    with pytest.raises(ImageBuildError, match="the image has no /usr/bin/prlimit") as info:
+    with pytest.raises(ImageBuildError, match="the image has no /bin/bash") as info:
         asyncio.run(make().start(force_build=False))
     assert "\n" not in str(info.value)
     next(factory, None)  # stops what it made

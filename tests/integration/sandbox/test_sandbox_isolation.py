@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -12,11 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from harbor.environments.base import ExecResult
 
 from grpoflow.embedded.sandbox.local import TIMEOUT_EXIT_CODE, LocalSandbox
 from grpoflow.embedded.sandbox.processes import uid_pids
 from grpoflow.embedded.sandbox.rootfs import HOST_LIB_NAMES, OWNED_DIRS
+from grpoflow.prepare.dataset import load_dataset
 from grpoflow.rollout.environments import SandboxDiedError
+from tests.integration.sandbox.conftest import sandbox_factory
 from tests.integration.sandbox.sandbox_helpers import live_pids, new_marker, wait_gone
 
 REPO = Path(__file__).resolve().parents[3]
@@ -202,6 +206,8 @@ def test_stop_kills_a_running_exec_and_deletes_the_dirs(
 def test_fork_bomb_is_contained(make_sandbox: Callable[..., LocalSandbox]) -> None:
     async def main() -> tuple:
         env = await _started(make_sandbox(max_processes=64))
+        # In trial scope the holder (its bwrap, the namespace's init, its sleep) runs as the sandbox uid too.
+        holder = set(uid_pids(env._uid)) if env._uid is not None else set()
         t0 = time.monotonic()
         # The shell stays in the foreground (sleep) while the bomb forks in the background.
         bomb = asyncio.create_task(env.exec("bomb() { bomb | bomb & }; bomb; sleep 30", timeout_sec=3))
@@ -210,7 +216,7 @@ def test_fork_bomb_is_contained(make_sandbox: Callable[..., LocalSandbox]) -> No
         host_ok = await asyncio.to_thread(subprocess.run, ["true"], timeout=10)  # the host can still fork
         result = await bomb
         elapsed = time.monotonic() - t0
-        left = uid_pids(env._uid) if env._uid is not None else []
+        left = sorted(set(uid_pids(env._uid)) - holder) if env._uid is not None else []
         after = await env.exec("echo alive", timeout_sec=10)
         return running, host_ok, result, elapsed, left, after
 
@@ -280,3 +286,37 @@ def test_cannot_see_or_kill_the_parent(make_sandbox: Callable[..., LocalSandbox]
     assert str(host_pid) not in seen.stdout.split() or host_pid < 10  # host pids are not visible inside
     assert len(seen.stdout.split()) < 10  # only the sandbox's own few processes
     assert after.stdout == "alive\n"
+
+
+def test_a_tasks_ld_preload_reaches_no_host_process(bwrap: str, tmp_path: Path) -> None:
+    """`[environment.env]` of a task.toml is the sandbox's environment only: the host-side launcher and bwrap (root,
+    or the sandbox uid outside any namespace) start with an environment of ours, so a preloaded library never
+    loads before the namespaces exist."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the preload library")
+    marker = tmp_path / "preload-loaded"
+    source = tmp_path / "mark.c"
+    source.write_text(
+        "#include <fcntl.h>\n#include <unistd.h>\n"
+        f'__attribute__((constructor)) static void mark(void) {{ close(open("{marker}", O_CREAT | O_WRONLY, 0644)); }}\n'
+    )
+    lib = tmp_path / "libmark.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
+    task = shutil.copytree(load_dataset("builtin-fixed").by_name("copy-file").path, tmp_path / "preload-task")
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text() + f'\n[environment.env]\nLD_PRELOAD = "{lib}"\nTASK_VALUE = "a b\\nc"\n')
+    factory = sandbox_factory(lambda _: task, "preload-task", tmp_path, work_dir=str(tmp_path / "work"))
+    make = next(factory)
+
+    async def main() -> ExecResult:
+        env = make(process_scope="trial")
+        await env.start(force_build=False)
+        return await env.exec('printf %s "$TASK_VALUE"; echo; printf %s "$LD_PRELOAD"')
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        next(factory, None)
+    assert result.return_code == 0, result.stderr
+    assert result.stdout == f"a b\nc\n{lib}"  # the sandbox has the task's environment, newlines and all
+    assert not marker.exists()  # the library's path is a host path: only a host process could have loaded it

@@ -1,0 +1,166 @@
+"""The host side of every process a `LocalSandbox` starts: run by the host's Python (`python -I -S launch.py SPEC --
+ARGV`), never from the sandbox's tree, so nothing a task image ships runs before its privileges are gone.
+
+In order, with SPEC (JSON) saying what applies:
+1. `rlimits`: set (soft and hard) here, on the host; they survive every exec below.
+2. `stage` (as root only): bwrap runs as the sandbox uid and must reach its mount sources by path, which may lie
+   under dirs that uid cannot enter (a 0700 home, pytest's temp dir). This process unshares a mount namespace of
+   its own, mounts a tmpfs on `STAGE` and binds each source (opened without following a link) at
+   `STAGE/<name>`. The host sees none of it, and it ends with this process tree.
+3. `uid`: drop to it (groups cleared, gid and uid set), then no-new-privs: no capability is left in the host's
+   user namespace, and no setuid file can give one back.
+4. Either exec ARGV (bwrap, which makes the sandbox's user namespace and applies the seccomp filter itself), or,
+   with `enter` (a holder's pid 1), join that sandbox's namespaces: the user namespace that owns them first, then
+   them, then the holder's own user namespace (bwrap nests one to forbid more), then its root; then fork, so the
+   child is in the sandbox's pid namespace, install the seccomp filter read from `seccomp_fd`, and exec ARGV
+   there. The parent waits and exits as the child did (re-raising a signal that killed it, as nsenter does).
+
+The environment of what runs is `env` alone: nothing of the caller's (or a task's) reaches a host-side process.
+Standard library only, and little of it: this runs once per command.
+"""
+
+import ctypes
+import fcntl
+import json
+import os
+import resource
+import signal
+import stat
+import sys
+
+STAGE = "/run/grpoflow-stage"
+NS_GET_USERNS = 0xB701  # ioctl on a namespace fd: an fd of the user namespace that owns it
+NAMESPACES = (("mnt", os.CLONE_NEWNS), ("pid", os.CLONE_NEWPID), ("net", os.CLONE_NEWNET))
+NAMESPACES += (("ipc", os.CLONE_NEWIPC), ("uts", os.CLONE_NEWUTS), ("cgroup", os.CLONE_NEWCGROUP))
+MS_BIND, MS_REC, MS_SLAVE = 4096, 16384, 1 << 19
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+def stage(sources: list[list[str]]) -> None:
+    """Bind each [path, name] at STAGE/name in a mount namespace of this process's own; a path whose last
+    component is a link is refused (a bind mount would follow it)."""
+    os.makedirs(STAGE, mode=0o755, exist_ok=True)
+    st = os.lstat(STAGE)
+    if not os.path.isdir(STAGE) or os.path.islink(STAGE) or st.st_uid != 0:
+        raise OSError(f"{STAGE} is not a directory owned by root")
+    os.unshare(os.CLONE_NEWNS)
+    _mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing mounted here propagates to the host
+    _mount("tmpfs", STAGE, "tmpfs", 0, "mode=0711,size=64k")
+    for path, name in sources:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW)
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is a symlink: not mounted into the sandbox")
+        target = f"{STAGE}/{name}"
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.mkdir(target, 0o755)
+        else:
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+        _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None)
+        os.close(fd)
+
+
+def drop(uid: int) -> None:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
+def no_new_privs() -> None:
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+
+
+def seccomp(fd: int) -> None:
+    program = b""
+    while chunk := os.read(fd, 65536):
+        program += chunk
+    os.close(fd)
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp filter")
+
+
+def enter(pid: int, uid: int | None) -> None:
+    """Join the namespaces and root of `pid` (opened as the caller, joined as `uid`)."""
+    ns = {name: os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY) for name, _ in (*NAMESPACES, ("user", 0))}
+    same = {name for name, _ in (*NAMESPACES, ("user", 0)) if _same_ns(ns[name], f"/proc/self/ns/{name}")}
+    owner = fcntl.ioctl(ns["mnt"], NS_GET_USERNS)
+    nested = not _same_ns(ns["user"], f"/proc/self/fd/{owner}")  # before any setns: /proc changes with them
+    root = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY)
+    if uid is not None:
+        drop(uid)
+    os.setns(owner, os.CLONE_NEWUSER)  # caps in the namespaces it owns, as their owner's uid
+    for name, kind in NAMESPACES:
+        if name not in same:  # e.g. no cgroup namespace of its own: joining the host's would need host caps
+            os.setns(ns[name], kind)
+    if nested:
+        os.setns(ns["user"], os.CLONE_NEWUSER)  # the holder's nested one, where no more can be made
+    os.fchdir(root)
+    os.chroot(".")
+    os.chdir("/")
+    for fd in (*ns.values(), owner, root):
+        os.close(fd)
+
+
+def _same_ns(fd: int, path: str) -> bool:
+    a, b = os.fstat(fd), os.stat(path)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def wait_and_exit(child: int) -> None:
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the command decides; a SIGKILL of the group ends both
+    _, status = os.waitpid(child, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if sys.argv[2] != "--" or len(sys.argv) < 4:
+        raise SystemExit("launch.py: usage: launch.py SPEC -- ARGV")
+    argv, env = sys.argv[3:], spec["env"]
+    os.chdir("/")
+    for name, value in spec["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if spec.get("stage"):
+        stage(spec["stage"])
+    if spec.get("enter") is not None:
+        enter(spec["enter"], spec.get("uid"))
+        child = os.fork()
+        if child:
+            wait_and_exit(child)
+        no_new_privs()
+        seccomp(spec["seccomp_fd"])
+    else:
+        if spec.get("uid") is not None:
+            drop(spec["uid"])
+        no_new_privs()
+    os.execve(argv[0], argv, env)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except OSError as exc:
+        print(f"grpoflow sandbox launcher: {exc}", file=sys.stderr)
+        os._exit(125)

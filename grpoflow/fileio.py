@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -167,3 +168,15 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_tail(path: Path, max_bytes: int) -> str:
+    """The last `max_bytes` of a file a sandbox wrote (a verifier's output can be gigabytes): a link or anything
+    but a regular file reads as nothing, and a read never blocks."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd)
+        if not stat.S_ISREG(size.st_mode):
+            return ""
+        f.seek(max(size.st_size - max_bytes, 0))
+        return f.read(max_bytes).decode("utf-8", errors="replace")

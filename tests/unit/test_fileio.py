@@ -39,3 +39,21 @@ def test_tree_hash_sees_content_names_and_exec_bit(tmp_path):
     f.rename(tmp_path / "d" / "g.sh")
     h3 = fileio.sha256_tree(tmp_path)
     assert len({h0, h1, h2, h3}) == 4
+
+
+def test_read_tail_reads_only_the_end_of_a_huge_file_and_never_a_link_or_fifo(tmp_path):
+    huge = tmp_path / "test-stdout.txt"
+    with open(huge, "wb") as f:  # 1 GiB, sparse: what a verifier printing a gigabyte leaves
+        f.truncate(2**30)
+        f.seek(2**30)
+        f.write(b"\nlast line\n")
+    tail = fileio.read_tail(huge, 4096)
+    assert len(tail) == 4096 and tail.endswith("\nlast line\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert fileio.read_tail(fifo, 4096) == ""  # no writer: a plain read would block forever
+    secret = tmp_path / "secret"
+    secret.write_text("host secret")
+    (tmp_path / "link").symlink_to(secret)
+    with pytest.raises(OSError):
+        fileio.read_tail(tmp_path / "link", 4096)

@@ -31,9 +31,9 @@ from harbor.models.trial.config import AgentConfig
 from grpoflow.config import RewardRule, RolloutConfig
 from grpoflow.credentials import export_sandbox_key
 from grpoflow.errors import DatasetError, one_line
-from grpoflow.fileio import sha256_tree, write_json_atomic
+from grpoflow.fileio import read_tail, sha256_tree, write_json_atomic
 from grpoflow.prepare.dataset import Dataset, LeftOut, TaskSpec
-from grpoflow.rollout.environments import is_infrastructure_failure
+from grpoflow.rollout.environments import ImageBuildError, is_infrastructure_failure
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.record import TrialRecord
 from grpoflow.rollout.sandbox import sandbox_config
@@ -44,11 +44,14 @@ from grpoflow.scoring.step import collect_step
 # Bumped when what a verdict means changes: older cache entries are then not read.
 GATE_VERSION = 1
 TAIL_LINES = 5  # of the verifier's output, kept with a verdict
+TAIL_BYTES = 64 * 1024  # read from the end of the verifier's output for those lines
 ORACLE, NOP = AgentName.ORACLE.value, AgentName.NOP.value
 
-Verdict = Literal["verified", "unverified", "unchecked", "ungated", "oracle-fails", "nop-passes", "refused"]
+Verdict = Literal[
+    "verified", "unverified", "unchecked", "ungated", "oracle-fails", "nop-passes", "environment-fails", "refused"
+]
 ADMITTED: frozenset[str] = frozenset({"verified", "unverified", "unchecked", "ungated"})
-LEFT_OUT: tuple[str, ...] = ("oracle-fails", "nop-passes", "refused")
+LEFT_OUT: tuple[str, ...] = ("oracle-fails", "nop-passes", "environment-fails", "refused")
 CACHED: frozenset[str] = frozenset({"verified", "unverified", "oracle-fails", "nop-passes"})
 
 
@@ -240,9 +243,11 @@ def _run(specs: list[TrialSpec], rollout: RolloutConfig, reward: RewardRule | No
 def _verifier_tail(outcome: TrialOutcome) -> list[str]:
     path = Path(outcome.attempts[-1].trial_dir) / "verifier" / "test-stdout.txt"
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_tail(path, TAIL_BYTES)
     except FileNotFoundError:  # the verifier never ran (the trial failed before it)
         return []
+    except OSError as exc:  # ELOOP: the sandbox left a link there
+        return [f"(test-stdout.txt not read: {exc.strerror})"]
     lines = [one_line(line, 200) for line in text.splitlines() if line.strip()]
     return lines[-TAIL_LINES:]
 
@@ -263,6 +268,15 @@ def _verdict(task: TaskSpec, digest: str, done: dict[str, _Done]) -> TaskGate:
     nop = done[f"gate-{task.name}-{NOP}"]
     base = replace(base, nop_reward=nop.sample.reward, oracle_reward=oracle.sample.reward if oracle else None)
     for agent, d in ((ORACLE, oracle), (NOP, nop)):
+        exc = d.outcome.result.exception_info if d is not None else None
+        if d is not None and exc is not None and exc.exception_type == ImageBuildError.__name__:
+            # The task's own environment (its image's build, or its tree) gives no sandbox: every trial of it would
+            # fail the same way. Left out, and not cached: a build that failed on a registry's hiccup is tried again.
+            return replace(
+                base,
+                verdict="environment-fails",
+                reason=f"the {agent} trial could not get the task's environment ({d.sample.exit_reason})",
+            )
         if d is not None and _infrastructure(d.outcome):
             return replace(
                 base,

@@ -54,9 +54,9 @@ def test_oracle_scores_one_and_nop_zero_through_prepare_and_the_build_is_cached(
     gate = {t["name"]: t for t in json.loads(run.paths.gate.read_text())["tasks"]}
     good, broken = gate[DOCKER_TASK], gate["broken-build"]
     assert (good["verdict"], good["oracle_reward"], good["nop_reward"]) == ("verified", 1.0, 0.0)
-    # a build failure says nothing about the task's rewards: a sandbox failure with the builder's last lines
-    assert broken["verdict"] == "unchecked" and broken["oracle_reward"] is None, broken
-    assert "infrastructure failure" in broken["reason"] and "ImageBuildError" in broken["reason"], broken["reason"]
+    # a build failure gives no sandbox for any trial of the task: left out, with the builder's last lines
+    assert broken["verdict"] == "environment-fails" and not broken["admitted"], broken
+    assert broken["oracle_reward"] is None and "ImageBuildError" in broken["reason"], broken["reason"]
     assert "no-such-compiler: not found" in broken["reason"]
     # the build log stays in the image cache (the gate's trials run before the run dir exists)
     digest = context_digest(docker_tasks / DOCKER_TASK / "environment")

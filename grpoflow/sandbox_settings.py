@@ -28,6 +28,10 @@ class LocalSandboxSettings(BaseModel):
     image_cache_dir: str | None = Field(
         None, min_length=1, description="Where Dockerfile-built task images are unpacked (default: the cache)."
     )
+    image_max_mb: int = Field(8192, gt=0, le=2**30, description="The largest task image unpacked, in MiB.")
+    storage_mb: int | None = Field(
+        None, gt=0, le=2**30, description="Disk a trial's own files may take, in MiB (default: the task's, or 10 GiB)."
+    )
 
 
 # What `sandbox_kwargs_problem` checks against: a test sandbox that takes more keywords puts its own model here.

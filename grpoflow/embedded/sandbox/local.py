@@ -36,7 +36,7 @@ from harbor.models.task.config import NetworkMode, NetworkPolicy
 
 from grpoflow.dockerfile import host_rootfs_problem
 from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
-from grpoflow.embedded.sandbox.images import TaskImage, task_image
+from grpoflow.embedded.sandbox.images import DEFAULT_IMAGE_MAX_MB, TaskImage, task_image
 from grpoflow.embedded.sandbox.orphans import claim
 from grpoflow.embedded.sandbox.processes import (
     HOST_ENV,
@@ -65,6 +65,7 @@ from grpoflow.embedded.sandbox.rootfs import (
     Base,
     Bind,
     Sources,
+    StorageError,
     TreeFileError,
     build_rootfs,
     bwrap_argv,
@@ -80,6 +81,7 @@ from grpoflow.embedded.sandbox.rootfs import (
     resolve_inside,
     rmtree,
     scrub_log_symlinks,
+    tree_bytes,
 )
 from grpoflow.embedded.sandbox.seccomp import filter_fd
 from grpoflow.errors import one_line
@@ -93,6 +95,7 @@ from grpoflow.rollout.environments import (
 )
 
 PROCESS_SCOPES = ("exec", "trial")
+DEFAULT_STORAGE_MB = 10240  # a trial's own files, when neither the sandbox's settings nor the task set it
 # Trial scope: after a command exits, how long to keep reading output a background process may still write.
 BACKGROUND_OUTPUT_GRACE_SEC = 0.5
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -133,6 +136,8 @@ class LocalSandbox(BaseEnvironment):
         session_bridge: str | None = None,
         cli_dir: str | None = None,
         image_cache_dir: str | None = None,
+        image_max_mb: int = DEFAULT_IMAGE_MAX_MB,
+        storage_mb: int | None = None,
         **kwargs: Any,
     ):
         """Kwargs (all via `EnvironmentConfig.kwargs`):
@@ -149,6 +154,11 @@ class LocalSandbox(BaseEnvironment):
             forwarder lives in the trial's network namespace), and nothing else.
         cli_dir: a host dir with node_modules/.bin (an `npm install --prefix`), read-only at /opt/grpoflow/cli.
         image_cache_dir: where task images' exported trees and build logs go (default: <GRPOFLOW_CACHE>/images).
+        image_max_mb: the largest task image unpacked (a larger one is refused before its export).
+        storage_mb: disk the trial's own files may take (its working dir, /tmp, /root, logs); default: the task's
+            `storage_mb`, else DEFAULT_STORAGE_MB. Checked before the trial starts and after every command (a
+            command may overshoot by what it writes, each file no larger than max_file_size_mb); over it, the
+            sandbox dies with one line (a sandbox failure of that trial).
         Any other kwarg goes to Harbor's `BaseEnvironment` (`auto_mounting` defaults to True here).
         """
         for name, value in (
@@ -157,6 +167,8 @@ class LocalSandbox(BaseEnvironment):
             ("max_processes", max_processes),
             ("max_file_size_mb", max_file_size_mb),
             ("max_output_bytes", max_output_bytes),
+            ("image_max_mb", image_max_mb),
+            ("storage_mb", DEFAULT_STORAGE_MB if storage_mb is None else storage_mb),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LocalSandbox: {name} must be a positive integer, got {value!r}")
@@ -184,6 +196,8 @@ class LocalSandbox(BaseEnvironment):
         self.work_dir = work_dir
         self.process_scope = process_scope
         self.image_cache_dir = Path(image_cache_dir) if image_cache_dir else default_cache_dir() / "images"
+        self.image_max_mb = image_max_mb
+        self._storage_mb = storage_mb
         self.base: Base = HOST_BASE  # the system dirs: an image's tree once start() built it (tasks that need one)
         self.image: TaskImage | None = None
         # Log dirs bound from the trial dir, so Harbor reads them in place (as with Docker's bind mounts).
@@ -199,6 +213,7 @@ class LocalSandbox(BaseEnvironment):
         )
         self._maybe_resolve_task_env()  # the task's [environment.env] joins every exec's environment
         self._workdir = task_env_config.workdir or DEFAULT_WORKDIR
+        self.storage_mb = self._storage_mb or task_env_config.storage_mb or DEFAULT_STORAGE_MB
         self._needs_image = host_rootfs_problem(self.environment_dir) is not None
         self._binds = harbor_binds(self._host_mounts)
         self._root: Path | None = None  # the per-trial temp dir; None until start()
@@ -385,10 +400,12 @@ class LocalSandbox(BaseEnvironment):
                     os.close(fd)  # the sandbox holds the only marker write end now: EOF once it closed it
             self._procs.add(proc)
             try:
-                return await self._collect(proc, marker_r, command, timeout_sec)
+                result = await self._collect(proc, marker_r, command, timeout_sec)
             finally:
                 self._procs.discard(proc)
                 scrub_log_symlinks(self._binds)
+            await asyncio.to_thread(self._check_storage, command)
+            return result
         finally:
             os.close(marker_r)
 
@@ -457,6 +474,19 @@ class LocalSandbox(BaseEnvironment):
             )
         return ExecResult(stdout=out.text(), stderr=err.text(), return_code=proc.returncode or 0)
 
+    def _check_storage(self, command: str) -> None:
+        """The trial's files against `storage_mb`, after a command: over it, the sandbox is dead (the files stay for
+        stop() to delete) and the command's result is lost with it."""
+        assert self._root is not None
+        limit = self.storage_mb * 2**20
+        used = tree_bytes([self._root / "rootfs", *(b.source for b in self._binds if not b.read_only)], limit)
+        if used > limit:
+            self._dead_reason = (
+                f"the trial's files reached {used // 2**20} MB, over its storage cap of {self.storage_mb} MB "
+                f"(storage_mb; checked after each command)"
+            )
+            raise SandboxDiedError(f"sandbox {self.session_id}: {self._dead_reason}, after {command[:80]!r}")
+
     def _exec_argv(self, command: str, cwd: str, marker_fd: int, env_fd: int, seccomp_fd: int) -> list[str]:
         # The wrapper proves the sandbox came up (a byte on marker_fd, which it then closes so the command can't
         # touch it); a failure before that byte is the sandbox's, after it the command's. It then exports the
@@ -515,7 +545,7 @@ class LocalSandbox(BaseEnvironment):
         build failed."""
         keep = Path(self.trial_paths.trial_dir) / "environment-build.log"
         try:
-            image = self.image = task_image(self.environment_dir, self.image_cache_dir)
+            image = self.image = task_image(self.environment_dir, self.image_cache_dir, self.image_max_mb)
         except ImageBuildError as exc:
             if exc.log is not None and exc.log.is_file():
                 shutil.copyfile(exc.log, keep)
@@ -547,7 +577,12 @@ class LocalSandbox(BaseEnvironment):
         app = self.environment_dir / "app"
         own = self._own = self._own_binds(root)
         binds = [*self._binds, *own]
-        extra_ro = build_rootfs(root / "rootfs", app, binds, self._uid, self.auto_mounting, self.base)
+        try:
+            extra_ro = build_rootfs(
+                root / "rootfs", app, binds, self._uid, self.auto_mounting, self.base, self.storage_mb * 2**20
+            )
+        except StorageError as exc:
+            raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
         # As root, bwrap runs as the sandbox uid: its mount sources are staged (see Sources).
         self._sources = Sources(staged=self._uid is not None)
         uid = self._uid if self._uid is not None else os.getuid()

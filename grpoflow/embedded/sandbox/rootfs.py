@@ -105,10 +105,24 @@ def make_trial_dir(work_dir: str | None, session_id: str) -> Path:
 
 
 def build_rootfs(
-    rootfs: Path, app: Path, binds: list[Bind], uid: int | None, auto_mounting: bool, base: Base = HOST_BASE
+    rootfs: Path,
+    app: Path,
+    binds: list[Bind],
+    uid: int | None,
+    auto_mounting: bool,
+    base: Base = HOST_BASE,
+    storage_bytes: int | None = None,
 ) -> list[str]:
-    """Create the sandbox's / at `rootfs`, pre-filled from the task's `app` dir and the base's seeded dirs; the
-    base's lib dirs to bind read-only (one without merged /usr)."""
+    """Create the sandbox's / at `rootfs`, pre-filled from the task's `app` dir and the base's seeded dirs (no
+    larger together than `storage_bytes`: `StorageError` before any copy); the base's lib dirs to bind read-only
+    (one without merged /usr)."""
+    if storage_bytes is not None:
+        seeded = tree_bytes([app, *(base.root / s[1:] for s in base.seeded)], storage_bytes)
+        if seeded > storage_bytes:
+            raise StorageError(
+                f"the task's working directory ({', '.join(base.seeded) or '/app'}) is over the trial's storage "
+                f"cap of {storage_bytes // 2**20} MB before the trial starts"
+            )
     rootfs.mkdir(mode=0o755)
     extra_ro: list[str] = []
     for lib in HOST_LIB_NAMES:
@@ -242,6 +256,10 @@ def read_tree_file(tree: Path, rel: str, limit: int = TREE_FILE_MAX_BYTES) -> st
     return data.decode("utf-8", errors="replace")
 
 
+class StorageError(ValueError):
+    """A trial's files (or what it starts with) are over its storage cap."""
+
+
 class TreeFileError(ValueError):
     """A file the host reads from a base's tree is a link, a special file or too large."""
 
@@ -373,6 +391,32 @@ def scrub_log_symlinks(binds: list[Bind]) -> None:
                 if os.path.islink(path) and not inside(Path(os.path.realpath(path)), bind.source):
                     with contextlib.suppress(FileNotFoundError):  # removed meanwhile: what we wanted
                         os.unlink(path)
+
+
+# ---- disk use ---------------------------------------------------------------------------------------------------
+
+
+def tree_bytes(paths: list[Path], limit: int) -> int:
+    """Bytes of disk the files under `paths` take (links not followed), counted until past `limit`: the return is
+    then only known to be over it."""
+    total = 0
+    stack = [str(p) for p in paths]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue  # removed meanwhile, or a dir the sandbox made unreadable to us (only when not root)
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            total += info.st_blocks * 512
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+        if total > limit:
+            return total
+    return total
 
 
 # ---- path helpers ---------------------------------------------------------------------------------------------

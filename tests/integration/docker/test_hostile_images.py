@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from grpoflow.embedded.sandbox.images import context_digest
 from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.embedded.sandbox.processes import uid_pids
 from grpoflow.embedded.sandbox.seccomp import ARCHES
@@ -190,5 +191,42 @@ def test_passwd_links_out_of_the_image_are_refused_without_a_read(
         trial_dir = Path(env.trial_paths.trial_dir)
         for path in [p for p in trial_dir.rglob("*") if p.is_file()]:
             assert marker not in path.read_text(errors="replace"), path
+    finally:
+        next(factory, None)
+
+
+def test_an_image_over_its_cap_is_refused_before_export_and_removed(tmp_path: Path, docker_ready: None) -> None:
+    task = _task(tmp_path, "big-image", "FROM debian:bookworm-slim\nCOPY data/ /workspace/\nWORKDIR /workspace\n")
+    images = tmp_path / "images"  # cold: the cap is checked when the image is unpacked
+    factory = sandbox_factory(lambda _: task, task.name, tmp_path, image_cache_dir=str(images), image_max_mb=16)
+    make = next(factory)
+    env = make()
+    try:
+        with pytest.raises(ImageBuildError, match=r"over the local sandbox's image_max_mb=16") as info:
+            asyncio.run(env.start(force_build=False))
+        assert "\n" not in str(info.value)
+    finally:
+        next(factory, None)
+    assert not [p for p in images.iterdir() if p.is_dir()]  # nothing unpacked
+    tag = "grpoflow-env:" + context_digest(task / "environment")
+    assert subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0
+
+
+def test_a_working_dir_over_the_storage_cap_is_refused_before_the_copy(image_cache: Path, tmp_path: Path) -> None:
+    task = _task(
+        tmp_path,
+        "big-workdir",
+        "FROM debian:bookworm-slim\nRUN mkdir /workspace && head -c 20000000 /dev/urandom > /workspace/blob\n"
+        "WORKDIR /workspace\n",
+    )
+    factory = sandbox_factory(lambda _: task, task.name, tmp_path, image_cache_dir=str(image_cache), storage_mb=8)
+    make = next(factory)
+    env = make()
+    try:
+        with pytest.raises(ImageBuildError, match=r"/workspace\) is over the trial's storage cap of 8 MB"):
+            asyncio.run(env.start(force_build=False))
+        assert not list(
+            Path(env.work_dir or tempfile.gettempdir()).glob(f"grpoflow-sandbox-{task.name}*/rootfs/workspace")
+        )
     finally:
         next(factory, None)

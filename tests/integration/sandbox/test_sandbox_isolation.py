@@ -320,3 +320,21 @@ def test_a_tasks_ld_preload_reaches_no_host_process(bwrap: str, tmp_path: Path) 
     assert result.return_code == 0, result.stderr
     assert result.stdout == f"a b\nc\n{lib}"  # the sandbox has the task's environment, newlines and all
     assert not marker.exists()  # the library's path is a host path: only a host process could have loaded it
+
+
+def test_a_trial_over_its_storage_cap_dies_in_one_line(make_sandbox: Callable[..., LocalSandbox]) -> None:
+    async def main() -> tuple:
+        env = await _started(make_sandbox(storage_mb=64))
+        small = await env.exec("head -c 1000000 /dev/zero > /app/small; echo ok")
+        with pytest.raises(SandboxDiedError) as died:
+            await env.exec("for i in 1 2 3 4; do head -c 64000000 /dev/zero > /tmp/big$i; done")
+        with pytest.raises(SandboxDiedError, match="storage cap"):
+            await env.exec("true")  # the sandbox stays dead
+        return small, died.value
+
+    small, died = asyncio.run(main())
+    assert small.stdout == "ok\n"
+    message = str(died)
+    assert "over its storage cap of 64 MB" in message and "\n" not in message
+    reached = int(message.split("reached ")[1].split(" MB")[0])
+    assert 64 < reached <= 4 * 62  # the overshoot is at most what the one command wrote

@@ -100,8 +100,8 @@ with warnings.catch_warnings():
         build_images: bool = Field(
             False,
             description="On the local sandbox, build a task's environment/Dockerfile with this machine's Docker "
-            "engine and run its trials in the image. Only for datasets you trust: the image's own setpriv drops "
-            "the sandbox's privileges. Off: a task whose Dockerfile needs a build is left out with one line.",
+            "engine and run its trials in the image, under the same sandbox as the host rootfs. Off: a task whose "
+            "Dockerfile needs a build is left out with one line.",
         )
         reward: str | dict[str, float] | None = Field(
             None,

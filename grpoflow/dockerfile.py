@@ -62,8 +62,8 @@ def local_sandbox_problem(task_dir: Path, build_images: bool = True) -> str | No
     problem = host_rootfs_problem(task_dir / "environment")
     if problem is None:
         return None
-    if not build_images:  # a dataset is third-party input: its image runs the sandbox's privilege drop
-        return f"{problem}; dataset.build_images=true builds it with Docker (only for a dataset you trust)"
+    if not build_images:
+        return f"{problem}; dataset.build_images=true builds it with Docker"
     if (engine := docker_engine_problem()) is not None:
         return f"{problem}; {engine}"
     text = (task_dir / "environment" / "Dockerfile").read_text(encoding="utf-8")

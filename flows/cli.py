@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dataset", help="with --validate: directory of Harbor tasks, `builtin` or `builtin-fixed`")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="with --validate: dotted override, repeatable")
+    p = sub.add_parser("cache", help="the cache of Dockerfile-built task images: `gc` removes the least recently used")
+    p.add_argument("action", choices=["gc"])
+    p.add_argument(
+        "--max-mb", type=int, default=None, help="keep at most this many MiB (default: the automatic budget)"
+    )
+    p.add_argument("--image-cache-dir", help="the image cache (default: <GRPOFLOW_CACHE>/images)")
     return parser
 
 
@@ -140,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return _tasks(Path(args.output_dir), args.regrade, args.per_task)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "cache":
+        return _cache_gc(args)
     try:
         cfg = _config_from_args(args)
         preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or _is_embedded_default(args) else ""
@@ -159,6 +167,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"grpoflow: run {cfg.run_id} finished; artifacts in {root}")
     for name in sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir()):
         print(f"  {name}")
+    return 0
+
+
+def _cache_gc(args: argparse.Namespace) -> int:
+    """`grpoflow cache gc`: the image cache down to its budget, least recently used first; what went, what stays."""
+    from grpoflow.embedded.sandbox.images import DEFAULT_CACHE_MAX_MB, collect
+    from grpoflow.paths import default_cache_dir
+
+    max_mb = DEFAULT_CACHE_MAX_MB if args.max_mb is None else args.max_mb
+    if max_mb < 0:
+        print(f"grpoflow: error: --max-mb {max_mb}: not a size", file=sys.stderr)
+        return 2
+    where = Path(args.image_cache_dir) if args.image_cache_dir else default_cache_dir() / "images"
+    done = collect(where, max_mb * 2**20)
+    for digest, size in done.removed:
+        print(f"removed {digest} ({size / 2**20:.0f} MiB)")
+    for digest in done.busy:
+        print(f"kept {digest}: in use by a sandbox, or used in the last minutes")
+    print(f"grpoflow cache gc: {where}: {len(done.removed)} images removed, {done.kept_bytes / 2**20:.0f} MiB kept")
     return 0
 
 

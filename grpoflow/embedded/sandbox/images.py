@@ -8,7 +8,9 @@ trial starts as fast as on the host rootfs (figures: docs/embedded.md, bench/san
 
 Everything is cached by the build context's digest (every file of `environment/`): the image is tagged
 `grpoflow-env:<digest>`, its tree unpacked once under `<cache>/<digest>/rootfs` (read-only to trials), its build
-log kept at `<cache>/<digest>.build.log`. A failed build raises `ImageBuildError` (a sandbox failure of that
+log kept at `<cache>/<digest>.build.log`. The cache is collected least recently used first down to a size budget
+(`collect`: after each new image, and by `grpoflow cache gc`); a tree in use by a live sandbox (which holds a
+shared lock on `<digest>.hold`) is never removed. A failed build raises `ImageBuildError` (a sandbox failure of that
 task) with the builder's last lines; it is remembered for the life of the process, so a trial's retries do not
 rebuild what just failed.
 """
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +57,9 @@ def context_digest(environment_dir: Path) -> str:
 
 
 DEFAULT_IMAGE_MAX_MB = 8192
+DEFAULT_CACHE_MAX_MB = 32768  # the image cache's budget, collected after each new image
+USED = "used"  # touched in <digest>/ each time a trial takes the image: the LRU order
+RECENT_S = 600  # an entry used this recently is never collected (a trial takes it, then holds it)
 
 
 def task_image(environment_dir: Path, cache_dir: Path, max_mb: int = DEFAULT_IMAGE_MAX_MB) -> TaskImage:
@@ -70,6 +76,7 @@ def task_image(environment_dir: Path, cache_dir: Path, max_mb: int = DEFAULT_IMA
             raise ImageBuildError(str(_failed[digest]), _failed[digest].log)
         meta = done / "image.json"
         if meta.is_file():
+            (done / USED).touch()
             return _read(meta, tag, log, built=False)
         try:
             _build(environment_dir, tag, log)
@@ -77,7 +84,66 @@ def task_image(environment_dir: Path, cache_dir: Path, max_mb: int = DEFAULT_IMA
         except ImageBuildError as err:
             _failed[digest] = err
             raise
-        return _read(meta, tag, log, built=True)
+        (done / USED).touch()
+        image = _read(meta, tag, log, built=True)
+    collect(cache_dir, DEFAULT_CACHE_MAX_MB * 2**20, keep=digest)
+    return image
+
+
+def hold(image: TaskImage) -> int:
+    """A shared lock on the image's cache entry for as long as the returned fd stays open: `collect` skips it."""
+    fd = os.open(_hold_path(image.rootfs.parent), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def _hold_path(entry: Path) -> Path:
+    # Not the build's lock: a sandbox holding it shared must not block another trial's build or cache lookup.
+    return entry.parent / f"{entry.name}.hold"
+
+
+@dataclass(frozen=True)
+class Collected:
+    removed: list[tuple[str, int]]  # (digest, bytes) of each entry removed, oldest first
+    kept_bytes: int
+    busy: list[str]  # entries over the budget left because a sandbox uses them
+
+
+def collect(cache_dir: Path, budget_bytes: int, keep: str | None = None) -> Collected:
+    """Remove unpacked images, least recently used first, until the cache is within `budget_bytes`: the tree,
+    the build log and the engine's tag. `keep` (an entry just made) and entries a live sandbox holds stay."""
+    from grpoflow.embedded.sandbox.rootfs import rmtree, tree_bytes
+
+    entries = []
+    for entry in Path(cache_dir).iterdir() if Path(cache_dir).is_dir() else []:
+        if entry.is_dir() and not entry.is_symlink() and (entry / "image.json").is_file():
+            used = entry / USED
+            stamp = used.stat().st_mtime if used.exists() else (entry / "image.json").stat().st_mtime
+            entries.append((stamp, entry, tree_bytes([entry], 2**62)))
+    total = sum(size for _, _, size in entries)
+    removed, busy = [], []
+    for stamp, entry, size in sorted(entries, key=lambda e: e[0]):
+        if total <= budget_bytes:
+            break
+        if entry.name == keep:
+            continue
+        if time.time() - stamp < RECENT_S:  # taken by a trial just now, maybe not yet held
+            busy.append(entry.name)
+            continue
+        with open(_hold_path(entry), "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy.append(entry.name)
+                continue
+            tag = json.loads((entry / "image.json").read_text()).get("tag")
+            rmtree(entry)
+            (entry.parent / f"{entry.name}.build.log").unlink(missing_ok=True)
+            if tag:
+                _docker("rmi", "-f", tag, check=False)
+        removed.append((entry.name, size))
+        total -= size
+    return Collected(removed, total, busy)
 
 
 def _build(environment_dir: Path, tag: str, log: Path) -> None:
@@ -177,7 +243,12 @@ def _read(meta: Path, tag: str, log: Path, built: bool) -> TaskImage:
 
 
 def _docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=300)
+    try:
+        proc = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+        if check:
+            raise ImageBuildError("docker is not installed") from None
+        return subprocess.CompletedProcess(["docker", *args], 127, "", "docker is not installed")
     if check and proc.returncode != 0:
         raise ImageBuildError(f"docker {args[0]} {args[1] if len(args) > 1 else ''} failed: {proc.stderr.strip()}")
     return proc

@@ -36,7 +36,7 @@ from harbor.models.task.config import NetworkMode, NetworkPolicy
 
 from grpoflow.dockerfile import host_rootfs_problem
 from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
-from grpoflow.embedded.sandbox.images import DEFAULT_IMAGE_MAX_MB, TaskImage, task_image
+from grpoflow.embedded.sandbox.images import DEFAULT_IMAGE_MAX_MB, TaskImage, hold, task_image
 from grpoflow.embedded.sandbox.orphans import claim
 from grpoflow.embedded.sandbox.processes import (
     HOST_ENV,
@@ -200,6 +200,7 @@ class LocalSandbox(BaseEnvironment):
         self._storage_mb = storage_mb
         self.base: Base = HOST_BASE  # the system dirs: an image's tree once start() built it (tasks that need one)
         self.image: TaskImage | None = None
+        self._image_lock: int | None = None  # a shared lock on the image's cache entry while this sandbox lives
         # Log dirs bound from the trial dir, so Harbor reads them in place (as with Docker's bind mounts).
         kwargs.setdefault("auto_mounting", True)
         super().__init__(
@@ -328,6 +329,9 @@ class LocalSandbox(BaseEnvironment):
             await asyncio.to_thread(kill_uid, self._uid)
             release_uid(self._uid)
             self._uid = None
+        if self._image_lock is not None:
+            os.close(self._image_lock)
+            self._image_lock = None
         if self._root is not None:
             scrub_log_symlinks(self._binds)
             if delete:
@@ -546,6 +550,7 @@ class LocalSandbox(BaseEnvironment):
         keep = Path(self.trial_paths.trial_dir) / "environment-build.log"
         try:
             image = self.image = task_image(self.environment_dir, self.image_cache_dir, self.image_max_mb)
+            self._image_lock = hold(image)
         except ImageBuildError as exc:
             if exc.log is not None and exc.log.is_file():
                 shutil.copyfile(exc.log, keep)

@@ -1,7 +1,8 @@
-"""The host side of every process a `LocalSandbox` starts: run by the host's Python (`python -I -S launch.py SPEC --
-ARGV`), never from the sandbox's tree, so nothing a task image ships runs before its privileges are gone.
+"""The host side of every process a `LocalSandbox` starts: run by the host's Python (`python -I -S launch.py OPTIONS
+-- ARGV`), never from the sandbox's tree, so nothing a task image ships runs before its privileges are gone.
 
-In order, with SPEC (JSON) saying what applies:
+In order, with OPTIONS (`--rlimit NAME=VALUE`, `--uid N`, `--stage PATH NAME`, `--enter PID --seccomp-fd FD`)
+saying what applies:
 1. `rlimits`: set (soft and hard) here, on the host; they survive every exec below.
 2. `stage` (as root only): bwrap runs as the sandbox uid and must reach its mount sources by path, which may lie
    under dirs that uid cannot enter (a 0700 home, pytest's temp dir). This process unshares a mount namespace of
@@ -15,20 +16,19 @@ In order, with SPEC (JSON) saying what applies:
    child is in the sandbox's pid namespace, install the seccomp filter read from `seccomp_fd`, and exec ARGV
    there. The parent waits and exits as the child did (re-raising a signal that killed it, as nsenter does).
 
-The environment of what runs is `env` alone: nothing of the caller's (or a task's) reaches a host-side process.
-Standard library only, and little of it: this runs once per command.
+The environment of what runs is `ENV` alone: nothing of the caller's (or a task's) reaches a host-side process.
+Standard library only, and little of it (no json, no signal until needed): this runs once per command.
 """
 
 import ctypes
 import fcntl
-import json
 import os
 import resource
-import signal
 import stat
 import sys
 
 STAGE = "/run/grpoflow-stage"
+ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}  # the whole environment of what this execs
 NS_GET_USERNS = 0xB701  # ioctl on a namespace fd: an fd of the user namespace that owns it
 NAMESPACES = (("mnt", os.CLONE_NEWNS), ("pid", os.CLONE_NEWPID), ("net", os.CLONE_NEWNET))
 NAMESPACES += (("ipc", os.CLONE_NEWIPC), ("uts", os.CLONE_NEWUTS), ("cgroup", os.CLONE_NEWCGROUP))
@@ -53,7 +53,7 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
 
 
-def stage(sources: list[list[str]]) -> None:
+def stage(sources: list[tuple[str, str]]) -> None:
     """Bind each [path, name] at STAGE/name in a mount namespace of this process's own; a path whose last
     component is a link is refused (a bind mount would follow it)."""
     os.makedirs(STAGE, mode=0o755, exist_ok=True)
@@ -123,7 +123,7 @@ def _same_ns(fd: int, path: str) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def wait_and_exit(child: int) -> None:
+def wait_and_exit(child: int, signal) -> None:  # noqa: ANN001  (the module, imported before the chroot)
     for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # the command decides; a SIGKILL of the group ends both
     _, status = os.waitpid(child, 0)
@@ -134,28 +134,47 @@ def wait_and_exit(child: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
+def parse(args: list[str]) -> tuple[dict, list[str]]:
+    """(options, ARGV) from `OPTIONS -- ARGV`."""
+    opts: dict = {"rlimit": {}, "stage": [], "uid": None, "enter": None, "seccomp_fd": None}
+    i = 0
+    while args[i] != "--":
+        flag = args[i]
+        if flag == "--rlimit":
+            name, _, value = args[i + 1].partition("=")
+            opts["rlimit"][name] = int(value)
+        elif flag == "--stage":
+            opts["stage"].append((args[i + 1], args[i + 2]))
+            i += 1
+        elif flag in ("--uid", "--enter", "--seccomp-fd"):
+            opts[flag[2:].replace("-", "_")] = int(args[i + 1])
+        else:
+            raise SystemExit(f"launch.py: unknown option {flag}")
+        i += 2
+    return opts, args[i + 1 :]
+
+
 def main() -> None:
-    spec = json.loads(sys.argv[1])
-    if sys.argv[2] != "--" or len(sys.argv) < 4:
-        raise SystemExit("launch.py: usage: launch.py SPEC -- ARGV")
-    argv, env = sys.argv[3:], spec["env"]
+    opts, argv = parse(sys.argv[1:])
     os.chdir("/")
-    for name, value in spec["rlimits"].items():
+    for name, value in opts["rlimit"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
-    if spec.get("stage"):
-        stage(spec["stage"])
-    if spec.get("enter") is not None:
-        enter(spec["enter"], spec.get("uid"))
+    if opts["stage"]:
+        stage(opts["stage"])
+    if opts["enter"] is not None:
+        import signal  # now: after the chroot below, nothing of the host's stdlib can be imported
+
+        enter(opts["enter"], opts["uid"])
         child = os.fork()
         if child:
-            wait_and_exit(child)
+            wait_and_exit(child, signal)
         no_new_privs()
-        seccomp(spec["seccomp_fd"])
+        seccomp(opts["seccomp_fd"])
     else:
-        if spec.get("uid") is not None:
-            drop(spec["uid"])
+        if opts["uid"] is not None:
+            drop(opts["uid"])
         no_new_privs()
-    os.execve(argv[0], argv, env)
+    os.execve(argv[0], argv, ENV)
 
 
 if __name__ == "__main__":

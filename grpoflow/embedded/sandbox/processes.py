@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import resource
@@ -19,12 +18,13 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from grpoflow.embedded.sandbox.launch import ENV as LAUNCH_ENV
 from grpoflow.rollout.environments import SandboxStartError, SandboxUnavailableError
 
 # Every sandbox process starts through it, run by this Python: see its module doc.
 LAUNCHER = Path(__file__).with_name("launch.py")
 # The whole environment of the host-side processes (launcher, bwrap): nothing of ours or of a task's.
-HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+HOST_ENV = LAUNCH_ENV
 # pid 1 of a trial-scope sandbox: never exits on its own, ignores signals, reaps orphans.
 HOLDER_LOOP = "trap '' HUP INT QUIT TERM USR1 USR2; while :; do sleep 86400 & wait $!; done"
 
@@ -99,11 +99,21 @@ def rlimits(*, memory_mb: int, cpu_time_sec: int, max_processes: int, max_file_s
 
 
 def launch_argv(
-    argv: list[str], *, limits: dict, uid: int | None, stage: list | None = None, **spec: object
+    argv: list[str],
+    *,
+    limits: dict[str, int],
+    uid: int | None,
+    stage: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
+    enter: int | None = None,
+    seccomp_fd: int | None = None,
 ) -> list[str]:
     """The host command that starts `argv` (bwrap, or with `enter=<pid>` a command in that sandbox): launch.py."""
-    body = {"env": HOST_ENV, "rlimits": limits, "uid": uid, "stage": stage or [], **spec}
-    return [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(body), "--", *argv]
+    opts = [arg for name, value in limits.items() for arg in ("--rlimit", f"{name}={value}")]
+    opts += [arg for path, name in stage for arg in ("--stage", path, name)]
+    for flag, value in (("--uid", uid), ("--enter", enter), ("--seccomp-fd", seccomp_fd)):
+        if value is not None:
+            opts += [flag, str(value)]
+    return [sys.executable, "-I", "-S", str(LAUNCHER), *opts, "--", *argv]
 
 
 # ---- output and fds -------------------------------------------------------------------------------------------

@@ -173,9 +173,9 @@ class Sources:
         self.paths.append(str(path))
         return f"{STAGE}/{len(self.paths) - 1}"
 
-    def stage(self) -> list[list[str]]:
-        """The launcher's `stage`: [path, name] per source."""
-        return [[path, str(n)] for n, path in enumerate(self.paths)]
+    def stage(self) -> list[tuple[str, str]]:
+        """The launcher's `--stage`s: (path, name) per source."""
+        return [(path, str(n)) for n, path in enumerate(self.paths)]
 
 
 def bwrap_argv(

@@ -63,10 +63,9 @@ from grpoflow.embedded.sandbox.rootfs import (
     HOST_BASE,
     SANDBOX_HOME,
     Base,
+    BaseTreeError,
     Bind,
     Sources,
-    StorageError,
-    TreeFileError,
     build_rootfs,
     bwrap_argv,
     copy_dir_in,
@@ -197,7 +196,6 @@ class LocalSandbox(BaseEnvironment):
         self.process_scope = process_scope
         self.image_cache_dir = Path(image_cache_dir) if image_cache_dir else default_cache_dir() / "images"
         self.image_max_mb = image_max_mb
-        self._storage_mb = storage_mb
         self.base: Base = HOST_BASE  # the system dirs: an image's tree once start() built it (tasks that need one)
         self.image: TaskImage | None = None
         self._image_lock: int | None = None  # a shared lock on the image's cache entry while this sandbox lives
@@ -214,7 +212,7 @@ class LocalSandbox(BaseEnvironment):
         )
         self._maybe_resolve_task_env()  # the task's [environment.env] joins every exec's environment
         self._workdir = task_env_config.workdir or DEFAULT_WORKDIR
-        self.storage_mb = self._storage_mb or task_env_config.storage_mb or DEFAULT_STORAGE_MB
+        self.storage_mb = storage_mb or task_env_config.storage_mb or DEFAULT_STORAGE_MB
         self._needs_image = host_rootfs_problem(self.environment_dir) is not None
         self._binds = harbor_binds(self._host_mounts)
         self._root: Path | None = None  # the per-trial temp dir; None until start()
@@ -276,7 +274,7 @@ class LocalSandbox(BaseEnvironment):
             try:
                 self._holder, holder_pid = await start_holder(
                     lambda argv: self._launch(argv, stage=self._sources.stage()),
-                    [*self._argv_prefix[:-1], "--seccomp", str(seccomp), "--"],
+                    self._bwrap_prefix(seccomp),
                     (seccomp,),
                     self.session_id,
                 )
@@ -505,8 +503,11 @@ class LocalSandbox(BaseEnvironment):
         command_argv = ["/bin/bash", "-c", wrapper, "grpoflow-exec", cwd, command]
         if self._holder is not None:
             return self._launch(command_argv, enter=self._holder_pids[1], seccomp_fd=seccomp_fd)
-        bwrap = [*self._argv_prefix[:-1], "--seccomp", str(seccomp_fd), "--"]
-        return self._launch([*bwrap, *command_argv], stage=self._sources.stage())
+        return self._launch([*self._bwrap_prefix(seccomp_fd), *command_argv], stage=self._sources.stage())
+
+    def _bwrap_prefix(self, seccomp_fd: int) -> list[str]:
+        """bwrap's argv up to "--", loading the seccomp filter from `seccomp_fd` (one fresh fd per bwrap)."""
+        return [*self._argv_prefix[:-1], "--seccomp", str(seccomp_fd), "--"]
 
     def _launch(self, argv: list[str], **spec: object) -> list[str]:
         limits = rlimits(
@@ -582,19 +583,16 @@ class LocalSandbox(BaseEnvironment):
         app = self.environment_dir / "app"
         own = self._own = self._own_binds(root)
         binds = [*self._binds, *own]
-        try:
-            extra_ro = build_rootfs(
-                root / "rootfs", app, binds, self._uid, self.auto_mounting, self.base, self.storage_mb * 2**20
-            )
-        except StorageError as exc:
-            raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
         # As root, bwrap runs as the sandbox uid: its mount sources are staged (see Sources).
         self._sources = Sources(staged=self._uid is not None)
         uid = self._uid if self._uid is not None else os.getuid()
         try:
+            extra_ro = build_rootfs(
+                root / "rootfs", app, binds, self._uid, self.auto_mounting, self.base, self.storage_mb * 2**20
+            )
             self._argv_prefix = bwrap_argv(tools["bwrap"], root, binds, uid, extra_ro, self._sources, self.base)
-        except TreeFileError as exc:
-            raise ImageBuildError(f"sandbox for {self.session_id}: {exc}: refused") from exc
+        except BaseTreeError as exc:  # the task's own tree: every trial of it would fail the same way
+            raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
 
     def _own_binds(self, root: Path) -> list[Bind]:
         """Read-only dirs of ours (not Harbor's mounts, so never a target of uploads): the bridge and the CLIs."""

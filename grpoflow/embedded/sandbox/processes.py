@@ -18,13 +18,12 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from grpoflow.embedded.sandbox.launch import ENV as LAUNCH_ENV
+# The whole environment of the host-side processes (launcher, bwrap): nothing of ours or of a task's.
+from grpoflow.embedded.sandbox.launch import ENV as HOST_ENV
 from grpoflow.rollout.environments import SandboxStartError, SandboxUnavailableError
 
 # Every sandbox process starts through it, run by this Python: see its module doc.
 LAUNCHER = Path(__file__).with_name("launch.py")
-# The whole environment of the host-side processes (launcher, bwrap): nothing of ours or of a task's.
-HOST_ENV = LAUNCH_ENV
 # pid 1 of a trial-scope sandbox: never exits on its own, ignores signals, reaps orphans.
 HOLDER_LOOP = "trap '' HUP INT QUIT TERM USR1 USR2; while :; do sleep 86400 & wait $!; done"
 

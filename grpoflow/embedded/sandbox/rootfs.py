@@ -114,12 +114,12 @@ def build_rootfs(
     storage_bytes: int | None = None,
 ) -> list[str]:
     """Create the sandbox's / at `rootfs`, pre-filled from the task's `app` dir and the base's seeded dirs (no
-    larger together than `storage_bytes`: `StorageError` before any copy); the base's lib dirs to bind read-only
+    larger together than `storage_bytes`: `BaseTreeError` before any copy); the base's lib dirs to bind read-only
     (one without merged /usr)."""
     if storage_bytes is not None:
         seeded = tree_bytes([app, *(base.root / s[1:] for s in base.seeded)], storage_bytes)
         if seeded > storage_bytes:
-            raise StorageError(
+            raise BaseTreeError(
                 f"the task's working directory ({', '.join(base.seeded) or '/app'}) is over the trial's storage "
                 f"cap of {storage_bytes // 2**20} MB before the trial starts"
             )
@@ -243,25 +243,24 @@ def read_tree_file(tree: Path, rel: str, limit: int = TREE_FILE_MAX_BYTES) -> st
     except FileNotFoundError:
         return ""
     except OSError as exc:  # ELOOP (a link), ENOTDIR
-        raise TreeFileError(f"/{rel} of the sandbox's base is a link or under one, not a regular file") from exc
+        raise BaseTreeError(
+            f"/{rel} of the sandbox's base is a link or under one, not a regular file: refused"
+        ) from exc
     finally:
         os.close(fd)
     with os.fdopen(leaf, "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
-            raise TreeFileError(f"/{rel} of the sandbox's base is not a regular file")
+            raise BaseTreeError(f"/{rel} of the sandbox's base is not a regular file: refused")
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise TreeFileError(f"/{rel} of the sandbox's base is over {limit} bytes")
+        raise BaseTreeError(f"/{rel} of the sandbox's base is over {limit} bytes: refused")
     return data.decode("utf-8", errors="replace")
 
 
-class StorageError(ValueError):
-    """A trial's files (or what it starts with) are over its storage cap."""
-
-
-class TreeFileError(ValueError):
-    """A file the host reads from a base's tree is a link, a special file or too large."""
+class BaseTreeError(ValueError):
+    """What a trial starts from cannot be made: a file the host reads from the base's tree is a link, a special
+    file or too large, or the working dir is over the trial's storage cap."""
 
 
 def repair_mount_points(rootfs: Path, binds: list[Bind], base: Base = HOST_BASE) -> None:

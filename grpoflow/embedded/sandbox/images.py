@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpoflow.embedded.sandbox.rootfs import rmtree, tree_bytes
 from grpoflow.fileio import sha256_tree
 from grpoflow.rollout.environments import ImageBuildError
 
@@ -112,8 +113,6 @@ class Collected:
 def collect(cache_dir: Path, budget_bytes: int, keep: str | None = None) -> Collected:
     """Remove unpacked images, least recently used first, until the cache is within `budget_bytes`: the tree,
     the build log and the engine's tag. `keep` (an entry just made) and entries a live sandbox holds stay."""
-    from grpoflow.embedded.sandbox.rootfs import rmtree, tree_bytes
-
     entries = []
     for entry in Path(cache_dir).iterdir() if Path(cache_dir).is_dir() else []:
         if entry.is_dir() and not entry.is_symlink() and (entry / "image.json").is_file():

@@ -65,10 +65,11 @@ def stage(sources: list[tuple[str, str]]) -> None:
     _mount("tmpfs", STAGE, "tmpfs", 0, "mode=0711,size=64k")
     for path, name in sources:
         fd = os.open(path, os.O_PATH | os.O_NOFOLLOW)
-        if stat.S_ISLNK(os.fstat(fd).st_mode):
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISLNK(mode):
             raise OSError(f"{path} is a symlink: not mounted into the sandbox")
         target = f"{STAGE}/{name}"
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
+        if stat.S_ISDIR(mode):
             os.mkdir(target, 0o755)
         else:
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))

@@ -11,6 +11,7 @@ denied call (Docker-in-Docker, FUSE) cannot run on the local sandbox.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import platform
 import struct
@@ -57,6 +58,7 @@ def _insn(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
+@functools.cache
 def filter_program(machine: str | None = None) -> bytes:
     """The filter as `struct sock_filter[]` bytes for `machine` (default: this one's); ValueError elsewhere."""
     machine = machine or platform.machine()
@@ -88,15 +90,9 @@ def filter_program(machine: str | None = None) -> bytes:
     return b"".join(body)
 
 
-_PROGRAM: bytes | None = None
-
-
 def filter_fd() -> int:
     """A fresh memfd holding the filter, at offset 0 (bwrap reads it to the end: one per process started)."""
-    global _PROGRAM
-    if _PROGRAM is None:
-        _PROGRAM = filter_program()
     fd = os.memfd_create("grpoflow-seccomp", os.MFD_CLOEXEC)
-    os.write(fd, _PROGRAM)
+    os.write(fd, filter_program())
     os.lseek(fd, 0, os.SEEK_SET)
     return fd

@@ -97,11 +97,12 @@ with warnings.catch_warnings():
             "task's content and the sandbox kind. Empty: on for every dataset but the built-in one (which the tests check).",
         )
 
-        build_images: bool = Field(
-            False,
+        build_images: bool | None = Field(
+            None,
             description="On the local sandbox, build a task's environment/Dockerfile with this machine's Docker "
             "engine and run its trials in the image, under the same sandbox as the host rootfs. Off: a task whose "
-            "Dockerfile needs a build is left out with one line.",
+            "Dockerfile needs a build is left out with one line. Empty: on when a Docker engine answers (asked "
+            "only for a task that needs a build), and such a task is left out with one line when none does.",
         )
         reward: str | dict[str, float] | None = Field(
             None,

@@ -55,14 +55,14 @@ def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
     return out
 
 
-def local_sandbox_problem(task_dir: Path, build_images: bool = True) -> str | None:
+def local_sandbox_problem(task_dir: Path, build_images: bool | None = None) -> str | None:
     """Why the local sandbox cannot give the task the environment its Dockerfile describes, as one line naming
-    the file and line; None when it can: on the host rootfs, or (`build_images`, a Docker engine answering and
-    the `FROM` images present) in the image built from it."""
+    the file and line; None when it can: on the host rootfs, or (`build_images` not False, a Docker engine
+    answering and the `FROM` images present) in the image built from it."""
     problem = host_rootfs_problem(task_dir / "environment")
     if problem is None:
         return None
-    if not build_images:
+    if build_images is False:
         return f"{problem}; dataset.build_images=true builds it with Docker"
     if (engine := docker_engine_problem()) is not None:
         return f"{problem}; {engine}"

@@ -117,14 +117,14 @@ def load_dataset(
     local_sandbox: bool = False,
     seed: int = 0,
     cache_dir: Path | None = None,
-    build_images: bool = False,
+    build_images: bool | None = None,
 ) -> Dataset:
     """Load and validate every task dir under `path` (or under `dataset_root`'s dir for `builtin`, generated from
     `seed`, and `builtin-fixed`).
 
     Every non-hidden subdirectory of `path` is a task dir. One that is malformed (or, with `local_sandbox`, whose
-    environment the local sandbox does not reproduce, on the host's rootfs or, with `build_images`, in the image
-    built from its Dockerfile) is left out with its reason (`Dataset.left_out`); when none
+    environment the local sandbox does not reproduce, on the host's rootfs or, unless `build_images` is False, in
+    the image built from its Dockerfile) is left out with its reason (`Dataset.left_out`); when none
     is left, `DatasetError` says why in one line. A dataset-wide problem (no such dir, a task dir linked from
     outside it, two tasks of one name) raises at once.
     """
@@ -157,7 +157,7 @@ def load_dataset(
     return Dataset(root=root, tasks=tuple(tasks), sha256=_dataset_sha256(tasks, left_out), left_out=tuple(left_out))
 
 
-def load_task(task_dir: Path, *, local_sandbox: bool = False, build_images: bool = False) -> TaskSpec:
+def load_task(task_dir: Path, *, local_sandbox: bool = False, build_images: bool | None = None) -> TaskSpec:
     """Validate one task dir and describe it; raises `DatasetError` naming the dir and the problem. With
     `local_sandbox`, a task whose Dockerfile or workdir the local sandbox does not reproduce is refused too."""
     task_dir = Path(task_dir).resolve()

@@ -177,11 +177,19 @@ def test_a_band_that_holds_no_ratio_of_one_is_refused(band):
 FLAT_CONFIG = Path(__file__).parent / "fixtures" / "config_flat_layout.json"  # as main saved it before the groups
 
 
+def _as_saved(**groups) -> RunConfig:
+    """The fixture's config: today's defaults but `dataset.build_images`, saved off when off was the default (a
+    rerun keeps what its run had)."""
+    return RunConfig.model_validate(
+        {"run_id": "saved-before-config-groups", "dataset": {"build_images": False}} | groups
+    )
+
+
 def test_a_config_json_saved_in_the_flat_layout_loads_as_the_defaults():
     saved = json.loads(FLAT_CONFIG.read_text())
     assert "temperature" in saved["rollout"] and "learning_rate" in saved["train"]  # the old layout indeed
     assert "sglang_python" in saved["engine"] and "threads" in saved["engine"]
-    expected = RunConfig(run_id=saved["run_id"])
+    expected = _as_saved()
     assert parse_run_config(saved) == expected
     assert load_run_config(FLAT_CONFIG) == expected
     assert RunConfig.model_validate(saved) == expected  # as Prefect validates a deployment's flat parameters
@@ -193,7 +201,7 @@ def test_a_deployment_s_flat_parameters_validate_into_the_grouped_config():
     from flows.train import train_flow
 
     flat = json.loads(FLAT_CONFIG.read_text())
-    assert train_flow.validate_parameters({"config": flat})["config"] == RunConfig(run_id=flat["run_id"])
+    assert train_flow.validate_parameters({"config": flat})["config"] == _as_saved()
     params = evaluate_flow.validate_parameters({"config": {"train": {"eval_samples_per_prompt": 3}}})
     assert params["config"].train.eval.samples_per_prompt == 3
 
@@ -226,7 +234,7 @@ def test_every_old_engine_setting_of_a_flat_config_lands_in_its_group():
         "launch": {"device": "cpu", "mem_fraction_static": 0.5, "startup_timeout_s": 60.0},
         "embedded": {"threads": 2, "router_policy": "round_robin", "max_batch_size": 8},
     }
-    expected = RunConfig.model_validate({"run_id": saved["run_id"], "engine": grouped})
+    expected = _as_saved(engine=grouped)
     assert parse_run_config(saved) == expected
     today = RunConfig().engine.model_dump()
     assert all(k in today or f"engine.{k}" in MOVED_SETTINGS for k in saved["engine"])  # every flat name known
@@ -240,7 +248,7 @@ def test_resume_and_rerun_read_a_run_dir_saved_in_the_flat_layout(tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.json").write_text(FLAT_CONFIG.read_text())
     cfg = load_saved_config(tmp_path / "old")
-    assert cfg == RunConfig(run_id="saved-before-config-groups")
+    assert cfg == _as_saved()
     assert read_config_file(tmp_path / "old" / "config.json")["rollout"]["sandbox"] == cfg.rollout.sandbox.model_dump()
 
 

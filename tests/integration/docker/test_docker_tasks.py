@@ -98,11 +98,11 @@ def test_without_a_docker_engine_the_task_is_refused_in_one_line(no_docker_engin
     assert "environment/Dockerfile:4: `RUN apt-get update" in reason and "no Docker engine answers" in reason
 
 
-def test_a_dataset_s_dockerfiles_are_built_only_when_the_run_asks(docker_ready, docker_tasks):
-    # until the default flips (a base-image mapping first), a build runs only when dataset.build_images says so
+def test_a_dataset_s_dockerfiles_are_built_when_an_engine_answers_unless_the_run_says_no(docker_ready, docker_tasks):
+    # the default (empty) builds with the engine that answers; false keeps the host rootfs alone
+    assert [t.name for t in load_dataset(docker_tasks, local_sandbox=True).tasks] == [DOCKER_TASK]
     with pytest.raises(DatasetError) as info:
-        load_dataset(docker_tasks, local_sandbox=True)
+        load_dataset(docker_tasks, local_sandbox=True, build_images=False)
     reason = str(info.value)
     assert "environment/Dockerfile:4: `RUN apt-get update" in reason and "\n" not in reason
     assert reason.endswith("dataset.build_images=true builds it with Docker")
-    assert [t.name for t in load_dataset(docker_tasks, local_sandbox=True, build_images=True).tasks] == [DOCKER_TASK]

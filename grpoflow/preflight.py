@@ -24,8 +24,8 @@ from grpoflow.credentials import (
     policy_key_problems,
     sandbox_key_problems,
 )
+from grpoflow.engine.clients import engine_client
 from grpoflow.engine.launch import server_env
-from grpoflow.engine.router import replica_urls
 from grpoflow.errors import ConfigError, GrpoflowError, one_line
 from grpoflow.paths import run_dir_problems
 from grpoflow.placement import machine_gpus, plan_gpus
@@ -56,7 +56,8 @@ def check_run(
     problems += check_sandbox(cfg.rollout, env, timeout_s) + gpu_problems(cfg) + nccl_problems(cfg)
     if cfg.engine.attached and cfg.engine.url:
         # each server behind a router (which has no /model_info of its own), or the one server
-        urls = replica_urls(cfg.engine.url, timeout_s) if cfg.engine.api == "sglang" else [cfg.engine.url]
+        with engine_client(cfg.engine.api, cfg.engine.url) as client:
+            urls = client.replicas(timeout_s)
         for url in urls:
             problems += check_engine(url, cfg.model.source, "model.source", timeout_s)
     return problems

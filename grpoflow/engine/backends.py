@@ -1,8 +1,8 @@
 """The engine a run talks to, whichever backend: the embedded one started for the run (or several, behind an
 sglang-router started with them: `engine.embedded.replicas`), an SGLang or vLLM server started for the run from its own
 environment, or an SGLang server (or a router in front of several) or a vLLM server already running. Either way
-the rest of the pipeline generates through one URL with one client (`EngineClient`, which speaks vLLM's API
-where `engine.api` says so and answers as SGLang does) that retries infrastructure faults (`engine.retries`)
+the rest of the pipeline generates through one URL with one client (`EngineClient`: the class of `engine.api`,
+answering as SGLang does) that retries infrastructure faults (`engine.retries`)
 before the step fails with `EngineError`; weight syncs go to each replica's own URL."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 from grpoflow.config import EngineConfig
 from grpoflow.engine import sglang_launch, vllm_launch
 from grpoflow.engine.client import EngineClient
+from grpoflow.engine.clients import engine_client
 from grpoflow.engine.launch import EngineProcess, start_embedded_engine
-from grpoflow.engine.router import replica_urls, start_router
+from grpoflow.engine.router import start_router
 from grpoflow.errors import EngineError
 
 
@@ -90,14 +91,12 @@ def open_engine(
             yield EngineHandle(server.url, server.client)
         return
     assert cfg.url, "validated by parse_run_config"
-    client = EngineClient(cfg.url, timeout=cfg.request_timeout_s, retries=cfg.retries, api=cfg.api)
+    client = engine_client(cfg.api, cfg.url, timeout=cfg.request_timeout_s, retries=cfg.retries)
     if not client.health():
         client.close()
-        name = "vLLM" if cfg.api == "vllm" else "SGLang"
-        raise EngineError(f"engine.url {cfg.url}: no healthy {name} server answers there (GET /health)")
+        raise EngineError(f"engine.url {cfg.url}: no healthy {client.name} server answers there (GET /health)")
     try:
-        # a router's servers, or the one (vLLM: no router here)
-        yield EngineHandle(cfg.url, client, tuple(replica_urls(cfg.url)) if cfg.api == "sglang" else ())
+        yield EngineHandle(cfg.url, client, tuple(client.replicas()))  # a router's servers, or the one
     finally:
         client.close()
 

@@ -1,6 +1,7 @@
-"""HTTP client for SGLang's API, used unchanged against real SGLang and against the embedded engine; and, with
-`api="vllm"`, for vLLM's, behind the same methods and answers (`_VLLM` below), so nothing else in grpoflow knows
-which engine it talks to.
+"""HTTP clients for the engines: `EngineClient` is what every caller holds (transport, retries, the answers as
+SGLang's models), `SglangClient` speaks SGLang's API (real SGLang, its router, and the embedded engine), and
+`grpoflow.engine.vllm_client.VllmClient` vLLM's behind the same methods and answers, so nothing else in grpoflow
+knows which engine it talks to (`grpoflow.engine.clients` picks the class from the API's name, once).
 
 Every answer is validated with `grpoflow.engine.protocol` (`/get_server_info`, free-form, only as a JSON
 object); anything malformed (not JSON, a missing `finish_reason`, ...) raises `EngineError` with one line naming
@@ -17,9 +18,9 @@ import asyncio
 import json
 import random
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -41,9 +42,6 @@ from grpoflow.engine.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
-    VLLMCompletionResponse,
-    VLLMModelList,
-    VLLMWeightInfo,
     WeightsUpdateGroupResponse,
 )
 from grpoflow.errors import EngineError, EngineUnavailableError, one_line
@@ -63,16 +61,17 @@ _WEIGHT_UPDATES = (
 )
 
 _BACKOFF_CAP_S = 10.0
-# vLLM has no weight version before the first /update_weight_version; SGLang's is then "default".
-_VLLM_FIRST_VERSION = "default"
 
 
 class _Retryable(Exception):
     """A failure worth another try (5xx or a transport error)."""
 
 
-class EngineClient:
-    """Sync and async access to one SGLang-compatible server at `base_url` (`api="vllm"`: a vLLM server)."""
+class EngineClient(ABC):
+    """Sync and async access to one engine server at `base_url`, whatever API it speaks: the endpoints every
+    engine answers (as SGLang's models), the transport and its retries."""
+
+    name: ClassVar[str]  # the engine's name in messages
 
     def __init__(
         self,
@@ -82,10 +81,8 @@ class EngineClient:
         backoff_s: float = 0.5,
         lora_path: str | None = None,
         outage_s: float = 0.0,
-        api: Literal["sglang", "vllm"] = "sglang",
     ):
         self.base_url = base_url.rstrip("/")
-        self.api = api  # the HTTP API the server speaks (`EngineConfig.api`)
         self.timeout = timeout
         self.retries = retries
         self.outage_s = outage_s  # how long a request keeps retrying an engine that does not answer
@@ -98,19 +95,14 @@ class EngineClient:
         self._aclient: httpx.AsyncClient | None = None
         self._aclient_loop: asyncio.AbstractEventLoop | None = None
 
-    # --- endpoints ----------------------------------------------------------------------------------------
+    # --- what every engine answers, each API its own way ------------------------------------------------
 
+    @abstractmethod
     def generate(
         self, input_ids: list[int], sampling_params: SamplingParams | None = None, *, return_logprob: bool = True
-    ) -> GenerateResponse:
-        if self.api == "vllm":
-            version = self._call("GET", "/weight_info", None, VLLMWeightInfo).weight_version
-            body = _vllm_completion_body(input_ids, sampling_params, return_logprob)
-            resp = self._call("POST", "/v1/completions", body, VLLMCompletionResponse)
-            return _checked_generate(_from_vllm(resp, version, return_logprob))
-        body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
-        return _checked_generate(self._call("POST", "/generate", body, GenerateResponse))
+    ) -> GenerateResponse: ...
 
+    @abstractmethod
     async def agenerate(
         self,
         input_ids: list[int],
@@ -121,67 +113,27 @@ class EngineClient:
     ) -> GenerateResponse:
         """`on_fault`: told what each failed try got, while the request waits an outage out (a client shared by
         many callers cannot say whose request `outage` is)."""
-        if self.api == "vllm":
-            info = await self._acall("GET", "/weight_info", None, VLLMWeightInfo, on_fault)
-            body = _vllm_completion_body(input_ids, sampling_params, return_logprob)
-            resp = await self._acall("POST", "/v1/completions", body, VLLMCompletionResponse, on_fault)
-            return _checked_generate(_from_vllm(resp, info.weight_version, return_logprob))
-        body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
-        return _checked_generate(await self._acall("POST", "/generate", body, GenerateResponse, on_fault))
 
+    @abstractmethod
     def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
-    ) -> UpdateWeightsFromDiskResponse:
-        if self.api == "vllm":
-            return self._vllm_reload(model_path, weight_version)
-        body = _update_body(model_path, weight_version, flush_cache)
-        return _checked_update(self._call("POST", "/update_weights_from_disk", body, UpdateWeightsFromDiskResponse))
+    ) -> UpdateWeightsFromDiskResponse: ...
 
+    @abstractmethod
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
-    ) -> WeightsUpdateGroupResponse:
-        if self.api == "vllm":  # the workers join through grpoflow's extension (`grpoflow.engine.vllm_worker`)
-            kwargs = {
-                "master_address": master_address,
-                "master_port": str(master_port),
-                "rank_offset": str(rank_offset),
-                "world_size": str(world_size),
-                "group_name": group_name,
-                "backend": backend,
-            }
-            return self._vllm_worker_call("grpoflow_join_update_group", kwargs, "/init_weights_update_group")
-        body = InitWeightsUpdateGroupRequest(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        ).model_dump()
-        path = "/init_weights_update_group"
-        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+    ) -> WeightsUpdateGroupResponse: ...
 
-    # SGLang takes in-memory updates only inside a weight-update session (`grpoflow.train.sync.update_session`).
-    # Neither call is retried: a re-sent begin that had gone through is refused as "already open", an end as
-    # "no session open".
-    def begin_weight_update(self) -> WeightsUpdateGroupResponse:
-        """vLLM: `/pause?mode=wait` (requests in flight finish on the old weights, new ones wait)."""
-        if self.api == "vllm":
-            self._call("POST", "/pause?mode=wait", None, dict, retries=0)
-            return WeightsUpdateGroupResponse(success=True, message="paused")
-        path = "/begin_weight_update"
-        body = BeginWeightUpdateRequest().model_dump()
-        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+    # In-memory updates happen inside a weight-update session (`grpoflow.train.sync.update_session`). Neither
+    # call is retried: a re-sent begin that had gone through is refused as "already open", an end as "no session
+    # open".
+    @abstractmethod
+    def begin_weight_update(self) -> WeightsUpdateGroupResponse: ...
 
-    def end_weight_update(self) -> WeightsUpdateGroupResponse:
-        """vLLM: `/resume`."""
-        if self.api == "vllm":
-            self._call("POST", "/resume", None, dict)
-            return WeightsUpdateGroupResponse(success=True, message="resumed")
-        path = "/end_weight_update"
-        body = EndWeightUpdateRequest().model_dump()
-        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+    @abstractmethod
+    def end_weight_update(self) -> WeightsUpdateGroupResponse: ...
 
+    @abstractmethod
     def update_weights_from_distributed(
         self,
         names: list[str],
@@ -190,104 +142,24 @@ class EngineClient:
         group_name: str,
         weight_version: str | None = None,
         flush_cache: bool = True,
-    ) -> WeightsUpdateGroupResponse:
-        if self.api == "vllm":
-            kwargs = {"names": json.dumps(names), "dtypes": json.dumps(dtypes), "shapes": json.dumps(shapes)}
-            resp = self._vllm_worker_call("grpoflow_receive_weights", kwargs, "/update_weights_from_distributed")
-            if weight_version is not None:
-                self.update_weight_version(weight_version)
-            return resp
-        body = UpdateWeightsFromDistributedRequest(
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-        ).model_dump(exclude_none=True)
-        path = "/update_weights_from_distributed"
-        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+    ) -> WeightsUpdateGroupResponse: ...
 
-    def update_weights_from_tensor(
-        self, serialized_named_tensors: list[str], weight_version: str | None = None, flush_cache: bool = True
-    ) -> WeightsUpdateGroupResponse:
-        """Not retried: the tensors it points at change with the trainer's next step."""
-        body = UpdateWeightsFromTensorRequest(
-            serialized_named_tensors=serialized_named_tensors, weight_version=weight_version, flush_cache=flush_cache
-        ).model_dump(exclude_none=True)
-        path = "/update_weights_from_tensor"
-        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+    @abstractmethod
+    def update_weight_version(self, version: str) -> None: ...
 
-    def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateResponse:
-        body = LoadLoRAAdapterRequest(lora_name=name, lora_path=path).model_dump()
-        resp = self._call("POST", "/load_lora_adapter", body, LoRAUpdateResponse)
-        return _checked_update(resp, "/load_lora_adapter")
+    @abstractmethod
+    def model_info(self) -> ModelInfo: ...
 
-    def unload_lora_adapter(self, name: str) -> LoRAUpdateResponse:
-        body = UnloadLoRAAdapterRequest(lora_name=name).model_dump()
-        resp = self._call("POST", "/unload_lora_adapter", body, LoRAUpdateResponse)
-        return _checked_update(resp, "/unload_lora_adapter")
-
-    def update_weight_version(self, version: str) -> None:
-        body = UpdateWeightVersionRequest(new_version=version).model_dump()
-        if self.api == "vllm":
-            body = {"new_version": version}  # vLLM's route takes no other field
-        self._call("POST", "/update_weight_version", body, dict)
-
-    def model_info(self) -> ModelInfo:
-        """vLLM: `model_path` is the model it was started with (it does not follow weight loads, unlike SGLang's)."""
-        if self.api == "vllm":
-            card = self._call("GET", "/v1/models", None, VLLMModelList).data[0]
-            version = self._call("GET", "/weight_info", None, VLLMWeightInfo).weight_version
-            return ModelInfo(
-                model_path=card.root or card.id,
-                tokenizer_path=None,
-                is_generation=True,
-                weight_version=version or _VLLM_FIRST_VERSION,
-            )
-        return self._call("GET", "/model_info", None, ModelInfo)
-
-    def _vllm_reload(self, model_path: str, weight_version: str | None) -> UpdateWeightsFromDiskResponse:
-        """vLLM's disk load: hold generation (requests in flight finish on the old weights, new ones wait), have
-        every worker read `model_path`'s safetensors, label them, go on. Not retried: a reload cut off midway may
-        have left the model half loaded, and only a whole new one mends that. Generation resumes however the load
-        ended."""
-        if not any(Path(model_path).glob("*.safetensors")):
-            # vLLM's reload_weights of a dir it cannot read takes its whole engine down (EngineDeadError)
-            raise EngineError(f"/update_weights_from_disk: failed: no *.safetensors in {model_path}")
-        start = time.monotonic()
-        self._call("POST", "/pause?mode=wait", None, dict, retries=0)
-        try:
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
-            try:
-                self._call("POST", "/collective_rpc", rpc, dict, retries=0)
-            except EngineError as e:  # vLLM answers a failed reload with 500: it is no outage
-                raise EngineError(f"/update_weights_from_disk: failed: vLLM reload_weights({model_path}): {e}") from e
-            if weight_version is not None:
-                self.update_weight_version(weight_version)
-        finally:
-            self._call("POST", "/resume", None, dict)
-        return UpdateWeightsFromDiskResponse(
-            success=True, message=f"vLLM reloaded {model_path} in {time.monotonic() - start:.2f}s"
-        )
-
-    def _vllm_worker_call(self, method: str, kwargs: dict[str, str], what: str) -> WeightsUpdateGroupResponse:
-        """`method` of grpoflow's worker extension on every vLLM worker (`/collective_rpc`), not retried (each is one
-        end of a collective); EngineError naming `what` (the SGLang route it stands for) with vLLM's reason."""
-        try:
-            out = self._call("POST", "/collective_rpc", {"method": method, "kwargs": kwargs}, dict, retries=0)
-        except EngineError as e:
-            raise EngineError(f"{what}: failed: vLLM worker extension {method}: {e}") from e
-        return WeightsUpdateGroupResponse(success=True, message=json.dumps(out.get("results")))
-
+    @abstractmethod
     def busy_seconds(self) -> float | None:
         """Seconds the engine has spent computing (prefill, decode) since it started: the embedded engine's
         `busy_time_s` in /get_server_info; None from an engine that does not report it (SGLang, vLLM)."""
-        if self.api == "vllm":
-            return None  # no /get_server_info
-        states = self.server_info().get("internal_states") or [{}]
-        busy = states[0].get("busy_time_s")
-        return float(busy) if isinstance(busy, int | float) else None
+
+    @abstractmethod
+    def replicas(self, timeout: float = 10.0) -> list[str]:
+        """The engines behind `base_url` (weight syncs and probes go to each): a router's workers, or the one."""
+
+    # --- what every engine answers alike -------------------------------------------------------------------
 
     def server_info(self) -> dict[str, Any]:
         """GET /get_server_info as a plain dict (SGLang's and the embedded engine's keys differ; see the server)."""
@@ -413,6 +285,127 @@ class EngineClient:
         return min(_BACKOFF_CAP_S, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.5)
 
 
+class SglangClient(EngineClient):
+    """SGLang's HTTP API: real SGLang, sglang-router in front of several, and the embedded engine."""
+
+    name = "SGLang"
+
+    def generate(
+        self, input_ids: list[int], sampling_params: SamplingParams | None = None, *, return_logprob: bool = True
+    ) -> GenerateResponse:
+        body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
+        return checked_generate(self._call("POST", "/generate", body, GenerateResponse))
+
+    async def agenerate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        return_logprob: bool = True,
+        on_fault: Callable[[str], None] | None = None,
+    ) -> GenerateResponse:
+        body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
+        return checked_generate(await self._acall("POST", "/generate", body, GenerateResponse, on_fault))
+
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> UpdateWeightsFromDiskResponse:
+        body = _update_body(model_path, weight_version, flush_cache)
+        return _checked_update(self._call("POST", "/update_weights_from_disk", body, UpdateWeightsFromDiskResponse))
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> WeightsUpdateGroupResponse:
+        body = InitWeightsUpdateGroupRequest(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        ).model_dump()
+        return self._unretried_update("/init_weights_update_group", body)
+
+    def begin_weight_update(self) -> WeightsUpdateGroupResponse:
+        return self._unretried_update("/begin_weight_update", BeginWeightUpdateRequest().model_dump())
+
+    def end_weight_update(self) -> WeightsUpdateGroupResponse:
+        return self._unretried_update("/end_weight_update", EndWeightUpdateRequest().model_dump())
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> WeightsUpdateGroupResponse:
+        body = UpdateWeightsFromDistributedRequest(
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+        ).model_dump(exclude_none=True)
+        return self._unretried_update("/update_weights_from_distributed", body)
+
+    def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], weight_version: str | None = None, flush_cache: bool = True
+    ) -> WeightsUpdateGroupResponse:
+        """Not retried: the tensors it points at change with the trainer's next step."""
+        body = UpdateWeightsFromTensorRequest(
+            serialized_named_tensors=serialized_named_tensors, weight_version=weight_version, flush_cache=flush_cache
+        ).model_dump(exclude_none=True)
+        return self._unretried_update("/update_weights_from_tensor", body)
+
+    def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateResponse:
+        body = LoadLoRAAdapterRequest(lora_name=name, lora_path=path).model_dump()
+        resp = self._call("POST", "/load_lora_adapter", body, LoRAUpdateResponse)
+        return _checked_update(resp, "/load_lora_adapter")
+
+    def unload_lora_adapter(self, name: str) -> LoRAUpdateResponse:
+        body = UnloadLoRAAdapterRequest(lora_name=name).model_dump()
+        resp = self._call("POST", "/unload_lora_adapter", body, LoRAUpdateResponse)
+        return _checked_update(resp, "/unload_lora_adapter")
+
+    def update_weight_version(self, version: str) -> None:
+        self._call("POST", "/update_weight_version", UpdateWeightVersionRequest(new_version=version).model_dump(), dict)
+
+    def model_info(self) -> ModelInfo:
+        return self._call("GET", "/model_info", None, ModelInfo)
+
+    def busy_seconds(self) -> float | None:
+        states = self.server_info().get("internal_states") or [{}]
+        busy = states[0].get("busy_time_s")
+        return float(busy) if isinstance(busy, int | float) else None
+
+    def replicas(self, timeout: float = 10.0) -> list[str]:
+        return replica_urls(self.base_url, timeout)
+
+    def _unretried_update(self, path: str, body: dict) -> WeightsUpdateGroupResponse:
+        return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)
+
+
+def replica_urls(url: str, timeout: float = 10.0) -> list[str]:
+    """The engines behind `url`: the workers a router lists in `GET /workers`, or `[url]` for a single engine
+    (it has no such route)."""
+    try:
+        resp = httpx.get(url.rstrip("/") + "/workers", timeout=timeout)
+    except httpx.HTTPError:
+        return [url]
+    if resp.status_code != 200:
+        return [url]
+    try:
+        workers = resp.json().get("workers")
+    except (ValueError, AttributeError):  # a server with a `/workers` of its own that is not a router's
+        return [url]
+    if not isinstance(workers, list) or not workers:
+        return [url]
+    return [w["url"] for w in workers if isinstance(w, dict) and isinstance(w.get("url"), str)]
+
+
 def token_budget(context_length: int) -> int:
     """The most tokens (prompt + output) one request may hold on an engine of `context_length` without SGLang
     refusing it: its TokenizerManager refuses prompt + max_new_tokens reaching the context length (400), and its
@@ -432,63 +425,6 @@ def _generate_body(
     )
     # Unset optionals stay off the wire: SGLang reads a missing field as its default.
     return req.model_dump(exclude_none=True)
-
-
-def _vllm_completion_body(input_ids: list[int], params: SamplingParams | None, return_logprob: bool) -> dict:
-    """`POST /v1/completions` for a `/generate` request: token ids in, token ids (and with `return_logprob` the
-    sampled tokens' logprobs: `logprobs: 0`) out."""
-    p = params or SamplingParams()
-    body: dict[str, Any] = {
-        "prompt": input_ids,
-        "max_tokens": p.max_new_tokens,
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "ignore_eos": p.ignore_eos,
-        "return_token_ids": True,
-        "skip_special_tokens": True,
-    }
-    optional = {
-        "top_k": p.top_k if p.top_k != -1 else None,
-        "stop": p.stop_strings or None,
-        # SGLang's ignore_eos switches off every token stop; vLLM's only the EOS
-        "stop_token_ids": None if p.ignore_eos else p.stop_token_ids,
-        "seed": p.sampling_seed,
-        "logprobs": 0 if return_logprob else None,
-    }
-    return body | {k: v for k, v in optional.items() if v is not None}
-
-
-def _from_vllm(resp: VLLMCompletionResponse, version: str | None, return_logprob: bool) -> GenerateResponse:
-    """vLLM's completion as SGLang's `/generate` answer. `version`: the weight version read just before the
-    request (vLLM's answer carries none); a sync in between makes it one older than the weights used, never
-    newer. Finish reasons as SGLang gives them: "stop" with the stop string or token id matched (EOS: its id),
-    "length" with the reply's length."""
-    choice = resp.choices[0]
-    ids = choice.token_ids
-    if choice.finish_reason == "length":
-        finish: dict[str, Any] = {"type": "length", "length": len(ids)}
-    elif choice.finish_reason == "stop":
-        matched = choice.stop_reason if choice.stop_reason is not None else (ids[-1] if ids else None)
-        finish = {"type": "stop", "matched": matched}
-    elif choice.finish_reason == "abort":
-        finish = {"type": "abort", "message": "aborted by vLLM"}
-    else:
-        raise EngineError(f"/v1/completions: malformed response: finish_reason {choice.finish_reason!r}")
-    logprobs = None
-    if return_logprob:
-        lps = choice.logprobs.token_logprobs if choice.logprobs is not None else []
-        if len(lps) != len(ids) or any(lp is None for lp in lps):
-            raise EngineError(f"/v1/completions: malformed response: {len(lps)} logprobs for {len(ids)} tokens")
-        logprobs = [(lp, t, None) for lp, t in zip(lps, ids, strict=True)]
-    meta = {
-        "id": resp.id,
-        "finish_reason": finish,
-        "prompt_tokens": resp.usage.prompt_tokens,
-        "completion_tokens": resp.usage.completion_tokens,
-        "weight_version": version or _VLLM_FIRST_VERSION,
-        "output_token_logprobs": logprobs,
-    }
-    return GenerateResponse.model_validate({"text": choice.text, "output_ids": ids, "meta_info": meta})
 
 
 def _update_body(model_path: str, weight_version: str | None, flush_cache: bool) -> dict:
@@ -520,7 +456,7 @@ def _parse(resp: httpx.Response, path: str, model: type[M] | type[dict]) -> M:
         raise EngineError(f"{path}: malformed response: {where}: {first['msg']} ({e.error_count()} errors)") from e
 
 
-def _checked_generate(resp: GenerateResponse) -> GenerateResponse:
+def checked_generate(resp: GenerateResponse) -> GenerateResponse:
     fr = resp.meta_info.finish_reason
     if fr.type == "abort":
         raise EngineError(f"/generate: request {resp.meta_info.id} was aborted: {fr.message or 'no message'}")

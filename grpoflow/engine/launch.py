@@ -16,9 +16,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
 
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.errors import EngineError
 
 _LOG_TAIL_LINES = 30
@@ -128,7 +127,7 @@ def start_embedded_engine(
             raise
     finally:
         shutil.rmtree(port_dir, ignore_errors=True)
-    client = EngineClient(url, timeout=client_timeout, retries=client_retries)
+    client = SglangClient(url, timeout=client_timeout, retries=client_retries)
     return EngineProcess(proc, url, log_path, client)
 
 
@@ -147,7 +146,7 @@ def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path,
                 port = port_file.read_text().strip()
                 if port:
                     url = f"http://{host}:{port}"
-                    probe = EngineClient(url, timeout=2.0, retries=0)
+                    probe = SglangClient(url, timeout=2.0, retries=0)
             if probe is not None and probe.health(timeout=2.0):
                 return url
             time.sleep(0.1)
@@ -175,7 +174,7 @@ def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def start_server(
-    name: str,
+    client_class: type[EngineClient],
     cmd: list[str],
     port: int,
     *,
@@ -185,15 +184,15 @@ def start_server(
     client_timeout: float = 300.0,
     client_retries: int = 3,
     health_timeout: float = 10.0,
-    api: Literal["sglang", "vllm"] = "sglang",
     host: str = "127.0.0.1",
 ) -> EngineProcess:
-    """Run `cmd` (an engine server `name` listening on `host`:`port`) in its own process group, with its output
-    in `log_path`, and return once `/health` answers 200.
+    """Run `cmd` (an engine server listening on `host`:`port`, spoken to with `client_class`) in its own process
+    group, with its output in `log_path`, and return once `/health` answers 200.
 
     `env`: variables set for the server on top of ours (less the `_ENV_DROPPED`). Raises `EngineError` when the
     server exits during startup (with the exit code and the log's tail), or when it is not healthy within
     `startup_timeout` (it is stopped first)."""
+    name = client_class.name
     if log_path is None:
         log_path = Path(tempfile.mkdtemp(prefix=f"grpoflow-{name.lower()}-")) / "engine.log"
     log_path = Path(log_path)
@@ -216,7 +215,7 @@ def start_server(
     except BaseException:
         stop_process_group(proc, timeout=10.0)
         raise
-    client = EngineClient(url, timeout=client_timeout, retries=client_retries, api=api)
+    client = client_class(url, timeout=client_timeout, retries=client_retries)
     # an engine frees GPU memory on the way out: give it 30 s before SIGKILL
     return EngineProcess(proc, url, log_path, client, stop_timeout=30.0, command=cmd)
 
@@ -225,7 +224,7 @@ def _wait_until_healthy(
     name: str, proc: subprocess.Popen, url: str, log_path: Path, timeout: float, probe_timeout: float
 ) -> None:
     deadline = time.monotonic() + timeout
-    with EngineClient(url, timeout=probe_timeout, retries=0) as probe:
+    with SglangClient(url, timeout=probe_timeout, retries=0) as probe:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise EngineError(

@@ -339,7 +339,7 @@ class ChatCompletionResponse(_Response):
 
 
 # --- vLLM (vllm-project/vllm 0.32, `engine.backend` vllm / vllm-launch) -----------------------------------
-# `EngineClient(api="vllm")` speaks these and hands the rest of grpoflow the SGLang models above.
+# `grpoflow.engine.vllm_client.VllmClient` speaks these and hands the rest of grpoflow the SGLang models above.
 # - `vllm/entrypoints/openai/completion/protocol.py`: `CompletionRequest` takes `prompt` as a list of token ids,
 #   `max_tokens`, `temperature`, `top_p`, `top_k` (-1 or 0: off), `seed`, `stop`, `stop_token_ids`, `ignore_eos`,
 #   `logprobs` (0: the sampled token's alone) and `return_token_ids` (then each choice carries `prompt_token_ids`

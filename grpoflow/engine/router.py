@@ -3,7 +3,7 @@
 The router takes SGLang's HTTP API at its own URL and forwards each `/generate` (and `/v1/...`) to one replica,
 by its policy (`cache_aware`: where the longest prefix of the request is cached, so an episode's turns meet
 their KV cache). It health-checks the replicas and stops sending to one that fails. Everything that is not a
-generation — weight syncs, the probes, `/model_info` — goes to each replica itself: `replica_urls` reads them
+generation — weight syncs, the probes, `/model_info` — goes to each replica itself: `SglangClient.replicas` reads them
 from the router's `GET /workers`, for the replicas started here and for an SGLang fleet a user runs behind their
 own router alike. A replica the run finds dead is taken out of the router (`remove_worker`), so the router cannot
 take it back into rotation should it answer again on old weights.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import SglangClient
 from grpoflow.engine.launch import EngineProcess, log_tail, stop_process_group
 from grpoflow.errors import EngineError
 from grpoflow.sockets import free_port
@@ -79,25 +79,7 @@ def start_router(
     except BaseException:
         stop_process_group(proc, timeout=5.0)
         raise
-    return EngineProcess(proc, url, log_path, EngineClient(url, timeout=client_timeout, retries=client_retries))
-
-
-def replica_urls(url: str, timeout: float = 10.0) -> list[str]:
-    """The engines behind `url`: the workers a router lists in `GET /workers`, or `[url]` for a single engine
-    (it has no such route)."""
-    try:
-        resp = httpx.get(url.rstrip("/") + "/workers", timeout=timeout)
-    except httpx.HTTPError:
-        return [url]
-    if resp.status_code != 200:
-        return [url]
-    try:
-        workers = resp.json().get("workers")
-    except (ValueError, AttributeError):  # a server with a `/workers` of its own that is not a router's
-        return [url]
-    if not isinstance(workers, list) or not workers:
-        return [url]
-    return [w["url"] for w in workers if isinstance(w, dict) and isinstance(w.get("url"), str)]
+    return EngineProcess(proc, url, log_path, SglangClient(url, timeout=client_timeout, retries=client_retries))
 
 
 def remove_worker(router_url: str, worker_url: str, timeout: float = 10.0) -> bool:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.config import EngineConfig
+from grpoflow.engine.client import SglangClient
 from grpoflow.engine.launch import EngineProcess, server_python, start_server
 from grpoflow.sockets import free_port
 
@@ -103,4 +104,4 @@ def start_sglang_server(
     )
     # SGLang's /health runs a one-token generation and polls for it once per second (http_server.py
     # health_generate), so one probe may take over a second even on a healthy server.
-    return start_server("SGLang", cmd, port, health_timeout=10.0, **server)
+    return start_server(SglangClient, cmd, port, health_timeout=10.0, **server)

@@ -1,7 +1,7 @@
 """Start a vLLM server for a run from vLLM's own Python environment (`engine.backend = "vllm-launch"`), wait until
 it serves, stop it after. Like SGLang (`sglang_launch`), vLLM pins its own torch, so it runs from a separate
 interpreter (`engine.vllm.python`; `tests/engines/install_vllm.sh` makes one for the CPU) and grpoflow only talks
-to it over HTTP (`EngineClient(api="vllm")`). The command is
+to it over HTTP (`grpoflow.engine.vllm_client.VllmClient`). The command is
 
     <engine.vllm.python> -m vllm.entrypoints.openai.api_server --model M --host 127.0.0.1 --port P --seed S
         --logprobs-mode processed_logprobs --tensor-parallel-size N [--gpu-memory-utilization F] [engine.vllm.args]
@@ -30,6 +30,7 @@ import grpoflow
 from grpoflow.config import EngineConfig
 from grpoflow.engine import vllm_worker
 from grpoflow.engine.launch import EngineProcess, server_python, start_server
+from grpoflow.engine.vllm_client import VllmClient
 from grpoflow.sockets import free_port
 
 CPU_KVCACHE_GIB = "2"
@@ -74,4 +75,4 @@ def start_vllm_server(
         *(extra_args or []),
     ]
     # vLLM's /health only asks the engine core whether it is alive
-    return start_server("vLLM", cmd, port, health_timeout=5.0, api="vllm", **server)
+    return start_server(VllmClient, cmd, port, health_timeout=5.0, **server)

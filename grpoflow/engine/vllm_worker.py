@@ -3,7 +3,7 @@
 vLLM's own weight-transfer routes have GPU transports only, so a launched vLLM is given this class as its
 `--worker-extension-cls` (`grpoflow.engine.vllm_launch`, with grpoflow's source dir on its PYTHONPATH): its
 methods become methods of every worker, called through `POST /collective_rpc` {"method", "kwargs"} with string
-arguments (`EngineClient(api="vllm")`). The worker joins the trainer's weight-update group as SGLang's workers do
+arguments (`grpoflow.engine.vllm_client.VllmClient`). The worker joins the trainer's weight-update group as SGLang's workers do
 (`grpoflow.engine.update_group`, the same code on both ends), then each sync receives the announced tensors and
 loads them in place with `model_runner.reload_weights(weights_iterator=...)`. Imports nothing but torch and
 `update_group`, which run on vLLM's interpreter.

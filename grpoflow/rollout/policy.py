@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import EngineConfig, RolloutConfig
-from grpoflow.engine.client import EngineClient, token_budget
+from grpoflow.engine.client import token_budget
+from grpoflow.engine.clients import engine_client
 from grpoflow.prepare.clis import installed_cli
 from grpoflow.rollout.environments import BRIDGE_HOST
 from grpoflow.rollout.harnesses import agent_factory, get_binding
@@ -54,7 +55,7 @@ async def fit_to_engine(rollout: RolloutConfig, engine: EngineConfig, engine_url
     context length, and aborts one whose prompt comes within 6 tokens of it (`token_budget`), so an episode
     budget past that would turn the last turn of long episodes into failed trials, and their groups would be
     dropped. Within the engine's bound such an episode ends by its token budget (TRUNCATED) instead."""
-    client = EngineClient(engine_url, timeout=engine.request_timeout_s, retries=engine.retries, api=engine.api)
+    client = engine_client(engine.api, engine_url, timeout=engine.request_timeout_s, retries=engine.retries)
     try:
         context = await client.acontext_length()
     finally:

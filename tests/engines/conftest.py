@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import EngineClient, SglangClient
+from grpoflow.engine.vllm_client import VllmClient
 
 HERE = Path(__file__).parent
 CONTEXT_LENGTH = 2048
@@ -75,7 +76,7 @@ def sglang_model(tmp_path_factory) -> Path:
 def sglang(request, tmp_path_factory, sglang_model) -> Iterator[LiveEngine]:
     url = os.environ.get("GRPOFLOW_SGLANG_URL")
     if url:
-        with EngineClient(url, timeout=300, retries=0) as client:
+        with SglangClient(url, timeout=300, retries=0) as client:
             # the model it was started on (/model_info's model_path is the last dir it loaded weights from)
             yield LiveEngine(url, client, Path(client.server_info()["model_path"]), None)
         return
@@ -125,7 +126,7 @@ def vllm_engine_config(vllm_python: str, **fields):
 def vllm(request, tmp_path_factory, vllm_model) -> Iterator[LiveEngine]:
     url = os.environ.get("GRPOFLOW_VLLM_URL")
     if url:
-        with EngineClient(url, timeout=300, retries=0, api="vllm") as client:
+        with VllmClient(url, timeout=300, retries=0) as client:
             yield LiveEngine(url, client, Path(client.model_info().model_path), None)
         return
     from grpoflow.engine.backends import open_engine

@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any, Literal
+from typing import Any
 
 from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.clients import EngineApi, engine_client
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.rollout.record import (
     END_DONE,
@@ -83,7 +83,7 @@ class ShellAgent(BaseAgent):
         *args: Any,
         engine_url: str,
         tokenizer_path: str,
-        engine_api: Literal["sglang", "vllm"] = "sglang",
+        engine_api: EngineApi = "sglang",
         max_turns: int = 4,
         max_new_tokens: int = 96,
         max_context_tokens: int = 4096,
@@ -135,13 +135,13 @@ class ShellAgent(BaseAgent):
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
         traj = TokenTrajectory.start(tokenizer, messages)
         rec = TrialRecord()
-        client = EngineClient(
+        client = engine_client(
+            self.engine_api,
             self.engine_url,
             timeout=self.request_timeout_s,
             retries=self.engine_retries,
             lora_path=self.lora_path,
             outage_s=self.outage_wait_s,
-            api=self.engine_api,
         )
         try:
             rec.end_reason = await self._loop(traj, environment, client, rec, context)

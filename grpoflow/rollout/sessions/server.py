@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 from fastapi import FastAPI, Request
@@ -57,7 +57,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpoflow.engine.client import EngineClient, token_budget
+from grpoflow.engine.client import token_budget
+from grpoflow.engine.clients import EngineApi, engine_client
 from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError, EngineUnavailableError
 from grpoflow.rollout.sessions.tool_calls import ParsedReply, loads, message_key, parse_reply, parsed_key
@@ -230,7 +231,7 @@ class SessionSettings:
     outage_s: float = 0.0  # how long a turn waits out an engine that does not answer
     sampling: Mapping[str, Any] | None = None
     lora_path: str | None = None
-    engine_api: Literal["sglang", "vllm"] = "sglang"  # the API the engine speaks (`EngineConfig.api`)
+    engine_api: EngineApi = "sglang"  # the API the engine speaks (`EngineConfig.api`)
     tool_call_parser: str | None = None
     truncation_ends_episode: bool = False
 
@@ -243,13 +244,13 @@ def create_app(settings: SessionSettings, store: SessionStore, secret: bytes) ->
     # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
     # does all tokenising, off the event loop.
     tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-tokenizer")
-    engine = EngineClient(
+    engine = engine_client(
+        c.engine_api,
         c.engine_url,
         timeout=c.request_timeout_s,
         retries=c.engine_retries,
         lora_path=c.lora_path,
         outage_s=c.outage_s,
-        api=c.engine_api,
     )
     limits: dict[str, int | None] = {"context_length": c.context_length}
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from grpoflow.config import parse_run_config
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import SglangClient
 from grpoflow.errors import EngineError
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
@@ -41,7 +41,7 @@ FAULTS = {
 def test_client_raises_one_line_naming_the_endpoint(tiny_model_dir, kind):
     with StandinServer(str(tiny_model_dir)) as server:
         server.faults.inject(kind, times=None)
-        client = EngineClient(server.url, timeout=5.0, retries=1, backoff_s=0.01)
+        client = SglangClient(server.url, timeout=5.0, retries=1, backoff_s=0.01)
         with pytest.raises(EngineError) as info:
             client.generate([1, 2, 3])
         client.close()
@@ -52,7 +52,7 @@ def test_client_raises_one_line_naming_the_endpoint(tiny_model_dir, kind):
 def test_client_error_on_model_info_names_that_endpoint(tiny_model_dir):
     with StandinServer(str(tiny_model_dir)) as server:
         server.faults.inject("malformed_json", times=None, path="/model_info")
-        with pytest.raises(EngineError) as info, EngineClient(server.url, retries=0) as client:
+        with pytest.raises(EngineError) as info, SglangClient(server.url, retries=0) as client:
             client.model_info()
     assert_one_line(info.value, "/model_info", "malformed response")
 

@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import EngineClient, SglangClient
+from grpoflow.engine.vllm_client import VllmClient
 from grpoflow.errors import EngineError
 
 GOOD = {
@@ -72,7 +73,7 @@ def scripted_server(*answers: tuple[int, object]) -> Iterator[tuple[str, _Script
 
 
 def _client(url: str, retries: int = 2) -> EngineClient:
-    return EngineClient(url, timeout=5.0, retries=retries, backoff_s=0.01)
+    return SglangClient(url, timeout=5.0, retries=retries, backoff_s=0.01)
 
 
 def test_retries_5xx_then_succeeds():
@@ -205,7 +206,7 @@ def test_a_vllm_generation_is_a_completion_of_token_ids_answered_as_sglang_does(
 
     params = SamplingParams(max_new_tokens=4, temperature=0.5, sampling_seed=9, stop=["\n"], stop_token_ids=[7])
     with scripted_server((200, VLLM_VERSION), (200, _vllm_completion("stop", "\n"))) as (url, script):
-        resp = EngineClient(url, timeout=5.0, retries=0, api="vllm").generate([1, 2], params)
+        resp = VllmClient(url, timeout=5.0, retries=0).generate([1, 2], params)
     assert [r["path"] for r in script.requests] == ["/weight_info", "/v1/completions"]
     assert script.requests[1]["body"] == {
         "prompt": [1, 2],
@@ -236,7 +237,7 @@ def test_a_vllm_generation_is_a_completion_of_token_ids_answered_as_sglang_does(
 )
 def test_vllm_finish_reasons_read_as_sglangs(finish, stop_reason, expected):
     with scripted_server((200, VLLM_VERSION), (200, _vllm_completion(finish, stop_reason))) as (url, _):
-        resp = EngineClient(url, timeout=5.0, retries=0, api="vllm").generate([1, 2])
+        resp = VllmClient(url, timeout=5.0, retries=0).generate([1, 2])
     assert resp.meta_info.finish_reason.model_dump(exclude_none=True) == expected
 
 
@@ -247,7 +248,7 @@ def test_vllm_ignore_eos_switches_off_the_stop_tokens_too_and_an_abort_raises():
     params = SamplingParams(ignore_eos=True, stop_token_ids=[7])
     with scripted_server((200, VLLM_VERSION), (200, _vllm_completion("abort"))) as (url, script):
         with pytest.raises(EngineError, match="was aborted"):
-            EngineClient(url, timeout=5.0, retries=0, api="vllm").generate([1, 2], params, return_logprob=False)
+            VllmClient(url, timeout=5.0, retries=0).generate([1, 2], params, return_logprob=False)
     body = script.requests[1]["body"]
     assert "stop_token_ids" not in body and body["ignore_eos"] is True and "logprobs" not in body
 
@@ -255,7 +256,7 @@ def test_vllm_ignore_eos_switches_off_the_stop_tokens_too_and_an_abort_raises():
 def test_a_vllm_disk_load_pauses_reloads_labels_and_resumes(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with scripted_server((200, {"status": "ok"})) as (url, script):
-        EngineClient(url, timeout=5.0, retries=0, api="vllm").update_weights_from_disk(str(tmp_path), "4")
+        VllmClient(url, timeout=5.0, retries=0).update_weights_from_disk(str(tmp_path), "4")
     assert [(r["path"], r["body"]) for r in script.requests] == [
         ("/pause?mode=wait", None),
         ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}),
@@ -269,5 +270,5 @@ def test_a_failed_vllm_reload_resumes_generation_and_raises_with_vllms_reason(tm
     answers = [(200, {}), (500, {"error": "Worker failed with error 'bad shape'"}), (200, {})]
     with scripted_server(*answers) as (url, script):
         with pytest.raises(EngineError, match=r"/update_weights_from_disk: failed: vLLM reload_weights.*bad shape"):
-            EngineClient(url, timeout=5.0, retries=0, api="vllm").update_weights_from_disk(str(tmp_path), "4")
+            VllmClient(url, timeout=5.0, retries=0).update_weights_from_disk(str(tmp_path), "4")
     assert [r["path"] for r in script.requests] == ["/pause?mode=wait", "/collective_rpc", "/resume"]

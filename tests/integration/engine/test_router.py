@@ -12,10 +12,10 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from grpoflow.engine.client import _generate_body
+from grpoflow.engine.client import _generate_body, replica_urls
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import ROUTER_ADDED_ANY_VALUE, ROUTER_ADDED_OFF, GenerateRequest, SamplingParams
-from grpoflow.engine.router import healthy_workers, remove_worker, replica_urls, start_router
+from grpoflow.engine.router import healthy_workers, remove_worker, start_router
 from tests.fakes.app_thread import AppThread
 
 

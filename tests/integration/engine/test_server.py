@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import SglangClient
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.errors import EngineError
 
@@ -18,7 +18,7 @@ PROMPT = [1, 302, 201, 538, 439, 2, 201, 1, 296, 201]
 
 @pytest.fixture
 def client(engine_url):
-    with EngineClient(engine_url, timeout=30, retries=0) as c:
+    with SglangClient(engine_url, timeout=30, retries=0) as c:
         yield c
 
 
@@ -147,7 +147,7 @@ def test_weight_update_over_http(tiny_model_dir, reference_model, serve, tmp_pat
     state = {k: (v + 0.5 * torch.randn_like(v)).contiguous() for k, v in reference_model.state_dict().items()}
     save_file(state, str(new_dir / "model.safetensors"))
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
-    with Scheduler(tiny_model_dir) as sched, serve(create_app(sched)) as url, EngineClient(url, retries=0) as client:
+    with Scheduler(tiny_model_dir) as sched, serve(create_app(sched)) as url, SglangClient(url, retries=0) as client:
         before = client.generate(PROMPT, greedy)
         upd = client.update_weights_from_disk(str(new_dir), weight_version="step-1")
         assert upd.success and upd.num_paused_requests == 0
@@ -180,7 +180,7 @@ def test_harbor_litellm_reads_token_ids_and_logprobs(engine_url, monkeypatch):
         },
     )
     messages = [{"role": "user", "content": "list files"}]
-    probe = EngineClient(engine_url).chat_completions(messages, max_tokens=6, temperature=0, return_token_ids=True)
+    probe = SglangClient(engine_url).chat_completions(messages, max_tokens=6, temperature=0, return_token_ids=True)
     stop_id = probe.choices[0].token_ids[3]
     # Harbor treats finish_reason "length" as an error, so end the reply on a token we know comes.
     resp = asyncio.run(llm.call("list files", max_tokens=16, extra_body={"stop_token_ids": [stop_id]}))
@@ -196,7 +196,7 @@ def test_flush_cache_and_unhealthy_after_close(tiny_model_dir, serve):
     from grpoflow.embedded.engine.server import create_app
 
     sched = Scheduler(tiny_model_dir)
-    with serve(create_app(sched)) as url, EngineClient(url, retries=0) as client:
+    with serve(create_app(sched)) as url, SglangClient(url, retries=0) as client:
         client.generate(list(range(100, 140)), SamplingParams(max_new_tokens=2))
         assert len(sched.prefix_cache) > 0
         assert httpx.post(url + "/flush_cache").status_code == 200

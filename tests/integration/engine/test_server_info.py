@@ -8,7 +8,7 @@ import time
 import pytest
 from fastapi import FastAPI
 
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.errors import EngineError
 
@@ -35,7 +35,7 @@ def test_server_info_shape_and_counters(tiny_model_dir, serve):
     with (
         Scheduler(tiny_model_dir, seed=3, max_batch_size=4, weight_version="v7") as sched,
         serve(create_app(sched, served_model_name="tiny")) as url,
-        EngineClient(url, retries=0) as client,
+        SglangClient(url, retries=0) as client,
     ):
         info = client.server_info()
         assert info["model_path"] == str(tiny_model_dir) and info["weight_version"] == "v7"
@@ -78,6 +78,6 @@ def test_server_info_must_be_a_json_object(serve):
     async def not_an_object() -> list:
         return [1, 2]
 
-    with serve(app) as url, EngineClient(url, retries=0) as client:
+    with serve(app) as url, SglangClient(url, retries=0) as client:
         with pytest.raises(EngineError, match="/get_server_info: malformed response: expected a JSON object"):
             client.server_info()

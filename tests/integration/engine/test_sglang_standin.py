@@ -22,7 +22,7 @@ import pytest
 
 from grpoflow.config import EngineConfig, parse_run_config
 from grpoflow.engine.backends import open_engine
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.engine.sglang_launch import launch_settings, sglang_command, start_sglang_server
@@ -42,7 +42,7 @@ class Target:
     model_dir: Path
 
     def client(self, *, direct: bool = False, retries: int = 2, timeout: float = 30.0) -> EngineClient:
-        return EngineClient(
+        return SglangClient(
             self.direct_url if direct else self.front.url, timeout=timeout, retries=retries, backoff_s=0.01
         )
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from grpoflow.config import parse_run_config
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import SglangClient
 from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.agents.shell import SYSTEM_PROMPT
@@ -27,7 +27,7 @@ def test_the_engine_context_is_read_as_sglang_reports_it(tiny_model_dir):
     with StandinServer(str(tiny_model_dir), context_length=300) as server:
 
         async def read():
-            client = EngineClient(server.url)
+            client = SglangClient(server.url)
             try:
                 return await client.acontext_length(), await client.aserver_info()
             finally:

@@ -1,0 +1,68 @@
+"""One client class per engine API, chosen in one place: nothing else in the core branches on which API an engine
+speaks, and every class answers every method the pipeline calls."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import grpoflow
+from grpoflow.engine.client import EngineClient, SglangClient
+from grpoflow.engine.clients import CLIENTS, engine_client
+from grpoflow.engine.vllm_client import VllmClient
+
+CORE = Path(grpoflow.__file__).parent
+CHOOSER = CORE / "engine" / "clients.py"
+# the config validates which settings each API takes, until its variants are types of their own
+VALIDATES = CORE / "config.py"
+API_NAMES = {"api", "engine_api"}
+
+
+def _api_branches(path: Path) -> list[str]:
+    """`x.api == ...`-like comparisons and `api=` keywords (a client told its API) in `path`, as `file:line`;
+    passing the name on as data (`engine_api=engine.api`, stored with a trial) is no branch."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            names = {s.attr if isinstance(s, ast.Attribute) else getattr(s, "id", None) for s in sides}
+            if names & API_NAMES:
+                found.append(f"{path.relative_to(CORE.parent)}:{node.lineno}")
+        elif isinstance(node, ast.Call) and any(k.arg == "api" for k in node.keywords):
+            found.append(f"{path.relative_to(CORE.parent)}:{node.lineno}")
+    return found
+
+
+def test_no_module_but_the_chooser_branches_on_the_engine_api():
+    modules = [p for p in CORE.rglob("*.py") if p not in (CHOOSER, VALIDATES)]
+    assert [hit for p in modules for hit in _api_branches(p)] == []
+
+
+def test_the_scan_finds_a_branch_where_there_is_one(monkeypatch, tmp_path):
+    planted = tmp_path / "grpoflow" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text('def f(cfg, c):\n    if cfg.api == "vllm":\n        return c(api=cfg.api)\n')
+    monkeypatch.setattr(f"{__name__}.CORE", tmp_path / "grpoflow")
+    assert _api_branches(planted) == ["grpoflow/planted.py:2", "grpoflow/planted.py:3"]
+
+
+@pytest.mark.parametrize(("api", "cls"), [("sglang", SglangClient), ("vllm", VllmClient)])
+def test_each_api_name_gives_its_class_whole(api, cls):
+    client = engine_client(api, "http://127.0.0.1:9/", timeout=1.0, retries=0)
+    assert type(client) is cls and isinstance(client, EngineClient) and client.base_url == "http://127.0.0.1:9"
+    assert client.name in ("SGLang", "vLLM") and not getattr(cls, "__abstractmethods__", None)
+
+
+def test_every_api_a_config_can_name_has_a_class():
+    from typing import get_args
+
+    from grpoflow.config import EngineConfig
+
+    apis = {EngineConfig.model_validate({"backend": b, "url": "http://x"}).api for b in ("sglang", "vllm")}
+    assert apis == set(CLIENTS)
+    assert set(get_args(EngineConfig.model_fields["backend"].annotation)) >= {"sglang", "vllm", "embedded"}
+
+
+def test_a_vllm_server_is_its_own_only_replica_and_reports_no_busy_time():
+    client = VllmClient("http://127.0.0.1:9", retries=0)
+    assert client.replicas() == ["http://127.0.0.1:9"] and client.busy_seconds() is None

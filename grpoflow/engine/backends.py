@@ -96,7 +96,8 @@ def open_engine(
         client.close()
         raise EngineError(f"engine.url {cfg.url}: no healthy {client.name} server answers there (GET /health)")
     try:
-        yield EngineHandle(cfg.url, client, tuple(client.replicas()))  # a router's servers, or the one
+        # a router's servers, or the one; both spelled as the client does (no trailing slash) so that one is no router
+        yield EngineHandle(client.base_url, client, tuple(client.replicas()))
     finally:
         client.close()
 

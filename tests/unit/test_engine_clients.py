@@ -66,3 +66,15 @@ def test_every_api_a_config_can_name_has_a_class():
 def test_a_vllm_server_is_its_own_only_replica_and_reports_no_busy_time():
     client = VllmClient("http://127.0.0.1:9", retries=0)
     assert client.replicas() == ["http://127.0.0.1:9"] and client.busy_seconds() is None
+
+
+@pytest.mark.parametrize("api", sorted(CLIENTS))
+def test_an_attached_engine_alone_is_no_router_however_its_url_is_spelled(api, monkeypatch):
+    """A lone attached engine is its own replica: the run must never take it for a router and remove workers."""
+    from grpoflow.config import EngineConfig
+    from grpoflow.engine.backends import open_engine
+
+    monkeypatch.setattr(CLIENTS[api], "health", lambda self, timeout=5.0: True)
+    cfg = EngineConfig.model_validate({"backend": api, "url": "http://127.0.0.1:9/"})
+    with open_engine(cfg, "m", 0, Path("/nonexistent/engine.log")) as handle:
+        assert handle.router is None and handle.replica_urls == ["http://127.0.0.1:9"]

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from grpoflow.config import SERVED_ADAPTER, EngineConfig, RunConfig
-from grpoflow.engine.client import EngineClient
+from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.engine.clients import engine_client
 from grpoflow.engine.protocol import WEIGHT_SESSION_ALREADY_OPEN
 from grpoflow.engine.router import remove_worker
@@ -150,7 +150,7 @@ class TensorSync:
 
     needs_dir = False
 
-    def __init__(self, client: EngineClient, cfg: EngineConfig, device: torch.device):
+    def __init__(self, client: SglangClient, cfg: EngineConfig, device: torch.device):
         self.client, self.dtype, self.device = client, sync_dtype(cfg), device
         self.ranks = cfg.tp_size  # SGLang reads entry i on tensor-parallel rank i; each takes its shard itself
         self._flat: torch.Tensor | None = None  # (sum of numels,) in self.dtype; kept across syncs
@@ -193,7 +193,7 @@ class AdapterSync:
 
     needs_dir = False
 
-    def __init__(self, client: EngineClient, sync_dir: Path, trainer: TrainerState, dtype: torch.dtype):
+    def __init__(self, client: SglangClient, sync_dir: Path, trainer: TrainerState, dtype: torch.dtype):
         self.client, self.dir, self.dtype = client, Path(sync_dir), dtype  # the engine's dtype
         self._current: Path | None = None
         self.push(trainer, None)

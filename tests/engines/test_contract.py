@@ -1,7 +1,7 @@
 """What grpoflow's client relies on, asked of real SGLang and real vLLM on the CPU and of the embedded engine
 alike.
 
-Each case runs against all three (the same tiny model; vLLM through `SglangClient(api="vllm")`, which answers as
+Each case runs against all three (the same tiny model; vLLM through `VllmClient`, which answers as
 SGLang does): where real SGLang behaves one way, the embedded engine and vLLM must too, so the fast suite (the
 `embedded` cases) catches a regression that only a live engine would show. The few deliberate differences are
 asserted per engine and say why (seeded sampling; the first weight version's name; what /model_info names).

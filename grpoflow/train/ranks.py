@@ -44,7 +44,7 @@ from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.train.checkpoint import restore_training_state
 from grpoflow.train.parallel import DataParallel, RankError
 from grpoflow.train.step import grpo_update
-from grpoflow.train.trainer import load_trainer
+from grpoflow.train.trainer import load_trainer, trainer_device
 
 ADDRESS = "127.0.0.1"  # the ranks started here run on this machine
 IDLE_TIMEOUT = datetime.timedelta(days=1)  # how long a rank waits for its next job (a step's rollout runs between)
@@ -310,7 +310,7 @@ class _RankActor:
     """A worker rank as a Ray actor: `run` is the rank's whole life (it returns when rank 0 says stop)."""
 
     def run(self, spec: dict, rank: int) -> None:
-        _worker(spec, rank, "cuda" if torch.cuda.is_available() else "cpu")  # Ray gave it its own GPU, if any
+        _worker(spec, rank, str(trainer_device()))  # Ray gave it its own GPU, if any
 
 
 class RayRank:
@@ -395,7 +395,7 @@ def _worker(spec: dict, rank: int, device: str) -> None:
         cfg = parse_run_config(spec["config"])
         bound_collectives(group, cfg.cluster.collective_timeout_s)
         if sharded:  # the weights (a resumed checkpoint's too) come from rank 0
-            state = skeleton_trainer(spec["model"], cfg.train, torch.device(device))
+            state = skeleton_trainer(spec["model"], cfg.train, trainer_device(device))
             state.dp = DataParallel(group, rank, spec["world"], state.device)
             shard_trainer(state, cfg.train, spec["checkpoint"])
         else:

@@ -43,6 +43,17 @@ class TrainerState:
     pending_optimizer: Path | None = None
 
 
+def trainer_device(name: str | None = None) -> torch.device:
+    """The device a trainer rank computes on, never an index-less GPU: FSDP's `torch.cuda.set_device`, NCCL and
+    the weight sync's tensors must each name one GPU. `name`: the run's plan's (`GpuPlan.rank_device`), or None
+    for this process's own — GPU 0 of those it sees (the plan's rank 0, or the GPU Ray gave an actor), else the
+    CPU."""
+    dev = torch.device(name if name is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def load_trainer(
     model_path: str | Path, cfg: TrainConfig, seed: int = 0, device: str | None = None, sharded: bool = False
 ) -> TrainerState:
@@ -55,7 +66,7 @@ def load_trainer(
     update gives the same bits on any thread count, switched within an update too, and in a fresh process
     (tested). On CUDA, SDPA/matmul backward may use atomics: equal up to rounding, not bitwise.
     """
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = trainer_device(device)
     if dev.type == "cpu" and mkl_mode() == "OFF":
         warnings.warn(
             "MKL's reproducible mode is off in this process (torch computed before grpoflow was imported, or "

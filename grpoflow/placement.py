@@ -14,6 +14,8 @@ its own) take none of this machine's GPUs.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from grpoflow.config import RunConfig
@@ -80,6 +82,14 @@ def plan_gpus(cfg: RunConfig, gpus: int) -> GpuPlan:
             "and a distributed sync would put two NCCL ranks on one GPU"
         )
     return GpuPlan(gpus, trainer, tuple(range(len(trainer), len(trainer) + tp)))
+
+
+def visible_devices(gpus: Iterable[int], environ: Mapping[str, str] = os.environ) -> str:
+    """`CUDA_VISIBLE_DEVICES` for a child that must see the plan's `gpus`. The plan numbers the GPUs this process
+    sees, so under a mask of the parent's own (`4,5,6,7`, or GPU UUIDs) plan GPU i is the mask's i-th entry."""
+    mask = environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in mask.split(",")] if mask else None
+    return ",".join(entries[g] if entries is not None else str(g) for g in gpus)
 
 
 def machine_gpus() -> int:

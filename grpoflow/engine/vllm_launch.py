@@ -31,6 +31,7 @@ from grpoflow.config import EngineConfig
 from grpoflow.engine import vllm_worker
 from grpoflow.engine.launch import EngineProcess, server_python, start_server
 from grpoflow.engine.vllm_client import VllmClient
+from grpoflow.placement import visible_devices
 from grpoflow.sockets import free_port
 
 CPU_KVCACHE_GIB = "2"
@@ -48,7 +49,7 @@ def launch_settings(cfg: EngineConfig, seed: int, base_gpu_id: int | None = None
     else:
         args += ["--gpu-memory-utilization", str(cfg.launch.mem_fraction_static)]
         if base_gpu_id is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(base_gpu_id, base_gpu_id + cfg.tp_size))
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(range(base_gpu_id, base_gpu_id + cfg.tp_size))
     return args + cfg.vllm.args, env
 
 

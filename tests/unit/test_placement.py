@@ -7,7 +7,7 @@ from grpoflow.config import parse_run_config
 from grpoflow.engine import vllm_launch
 from grpoflow.engine.sglang_launch import launch_settings
 from grpoflow.errors import ConfigError
-from grpoflow.placement import plan_gpus
+from grpoflow.placement import plan_gpus, visible_devices
 from grpoflow.preflight import gpu_problems
 
 
@@ -26,7 +26,7 @@ def test_eight_gpus_split_between_four_trainer_ranks_and_a_tp4_engine():
     assert plan.to_json() == {"gpus": 8, "trainer": [0, 1, 2, 3], "engine": [4, 5, 6, 7]}
 
 
-def test_a_launched_engine_is_told_to_start_after_the_trainer_s_gpus():
+def test_a_launched_engine_is_told_to_start_after_the_trainer_s_gpus(monkeypatch):
     cfg = _cfg(ranks=2, tp=2)
     args, _ = launch_settings(cfg.engine, seed=0, base_gpu_id=plan_gpus(cfg, 4).engine_base_gpu)
     assert args[args.index("--base-gpu-id") + 1] == "2"
@@ -43,6 +43,12 @@ def test_a_launched_engine_is_told_to_start_after_the_trainer_s_gpus():
     plan = plan_gpus(vllm, 8)
     _, env = vllm_launch.launch_settings(vllm.engine, seed=0, base_gpu_id=plan.engine_base_gpu)
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    # under a mask of the parent's own, the plan's GPU i is the mask's i-th: never a GPU outside the mask
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "8,9,10,11,12,13,14,15")
+    _, env = vllm_launch.launch_settings(vllm.engine, seed=0, base_gpu_id=plan.engine_base_gpu)
+    assert env["CUDA_VISIBLE_DEVICES"] == "12,13,14,15"
+    assert visible_devices([1], {"CUDA_VISIBLE_DEVICES": "GPU-a, GPU-b"}) == "GPU-b"
+    assert visible_devices([0, 1], {}) == "0,1"
 
 
 @pytest.mark.parametrize(

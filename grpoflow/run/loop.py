@@ -37,7 +37,7 @@ from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import MetricsLog, append_step, has_row, read_metrics
 from grpoflow.run.start import PreparedRun
 from grpoflow.scoring.evaluation import base_pass_rates, evaluate_policy, evaluation_lines, reward_gain, task_rewards
-from grpoflow.scoring.groups import FailedSteps, drop_stale, select_trainable
+from grpoflow.scoring.groups import FailedSteps, drop_foreign, drop_stale, select_trainable
 from grpoflow.scoring.step import RolloutSetup, StepRollout, run_step_trials, select_step_prompts
 from grpoflow.train.probe import SyncProbe
 from grpoflow.train.ranks import run_update, trainer_ranks
@@ -343,9 +343,10 @@ class StepLoop:
     def _filter(self, step: int, rollout: StepRollout):
         """The samples step `step` trains on: within the staleness bound, then without failed groups; the metrics
         of what was left out, and the token discards for the ledger."""
-        samples, stale = rollout.samples, {}
         if self.cfg.train.max_staleness:
-            samples, stale = drop_stale(samples, step, self.cfg.train.max_staleness)
+            samples, stale = drop_stale(rollout.samples, step, self.cfg.train.max_staleness)
+        else:
+            samples, stale = drop_foreign(rollout.samples, step)
         trainable, dropped = select_trainable(samples, self.cfg.rollout.sandbox.on_retries_exhausted)
         self.failed_steps.record(step, rollout.samples, trainable)
         filtered = {"rollout/dropped_groups": float(dropped), **{f"rollout/{k}": v for k, v in stale.items()}}

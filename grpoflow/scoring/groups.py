@@ -40,13 +40,32 @@ def drop_stale(samples: Sequence[Sample], step: int, max_staleness: int) -> tupl
     long episodes shows."""
     age = {id(s): step - v if (v := sample_version(s)) is not None else None for s in samples}
     stale = {s.group_id for s in samples if age[id(s)] is None or age[id(s)] > max_staleness}
-    kept = [s for s in samples if s.group_id not in stale]
-    dropped = [s.n_generated for s in samples if s.group_id in stale]
     counts = Counter(age.values())
     metrics = {f"staleness/{k}": float(counts[k]) for k in sorted(k for k in counts if k is not None)}
     if None in counts:
         metrics["staleness/unknown"] = float(counts[None])
-    metrics |= {"stale_dropped": float(len(dropped)), "stale_dropped_groups": float(len(stale))}
+    kept, dropped = _without_groups(samples, stale)
+    return kept, metrics | dropped
+
+
+def drop_foreign(samples: Sequence[Sample], step: int) -> tuple[list[Sample], dict[str, float]]:
+    """Synchronous training's check (`train.max_staleness` 0): the samples step `step` may train on are those of
+    the trainer's own weights, version `step`. A group with a sample generated on other weights (a replica
+    restarted on its own, SGLang's "default") is dropped whole and counted as stale, never trained on as fresh; a
+    sample that generated nothing (no version: a failed trial) is left to the failure policy. Metrics only when
+    something was dropped."""
+    foreign = {s.group_id for s in samples if s.weight_version is not None and sample_version(s) != step}
+    if not foreign:
+        return list(samples), {}
+    return _without_groups(samples, foreign)
+
+
+def _without_groups(samples: Sequence[Sample], groups: set[str]) -> tuple[list[Sample], dict[str, float]]:
+    """`samples` less `groups`; how many samples and groups went, and their episode lengths (generated tokens),
+    so a bound that starves long episodes shows."""
+    kept = [s for s in samples if s.group_id not in groups]
+    dropped = [s.n_generated for s in samples if s.group_id in groups]
+    metrics = {"stale_dropped": float(len(dropped)), "stale_dropped_groups": float(len(groups))}
     if dropped:
         metrics |= {"stale_dropped_tokens_mean": statistics.fmean(dropped), "stale_dropped_tokens_max": max(dropped)}
     return kept, metrics

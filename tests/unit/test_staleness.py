@@ -1,7 +1,7 @@
 """`drop_stale`: which samples a step may train on under `train.max_staleness`, and what it reports."""
 
 from grpoflow.samples import Sample
-from grpoflow.scoring.groups import drop_stale, sample_version
+from grpoflow.scoring.groups import drop_foreign, drop_stale, sample_version
 from tests.fakes.samples import make_sample
 
 
@@ -43,3 +43,28 @@ def test_a_sample_of_unknown_version_is_past_any_bound():
     assert sample_version(samples[0]) is None and sample_version(samples[1]) == 4
     kept, m = drop_stale(samples, step=4, max_staleness=16)
     assert kept == [] and m["staleness/unknown"] == 2.0 and m["stale_dropped_groups"] == 2.0
+
+
+def test_synchronous_training_drops_a_group_generated_on_weights_not_the_trainer_s():
+    """max_staleness 0: a replica restarted on its own weights ("default") or still on the last step's serves a
+    group; that group is dropped whole and counted, never trained on as fresh."""
+    samples = [
+        _sample("g", 0, "3"),
+        _sample("g", 1, "default", generated=9),
+        _sample("h", 0, "3"),
+        _sample("h", 1, "3"),
+        _sample("k", 0, "2"),
+    ]
+    kept, m = drop_foreign(samples, step=3)
+    assert [s.rollout_id for s in kept] == ["h-0", "h-1"]
+    assert m == {
+        "stale_dropped": 3.0,
+        "stale_dropped_groups": 2.0,
+        "stale_dropped_tokens_mean": 13 / 3,
+        "stale_dropped_tokens_max": 9,
+    }
+
+
+def test_synchronous_training_keeps_fresh_and_failed_samples_and_reports_nothing():
+    samples = [_sample("g", 0, "3"), _sample("g", 1, None, generated=0)]  # a trial that failed before generating
+    assert drop_foreign(samples, step=3) == (samples, {})

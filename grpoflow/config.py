@@ -313,6 +313,9 @@ class VllmConfig(_Section):
     )
 
 
+EngineApi = Literal["sglang", "vllm"]  # the HTTP API an engine speaks (`grpoflow.engine.clients` maps it)
+
+
 class EngineConfig(_Section):
     backend: Literal["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"] = Field(
         "embedded",
@@ -377,8 +380,8 @@ class EngineConfig(_Section):
     )
 
     @property
-    def api(self) -> Literal["sglang", "vllm"]:
-        """The HTTP API the engine speaks: SGLang's (the embedded engine's too) or vLLM's (`EngineClient`)."""
+    def api(self) -> EngineApi:
+        """The HTTP API the engine speaks: SGLang's (the embedded engine's too) or vLLM's."""
         return "vllm" if self.backend in ("vllm", "vllm-launch") else "sglang"
 
     @property

@@ -3,12 +3,10 @@ the client class that speaks it."""
 
 from __future__ import annotations
 
-from typing import Literal
-
+from grpoflow.config import EngineApi
 from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.engine.vllm_client import VllmClient
 
-EngineApi = Literal["sglang", "vllm"]
 CLIENTS: dict[str, type[EngineClient]] = {"sglang": SglangClient, "vllm": VllmClient}
 
 

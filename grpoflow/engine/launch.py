@@ -211,7 +211,7 @@ def start_server(
         )
     url = f"http://{host}:{port}"
     try:
-        _wait_until_healthy(name, proc, url, log_path, startup_timeout, health_timeout)
+        _wait_until_healthy(client_class, proc, url, log_path, startup_timeout, health_timeout)
     except BaseException:
         stop_process_group(proc, timeout=10.0)
         raise
@@ -221,10 +221,16 @@ def start_server(
 
 
 def _wait_until_healthy(
-    name: str, proc: subprocess.Popen, url: str, log_path: Path, timeout: float, probe_timeout: float
+    client_class: type[EngineClient],
+    proc: subprocess.Popen,
+    url: str,
+    log_path: Path,
+    timeout: float,
+    probe_timeout: float,
 ) -> None:
+    name = client_class.name
     deadline = time.monotonic() + timeout
-    with SglangClient(url, timeout=probe_timeout, retries=0) as probe:
+    with client_class(url, timeout=probe_timeout, retries=0) as probe:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise EngineError(

@@ -310,7 +310,7 @@ class _RankActor:
     """A worker rank as a Ray actor: `run` is the rank's whole life (it returns when rank 0 says stop)."""
 
     def run(self, spec: dict, rank: int) -> None:
-        _worker(spec, rank, str(trainer_device()))  # Ray gave it its own GPU, if any
+        _worker(spec, rank, None)  # Ray gave it its own GPU, if any: the one it sees
 
 
 class RayRank:
@@ -370,13 +370,14 @@ def _node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-def _worker(spec: dict, rank: int, device: str) -> None:
-    """A worker rank: join the group, load the policy like rank 0 onto `device`, then run the jobs rank 0 hands
-    out."""
+def _worker(spec: dict, rank: int, device: str | None) -> None:
+    """A worker rank: join the group, load the policy like rank 0 onto `device` (None: this process's own,
+    `trainer_device`), then run the jobs rank 0 hands out."""
     from grpoflow.config import parse_run_config
     from grpoflow.train.fsdp import shard_trainer, skeleton_trainer
 
     torch.set_num_threads(spec["threads"])
+    dev = trainer_device(device)
     address = spec["address"]
     store = dist.TCPStore(address, spec["port"], spec["world"], is_master=False, timeout=IDLE_TIMEOUT)
     n = 0
@@ -395,11 +396,11 @@ def _worker(spec: dict, rank: int, device: str) -> None:
         cfg = parse_run_config(spec["config"])
         bound_collectives(group, cfg.cluster.collective_timeout_s)
         if sharded:  # the weights (a resumed checkpoint's too) come from rank 0
-            state = skeleton_trainer(spec["model"], cfg.train, trainer_device(device))
+            state = skeleton_trainer(spec["model"], cfg.train, dev)
             state.dp = DataParallel(group, rank, spec["world"], state.device)
             shard_trainer(state, cfg.train, spec["checkpoint"])
         else:
-            state = load_trainer(spec["model"], cfg.train, seed=cfg.seed, device=device)
+            state = load_trainer(spec["model"], cfg.train, seed=cfg.seed, device=str(dev))
             if spec["checkpoint"]:
                 restore_training_state(state, spec["checkpoint"])
             state.dp = DataParallel(group, rank, spec["world"], state.device)

@@ -24,7 +24,8 @@ from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 
-from grpoflow.engine.clients import EngineApi, engine_client
+from grpoflow.config import EngineApi
+from grpoflow.engine.clients import engine_client
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.rollout.record import (
     END_DONE,

@@ -57,8 +57,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from grpoflow.config import EngineApi
 from grpoflow.engine.client import token_budget
-from grpoflow.engine.clients import EngineApi, engine_client
+from grpoflow.engine.clients import engine_client
 from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError, EngineUnavailableError
 from grpoflow.rollout.sessions.tool_calls import ParsedReply, loads, message_key, parse_reply, parsed_key

@@ -10,15 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from grpoflow.config import (
-    RUN_ID_PATTERN,
-    apply_overrides,
-    load_run_config,
-    new_run_id,
-    parse_run_config,
-)
+from grpoflow.config import apply_overrides, load_run_config, parse_run_config
 from grpoflow.errors import ConfigError, GrpoflowError, RunDirError
-from grpoflow.paths import run_dir_problems
+from grpoflow.paths import RUN_ID_PATTERN, new_run_id, run_dir_problems
 from grpoflow.prepare.presets import PRESETS, layered_run_config
 from grpoflow.train.memory import KNOWN_SHAPES
 

@@ -16,10 +16,10 @@ from prefect.cache_policies import NO_CACHE
 from flows.common import run_events
 from flows.resume import RunId
 from flows.train import train_flow
-from grpoflow.config import RUN_ID_PATTERN, RunConfig
+from grpoflow.config import RunConfig
 from grpoflow.errors import ConfigError, RunDirError
 from grpoflow.fileio import write_json_atomic
-from grpoflow.paths import RunPaths
+from grpoflow.paths import RUN_ID_PATTERN, RunPaths
 from grpoflow.prepare.model import prepare_model
 from grpoflow.run.info import Provenance, read_run_info, update_run_info
 from grpoflow.run.rerun import (

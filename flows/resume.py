@@ -17,8 +17,8 @@ from pydantic import Field
 
 from flows.common import run_events
 from flows.train import PREFECT_STAGES, finish
-from grpoflow.config import RUN_ID_PATTERN, RunConfig
-from grpoflow.paths import RunPaths
+from grpoflow.config import RunConfig
+from grpoflow.paths import RUN_ID_PATTERN, RunPaths
 from grpoflow.rollout.journal import read_journal
 from grpoflow.run.info import Resume, read_run_info, update_run_info
 from grpoflow.run.loop import evaluation_versions, train_steps

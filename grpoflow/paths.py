@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from grpoflow.errors import RunDirError
+
+RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+
+
+def new_run_id(now: datetime | None = None) -> str:
+    """A readable, sortable id: UTC timestamp plus 6 hex chars, e.g. `20261129-093012-a1b2c3`.
+
+    Lowercase letters, digits and dashes only, so it is also a legal Prefect artifact key.
+    """
+    now = now or datetime.now(timezone.utc)
+    salt = hashlib.sha256(f"{now.isoformat()}-{os.getpid()}-{os.urandom(8).hex()}".encode()).hexdigest()[:6]
+    return f"{now:%Y%m%d-%H%M%S}-{salt}"
 
 
 @dataclass(frozen=True)

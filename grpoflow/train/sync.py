@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from grpoflow.config import SERVED_ADAPTER, EngineConfig, RunConfig
+from grpoflow.config import EngineConfig, RunConfig
 from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.engine.clients import engine_client
 from grpoflow.engine.protocol import WEIGHT_SESSION_ALREADY_OPEN
@@ -57,6 +57,9 @@ from grpoflow.train.trainer import TrainerState
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+
+# The name a LoRA run's adapter is loaded under in the engine (one per engine: each sync replaces it).
+SERVED_ADAPTER = "grpoflow-policy"
 
 
 class DiskSync:

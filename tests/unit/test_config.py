@@ -7,15 +7,14 @@ from pydantic import BaseModel
 
 from grpoflow.config import (
     MOVED_SETTINGS,
-    RUN_ID_PATTERN,
     RunConfig,
     apply_overrides,
     load_run_config,
-    new_run_id,
     parse_run_config,
     read_config_file,
 )
 from grpoflow.errors import ConfigError
+from grpoflow.paths import RUN_ID_PATTERN, new_run_id
 from grpoflow.prepare.presets import layered_run_config
 
 

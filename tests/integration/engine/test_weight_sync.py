@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from grpoflow.config import SERVED_ADAPTER, TrainConfig, parse_run_config
+from grpoflow.config import TrainConfig, parse_run_config
+from grpoflow.train.sync import SERVED_ADAPTER
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import (

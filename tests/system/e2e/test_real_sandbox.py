@@ -26,7 +26,8 @@ import os
 import pytest
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.config import new_run_id, parse_run_config
+from grpoflow.config import parse_run_config
+from grpoflow.paths import new_run_id
 from grpoflow.credentials import export_sandbox_key, sandbox_key_var
 from grpoflow.preflight import check_run, format_problems
 from grpoflow.prepare.prompts import load_prompts

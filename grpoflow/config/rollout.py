@@ -1,0 +1,216 @@
+"""Agent trials: how the engine samples, an episode's limits, the harness, the sandbox."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from harbor.models.environment_type import EnvironmentType
+from pydantic import Field, field_validator, model_validator
+
+from grpoflow.config.base import Section, looks_like_credential, refuse_credentials
+from grpoflow.credentials import sandbox_key_var
+from grpoflow.sandbox_settings import sandbox_kwargs_problem
+
+# `local` or any environment type of the installed Harbor, read from its own enum so the two never disagree.
+SandboxName = Literal[("local", *(t.value for t in EnvironmentType))]  # type: ignore[valid-type]
+# Tool-call formats the session server parses: SGLang's `--tool-call-parser` names for the `<tool_call>` JSON format
+# (`qwen25`, `qwen`), and vLLM's name for the same format (`hermes`).
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes")
+
+
+class SamplingConfig(Section):
+    """How the engine samples each turn."""
+
+    max_new_tokens: int = Field(
+        64, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."
+    )
+    temperature: float = Field(
+        0.5,
+        ge=0.0,
+        le=2.0,
+        description="Sampling temperature (0 = greedy). The trainer scores tokens at the same temperature.",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling threshold. Engine and trainer score tokens under the unfiltered "
+        "softmax(logits / temperature), so a train run refuses values below 1; an evaluate run may filter.",
+    )
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off); refused by a train run, as `top_p` is.")
+
+
+class EpisodeConfig(Section):
+    """The limits of one episode (a trial's turns)."""
+
+    max_turns: int = Field(4, ge=0, le=1000, description="Most policy turns in one episode (0: none).")
+    max_context_tokens: int = Field(
+        2048, ge=64, le=1_048_576, description="Token budget of a whole episode (prompt, turns, tool output)."
+    )
+    early_truncation_exit: bool = Field(
+        True,
+        description="End the episode as soon as a turn is cut off at `sampling.max_new_tokens` (the cut command "
+        "is not run; "
+        "the trial is still verified). Off only to measure what it saves.",
+    )
+    command_timeout_sec: float = Field(30.0, gt=0, le=86400, description="Time limit of one command in the sandbox.")
+    output_cap_chars: int = Field(2000, ge=100, description="Command output fed back to the policy is cut to this.")
+
+
+class HarnessConfig(Section):
+    """The agent that runs each trial, and how it reaches the policy."""
+
+    name: Literal["shell", "terminus-2", "claude-code", "opencode"] = Field(
+        "shell",
+        description="The agent that runs each trial: `shell` (grpoflow's token-native bash agent), or a Harbor "
+        "harness talking to the policy through the session server: `terminus-2` (tmux), `claude-code` (Anthropic "
+        "Messages API) or `opencode` (OpenAI chat with tool calls). The local sandbox gets the pinned claude-code "
+        "and opencode CLIs from prepare's npm install (npm needed once); cloud sandboxes install them themselves.",
+    )
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
+        "qwen25",
+        description="claude-code, opencode: how the policy writes a tool call, by SGLang's `--tool-call-parser` "
+        'name: `qwen25` (or `qwen`; vLLM calls it `hermes`) reads `<tool_call>{"name": ..., "arguments": {...}}'
+        "</tool_call>`.",
+    )
+    session_server_url: str | None = Field(
+        None,
+        description="The URL sandboxes reach the session server at, when they run elsewhere (cloud sandboxes, "
+        "Ray nodes), e.g. `http://10.0.0.5:8300`: the server then listens on every interface at that port. "
+        "Empty: it listens on loopback only, which the local sandbox reaches through its bridge.",
+    )
+    parser: Literal["json", "xml"] = Field(
+        "json", description="terminus-2: the reply format the policy writes (terminus-2's `parser_name`)."
+    )
+    summarize: bool = Field(
+        False,
+        description="terminus-2: summarise a long episode and continue in a fresh context (compaction; one "
+        "trial then yields several linear segments).",
+    )
+    linear_history: bool = Field(
+        True,
+        description="terminus-2: keep each context (before and after a summary) as its own linear trajectory.",
+    )
+    policy_api_key_file: str | None = Field(
+        None,
+        description="File holding the API key of the policy endpoint the harness talks to (only for endpoints "
+        "that check one; grpoflow's engine and session server do not). Read when trials start, handed to the "
+        "harness by variable name; never stored.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        return refuse_credentials("rollout.harness", cls, data)
+
+    @field_validator("session_server_url")
+    @classmethod
+    def _session_server_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            url = urlsplit(value)
+            if url.scheme != "http" or not url.hostname or url.port is None:
+                raise ValueError(
+                    f"`rollout.harness.session_server_url` {value!r}: give http://<host>:<port>, the "
+                    "address sandboxes reach this machine at"
+                )
+        return value
+
+
+class SandboxConfig(Section):
+    """Where trials run, and how a sandbox failure is retried."""
+
+    backend: SandboxName = Field(
+        "local",
+        description="Where trials run: `local` (bubblewrap on this machine, no network), or a Harbor environment "
+        "type (`e2b`, `daytona`, `modal`, `docker`, ...) passed to Harbor as `EnvironmentConfig(type=...)`.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the sandbox environment (Harbor's `EnvironmentConfig.kwargs`), e.g. "
+        "`sandbox_timeout_secs` for e2b or `memory_mb` for local (whose keys and values are checked here). Harbor "
+        "writes them to every trial's config.json: credentials never go here.",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="File holding the sandbox provider's API key (for e2b: the `E2B_API_KEY` value). Read when "
+        "trials start and handed to the provider through the process environment; never stored. Empty: the key "
+        "comes from the environment variable.",
+    )
+    create_limit: str | None = Field(
+        "sandbox-create",
+        description="Name of a Prefect global concurrency limit held while a sandbox starts, bounding sandbox "
+        "creation across all runs (`prefect gcl create sandbox-create --limit 8`). No such limit on the "
+        "server, or trials on Ray rollout workers (`cluster.ray_address`): creation is bounded by "
+        "`rollout.concurrency` "
+        "alone. Empty: never ask.",
+    )
+    retries: int = Field(
+        2, ge=0, le=20, description="Retries of a trial in a fresh sandbox after a sandbox/infrastructure failure."
+    )
+    retry_backoff_s: float = Field(
+        0.5, ge=0.0, le=60.0, description="Base of the jittered exponential backoff between sandbox retries."
+    )
+    on_retries_exhausted: Literal["drop_group", "keep_group"] = Field(
+        "drop_group",
+        description="What happens to a GRPO group when one of its trials still fails after all retries: "
+        "`drop_group` leaves the whole group out of training; `keep_group` trains on its other trials.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        return refuse_credentials("rollout.sandbox", cls, data)
+
+    @model_validator(mode="after")
+    def _sandbox_settings(self) -> SandboxConfig:
+        secret = [k for k in self.kwargs if looks_like_credential(k)]
+        if secret:
+            raise ValueError(
+                f"`rollout.sandbox.kwargs.{secret[0]}`: looks like a credential, and Harbor writes sandbox kwargs "
+                "to every trial's config.json; put the key in the provider's environment variable or name a key "
+                "file in rollout.sandbox.api_key_file"
+            )
+        if self.backend == "local" and (problem := sandbox_kwargs_problem(self.kwargs)):
+            raise ValueError(problem)
+        if self.api_key_file is not None and sandbox_key_var(self.backend) is None:
+            why = (
+                "the local sandbox needs no key"
+                if self.backend == "local"
+                else (
+                    f"grpoflow does not know which variable sandbox `{self.backend}` reads its key from; give its "
+                    "credentials in the environment as Harbor documents"
+                )
+            )
+            raise ValueError(f"`rollout.sandbox.api_key_file`: {why}")
+        return self
+
+
+class RolloutConfig(Section):
+    prompts_per_step: int = Field(4, ge=1, le=4096, description="Prompts (GRPO groups) sampled per training step.")
+    n_samples_per_prompt: int = Field(
+        4, ge=1, le=256, description="Trials per prompt; together they form one GRPO group."
+    )
+    refill_rounds: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Dynamic sampling (DAPO): at most this many extra rounds per training step, each running the "
+        "groups of new prompts in place of the groups that carry no GRPO signal (equal rewards, or a failed trial "
+        "under `rollout.sandbox.on_retries_exhausted` drop_group), until the step has `prompts_per_step` "
+        "informative groups. 0: off.",
+    )
+    concurrency: int = Field(8, ge=1, le=4096, description="Trials running at once.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="How the engine samples each turn.")
+    episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="The limits of one episode.")
+    harness: HarnessConfig = Field(
+        default_factory=HarnessConfig, description="The agent that runs each trial, and how it reaches the policy."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Where trials run, and how a sandbox failure is retried."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        return refuse_credentials("rollout", cls, data)

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.main_job import hf_generate_tok_s  # noqa: E402
-from grpoflow.config import EngineConfig, TrainConfig, parse_run_config  # noqa: E402
+from grpoflow.config import EmbeddedEngine, Engine, SglangLaunch, TrainConfig, VllmLaunch, parse_run_config  # noqa: E402
 from grpoflow.engine import sglang_launch, vllm_launch  # noqa: E402
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.engine.protocol import SamplingParams  # noqa: E402
@@ -97,7 +97,7 @@ def sessions_tok_s(client, sessions: int, args) -> float:
     return sum(counts) / (time.perf_counter() - t0)
 
 
-def sync_seconds(trainer, engine_cfg: EngineConfig, url: str, mode: str, work: Path, syncs: int) -> float:
+def sync_seconds(trainer, engine_cfg: Engine, url: str, mode: str, work: Path, syncs: int) -> float:
     """Median seconds of one sync (`disk`: the weights are written first, in the engine's dtype, outside the
     timing)."""
     cfg = parse_run_config({"engine": engine_cfg.model_dump() | {"weight_sync": {"mode": mode}}})
@@ -120,11 +120,11 @@ def run_engine(name: str, model_dir: str, trainer, args, work: Path) -> dict:
     log = work / f"{name}.log"
     t0 = time.perf_counter()
     if name == "embedded":
-        cfg = EngineConfig(backend="embedded")
+        cfg = EmbeddedEngine()
         server = start_embedded_engine(model_dir, seed=0, log_path=log)
     elif name == "sglang-cpu":
         python, row["install_s"], row["install_bytes"] = install(name)
-        cfg = EngineConfig.model_validate(
+        cfg = SglangLaunch.model_validate(
             {"backend": "sglang-launch", "sglang": {"python": python}, "launch": {"device": "cpu"}}
         )
         extra, env = sglang_launch.launch_settings(cfg, seed=0)
@@ -134,7 +134,7 @@ def run_engine(name: str, model_dir: str, trainer, args, work: Path) -> dict:
         )
     else:
         python, row["install_s"], row["install_bytes"] = install(name)
-        cfg = EngineConfig.model_validate(
+        cfg = VllmLaunch.model_validate(
             {
                 "backend": "vllm-launch",
                 "vllm": {"python": python, "args": ["--max-model-len", "2048"]},

@@ -24,7 +24,6 @@ from grpoflow.prepare.prompts import load_prompts
 from grpoflow.run.health import write_run_tasks
 from grpoflow.run.info import final_checkpoint, update_run_info
 from grpoflow.run.loop import evaluate_run
-from grpoflow.run.resume import recorded_split
 from grpoflow.scoring.evaluation import evaluation_lines
 from tasks.rollout import regrade_trials_task
 
@@ -58,7 +57,7 @@ def of_train_run(config: RunConfig, run_dir: Path) -> RunConfig:
     trials (seed, dataset, prompt filters, rollout, evaluation trials per prompt): its eval split is then the one
     the run held out, and each trial is one the run ran on its base policy."""
     ckpt = final_checkpoint(run_dir)
-    saved = recorded_split(read_config_file(RunPaths(run_dir).config))  # a run made before split_by split by task
+    saved = read_config_file(RunPaths(run_dir).config, saved=True)  # the split the run made, whenever it ran
     update = {k: saved[k] for k in TRIAL_SETTINGS if k in saved}
     data = config.model_dump(mode="json") | update
     data["model"] = {**data["model"], "source": str(ckpt)}

@@ -67,7 +67,7 @@ def rerun_flow(run_id: RunId, output_dir: str = "runs", new_run_id: RunId | None
         for d in diffs:
             print(f"provenance changed since {run_id}: {d}")
         notes = []
-        if not (cfg.engine.backend == "embedded" and cfg.engine.deterministic):
+        if not (cfg.engine.bit_exact and cfg.engine.deterministic):
             notes.append(
                 "engine.deterministic was off (or the engine is not the embedded one): batched generation "
                 "rounds differently from run to run, so a bit-exact rerun is not expected"

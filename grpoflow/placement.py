@@ -18,10 +18,8 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from grpoflow.config import RunConfig
+from grpoflow.config import LaunchedEngine, RunConfig
 from grpoflow.errors import ConfigError
-
-LAUNCHED_GPU_BACKENDS = ("sglang-launch", "vllm-launch")
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ def plan_gpus(cfg: RunConfig, gpus: int) -> GpuPlan:
     """The run's GPU plan on a machine with `gpus` GPUs; `ConfigError` (one line naming the fields) when the
     trainer and a launched engine cannot each have GPUs of their own."""
     ranks = cfg.cluster.train_ranks
-    launched = cfg.engine.backend in LAUNCHED_GPU_BACKENDS and cfg.engine.launch.device == "cuda"
+    launched = isinstance(cfg.engine, LaunchedEngine) and cfg.engine.launch.device == "cuda"
     if gpus == 0:
         if launched:
             raise ConfigError(

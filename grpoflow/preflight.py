@@ -18,7 +18,7 @@ from typing import Literal
 
 import httpx
 
-from grpoflow.config import RolloutConfig, RunConfig
+from grpoflow.config import AttachedEngine, LaunchedEngine, RolloutConfig, RunConfig
 from grpoflow.credentials import (
     PROVIDERS,
     policy_key_problems,
@@ -54,7 +54,7 @@ def check_run(
     if stage in ("train", "resume"):
         problems += sampling_problems(cfg.rollout)
     problems += check_sandbox(cfg.rollout, env, timeout_s) + gpu_problems(cfg) + nccl_problems(cfg)
-    if cfg.engine.attached and cfg.engine.url:
+    if isinstance(cfg.engine, AttachedEngine):
         # each server behind a router (which has no /model_info of its own), or the one server
         with engine_client(cfg.engine.api, cfg.engine.url) as client:
             urls = client.replicas(timeout_s)
@@ -74,9 +74,9 @@ def nccl_problems(cfg: RunConfig) -> list[str]:
     environments (the engine pins its own torch): their NCCL versions must agree, or the first sync fails after a
     whole rollout and update. Over gloo (the CPU) torch versions may differ."""
     e = cfg.engine
-    python = {"sglang-launch": e.sglang.python, "vllm-launch": e.vllm.python}.get(e.backend)
-    if python is None or e.launch.device != "cuda" or cfg.weight_sync_mode() != "distributed":
+    if not isinstance(e, LaunchedEngine) or e.launch.device != "cuda" or cfg.weight_sync_mode() != "distributed":
         return []
+    python = e.python
     ours = subprocess.run([sys.executable, "-c", _NCCL_PROBE], capture_output=True, text=True, timeout=120)
     try:
         theirs = subprocess.run(

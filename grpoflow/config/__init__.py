@@ -8,12 +8,21 @@ upgraded where it enters (`upgrade`).
 
 from grpoflow.config.data import DEFAULT_FAMILY_PATTERN, DatasetConfig, ModelConfig, PromptsConfig, RewardRule
 from grpoflow.config.engine import (
+    ENGINE_TYPES,
+    AttachedEngine,
+    EmbeddedEngine,
     EmbeddedEngineConfig,
+    Engine,
     EngineApi,
     EngineConfig,
     LaunchConfig,
+    LaunchedEngine,
     SglangConfig,
+    SglangLaunch,
+    SglangServer,
     VllmConfig,
+    VllmLaunch,
+    VllmServer,
     WeightSyncConfig,
 )
 from grpoflow.config.load import apply_overrides, load_run_config, parse_run_config, read_config_file
@@ -36,9 +45,19 @@ from grpoflow.config.train import (
     OptimizerConfig,
     TrainConfig,
 )
-from grpoflow.config.upgrade import MOVED_SETTINGS, upgrade
+from grpoflow.config.upgrade import CONFIG_VERSION, MOVED_SETTINGS, upgrade
 
 __all__ = [
+    "CONFIG_VERSION",
+    "ENGINE_TYPES",
+    "AttachedEngine",
+    "EmbeddedEngine",
+    "Engine",
+    "LaunchedEngine",
+    "SglangLaunch",
+    "SglangServer",
+    "VllmLaunch",
+    "VllmServer",
     "DEFAULT_FAMILY_PATTERN",
     "MOVED_SETTINGS",
     "TOOL_CALL_PARSERS",

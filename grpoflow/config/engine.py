@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, ClassVar, Literal, get_args
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from grpoflow.config.base import Section
 
@@ -34,7 +34,7 @@ class WeightSyncConfig(Section):
 
 
 class EmbeddedEngineConfig(Section):
-    """grpoflow's CPU engine (`engine.backend = "embedded"`): its threads, batch and replicas."""
+    """grpoflow's CPU engine: its threads, batch and replicas."""
 
     threads: int = Field(1, ge=1, le=256, description="Torch threads each embedded engine may use.")
     replicas: int = Field(
@@ -77,13 +77,41 @@ class LaunchConfig(Section):
     )
 
 
-class SglangConfig(Section):
-    """SGLang servers: the environment and flags of a launched one, its KV cache."""
+def _unreserved(args: list[str], reserved: frozenset[str], instead: str) -> list[str]:
+    taken = [a for a in args if a.split("=", 1)[0] in reserved]
+    if taken:
+        raise ValueError(
+            f"{', '.join(taken)} is set by grpoflow itself; use engine.tp_size, {instead} or the run's seed instead"
+        )
+    return args
 
-    python: str | None = Field(
-        None,
-        description="Python of the separate SGLang environment, e.g. `/opt/sglang-venv/bin/python` "
-        "(backend `sglang-launch` only; SGLang pins its own torch and cannot share grpoflow's environment).",
+
+class SglangConfig(Section):
+    """A launched SGLang server: its environment, extra flags and KV cache."""
+
+    # `sglang.launch_server` flags grpoflow passes itself (`grpoflow.engine.sglang_launch`), with their aliases in
+    # SGLang's server_args.py add_cli_args (`--tp` is the documented short form, reaching `--tp-size` by argparse's
+    # prefix matching).
+    RESERVED: ClassVar[frozenset[str]] = frozenset(
+        {
+            "--model-path",
+            "--model",
+            "--host",
+            "--port",
+            "--tp-size",
+            "--tensor-parallel-size",
+            "--tp",
+            "--mem-fraction-static",
+            "--device",
+            "--random-seed",
+            "--max-total-tokens",
+        }
+    )
+
+    python: str = Field(
+        min_length=1,
+        description="Python of the separate SGLang environment, e.g. `/opt/sglang-venv/bin/python` (SGLang pins its "
+        "own torch and cannot share grpoflow's environment).",
     )
     args: list[str] = Field(
         default_factory=list,
@@ -99,14 +127,36 @@ class SglangConfig(Section):
         "free memory).",
     )
 
+    @field_validator("args")
+    @classmethod
+    def _unreserved(cls, args: list[str]) -> list[str]:
+        return _unreserved(
+            args, cls.RESERVED, "engine.launch.* (mem_fraction_static, device), engine.sglang.max_total_tokens"
+        )
+
 
 class VllmConfig(Section):
-    """vLLM servers: the environment and flags of a launched one."""
+    """A launched vLLM server: its environment and extra flags."""
 
-    python: str | None = Field(
-        None,
-        description="Python of the separate vLLM environment, e.g. `/opt/vllm-venv/bin/python` (backend "
-        "`vllm-launch` only; vLLM pins its own torch). `tests/engines/install_vllm.sh` makes one for the CPU.",
+    # `vllm.entrypoints.openai.api_server` flags grpoflow passes itself (`grpoflow.engine.vllm_launch`), with the
+    # short forms of vllm/engine/arg_utils.py.
+    RESERVED: ClassVar[frozenset[str]] = frozenset(
+        {
+            "--model",
+            "--host",
+            "--port",
+            "--seed",
+            "--tensor-parallel-size",
+            "-tp",
+            "--gpu-memory-utilization",
+            "--logprobs-mode",
+        }
+    )
+
+    python: str = Field(
+        min_length=1,
+        description="Python of the separate vLLM environment, e.g. `/opt/vllm-venv/bin/python` (vLLM pins its own "
+        "torch). `tests/engines/install_vllm.sh` makes one for the CPU.",
     )
     args: list[str] = Field(
         default_factory=list,
@@ -115,19 +165,29 @@ class VllmConfig(Section):
         "mode) are refused here.",
     )
 
+    @field_validator("args")
+    @classmethod
+    def _unreserved(cls, args: list[str]) -> list[str]:
+        return _unreserved(args, cls.RESERVED, "engine.launch.mem_fraction_static")
+
 
 EngineApi = Literal["sglang", "vllm"]  # the HTTP API an engine speaks (`grpoflow.engine.clients` maps it)
+SyncMode = Literal["disk", "distributed", "tensor", "adapter"]
 
 
-class EngineConfig(Section):
-    backend: Literal["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"] = Field(
-        "embedded",
-        description="`embedded`: grpoflow's CPU engine speaking SGLang's HTTP API, started for the run "
-        "(`engine.embedded`). `sglang` or `vllm`: a server already running at `url`. `sglang-launch` or "
-        "`vllm-launch`: a server started for the run from its own environment (`engine.sglang.python`, "
-        "`engine.vllm.python`) on a free port on 127.0.0.1 (`engine.launch`), stopped at the end.",
-    )
-    url: str | None = Field(None, description="Base URL of the server (backends `sglang` and `vllm` only).")
+class Engine(Section):
+    """What every engine takes; each backend is a type of its own below, with only the settings it uses. The
+    class variables say what the backend is, so the code that uses an engine asks it instead of its name."""
+
+    api: ClassVar[EngineApi] = "sglang"  # the HTTP API it speaks (the embedded engine speaks SGLang's)
+    name: ClassVar[str] = "SGLang"
+    serves_dtype: ClassVar[Literal["float32", "bfloat16"]] = "bfloat16"  # `engine.weight_sync.dtype` auto
+    default_sync: ClassVar[SyncMode] = "disk"  # `engine.weight_sync.mode` auto
+    syncs: ClassVar[tuple[SyncMode, ...]] = ("disk", "distributed", "tensor", "adapter")
+    takes_lora: ClassVar[bool] = True
+    bit_exact: ClassVar[bool] = False  # `deterministic` reproduces every token across reruns of a run here
+
+    backend: str  # each backend's own Literal: what `engine.backend` names, and first in a saved config
     tp_size: int = Field(
         1,
         ge=1,
@@ -159,122 +219,141 @@ class EngineConfig(Section):
         default_factory=WeightSyncConfig,
         description="How each step's weights reach the engine: the mode, dtype, address.",
     )
-    embedded: EmbeddedEngineConfig = Field(
-        default_factory=EmbeddedEngineConfig,
-        description="grpoflow's CPU engine (backend `embedded`): threads and batch of each engine, and how many run "
-        "behind an sglang-router.",
-    )
-    launch: LaunchConfig = Field(
-        default_factory=LaunchConfig,
-        description="A server the run launches (backends `sglang-launch` and `vllm-launch`): its device, GPU memory "
-        "share and startup timeout.",
-    )
-    sglang: SglangConfig = Field(
-        default_factory=SglangConfig,
-        description="SGLang (backends `sglang-launch` and `sglang`): the environment, extra flags and KV cache of a "
-        "launched server.",
-    )
-    vllm: VllmConfig = Field(
-        default_factory=VllmConfig,
-        description="vLLM (backends `vllm-launch` and `vllm`), which takes `disk` and `distributed` weight syncs and "
-        "no LoRA: the environment and extra flags of a launched server. An attached one must have been started with "
-        "VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs, and for `distributed` syncs "
-        "--worker-extension-cls grpoflow.engine.vllm_worker.WeightUpdateExtension.",
-    )
-
-    @property
-    def api(self) -> EngineApi:
-        """The HTTP API the engine speaks: SGLang's (the embedded engine's too) or vLLM's."""
-        return "vllm" if self.backend in ("vllm", "vllm-launch") else "sglang"
-
-    @property
-    def attached(self) -> bool:
-        """A server already running at `url` (not started for the run): it may serve an earlier run's weights."""
-        return self.backend in ("sglang", "vllm")
 
     @model_validator(mode="after")
-    def _launch_settings(self) -> EngineConfig:
-        # Checked here, not at launch time, so a bad recipe fails before a run dir or a GPU is touched.
-        for launch, server in (("sglang-launch", self.sglang), ("vllm-launch", self.vllm)):
-            if self.backend != launch:
-                continue
-            if not server.python:
-                raise ValueError(f"`engine.{self.api}.python`: required when engine.backend is `{launch}`")
-            if self.url:
-                raise ValueError(
-                    f"`engine.url`: must be empty when engine.backend is `{launch}` "
-                    "(the launched server's URL is chosen when it starts)"
-                )
-        if self.api == "vllm" and self.weight_sync.mode in ("tensor", "adapter"):
+    def _what_it_takes(self) -> Engine:
+        if self.weight_sync.mode not in ("auto", *self.syncs):
             raise ValueError(
-                f"`engine.weight_sync.mode`: `{self.weight_sync.mode}` is not supported with vLLM here; use `disk` "
-                "(or `auto`) "
-                "or `distributed`"
+                f"`engine.weight_sync.mode`: `{self.weight_sync.mode}` is not supported with {self.name} here; use "
+                f"{' or '.join(f'`{m}`' for m in self.syncs)} (or `auto`)"
             )
-        if self.api == "vllm" and self.deterministic:
-            raise ValueError(
-                "`engine.deterministic`: not supported with vLLM here (no batch-invariant mode on its CPU build)"
-            )
-        if self.backend == "sglang-launch" and self.launch.device == "cpu" and self.deterministic:
-            # SGLang honours sampling_seed only under --enable-deterministic-inference, which refuses the
-            # torch_native attention a CPU launch runs on (its DETERMINISTIC_ATTENTION_BACKEND_CHOICES).
-            raise ValueError(
-                "`engine.deterministic`: SGLang's deterministic inference needs a GPU attention backend; on the CPU "
-                "(engine.launch.device=cpu) it refuses to start, and its sampling_seed is ignored"
-            )
-        if self.embedded.replicas > 1 and self.backend != "embedded":
-            raise ValueError(
-                "`engine.embedded.replicas`: starts embedded engines; for SGLang servers, run sglang-router in "
-                "front of them and set engine.url to it (backend `sglang`)"
-            )
-        for name, args, flags, instead in (
-            (
-                "sglang",
-                self.sglang.args,
-                SGLANG_RESERVED_FLAGS,
-                "engine.launch.* (mem_fraction_static, device), engine.sglang.max_total_tokens",
-            ),
-            ("vllm", self.vllm.args, VLLM_RESERVED_FLAGS, "engine.launch.mem_fraction_static"),
-        ):
-            reserved = [a for a in args if a.split("=", 1)[0] in flags]
-            if reserved:
-                raise ValueError(
-                    f"`engine.{name}.args`: {', '.join(reserved)} is set by grpoflow itself; use engine.tp_size, "
-                    f"{instead} or the run's seed instead"
-                )
+        if self.deterministic and (why := self.nondeterministic_because()):
+            raise ValueError(f"`engine.deterministic`: {why}")
         return self
 
-
-# `vllm.entrypoints.openai.api_server` flags grpoflow passes itself (`grpoflow.engine.vllm_launch`), with the
-# short forms of vllm/engine/arg_utils.py.
-VLLM_RESERVED_FLAGS = frozenset(
-    {
-        "--model",
-        "--host",
-        "--port",
-        "--seed",
-        "--tensor-parallel-size",
-        "-tp",
-        "--gpu-memory-utilization",
-        "--logprobs-mode",
-    }
-)
+    def nondeterministic_because(self) -> str | None:
+        """Why this engine cannot generate batch-invariantly as configured; None when it can."""
+        return None
 
 
-# `sglang.launch_server` flags grpoflow passes itself, with their aliases in SGLang's server_args.py add_cli_args
-# (`--tp` is the documented short form, reaching `--tp-size` by argparse's prefix matching).
-SGLANG_RESERVED_FLAGS = frozenset(
-    {
-        "--model-path",
-        "--model",
-        "--host",
-        "--port",
-        "--tp-size",
-        "--tensor-parallel-size",
-        "--tp",
-        "--mem-fraction-static",
-        "--device",
-        "--random-seed",
-        "--max-total-tokens",
-    }
-)
+class EmbeddedEngine(Engine):
+    model_config = ConfigDict(title="embedded")
+
+    serves_dtype = "float32"  # it serves in float32
+    default_sync = "distributed"
+    bit_exact = True
+
+    backend: Literal["embedded"] = Field(
+        "embedded",
+        description="`embedded`: grpoflow's CPU engine speaking SGLang's HTTP API, started for the run. The other "
+        "backends: `sglang` or `vllm`, a server already running at `url`; `sglang-launch` or `vllm-launch`, a "
+        "server started for the run from its own environment on a free port, stopped at the end.",
+    )
+    embedded: EmbeddedEngineConfig = Field(
+        default_factory=EmbeddedEngineConfig,
+        description="Threads and batch of each engine, and how many run behind an sglang-router.",
+    )
+
+
+class _Vllm(Engine):
+    api = "vllm"
+    name = "vLLM"
+    syncs = ("disk", "distributed")
+    takes_lora = False
+
+    def nondeterministic_because(self) -> str | None:
+        return "not supported with vLLM here (no batch-invariant mode on its CPU build)"
+
+
+class AttachedEngine(Engine):
+    """A server already running at `url`: it may serve an earlier run's weights."""
+
+    url: str = Field(min_length=1, description="Base URL of the server (or of an sglang-router in front of several).")
+
+
+class SglangServer(AttachedEngine):
+    model_config = ConfigDict(title="sglang")
+
+    backend: Literal["sglang"] = Field(
+        description="`sglang`: an SGLang server (or an sglang-router in front of several) already running at `url`; "
+        "the run syncs every server the router lists."
+    )
+
+
+class VllmServer(_Vllm, AttachedEngine):
+    model_config = ConfigDict(title="vllm")
+
+    backend: Literal["vllm"] = Field(
+        description="`vllm`: a vLLM server already running at `url`, started with VLLM_SERVER_DEV_MODE=1 and "
+        "--logprobs-mode processed_logprobs, and for `distributed` syncs --worker-extension-cls "
+        "grpoflow.engine.vllm_worker.WeightUpdateExtension."
+    )
+
+
+class LaunchedEngine(Engine):
+    """A server started for the run from its own environment, on a free port, stopped at the end."""
+
+    launch: LaunchConfig = Field(
+        default_factory=LaunchConfig,
+        description="What the launched server gets: its device, GPU memory share and startup timeout.",
+    )
+
+    @property
+    def python(self) -> str:
+        """The interpreter of the server's own environment."""
+        raise NotImplementedError
+
+
+class SglangLaunch(LaunchedEngine):
+    model_config = ConfigDict(title="sglang-launch")
+
+    backend: Literal["sglang-launch"] = Field(
+        description="`sglang-launch`: an SGLang server started for the run from `engine.sglang.python`."
+    )
+    sglang: SglangConfig = Field(
+        default_factory=dict,  # type: ignore[arg-type]
+        validate_default=True,  # so a missing python is named as `engine.sglang.python`
+        description="The environment, extra flags and KV cache of the launched server.",
+    )
+
+    @property
+    def python(self) -> str:
+        return self.sglang.python
+
+    def nondeterministic_because(self) -> str | None:
+        if self.launch.device == "cpu":
+            # SGLang honours sampling_seed only under --enable-deterministic-inference, which refuses the
+            # torch_native attention a CPU launch runs on (its DETERMINISTIC_ATTENTION_BACKEND_CHOICES).
+            return (
+                "SGLang's deterministic inference needs a GPU attention backend; on the CPU "
+                "(engine.launch.device=cpu) it refuses to start, and its sampling_seed is ignored"
+            )
+        return None
+
+
+class VllmLaunch(_Vllm, LaunchedEngine):
+    model_config = ConfigDict(title="vllm-launch")
+
+    backend: Literal["vllm-launch"] = Field(
+        description="`vllm-launch`: a vLLM server started for the run from `engine.vllm.python`."
+    )
+    vllm: VllmConfig = Field(
+        default_factory=dict,  # type: ignore[arg-type]
+        validate_default=True,  # so a missing python is named as `engine.vllm.python`
+        description="The environment and extra flags of the launched server (no LoRA; `disk` and `distributed` "
+        "weight syncs).",
+    )
+
+    @property
+    def python(self) -> str:
+        return self.vllm.python
+
+
+ENGINES: tuple[type[Engine], ...] = (EmbeddedEngine, SglangServer, VllmServer, SglangLaunch, VllmLaunch)
+# The engine section: one of the backends, told apart by `engine.backend` (the config upgrade fills in `embedded`
+# where it is left out).
+EngineConfig = Annotated[
+    EmbeddedEngine | SglangServer | VllmServer | SglangLaunch | VllmLaunch, Field(discriminator="backend")
+]
+# `engine.backend` -> its type
+ENGINE_TYPES: dict[str, type[Engine]] = {get_args(e.model_fields["backend"].annotation)[0]: e for e in ENGINES}

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from grpoflow.config.engine import ENGINE_TYPES
 from grpoflow.config.run import RunConfig
 from grpoflow.config.upgrade import moved_path, upgrade
 from grpoflow.errors import ConfigError
@@ -18,10 +19,23 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     """One line: `<source>: field `a.b`: <message> (got <value>); field ...`."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        path, msg = list(e["loc"]), e["msg"]
+        if path == ["engine"] and e["type"] == "union_tag_invalid":
+            path, msg = ["engine", "backend"], f"one of {', '.join(ENGINE_TYPES)}"
+            got = e["input"].get("backend") if isinstance(e["input"], dict) else e["input"]
+            parts.append(f"field `engine.backend`: {msg} (got {json.dumps(got, default=str)[:80]})")
+            continue
+        if len(path) > 1 and path[0] == "engine" and path[1] in ENGINE_TYPES:
+            # pydantic puts the chosen backend (the union's tag) into the path: said in words instead
+            backend = path.pop(1)
+            if e["type"] == "missing" or (e["type"] == "string_type" and e.get("input") is None):
+                msg = f"required when engine.backend is `{backend}`"
+            elif e["type"] == "extra_forbidden":
+                msg = f"not a setting of engine.backend `{backend}`"
+        loc = ".".join(str(x) for x in path) or "<root>"
         got = e.get("input")
         got_s = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=str)[:80]})"
-        parts.append(f"field `{loc}`: {e['msg']}{got_s}")
+        parts.append(f"field `{loc}`: {msg}{got_s}")
     return f"{source}: " + "; ".join(parts)
 
 
@@ -42,8 +56,6 @@ def parse_run_config(data: dict[str, Any] | RunConfig, source: str = "run config
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
-    if cfg.engine.attached and not cfg.engine.url:
-        raise ConfigError(f"{source}: field `engine.url`: required when engine.backend is `{cfg.engine.backend}`")
     return cfg
 
 
@@ -52,8 +64,9 @@ def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunC
     return parse_run_config(apply_overrides(read_config_file(path), overrides or {}), source=str(path))
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """The JSON object in a config file (not validated yet) in today's layout; one-line errors naming the file."""
+def read_config_file(path: Path, saved: bool = False) -> dict[str, Any]:
+    """The JSON object in a config file (not validated yet) in today's layout; one-line errors naming the file.
+    `saved`: the file is a run's own config.json (`upgrade`)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -68,7 +81,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
     try:
-        return upgrade(data)  # a run dir made before the settings were grouped holds the old layout
+        return upgrade(data, saved=saved)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
 
@@ -95,4 +108,10 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
                 raise ConfigError(f"override `{dotted}`: `{p}` is not a section")
             node = child
         node[leaf] = value
+    engine, kind = out.get("engine"), ENGINE_TYPES.get(str(overrides.get("engine.backend")))
+    if isinstance(engine, dict) and kind is not None:
+        # Another backend chosen here: the settings only the one before had go with it (as in the run form).
+        for name in [k for k in engine if k not in kind.model_fields and f"engine.{k}" not in given]:
+            if not any(g.startswith(f"engine.{name}.") for g in given):
+                del engine[name]
     return out

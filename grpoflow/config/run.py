@@ -9,12 +9,19 @@ from pydantic import Field, model_validator
 
 from grpoflow.config.base import Section
 from grpoflow.config.data import DatasetConfig, ModelConfig, PromptsConfig
-from grpoflow.config.engine import EngineConfig
+from grpoflow.config.engine import EmbeddedEngine, EngineConfig
 from grpoflow.config.rollout import RolloutConfig
 from grpoflow.config.train import TrainConfig
-from grpoflow.config.upgrade import upgrade
+from grpoflow.config.upgrade import CONFIG_VERSION, upgrade
 from grpoflow.errors import ConfigError
 from grpoflow.paths import RUN_ID_PATTERN
+
+
+def _any_of(schema: dict[str, Any]) -> None:
+    # Prefect checks a deployment's parameters against the schema without their required fields, so a partial
+    # engine (`{deterministic: true}`) fits every backend's type and `oneOf` refuses it; the discriminator still
+    # tells the backends apart.
+    schema["anyOf"] = schema.pop("oneOf")
 
 
 class ReportConfig(Section):
@@ -92,10 +99,18 @@ class RunConfig(Section):
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompt order/split, sampling and training.")
     output_dir: str = Field("runs", min_length=1, description="Directory holding one sub-directory per run_id.")
+    config_version: Literal[CONFIG_VERSION] = Field(  # type: ignore[valid-type]
+        CONFIG_VERSION,
+        description="The layout this config is written in; one in an older layout is upgraded when it is read.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="The Harbor task set.")
     prompts: PromptsConfig = Field(default_factory=PromptsConfig, description="How prompts.jsonl is made.")
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="The inference engine (SGLang API).")
+    engine: EngineConfig = Field(
+        default_factory=EmbeddedEngine,
+        description="The inference engine: its backend (`engine.backend`) and the settings that backend takes.",
+        json_schema_extra=_any_of,
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Agent trials per step.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The GRPO update.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where the work runs.")
@@ -103,14 +118,18 @@ class RunConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _old_layout(cls, data: Any) -> Any:
-        # Prefect hands its flow parameter here directly: a deployment may still spell the old names.
+    def _upgrade(cls, data: Any) -> Any:
+        # Prefect hands its flow parameter here directly: a deployment may still spell an older layout.
         if not isinstance(data, dict):
             return data
+        engine = data.get("engine")
+        if isinstance(engine, dict) and "backend" not in engine:
+            data = {**data, "engine": {**engine, "backend": "embedded"}}  # what a config that names none runs on
         try:
-            return upgrade(data)
+            data = upgrade(data)
         except ConfigError as err:
             raise ValueError(str(err)) from None
+        return {**data, "config_version": CONFIG_VERSION}
 
     @property
     def run_dir(self) -> Path:
@@ -140,9 +159,10 @@ class RunConfig(Section):
             raise ValueError(
                 "`engine.weight_sync.mode`: `adapter` syncs a LoRA adapter; set train.lora, or another sync"
             )
-        if self.train.lora is not None and self.engine.api == "vllm":
+        if self.train.lora is not None and not self.engine.takes_lora:
             raise ValueError(
-                "`train.lora`: LoRA runs are not supported with vLLM here; use SGLang or the embedded engine"
+                f"`train.lora`: LoRA runs are not supported with {self.engine.name} here; use SGLang or the "
+                "embedded engine"
             )
         return self
 
@@ -158,4 +178,4 @@ class RunConfig(Section):
         run dir."""
         if self.engine.weight_sync.mode != "auto":
             return self.engine.weight_sync.mode
-        return "distributed" if self.engine.backend == "embedded" else "disk"
+        return self.engine.default_sync

@@ -5,7 +5,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from grpoflow.config.engine import ENGINE_TYPES
 from grpoflow.errors import ConfigError
+
+# The layout this grpoflow writes (`RunConfig.config_version`). 2: the engine section is its backend's type.
+CONFIG_VERSION = 2
 
 # Where each setting went when `rollout`, `train` and `engine` were grouped by concern: old dotted path -> new one.
 # Run dirs made before keep config.json in the old layout (resume and rerun read it), deployments and `--set` keys
@@ -90,18 +94,17 @@ def moved_path(dotted: str) -> str:
     return dotted
 
 
-def upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """`data` (left as it is) with every setting of the old flat layout moved to its place (`MOVED_SETTINGS`);
-    a setting given under both names is a `ConfigError` naming both."""
-    out = copy.deepcopy(data)
+def _moved(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with every setting of the old flat layout moved to its place (`MOVED_SETTINGS`), in place; a setting
+    given under both names is a `ConfigError` naming both."""
     moved = []
     for old, new in MOVED_SETTINGS.items():
         section, key = old.split(".")
-        node = out.get(section)
+        node = data.get(section)
         if isinstance(node, dict) and key in node and not _became_section(old, node[key]):
             moved.append((old, new, node.pop(key)))
     for old, new, value in moved:
-        node = out
+        node = data
         *parents, leaf = new.split(".")
         for p in parents:
             if node.get(p) is None:
@@ -112,4 +115,70 @@ def upgrade(data: dict[str, Any]) -> dict[str, Any]:
         if leaf in node:
             raise ConfigError(f"`{old}` and `{new}` are one setting (the first its old name): give only `{new}`")
         node[leaf] = value
+    return data
+
+
+# Version 1 gave every engine all five backends' settings, and each backend read its own: a saved config lists
+# them all. Their version 1 defaults, which a version 1 config may carry beside any backend.
+_V1_ENGINE_DEFAULTS: dict[str, Any] = {
+    "url": None,
+    "embedded": {"threads": 1, "replicas": 1, "router_policy": "cache_aware", "max_batch_size": 16},
+    "launch": {"device": "cuda", "mem_fraction_static": 0.8, "startup_timeout_s": 900.0},
+    "sglang": {"python": None, "args": [], "max_total_tokens": None},
+    "vllm": {"python": None, "args": []},
+}
+
+
+def _v1_engine(engine: dict[str, Any], saved: bool) -> None:
+    """Version 1's engine section as its backend's type, in place: the settings of other backends go when they hold
+    their defaults, or always in a run's own saved config (where they never took effect); a chosen value stays,
+    for validation to name."""
+    if "backend" not in engine:
+        return  # a part of a config, merged with others before it is validated (`RunConfig` names the default)
+    kind = ENGINE_TYPES.get(engine["backend"])
+    if kind is None:
+        return  # validation names it
+    for name, default in _V1_ENGINE_DEFAULTS.items():
+        if name in engine and name not in kind.model_fields:
+            value = engine[name]
+            at_default = value == default or (
+                isinstance(value, dict)
+                and isinstance(default, dict)
+                and all(default.get(k) == v for k, v in value.items())
+            )
+            if saved or at_default:
+                del engine[name]
+
+
+def _v1_saved(data: dict[str, Any]) -> None:
+    """A run's own version 1 config.json with what the run did where a setting came later, in place: it lists
+    every field the run had, so one missing was made before the setting. Without `train.eval.samples_per_prompt`
+    the run evaluated nothing; without `train.sharding` its ranks replicated the model; without `prompts.split_by`
+    it split by task (which `auto` might not, on a dataset whose tasks come in families)."""
+    train = data.get("train")
+    if isinstance(train, dict):
+        if "samples_per_prompt" not in (train.get("eval") or {}):
+            train["eval"] = {**(train.get("eval") or {}), "samples_per_prompt": 0}
+        train.setdefault("sharding", "replicate")
+    prompts = data.get("prompts")
+    if isinstance(prompts, dict) and not prompts.get("path"):
+        prompts.setdefault("split_by", "task")
+
+
+def upgrade(data: dict[str, Any], saved: bool = False) -> dict[str, Any]:
+    """`data` (left as it is) in today's layout, whichever version wrote it (`config_version`; none: 1): old flat
+    names moved (`MOVED_SETTINGS`) and, from version 1, the engine's settings of other backends left out. `saved`:
+    `data` is a run's own config.json, which lists every setting it had; a version 1 one gets what the run did for
+    the settings that came after it."""
+    version = data.get("config_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= CONFIG_VERSION:
+        raise ConfigError(
+            f"`config_version` {version!r}: this grpoflow reads versions 1 to {CONFIG_VERSION} (a newer one wrote it?)"
+        )
+    out = _moved(copy.deepcopy(data))
+    if version == 1:
+        if isinstance(out.get("engine"), dict):
+            _v1_engine(out["engine"], saved)
+        if saved:
+            _v1_saved(out)
     return out

@@ -7,12 +7,13 @@ before the step fails with `EngineError`; weight syncs go to each replica's own 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from grpoflow.config import EngineConfig
+from grpoflow.config import AttachedEngine, EmbeddedEngine, Engine, LaunchedEngine, SglangLaunch, VllmLaunch
 from grpoflow.engine import sglang_launch, vllm_launch
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.clients import engine_client
@@ -40,7 +41,7 @@ class EngineHandle:
 
 @contextmanager
 def open_engine(
-    cfg: EngineConfig,
+    cfg: Engine,
     model_path: str,
     seed: int,
     log_path: Path,
@@ -50,7 +51,7 @@ def open_engine(
     """Start (or reach) the engine for the block; a started one is stopped when the block ends, however it ends.
     `base_gpu_id`: where a launched engine's GPUs start (the run's `placement.GpuPlan`); `host`: the address a
     started engine and its router listen on (`cluster.serve_host`)."""
-    if cfg.backend == "embedded":
+    if isinstance(cfg, EmbeddedEngine):
         with ExitStack() as stack:
             engines = [
                 stack.enter_context(
@@ -86,15 +87,16 @@ def open_engine(
             )
             yield EngineHandle(router.url, router.client, tuple(urls), host_threads=threads)
         return
-    if cfg.backend in ("sglang-launch", "vllm-launch"):
-        with _launched(cfg, model_path, seed, log_path, base_gpu_id, host) as server:
+    if isinstance(cfg, LaunchedEngine):
+        with LAUNCHERS[type(cfg)](cfg, model_path, seed, log_path, base_gpu_id, host) as server:
             yield EngineHandle(server.url, server.client)
         return
-    assert cfg.url, "validated by parse_run_config"
-    client = engine_client(cfg.api, cfg.url, timeout=cfg.request_timeout_s, retries=cfg.retries)
+    assert isinstance(cfg, AttachedEngine), f"no way to open {type(cfg).__name__}"
+    url = cfg.url
+    client = engine_client(cfg.api, url, timeout=cfg.request_timeout_s, retries=cfg.retries)
     if not client.health():
         client.close()
-        raise EngineError(f"engine.url {cfg.url}: no healthy {client.name} server answers there (GET /health)")
+        raise EngineError(f"engine.url {url}: no healthy {client.name} server answers there (GET /health)")
     try:
         # a router's servers, or the one; both spelled as the client does (no trailing slash) so that one is no router
         yield EngineHandle(client.base_url, client, tuple(client.replicas()))
@@ -102,32 +104,47 @@ def open_engine(
         client.close()
 
 
-def _launched(
-    cfg: EngineConfig, model_path: str, seed: int, log_path: Path, base_gpu_id: int | None, host: str
-) -> EngineProcess:
-    """The SGLang or vLLM server `cfg` launches, serving, on the GPUs from `base_gpu_id` on (the run's plan)."""
-    common = {
+def _common(cfg: LaunchedEngine, log_path: Path, host: str) -> dict[str, Any]:
+    return {
         "log_path": log_path,
         "startup_timeout": cfg.launch.startup_timeout_s,
         "client_timeout": cfg.request_timeout_s,
         "client_retries": cfg.retries,
         "host": host,
     }
-    if cfg.backend == "vllm-launch":
-        assert cfg.vllm.python, "validated by EngineConfig"
-        extra_args, env = vllm_launch.launch_settings(cfg, seed, base_gpu_id)
-        return vllm_launch.start_vllm_server(cfg.vllm.python, model_path, extra_args=extra_args, env=env, **common)
-    assert cfg.sglang.python, "validated by EngineConfig"
+
+
+def _launch_sglang(
+    cfg: SglangLaunch, model_path: str, seed: int, log_path: Path, base_gpu_id: int | None, host: str
+) -> EngineProcess:
+    """The SGLang server `cfg` launches, serving, on the GPUs from `base_gpu_id` on (the run's plan)."""
     extra_args, env = sglang_launch.launch_settings(cfg, seed, base_gpu_id)
     return sglang_launch.start_sglang_server(
-        cfg.sglang.python,
+        cfg.python,
         model_path,
         tp_size=cfg.tp_size,
         mem_fraction_static=cfg.launch.mem_fraction_static,
         extra_args=extra_args,
         env=env,
-        **common,
+        **_common(cfg, log_path, host),
     )
+
+
+def _launch_vllm(
+    cfg: VllmLaunch, model_path: str, seed: int, log_path: Path, base_gpu_id: int | None, host: str
+) -> EngineProcess:
+    """The vLLM server `cfg` launches, serving, on the GPUs from `base_gpu_id` on (the run's plan)."""
+    extra_args, env = vllm_launch.launch_settings(cfg, seed, base_gpu_id)
+    return vllm_launch.start_vllm_server(
+        cfg.python, model_path, extra_args=extra_args, env=env, **_common(cfg, log_path, host)
+    )
+
+
+# Each launched backend's launcher, by its config type.
+LAUNCHERS: dict[type[LaunchedEngine], Callable[..., EngineProcess]] = {
+    SglangLaunch: _launch_sglang,
+    VllmLaunch: _launch_vllm,
+}
 
 
 def _replica_log(log_path: Path, i: int, n: int) -> Path:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpoflow.config import EngineConfig
+from grpoflow.config.engine import SglangLaunch
 from grpoflow.engine.client import SglangClient
 from grpoflow.engine.launch import EngineProcess, server_python, start_server
 from grpoflow.sockets import free_port
@@ -32,7 +32,7 @@ from grpoflow.sockets import free_port
 CPU_MAX_TOTAL_TOKENS = 16384  # the KV cache of a CPU launch unless engine.sglang.max_total_tokens says otherwise
 
 
-def launch_settings(cfg: EngineConfig, seed: int, base_gpu_id: int | None = None) -> tuple[list[str], dict[str, str]]:
+def launch_settings(cfg: SglangLaunch, seed: int, base_gpu_id: int | None = None) -> tuple[list[str], dict[str, str]]:
     """The flags a launch from `cfg` passes after grpoflow's own (`sglang_command`), `engine.sglang.args` last, and
     the environment variables it sets (see the module doc). `base_gpu_id`: the first of the GPUs the run's plan
     gives the engine (`grpoflow.placement`), so it does not start on the trainer's."""

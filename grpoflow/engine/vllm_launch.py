@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpoflow
-from grpoflow.config import EngineConfig
+from grpoflow.config.engine import VllmLaunch
 from grpoflow.engine import vllm_worker
 from grpoflow.engine.launch import EngineProcess, server_python, start_server
 from grpoflow.engine.vllm_client import VllmClient
@@ -37,7 +37,7 @@ from grpoflow.sockets import free_port
 CPU_KVCACHE_GIB = "2"
 
 
-def launch_settings(cfg: EngineConfig, seed: int, base_gpu_id: int | None = None) -> tuple[list[str], dict[str, str]]:
+def launch_settings(cfg: VllmLaunch, seed: int, base_gpu_id: int | None = None) -> tuple[list[str], dict[str, str]]:
     """The flags a launch from `cfg` passes after the model, host and port, `engine.vllm.args` last, and the
     environment variables it sets (see the module doc). `base_gpu_id`: the first of the `tp_size` GPUs the run's
     plan gives the engine (`grpoflow.placement`); vLLM has no such flag, so it sees only those GPUs."""

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.config import EngineConfig, RolloutConfig
+from grpoflow.config import Engine, RolloutConfig
 from grpoflow.credentials import POLICY_KEY_VAR
 from grpoflow.errors import ConfigError
 from grpoflow.prepare.clis import CLI_PACKAGES
@@ -68,7 +68,7 @@ class TrialEndpoint:
 @dataclass(frozen=True)
 class BindingInput:
     rollout: RolloutConfig
-    engine: EngineConfig
+    engine: Engine
     spec: TrialSpec
     endpoint: TrialEndpoint
     engine_url: str
@@ -306,7 +306,7 @@ def harness_problems(rollout: RolloutConfig) -> list[str]:
 
 def agent_factory(
     rollout: RolloutConfig,
-    engine: EngineConfig,
+    engine: Engine,
     engine_url: str,
     tokenizer_path: str,
     *,

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.config import EngineConfig, RolloutConfig
+from grpoflow.config import Engine, RolloutConfig
 from grpoflow.engine.client import token_budget
 from grpoflow.engine.clients import engine_client
 from grpoflow.prepare.clis import installed_cli
@@ -48,7 +48,7 @@ class PolicyAccess:
     sandbox_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-async def fit_to_engine(rollout: RolloutConfig, engine: EngineConfig, engine_url: str) -> RolloutConfig:
+async def fit_to_engine(rollout: RolloutConfig, engine: Engine, engine_url: str) -> RolloutConfig:
     """`rollout` with `max_context_tokens` lowered to what the engine accepts, when it is not already below.
 
     SGLang refuses (400, which no client retries) a request whose prompt + max_new_tokens reaches the model's
@@ -74,7 +74,7 @@ async def fit_to_engine(rollout: RolloutConfig, engine: EngineConfig, engine_url
 
 @asynccontextmanager
 async def policy_access(
-    rollout: RolloutConfig, engine: EngineConfig, engine_url: str, tokenizer_path: str, lora_path: str | None = None
+    rollout: RolloutConfig, engine: Engine, engine_url: str, tokenizer_path: str, lora_path: str | None = None
 ) -> AsyncIterator[PolicyAccess]:
     """Our shell agent talks to the engine itself and keeps the exact tokens. Every OpenAI-speaking harness
     (terminus-2, claude-code, opencode) goes through a session server for the block: it keeps the exact tokens

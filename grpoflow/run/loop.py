@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.cluster import ray_session, serve_host
-from grpoflow.config import RunConfig, TrainConfig
+from grpoflow.config import AttachedEngine, RunConfig, TrainConfig
 from grpoflow.engine.backends import EngineHandle, open_engine
 from grpoflow.ledger import rollout_discards, time_ledger, token_ledger
 from grpoflow.placement import machine_gpus, plan_gpus
@@ -90,7 +90,7 @@ def serving(cfg: RunConfig, run: PreparedRun, stages: Stages) -> Iterator[Engine
             cfg.engine, run.model.path, cfg.seed, run.paths.engine_log, gpus.engine_base_gpu, serve_host(cfg.cluster)
         ) as engine,
     ):
-        if not cfg.engine.attached:
+        if not isinstance(cfg.engine, AttachedEngine):
             for url in engine.replica_urls:
                 stages.check_engine(url, run.model.path)
         yield engine
@@ -229,7 +229,7 @@ class StepLoop:
         cfg, trainer = self.cfg, self.trainer
         if self.weights is not None:  # the trainer holds the resumed checkpoint's weights
             self.stages.sync(self.syncs, trainer, self.weights, str(self.start_step), None)
-        elif cfg.engine.attached:  # it may serve an earlier run's weights; the run's own now
+        elif isinstance(cfg.engine, AttachedEngine):  # it may serve an earlier run's weights; the run's own now
             self.stages.sync(self.syncs, trainer, Path(self.run.model.path), "0", None)
         else:  # started on the prepared model: labelled with the version its samples record
             self.syncs.label("0")

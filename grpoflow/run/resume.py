@@ -50,33 +50,12 @@ def run_lock(root: Path) -> Iterator[None]:
 
 
 def load_saved_config(root: Path) -> RunConfig:
-    """The run's own config.json, validated; one line naming the file when it is missing or bad.
-
-    config.json holds every field the run had. One without `train.eval.samples_per_prompt` was made before runs
-    evaluated themselves: it keeps running without evaluations, so a resume or rerun does what the run did. One
-    without `train.sharding` was made before sharded training: its ranks keep replicating the model. One without
-    `prompts.split_by` split by task (`recorded_split`)."""
+    """The run's own config.json, validated, saying what the run did whichever version wrote it (`upgrade`); one
+    line naming the file when it is missing or bad."""
     path = RunPaths(Path(root)).config
     if not Path(root).is_dir():
         raise RunDirError(f"run dir {root} does not exist")
-    data = read_config_file(path)
-    train = data.get("train")
-    if isinstance(train, dict) and "samples_per_prompt" not in (train.get("eval") or {}):
-        data = {**data, "train": {**train, "eval": {**(train.get("eval") or {}), "samples_per_prompt": 0}}}
-    train = data.get("train")
-    if isinstance(train, dict) and "sharding" not in train:  # made before sharded training: ranks replicated
-        data = {**data, "train": {**train, "sharding": "replicate"}}
-    return parse_run_config(recorded_split(data), source=str(path))
-
-
-def recorded_split(data: dict[str, Any]) -> dict[str, Any]:
-    """A saved config.json with the split its run made: one without `prompts.split_by` was made before the split
-    by family and split by task, which `auto` might not on a dataset whose tasks come in families; a rerun or the
-    evaluation of that run must hold out what it held out."""
-    prompts = data.get("prompts")
-    if isinstance(prompts, dict) and "split_by" not in prompts and not prompts.get("path"):
-        return {**data, "prompts": {**prompts, "split_by": "task"}}
-    return data
+    return parse_run_config(read_config_file(path, saved=True), source=str(path))
 
 
 def complete_steps(paths: RunPaths) -> list[int]:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from grpoflow.config import EngineConfig, RunConfig
+from grpoflow.config import Engine, RunConfig
 from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.engine.clients import engine_client
 from grpoflow.engine.protocol import WEIGHT_SESSION_ALREADY_OPEN
@@ -83,7 +83,7 @@ class DistributedSync:
 
     needs_dir = False
 
-    def __init__(self, client: EngineClient, cfg: EngineConfig, device: torch.device):
+    def __init__(self, client: EngineClient, cfg: Engine, device: torch.device):
         self.client = client
         self.dtype = sync_dtype(cfg)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
@@ -153,7 +153,7 @@ class TensorSync:
 
     needs_dir = False
 
-    def __init__(self, client: SglangClient, cfg: EngineConfig, device: torch.device):
+    def __init__(self, client: SglangClient, cfg: Engine, device: torch.device):
         self.client, self.dtype, self.device = client, sync_dtype(cfg), device
         self.ranks = cfg.tp_size  # SGLang reads entry i on tensor-parallel rank i; each takes its shard itself
         self._flat: torch.Tensor | None = None  # (sum of numels,) in self.dtype; kept across syncs
@@ -182,10 +182,10 @@ class TensorSync:
         self._flat = None
 
 
-def sync_dtype(cfg: EngineConfig) -> torch.dtype:
+def sync_dtype(cfg: Engine) -> torch.dtype:
     if cfg.weight_sync.dtype != "auto":
         return getattr(torch, cfg.weight_sync.dtype)
-    return torch.float32 if cfg.backend == "embedded" else torch.bfloat16
+    return getattr(torch, cfg.serves_dtype)
 
 
 class AdapterSync:

@@ -80,10 +80,10 @@ def sglang(request, tmp_path_factory, sglang_model) -> Iterator[LiveEngine]:
             # the model it was started on (/model_info's model_path is the last dir it loaded weights from)
             yield LiveEngine(url, client, Path(client.server_info()["model_path"]), None)
         return
-    from grpoflow.config import EngineConfig
+    from grpoflow.config import SglangLaunch
     from grpoflow.engine.backends import open_engine
 
-    cfg = EngineConfig.model_validate(
+    cfg = SglangLaunch.model_validate(
         {
             "backend": "sglang-launch",
             "sglang": {
@@ -110,9 +110,9 @@ def vllm_model(tmp_path_factory) -> Path:
 
 def vllm_engine_config(vllm_python: str, **fields):
     """The lane's `vllm-launch` engine config (the CPU, the lane's context length), with `fields` on top."""
-    from grpoflow.config import EngineConfig
+    from grpoflow.config import VllmLaunch
 
-    return EngineConfig.model_validate(
+    return VllmLaunch.model_validate(
         {
             "backend": "vllm-launch",
             "vllm": {"python": vllm_python, "args": ["--max-model-len", str(CONTEXT_LENGTH)]},

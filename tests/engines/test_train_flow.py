@@ -20,7 +20,7 @@ import time
 import pytest
 
 from flows.train import train_flow
-from grpoflow.config import EngineConfig, parse_run_config
+from grpoflow.config import SglangLaunch, parse_run_config
 from grpoflow.engine.router import start_router
 from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server
 from grpoflow.run.metrics import read_metrics
@@ -60,7 +60,7 @@ def test_a_server_killed_behind_the_router_is_left_out_and_the_run_goes_on(
 ):
     """sglang-router in front of the lane's server and a second one; the second is killed once step 0 is
     recorded: its requests go to the other, the next sync leaves it out (and takes it out of the router)."""
-    cfg = EngineConfig.model_validate(
+    cfg = SglangLaunch.model_validate(
         {
             "backend": "sglang-launch",
             "sglang": {"python": sglang_python, "args": ["--context-length", str(CONTEXT_LENGTH)]},

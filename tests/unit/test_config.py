@@ -1,13 +1,18 @@
 import json
 import re
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from pydantic import BaseModel
 
 from grpoflow.config import (
+    CONFIG_VERSION,
+    ENGINE_TYPES,
     MOVED_SETTINGS,
     RunConfig,
+    SglangLaunch,
+    SglangServer,
     apply_overrides,
     load_run_config,
     parse_run_config,
@@ -38,10 +43,11 @@ def test_every_field_has_a_description():
     def walk(model, prefix=""):
         for name, field in model.model_fields.items():
             assert field.description, f"{prefix}{name} has no description"
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
-                seen.append(name)
+            # a section, or each variant of one (`engine`: one type per backend)
+            for ann in get_args(field.annotation) or (field.annotation,):
+                if isinstance(ann, type) and issubclass(ann, BaseModel):
+                    walk(ann, f"{prefix}{name}.")
+                    seen.append(name)
 
     seen: list[str] = []
     walk(RunConfig)
@@ -77,11 +83,17 @@ def test_every_field_has_a_description():
         ({"cluster": {"train_ranks": 0}}, "cluster.train_ranks"),
         (
             {"engine": {"embedded": {"replicas": 2}, "backend": "sglang", "url": "http://h:1"}},
-            "engine.embedded.replicas",
+            "engine.embedded",
         ),
         ({"engine": {"embedded": {"threads": 0}}}, "engine.embedded.threads"),
-        ({"engine": {"launch": {"mem_fraction_static": 1.0}}}, "engine.launch.mem_fraction_static"),
-        ({"engine": {"sglang": {"max_total_tokens": 8}}}, "engine.sglang.max_total_tokens"),
+        (
+            {"engine": {"backend": "vllm-launch", "vllm": {"python": "p"}, "launch": {"mem_fraction_static": 1.0}}},
+            "engine.launch.mem_fraction_static",
+        ),
+        (
+            {"engine": {"backend": "sglang-launch", "sglang": {"python": "p", "max_total_tokens": 8}}},
+            "engine.sglang.max_total_tokens",
+        ),
         (
             {"cluster": {"ray_address": "local"}, "rollout": {"sandbox": {"backend": "e2b", "api_key_file": "/k"}}},
             "rollout.sandbox.api_key_file",
@@ -205,40 +217,82 @@ def test_a_deployment_s_flat_parameters_validate_into_the_grouped_config():
     assert params["config"].train.eval.samples_per_prompt == 3
 
 
-def test_every_old_engine_setting_of_a_flat_config_lands_in_its_group():
-    """The fixture's flat engine section with a value other than the default in each moved setting."""
-    saved = json.loads(FLAT_CONFIG.read_text())
-    saved["engine"] |= {
-        "backend": "sglang-launch",
-        "sglang_python": "/opt/sglang-venv/bin/python",
-        "sglang_args": ["--context-length", "8192"],
-        "max_total_tokens": 4096,
-        "vllm_python": "/opt/vllm-venv/bin/python",
-        "vllm_args": ["--max-model-len", "8192"],
-        "device": "cpu",
-        "mem_fraction_static": 0.5,
-        "startup_timeout_s": 60.0,
-        "threads": 2,
-        "router_policy": "round_robin",
-        "max_batch_size": 8,
-    }
-    grouped = {
-        "backend": "sglang-launch",
-        "sglang": {
-            "python": "/opt/sglang-venv/bin/python",
-            "args": ["--context-length", "8192"],
+# Each backend's own settings under their flat names, each at a value other than the default, and where they land.
+FLAT_ENGINES = {
+    "sglang-launch": (
+        {
+            "sglang_python": "/opt/sglang-venv/bin/python",
+            "sglang_args": ["--context-length", "8192"],
             "max_total_tokens": 4096,
+            "device": "cpu",
+            "mem_fraction_static": 0.5,
+            "startup_timeout_s": 60.0,
         },
-        "vllm": {"python": "/opt/vllm-venv/bin/python", "args": ["--max-model-len", "8192"]},
-        "launch": {"device": "cpu", "mem_fraction_static": 0.5, "startup_timeout_s": 60.0},
-        "embedded": {"threads": 2, "router_policy": "round_robin", "max_batch_size": 8},
-    }
-    expected = _as_saved(engine=grouped)
-    assert parse_run_config(saved) == expected
-    today = RunConfig().engine.model_dump()
-    assert all(k in today or f"engine.{k}" in MOVED_SETTINGS for k in saved["engine"])  # every flat name known
-    saved["engine"] |= {"backend": "embedded", "device": "cuda", "replicas": 2}
-    assert parse_run_config(saved).engine.embedded.replicas == 2
+        {
+            "sglang": {
+                "python": "/opt/sglang-venv/bin/python",
+                "args": ["--context-length", "8192"],
+                "max_total_tokens": 4096,
+            },
+            "launch": {"device": "cpu", "mem_fraction_static": 0.5, "startup_timeout_s": 60.0},
+        },
+    ),
+    "vllm-launch": (
+        {"vllm_python": "/opt/vllm-venv/bin/python", "vllm_args": ["--max-model-len", "8192"], "device": "cpu"},
+        {
+            "vllm": {"python": "/opt/vllm-venv/bin/python", "args": ["--max-model-len", "8192"]},
+            "launch": {"device": "cpu"},
+        },
+    ),
+    "embedded": (
+        {"threads": 2, "replicas": 2, "router_policy": "round_robin", "max_batch_size": 8},
+        {"embedded": {"threads": 2, "replicas": 2, "router_policy": "round_robin", "max_batch_size": 8}},
+    ),
+    "sglang": ({"url": "http://h:1"}, {"url": "http://h:1"}),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(FLAT_ENGINES))
+def test_every_old_engine_setting_of_a_flat_config_lands_in_its_backend_s_type(backend):
+    """The fixture's flat engine section (every backend's settings at their defaults, as version 1 saved them) with
+    the backend's own settings changed: they land in its groups, and the others' defaults go."""
+    flat, grouped = FLAT_ENGINES[backend]
+    saved = json.loads(FLAT_CONFIG.read_text())
+    saved["engine"] |= {"backend": backend, **flat}
+    assert parse_run_config(saved) == _as_saved(engine={"backend": backend, **grouped})
+    known = {name for kind in ENGINE_TYPES.values() for name in kind.model_fields}
+    assert all(k in known or f"engine.{k}" in MOVED_SETTINGS for k in saved["engine"])  # every flat name known
+
+
+def test_another_backend_s_chosen_setting_is_named_unless_the_run_saved_it(tmp_path):
+    """Version 1 let an engine carry every backend's settings and read its own: in a config, another backend's
+    value is named (it would do nothing); in a run's own config.json, where it never did anything, it goes."""
+    from grpoflow.run.resume import load_saved_config
+
+    saved = json.loads(FLAT_CONFIG.read_text())
+    saved["engine"] |= {"backend": "sglang", "url": "http://h:1", "threads": 2, "vllm_python": "/v"}
+    with pytest.raises(ConfigError) as exc:
+        parse_run_config(saved)
+    msg = str(exc.value)
+    assert "field `engine.embedded`: not a setting of engine.backend `sglang`" in msg and "`engine.vllm`" in msg
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
+    assert load_saved_config(tmp_path / "old").engine == SglangServer(backend="sglang", url="http://h:1")
+    today = parse_run_config({"engine": {"backend": "sglang", "url": "http://h:1"}}).model_dump()
+    assert today["config_version"] == CONFIG_VERSION  # and so a default group beside it is named too
+    with pytest.raises(ConfigError, match="field `engine.launch`: not a setting of engine.backend `sglang`"):
+        parse_run_config(today | {"engine": today["engine"] | {"launch": {}}})
+
+
+def test_a_newer_config_version_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"`config_version` 3: this grpoflow reads versions 1 to 2"):
+        parse_run_config({"config_version": 3})
+
+
+def test_choosing_another_backend_by_override_leaves_the_old_one_s_settings():
+    before = parse_run_config({}).model_dump()
+    after = apply_overrides(before, {"engine.backend": "sglang-launch", "engine.sglang.python": "/p"})
+    assert isinstance(parse_run_config(after).engine, SglangLaunch) and "embedded" not in after["engine"]
 
 
 def test_resume_and_rerun_read_a_run_dir_saved_in_the_flat_layout(tmp_path):
@@ -269,17 +323,27 @@ def test_a_flat_config_file_layers_under_a_preset_and_takes_new_overrides(tmp_pa
         ("train.save_interval=3", "train.checkpoint.interval=3"),
         ("train.learning_rate=0.001", "train.optimizer.learning_rate=0.001"),
         ("engine.weight_sync=disk", "engine.weight_sync.mode=disk"),
-        ("engine.sglang_python=/opt/sglang/bin/python", "engine.sglang.python=/opt/sglang/bin/python"),
-        ('engine.vllm_args=["--enforce-eager"]', 'engine.vllm.args=["--enforce-eager"]'),
+        (
+            "engine.backend=sglang-launch engine.sglang_python=/x",
+            "engine.backend=sglang-launch engine.sglang.python=/x",
+        ),
+        (
+            'engine.backend=vllm-launch engine.vllm_python=/x engine.vllm_args=["--enforce-eager"]',
+            'engine.backend=vllm-launch engine.vllm.python=/x engine.vllm.args=["--enforce-eager"]',
+        ),
         ("engine.threads=2", "engine.embedded.threads=2"),
-        ("engine.device=cpu", "engine.launch.device=cpu"),
+        (
+            "engine.backend=sglang-launch engine.sglang.python=/x engine.device=cpu",
+            "engine.backend=sglang-launch engine.sglang.python=/x engine.launch.device=cpu",
+        ),
     ],
 )
 def test_an_old_set_key_gives_the_config_of_the_new_one(old, new):
     from flows.cli import _config_from_args, build_parser
 
-    def cfg(item):
-        return _config_from_args(build_parser().parse_args(["train", "--run-id", "r", "--set", item]))
+    def cfg(items):
+        sets = [a for item in items.split(" ") for a in ("--set", item)]
+        return _config_from_args(build_parser().parse_args(["train", "--run-id", "r", *sets]))
 
     assert cfg(old) == cfg(new) != cfg("train.steps=16")
 
@@ -300,32 +364,42 @@ def test_an_old_and_a_new_name_of_one_setting_at_once_is_one_line_naming_both(tm
         load_run_config(f)
 
 
+def _sections(model: type[BaseModel], name: str) -> list[type[BaseModel]]:
+    """The section types field `name` of `model` may hold: one, or each variant (`engine`); none for a value."""
+    ann = model.model_fields[name].annotation
+    return [a for a in get_args(ann) or (ann,) if isinstance(a, type) and issubclass(a, BaseModel)]
+
+
 def test_every_old_path_leads_to_a_setting_that_exists():
-    defaults = RunConfig().model_dump()
     for old, new in MOVED_SETTINGS.items():
-        node = defaults
-        for part in new.split("."):
-            node = node[part]  # KeyError: the table points nowhere
+        *groups, leaf = new.split(".")
+        models = [RunConfig]
+        for part in groups:
+            models = [s for m in models if part in m.model_fields for s in _sections(m, part)]
+        assert any(leaf in m.model_fields for m in models), old  # the table points somewhere
         assert old.split(".")[0] == new.split(".")[0], old  # a setting stays in its section
         section, key = old.split(".")
         # An old name is no name of today (`engine.sglang_python` vs the group `engine.sglang`), unless it became
         # the section its setting moved into (`rollout.harness` -> `rollout.harness.name`).
-        assert key not in defaults[section] or new.startswith(old + "."), old
+        today = {k for m in _sections(RunConfig, section) for k in m.model_fields}
+        assert key not in today or new.startswith(old + "."), old
 
 
 def _field_counts(model: type[BaseModel], prefix: str = "") -> dict[str, int]:
     """Fields of each section and group, by dotted path (a nested group counts as one field of its parent)."""
     counts = {prefix.rstrip(".") or "<run>": len(model.model_fields)}
-    for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            counts |= _field_counts(field.annotation, f"{prefix}{name}.")
+    for name in model.model_fields:
+        variants = _sections(model, name)
+        for section in variants:  # a section with variants counts each: `engine[sglang-launch]`
+            tag = f"[{get_args(section.model_fields['backend'].annotation)[0]}]" if len(variants) > 1 else ""
+            counts |= _field_counts(section, f"{prefix}{name}{tag}.")
     return counts
 
 
 def test_fields_per_group():
     counts = _field_counts(RunConfig)
     print(counts)
-    assert {k: v for k, v in counts.items() if k.split(".")[0] in ("rollout", "train", "engine")} == {
+    assert {k: v for k, v in counts.items() if k.split(".")[0].split("[")[0] in ("rollout", "train", "engine")} == {
         "rollout": 8,
         "rollout.sampling": 4,
         "rollout.episode": 5,
@@ -337,10 +411,20 @@ def test_fields_per_group():
         "train.batch": 4,
         "train.checkpoint": 1,
         "train.eval": 2,
-        "engine": 12,
-        "engine.weight_sync": 3,
-        "engine.embedded": 4,
-        "engine.launch": 3,
-        "engine.sglang": 3,
-        "engine.vllm": 2,
+        "train.lora": 3,
+        "engine[embedded]": 8,
+        "engine[embedded].weight_sync": 3,
+        "engine[embedded].embedded": 4,
+        "engine[sglang]": 8,
+        "engine[sglang].weight_sync": 3,
+        "engine[vllm]": 8,
+        "engine[vllm].weight_sync": 3,
+        "engine[sglang-launch]": 9,
+        "engine[sglang-launch].weight_sync": 3,
+        "engine[sglang-launch].launch": 3,
+        "engine[sglang-launch].sglang": 3,
+        "engine[vllm-launch]": 9,
+        "engine[vllm-launch].weight_sync": 3,
+        "engine[vllm-launch].launch": 3,
+        "engine[vllm-launch].vllm": 2,
     }

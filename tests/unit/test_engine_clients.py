@@ -1,5 +1,6 @@
-"""One client class per engine API, chosen in one place: nothing else in the core branches on which API an engine
-speaks, and every class answers every method the pipeline calls."""
+"""One client class per engine API, chosen in one place, and one config type per backend: nothing in the core
+branches on which API an engine speaks or on a backend's name, and every class answers every method the pipeline
+calls."""
 
 import ast
 from pathlib import Path
@@ -13,20 +14,29 @@ from grpoflow.engine.vllm_client import VllmClient
 
 CORE = Path(grpoflow.__file__).parent
 CHOOSER = CORE / "engine" / "clients.py"
-# the config validates which settings each API takes, until its variants are types of their own
-VALIDATES = (CORE / "config" / "engine.py", CORE / "config" / "run.py")
 API_NAMES = {"api", "engine_api"}
+BACKEND_NAMES = {"embedded", "sglang", "vllm", "sglang-launch", "vllm-launch"}
+
+
+def _strings(node: ast.AST) -> set[str]:
+    """The string constants `node` is, or holds (a tuple, list or set of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return {s for e in node.elts for s in _strings(e)}
+    return set()
 
 
 def _api_branches(path: Path) -> list[str]:
-    """`x.api == ...`-like comparisons and `api=` keywords (a client told its API) in `path`, as `file:line`;
-    passing the name on as data (`engine_api=engine.api`, stored with a trial) is no branch."""
+    """`x.api == ...`-like comparisons, comparisons with a backend's name (`cfg.backend in ("vllm", ...)`) and
+    `api=` keywords (a client told its API) in `path`, as `file:line`; passing the name on as data
+    (`engine_api=engine.api`, stored with a trial) is no branch."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             names = {s.attr if isinstance(s, ast.Attribute) else getattr(s, "id", None) for s in sides}
-            if names & API_NAMES:
+            if names & API_NAMES or set().union(*map(_strings, sides)) & BACKEND_NAMES:
                 found.append(f"{path.relative_to(CORE.parent)}:{node.lineno}")
         elif isinstance(node, ast.Call) and any(k.arg == "api" for k in node.keywords):
             found.append(f"{path.relative_to(CORE.parent)}:{node.lineno}")
@@ -34,16 +44,19 @@ def _api_branches(path: Path) -> list[str]:
 
 
 def test_no_module_but_the_chooser_branches_on_the_engine_api():
-    modules = [p for p in CORE.rglob("*.py") if p != CHOOSER and p not in VALIDATES]
+    modules = [p for p in CORE.rglob("*.py") if p != CHOOSER]
     assert [hit for p in modules for hit in _api_branches(p)] == []
 
 
 def test_the_scan_finds_a_branch_where_there_is_one(monkeypatch, tmp_path):
     planted = tmp_path / "grpoflow" / "planted.py"
     planted.parent.mkdir()
-    planted.write_text('def f(cfg, c):\n    if cfg.api == "vllm":\n        return c(api=cfg.api)\n')
+    planted.write_text(
+        'def f(cfg, c):\n    if cfg.api == "vllm":\n        return c(api=cfg.api)\n'
+        '    if cfg.backend in ("sglang-launch", "vllm-launch"):\n        return 1\n'
+    )
     monkeypatch.setattr(f"{__name__}.CORE", tmp_path / "grpoflow")
-    assert _api_branches(planted) == ["grpoflow/planted.py:2", "grpoflow/planted.py:3"]
+    assert sorted(_api_branches(planted)) == ["grpoflow/planted.py:2", "grpoflow/planted.py:3", "grpoflow/planted.py:4"]
 
 
 @pytest.mark.parametrize(("api", "cls"), [("sglang", SglangClient), ("vllm", VllmClient)])
@@ -54,13 +67,10 @@ def test_each_api_name_gives_its_class_whole(api, cls):
 
 
 def test_every_api_a_config_can_name_has_a_class():
-    from typing import get_args
+    from grpoflow.config import ENGINE_TYPES
 
-    from grpoflow.config import EngineConfig
-
-    apis = {EngineConfig.model_validate({"backend": b, "url": "http://x"}).api for b in ("sglang", "vllm")}
-    assert apis == set(CLIENTS)
-    assert set(get_args(EngineConfig.model_fields["backend"].annotation)) >= {"sglang", "vllm", "embedded"}
+    assert set(ENGINE_TYPES) == BACKEND_NAMES  # the scan above looks for every name a config can give
+    assert {kind.api for kind in ENGINE_TYPES.values()} == set(CLIENTS)
 
 
 def test_a_vllm_server_is_its_own_only_replica_and_reports_no_busy_time():
@@ -71,10 +81,10 @@ def test_a_vllm_server_is_its_own_only_replica_and_reports_no_busy_time():
 @pytest.mark.parametrize("api", sorted(CLIENTS))
 def test_an_attached_engine_alone_is_no_router_however_its_url_is_spelled(api, monkeypatch):
     """A lone attached engine is its own replica: the run must never take it for a router and remove workers."""
-    from grpoflow.config import EngineConfig
+    from grpoflow.config import parse_run_config
     from grpoflow.engine.backends import open_engine
 
     monkeypatch.setattr(CLIENTS[api], "health", lambda self, timeout=5.0: True)
-    cfg = EngineConfig.model_validate({"backend": api, "url": "http://127.0.0.1:9/"})
+    cfg = parse_run_config({"engine": {"backend": api, "url": "http://127.0.0.1:9/"}}).engine
     with open_engine(cfg, "m", 0, Path("/nonexistent/engine.log")) as handle:
         assert handle.router is None and handle.replica_urls == ["http://127.0.0.1:9"]

@@ -20,7 +20,7 @@ def test_auto_shards_above_one_rank_and_an_explicit_choice_stands():
 
 def test_a_run_saved_before_sharding_keeps_replicating(tmp_path):
     saved = _cfg(2).model_dump(mode="json")
-    del saved["train"]["sharding"]
+    del saved["train"]["sharding"], saved["config_version"]  # as a run saved it before either
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_saved_config(tmp_path).sharding_mode() == "replicate"
     saved["train"]["sharding"] = "auto"

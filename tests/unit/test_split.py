@@ -257,14 +257,15 @@ def test_a_family_split_evaluates_three_sides_and_the_verdict_has_three_rows():
 
 
 def test_a_run_saved_before_split_by_keeps_splitting_by_task(tmp_path):
-    from grpoflow.run.resume import load_saved_config, recorded_split
+    from grpoflow.config import upgrade
+    from grpoflow.run.resume import load_saved_config
 
     saved = parse_run_config({"run_id": "s"}).model_dump(mode="json")
-    del saved["prompts"]["split_by"]
+    del saved["prompts"]["split_by"], saved["config_version"]  # as a run saved it before either
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_saved_config(tmp_path).prompts.split_by == "task"
     saved["prompts"]["split_by"] = "auto"
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_saved_config(tmp_path).prompts.split_by == "auto"
     from_file = {"prompts": {"path": "p.jsonl"}}  # a prompts file brings its own split
-    assert recorded_split(from_file) == from_file
+    assert upgrade(from_file, saved=True) == from_file

@@ -24,7 +24,7 @@ def _run(tmp_path, capfd, *args):
 
 OUT_OF_RANGE = [
     ("engine.embedded.threads=0", "engine.embedded.threads"),
-    ("engine.launch.mem_fraction_static=1.0", "engine.launch.mem_fraction_static"),
+    ("engine.embedded.max_batch_size=0", "engine.embedded.max_batch_size"),
     ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
     ("rollout.episode.max_context_tokens=10", "rollout.episode.max_context_tokens"),
     ("train.loss.eps_low=2", "train.loss.eps_low"),
@@ -43,7 +43,8 @@ def test_out_of_range_value_names_the_field(tmp_path, capfd, setting, field):
 WRONG = [
     ("rollout.episode.max_turns=four", "rollout.episode.max_turns"),
     ('train.loss.scale_by_std="maybe"', "train.loss.scale_by_std"),
-    ("engine.sglang.args=--tp", "engine.sglang.args"),
+    ("engine.embedded.router_policy=nearest", "engine.embedded.router_policy"),
+    ("engine.launch.device=cpu", "engine.launch"),  # a launched server's setting, and the engine is embedded
     ("train=5", "train"),
     ("trian.steps=3", "trian"),  # unknown section
     ("rollout.temprature=0.7", "rollout.temprature"),  # unknown key

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from grpoflow.config import TrainConfig, parse_run_config
-from grpoflow.train.sync import SERVED_ADAPTER
 from grpoflow.engine.client import EngineClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import (
@@ -30,7 +29,15 @@ from grpoflow.errors import EngineError
 from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.lora import serving_tensors
 from grpoflow.train.probe import SyncProbe
-from grpoflow.train.sync import AdapterSync, DiskSync, DistributedSync, TensorSync, open_weight_sync, update_session
+from grpoflow.train.sync import (
+    SERVED_ADAPTER,
+    AdapterSync,
+    DiskSync,
+    DistributedSync,
+    TensorSync,
+    open_weight_sync,
+    update_session,
+)
 from grpoflow.train.trainer import load_trainer
 from tests.fakes.sglang_fields import (
     SGLANG_GENERATE_REQ_INPUT,

@@ -53,15 +53,27 @@ def test_manual_train_run_form(prefect_stack, browser):
         assert label in text and description in text, f"{label!r} / {description!r} not in the form"
     # Choices are dropdowns with exactly the allowed values, preset to the default.
     selects = browser.evaluate(SELECTS)
-    assert ["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"] in selects, selects
     assert ["token", "sample"] in selects and ["drop_group", "keep_group"] in selects, selects
     assert any("local" in s and "e2b" in s for s in selects), selects
     selected = browser.evaluate(SELECTED)
-    assert {"embedded", "local", "token", "drop_group"} <= set(selected), selected
+    assert {"local", "token", "drop_group"} <= set(selected), selected
     # Defaults are filled in.
     values = browser.evaluate(VALUES)
     assert {"smollm2-135m-instruct", "builtin", "runs", "0.5", "16"} <= set(values), values
     _shot(browser, "manual-train-run-form.png", height=2200)
+    # The engine is a type per backend: a choice of the five, and below it the chosen one's settings alone.
+    backends = ["embedded", "sglang", "vllm", "sglang-launch", "vllm-launch"]
+    buttons = browser.evaluate("[...document.querySelectorAll('button')].map(b => b.innerText.trim())")
+    assert [b for b in buttons if b in backends] == backends, buttons
+    labels = set(browser.text().splitlines())
+    assert "Router Policy (Optional)" in labels and not {"Url", "Mem Fraction Static (Optional)"} & labels, labels
+    browser.click_text("sglang-launch")
+    deadline = time.monotonic() + 30
+    while "Mem Fraction Static (Optional)" not in (labels := set(browser.text().splitlines())):
+        assert time.monotonic() < deadline, "choosing sglang-launch showed no launch settings"
+        time.sleep(0.3)
+    assert "Max Total Tokens (Optional)" in labels and "Router Policy (Optional)" not in labels
+    _shot(browser, "manual-train-run-form-sglang-launch.png", height=2200)
 
 
 # Types into the form as a person does (the value setter plus an `input` event is what Vue listens to).

@@ -27,8 +27,8 @@ import pytest
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import parse_run_config
-from grpoflow.paths import new_run_id
 from grpoflow.credentials import export_sandbox_key, sandbox_key_var
+from grpoflow.paths import new_run_id
 from grpoflow.preflight import check_run, format_problems
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.rollout.policy import PolicyAccess

@@ -168,7 +168,7 @@ def test_a_run_made_before_evaluations_resumes_and_reruns_without_them(tmp_path)
     from grpoflow.run.resume import load_saved_config
 
     saved = parse_run_config({"run_id": "old"}).model_dump(mode="json")
-    del saved["train"]["eval"]  # config.json as a run of the earlier code wrote it
+    del saved["train"]["eval"], saved["config_version"]  # config.json as a run of the earlier code wrote it
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
     assert load_saved_config(tmp_path / "old").train.eval.samples_per_prompt == 0

@@ -77,16 +77,26 @@ class LaunchConfig(Section):
     )
 
 
-def _unreserved(args: list[str], reserved: frozenset[str], instead: str) -> list[str]:
-    taken = [a for a in args if a.split("=", 1)[0] in reserved]
-    if taken:
-        raise ValueError(
-            f"{', '.join(taken)} is set by grpoflow itself; use engine.tp_size, {instead} or the run's seed instead"
-        )
-    return args
+class _ServerSettings(Section):
+    """A launched server's own settings: `args` may not carry the flags grpoflow passes itself (`RESERVED`), which
+    come from the settings named in `INSTEAD`."""
+
+    RESERVED: ClassVar[frozenset[str]]
+    INSTEAD: ClassVar[str]
+
+    @field_validator("args", check_fields=False)
+    @classmethod
+    def _unreserved(cls, args: list[str]) -> list[str]:
+        taken = [a for a in args if a.split("=", 1)[0] in cls.RESERVED]
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)} is set by grpoflow itself; use engine.tp_size, {cls.INSTEAD} or the run's seed "
+                "instead"
+            )
+        return args
 
 
-class SglangConfig(Section):
+class SglangConfig(_ServerSettings):
     """A launched SGLang server: its environment, extra flags and KV cache."""
 
     # `sglang.launch_server` flags grpoflow passes itself (`grpoflow.engine.sglang_launch`), with their aliases in
@@ -107,6 +117,7 @@ class SglangConfig(Section):
             "--max-total-tokens",
         }
     )
+    INSTEAD = "engine.launch.* (mem_fraction_static, device), engine.sglang.max_total_tokens"
 
     python: str = Field(
         min_length=1,
@@ -127,15 +138,8 @@ class SglangConfig(Section):
         "free memory).",
     )
 
-    @field_validator("args")
-    @classmethod
-    def _unreserved(cls, args: list[str]) -> list[str]:
-        return _unreserved(
-            args, cls.RESERVED, "engine.launch.* (mem_fraction_static, device), engine.sglang.max_total_tokens"
-        )
 
-
-class VllmConfig(Section):
+class VllmConfig(_ServerSettings):
     """A launched vLLM server: its environment and extra flags."""
 
     # `vllm.entrypoints.openai.api_server` flags grpoflow passes itself (`grpoflow.engine.vllm_launch`), with the
@@ -152,6 +156,7 @@ class VllmConfig(Section):
             "--logprobs-mode",
         }
     )
+    INSTEAD = "engine.launch.mem_fraction_static"
 
     python: str = Field(
         min_length=1,
@@ -164,11 +169,6 @@ class VllmConfig(Section):
         "flags grpoflow sets itself (model, host, port, seed, tensor parallel size, GPU memory share, logprobs "
         "mode) are refused here.",
     )
-
-    @field_validator("args")
-    @classmethod
-    def _unreserved(cls, args: list[str]) -> list[str]:
-        return _unreserved(args, cls.RESERVED, "engine.launch.mem_fraction_static")
 
 
 EngineApi = Literal["sglang", "vllm"]  # the HTTP API an engine speaks (`grpoflow.engine.clients` maps it)

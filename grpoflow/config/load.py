@@ -19,13 +19,10 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     """One line: `<source>: field `a.b`: <message> (got <value>); field ...`."""
     parts = []
     for e in err.errors():
-        path, msg = list(e["loc"]), e["msg"]
-        if path == ["engine"] and e["type"] == "union_tag_invalid":
-            path, msg = ["engine", "backend"], f"one of {', '.join(ENGINE_TYPES)}"
-            got = e["input"].get("backend") if isinstance(e["input"], dict) else e["input"]
-            parts.append(f"field `engine.backend`: {msg} (got {json.dumps(got, default=str)[:80]})")
-            continue
-        if len(path) > 1 and path[0] == "engine" and path[1] in ENGINE_TYPES:
+        path, msg, got = list(e["loc"]), e["msg"], e.get("input")
+        if path == ["engine"] and e["type"] == "union_tag_invalid":  # the input is a dict: it has a tag
+            path, msg, got = ["engine", "backend"], f"one of {', '.join(ENGINE_TYPES)}", got.get("backend")
+        elif len(path) > 1 and path[0] == "engine" and path[1] in ENGINE_TYPES:
             # pydantic puts the chosen backend (the union's tag) into the path: said in words instead
             backend = path.pop(1)
             if e["type"] == "missing" or (e["type"] == "string_type" and e.get("input") is None):
@@ -33,7 +30,6 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             elif e["type"] == "extra_forbidden":
                 msg = f"not a setting of engine.backend `{backend}`"
         loc = ".".join(str(x) for x in path) or "<root>"
-        got = e.get("input")
         got_s = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=str)[:80]})"
         parts.append(f"field `{loc}`: {msg}{got_s}")
     return f"{source}: " + "; ".join(parts)
@@ -111,7 +107,7 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     engine, kind = out.get("engine"), ENGINE_TYPES.get(str(overrides.get("engine.backend")))
     if isinstance(engine, dict) and kind is not None:
         # Another backend chosen here: the settings only the one before had go with it (as in the run form).
-        for name in [k for k in engine if k not in kind.model_fields and f"engine.{k}" not in given]:
-            if not any(g.startswith(f"engine.{name}.") for g in given):
-                del engine[name]
+        kept = {g.split(".")[1] for g in given if g.startswith("engine.")}  # what the overrides themselves set
+        for name in [k for k in engine if k not in kind.model_fields and k not in kept]:
+            del engine[name]
     return out

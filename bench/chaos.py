@@ -33,9 +33,9 @@ from grpoflow.prepare.prompts import build_prompts  # noqa: E402
 from grpoflow.rollout.harnesses import agent_factory  # noqa: E402
 from grpoflow.rollout.policy import PolicyAccess  # noqa: E402
 from grpoflow.rollout.sandbox import sandbox_config  # noqa: E402
+from grpoflow.rollout.step import collect_step  # noqa: E402
 from grpoflow.rollout.trials import plan_group_trials  # noqa: E402
-from grpoflow.scoring.groups import select_trainable  # noqa: E402
-from grpoflow.scoring.step import collect_step  # noqa: E402
+from grpoflow.samples import select_trainable  # noqa: E402
 from tests.fakes.sglang_standin import StandinServer  # noqa: E402
 
 

@@ -32,9 +32,9 @@ from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.prepare.prompts import build_prompts  # noqa: E402
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config  # noqa: E402
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.run.regrade import pick_trials, regrade_trials  # noqa: E402
-from grpoflow.scoring.step import collect_step
 
 
 def trials(root: Path, prompts, samples: int, record: bool) -> float:

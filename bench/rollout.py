@@ -27,8 +27,8 @@ from grpoflow.prepare.prompts import build_prompts  # noqa: E402
 from grpoflow.rollout.harnesses import agent_factory
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring.step import collect_step
 
 harbor.utils.logger.logger.setLevel("WARNING")
 

@@ -12,6 +12,7 @@ Only positions with loss_mask 1 are trained; their rollout logprobs are the PPO 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -73,3 +74,13 @@ class Sample(BaseModel):
 
 
 PASS = 1.0  # a reward at least this is a pass (pass@1, pass@k, task health, regrade verdicts)
+
+
+def select_trainable(
+    samples: Sequence[Sample], policy: Literal["drop_group", "keep_group"]
+) -> tuple[list[Sample], int]:
+    """Samples the trainer may use, and how many groups were dropped because a trial in them FAILED."""
+    failed_groups = {s.group_id for s in samples if s.status == "FAILED"}
+    if policy == "drop_group":
+        return [s for s in samples if s.group_id not in failed_groups], len(failed_groups)
+    return [s for s in samples if s.status != "FAILED"], 0

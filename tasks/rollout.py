@@ -26,6 +26,7 @@ from grpoflow.credentials import export_sandbox_key
 from grpoflow.errors import one_line
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.step import RolloutHooks, RolloutSetup, StepRollout, run_step_trials
 from grpoflow.rollout.trials import (
     Attempt,
     SandboxGate,
@@ -34,7 +35,6 @@ from grpoflow.rollout.trials import (
 )
 from grpoflow.run.regrade import Regrade, regrade_run, regrade_summary
 from grpoflow.scoring.evaluation import evaluate_policy
-from grpoflow.scoring.step import RolloutHooks, RolloutSetup, StepRollout, run_step_trials
 
 
 @task(name="run-trials", cache_policy=NO_CACHE, task_run_name="run-trials-step-{step}")

@@ -31,14 +31,15 @@ from grpoflow.ledger import rollout_discards, time_ledger, token_ledger
 from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.preflight import engine_preflight
 from grpoflow.prepare.prompts import PromptRecord, load_prompts
+from grpoflow.rollout.step import RolloutSetup, StepRollout, run_step_trials, select_step_prompts
 from grpoflow.rollout.workers import rollout_workers
 from grpoflow.run.commit import StepCommits, is_full_checkpoint, save_step, step_dir
 from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import MetricsLog, append_step, has_row, read_metrics
 from grpoflow.run.start import PreparedRun
+from grpoflow.samples import select_trainable
 from grpoflow.scoring.evaluation import base_pass_rates, evaluate_policy, evaluation_lines, reward_gain, task_rewards
-from grpoflow.scoring.groups import FailedSteps, drop_foreign, drop_stale, select_trainable
-from grpoflow.scoring.step import RolloutSetup, StepRollout, run_step_trials, select_step_prompts
+from grpoflow.scoring.groups import FailedSteps, drop_foreign, drop_stale
 from grpoflow.train.probe import SyncProbe
 from grpoflow.train.ranks import run_update, trainer_ranks
 from grpoflow.train.sync import ReplicaSyncs, open_weight_sync, probe_engines, sync_dtype, sync_weights

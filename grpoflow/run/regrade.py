@@ -45,10 +45,10 @@ from grpoflow.errors import one_line
 from grpoflow.fileio import publish_dir, write_text_atomic
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.dataset import task_config
+from grpoflow.rollout.outcome import verifier_reward
 from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import run_here
 from grpoflow.samples import PASS
-from grpoflow.scoring.outcome import verifier_reward
 
 REGRADE_DIR = "regrade"  # under the run dir: the separate-mode copies of tasks and the regrade trials' dirs
 

@@ -3,7 +3,7 @@
 A full checkpoint is a resume point. Resuming means: find the newest full checkpoint, make the logs agree with it
 (append its rows if the crash came before they were appended, drop rows and torn lines of later steps), remove
 temp dirs and later checkpoints, restore the trainer, and go on at the next step. The steps after it are done
-again, but their trials are not: every finished trial is in its step's journal (`grpoflow.scoring.step`), so a redone
+again, but their trials are not: every finished trial is in its step's journal (`grpoflow.rollout.step`), so a redone
 step only trains again (bit-exact on CPU); what a crash costs is the training of at most `train.checkpoint.interval - 1`
 steps, plus the trials of the interrupted step that had not finished.
 """

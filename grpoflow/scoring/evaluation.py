@@ -30,9 +30,9 @@ from grpoflow.config import RunConfig
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.prompts import PromptRecord, side_of
 from grpoflow.rollout.journal import SAMPLES, read_samples
+from grpoflow.rollout.step import RolloutHooks, RolloutSetup, collect_with
 from grpoflow.rollout.trials import EVAL_SEED_STEP, TrialSpec, plan_group_trials
 from grpoflow.samples import PASS, Sample
-from grpoflow.scoring.step import RolloutHooks, RolloutSetup, collect_with
 
 # metric-key name of an evaluated side of the split -> the prompts.jsonl split its prompts are in
 EVAL_SPLITS = {"trained": "train", "heldout": "eval", "unseen": "eval"}

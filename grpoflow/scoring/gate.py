@@ -37,9 +37,9 @@ from grpoflow.rollout.environments import ImageBuildError, is_infrastructure_fai
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.record import TrialRecord
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import TrialOutcome, TrialSpec
 from grpoflow.samples import PASS, Sample
-from grpoflow.scoring.step import collect_step
 
 # Bumped when what a verdict means changes: older cache entries are then not read.
 GATE_VERSION = 1

@@ -1,26 +1,15 @@
-"""Which of a step's samples train: whole groups without a failed trial, within the staleness bound, with a GRPO
-signal; and the guard that stops a run whose every trial fails."""
+"""Which of a step's groups train: within the staleness bound, of the trainer's own weights; and the guard that
+stops a run whose every trial fails (which samples a failed trial takes out: `samples.select_trainable`)."""
 
 from __future__ import annotations
 
 import statistics
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from grpoflow.errors import RolloutError
 from grpoflow.samples import Sample
-
-
-def select_trainable(
-    samples: Sequence[Sample], policy: Literal["drop_group", "keep_group"]
-) -> tuple[list[Sample], int]:
-    """Samples the trainer may use, and how many groups were dropped because a trial in them FAILED."""
-    failed_groups = {s.group_id for s in samples if s.status == "FAILED"}
-    if policy == "drop_group":
-        return [s for s in samples if s.group_id not in failed_groups], len(failed_groups)
-    return [s for s in samples if s.status != "FAILED"], 0
 
 
 def sample_version(sample: Sample) -> int | None:
@@ -69,15 +58,6 @@ def _without_groups(samples: Sequence[Sample], groups: set[str]) -> tuple[list[S
     if dropped:
         metrics |= {"stale_dropped_tokens_mean": statistics.fmean(dropped), "stale_dropped_tokens_max": max(dropped)}
     return kept, metrics
-
-
-def informative_groups(samples: Sequence[Sample], policy: Literal["drop_group", "keep_group"]) -> set[str]:
-    """The groups that give the trainer a GRPO signal: trainable under `policy` (`select_trainable`), with at
-    least two scored trials whose rewards differ."""
-    rewards: dict[str, set[float]] = defaultdict(set)
-    for s in select_trainable(samples, policy)[0]:
-        rewards[s.group_id].add(s.reward)
-    return {g for g, r in rewards.items() if len(r) > 1}
 
 
 @dataclass

@@ -9,8 +9,8 @@ from grpoflow.prepare.dataset import builtin_dataset_path, load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.policy import policy_access
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import StepRollout, collect_step
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring.step import StepRollout, collect_step
 from tests.fakes.scripted_engine import ScriptedEngine
 
 

@@ -32,8 +32,8 @@ from grpoflow.preflight import missing_extra_packages
 from grpoflow.rollout.environments import LOCAL_SANDBOX_IMPORT_PATH, PROVIDER_SANDBOX_FAILURES, is_sandbox_failure_type
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring.step import collect_step
 from tests.fakes.prompts import builtin_prompts
 from tests.integration.test_preflight import StandIn
 

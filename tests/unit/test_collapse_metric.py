@@ -5,9 +5,9 @@ import math
 
 import pytest
 
+from grpoflow.rollout.metrics import first_command, step_metrics
 from grpoflow.run.metrics import plot_curves
 from grpoflow.samples import Sample
-from grpoflow.scoring.metrics import first_command, step_metrics
 
 
 def _trial(rollout: str, reply: str | None, segment: int = 0) -> Sample:

@@ -5,7 +5,7 @@ import pytest
 
 from grpoflow.config import RewardRule, parse_run_config
 from grpoflow.errors import ConfigError
-from grpoflow.scoring.outcome import verifier_reward
+from grpoflow.rollout.outcome import verifier_reward
 
 TWO = {"tests": 1.0, "style": 0.25}
 

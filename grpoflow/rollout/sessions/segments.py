@@ -1,7 +1,7 @@
 """A session's tree -> training samples: one `Sample` per linear segment (root-to-leaf path).
 
 Every segment of a trial is the same rollout: it carries the trial's `rollout_id`, reward, status and exit status
-(copied from the trial's own sample, as `grpoflow.scoring.outcome.to_sample` built it), and `group_advantages` counts the
+(copied from the trial's own sample, as `grpoflow.rollout.outcome.to_sample` built it), and `group_advantages` counts the
 rollout once in its GRPO group. A token position that several segments share (a common prefix that holds
 generated tokens, e.g. the history a summarisation request and the main loop both continue) is trained in the
 first segment that holds it and loss-masked in the others, so it trains once. A path is trained only up to its last
@@ -87,7 +87,7 @@ def segment_samples(trial: Sample, tree: SessionTree) -> list[Sample]:
 
     A session with no turns still gives one (empty) sample, so the rollout keeps its place in its GRPO group.
     A session with a turn cut off at the token limit makes a COMPLETED trial TRUNCATED
-    (`SequenceLengthLimitExceeded`), as `grpoflow.scoring.outcome.classify` does for the shell agent; the reward stands.
+    (`SequenceLengthLimitExceeded`), as `grpoflow.rollout.outcome.classify` does for the shell agent; the reward stands.
     Each sample's metrics gain the session's counters (`requests`, `retokenize_mismatches`, ...) and `segments`
     (trial-level values, repeated on every segment: sum them once per `rollout_id`); `segment_index` orders the
     segments.

@@ -18,9 +18,9 @@ from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.harnesses import agent_factory
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring.groups import select_trainable
-from grpoflow.scoring.step import collect_step
+from grpoflow.samples import select_trainable
 
 # tests/integration/engine is not a package: its modules import each other by bare name, as pytest's rootdir insertion lets
 # them; do the same (the stand-in imports SGLang's field lists from test_sglang_contract).

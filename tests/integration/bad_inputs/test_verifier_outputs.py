@@ -16,9 +16,9 @@ from grpoflow.prepare.dataset import load_task
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring.groups import select_trainable
-from grpoflow.scoring.step import collect_step
+from grpoflow.samples import select_trainable
 
 from .conftest import copy_task
 

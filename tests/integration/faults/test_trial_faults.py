@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from grpoflow.scoring.groups import select_trainable
+from grpoflow.samples import select_trainable
 from tests.fakes.scripted_engine import Reply, ScriptedEngine
 from tests.integration.faults.helpers import accounted, collect, load_standin, prompt
 

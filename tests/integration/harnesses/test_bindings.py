@@ -25,9 +25,9 @@ from grpoflow.rollout.harnesses import (
     model_alias,
     sampling_params,
 )
+from grpoflow.rollout.outcome import classify
 from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import TrialOutcome, TrialSpec
-from grpoflow.scoring.outcome import classify
 
 SPEC = TrialSpec("hello-file", "/tasks/hello-file", "g", 3, "step0-hello-file-3", 1234)
 SESSION = "http://10.0.0.5:8100/sessions/step0-hello-file-3/v1"

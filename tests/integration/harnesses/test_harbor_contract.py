@@ -20,9 +20,9 @@ from harbor.models.verifier.result import VerifierResult
 from grpoflow.config import HarnessConfig, SandboxName, parse_run_config
 from grpoflow.prepare.dataset import builtin_dataset_path
 from grpoflow.rollout.harnesses import HARNESSES, agent_factory
+from grpoflow.rollout.outcome import HARBOR_EXCEPTION_NAMES
 from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import TrialSpec, build_trial_config
-from grpoflow.scoring.outcome import HARBOR_EXCEPTION_NAMES
 
 SPEC = TrialSpec("hello-file", str(builtin_dataset_path() / "hello-file"), "g", 0, "g-0", 11)
 HARBOR_AGENTS = [h for h, b in HARNESSES.items() if b.harbor_agent in AgentName.values()]

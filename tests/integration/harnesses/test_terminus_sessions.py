@@ -1,5 +1,5 @@
 """terminus-2 through the session server (grpoflow.rollout.sessions) over a scripted /generate, wired as the rollout task
-wires it (`grpoflow.scoring.step.policy_access`): each trial's session becomes its samples."""
+wires it (`grpoflow.rollout.step.policy_access`): each trial's session becomes its samples."""
 
 from __future__ import annotations
 

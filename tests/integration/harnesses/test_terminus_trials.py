@@ -19,8 +19,8 @@ from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.harnesses import agent_factory
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring.step import collect_step
 from tests.fakes.scripted_openai import Reply, ScriptedOpenAI, terminus_json
 
 pytestmark = pytest.mark.skipif(

@@ -11,9 +11,8 @@ from harbor.models.trial.config import AgentConfig
 from grpoflow.config import parse_run_config
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import GroupRefill, collect_step, informative_groups
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring.groups import informative_groups
-from grpoflow.scoring.step import GroupRefill, collect_step
 from tests.fakes.prompts import builtin_prompts
 from tests.fakes.samples import make_sample
 

@@ -10,10 +10,10 @@ from harbor.models.trial.config import AgentConfig, TaskConfig, TrialConfig
 from harbor.models.trial.result import AgentInfo, ExceptionInfo, TrialResult
 from harbor.models.verifier.result import VerifierResult
 
+from grpoflow.rollout.metrics import step_metrics
+from grpoflow.rollout.outcome import to_sample, verifier_reward
 from grpoflow.rollout.trials import Attempt, TrialOutcome, TrialSpec
-from grpoflow.scoring.groups import select_trainable
-from grpoflow.scoring.metrics import step_metrics
-from grpoflow.scoring.outcome import to_sample, verifier_reward
+from grpoflow.samples import select_trainable
 
 
 def _outcome(reward=None, rewards=None, exc=None, end_reason="done", n_attempts=1, group="g", k=0, gen=3):

@@ -15,6 +15,7 @@ from grpoflow.paths import RunPaths
 from grpoflow.prepare.dataset import builtin_dataset_path
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.run.health import TaskHealth, health_markdown, run_tasks
 from grpoflow.run.regrade import (
@@ -25,7 +26,6 @@ from grpoflow.run.regrade import (
     regrade_summary,
     regrade_trials,
 )
-from grpoflow.scoring.step import collect_step
 from tests.fakes.prompts import builtin_prompts
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")

@@ -9,9 +9,9 @@ from harbor.models.trial.config import AgentConfig
 from grpoflow.config import parse_run_config
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring.groups import select_trainable
-from grpoflow.scoring.step import collect_step
+from grpoflow.samples import select_trainable
 from tests.fakes.prompts import builtin_prompts
 
 pytestmark = [

@@ -12,9 +12,9 @@ from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.harnesses import agent_factory
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.scoring.groups import drop_stale
-from grpoflow.scoring.step import collect_step
 from tests.fakes.scripted_engine import Reply, ScriptedEngine
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")

@@ -33,8 +33,8 @@ from grpoflow.preflight import check_run, format_problems
 from grpoflow.prepare.prompts import load_prompts
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
+from grpoflow.rollout.step import collect_step
 from grpoflow.rollout.trials import plan_group_trials
-from grpoflow.scoring.step import collect_step
 
 SANDBOX = os.environ.get("GRPOFLOW_E2E_SANDBOX", "").strip()
 KEY_VAR = sandbox_key_var(SANDBOX) if SANDBOX else None

@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import random
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from grpoflow.credentials import export_policy_key, export_sandbox_key
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.journal import append_trial, read_journal, write_samples
+from grpoflow.rollout.metrics import step_metrics
+from grpoflow.rollout.outcome import to_sample
 from grpoflow.rollout.policy import PolicyAccess, policy_access
 from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import (
@@ -36,10 +39,7 @@ from grpoflow.rollout.trials import (
     run_trials,
 )
 from grpoflow.rollout.workers import RolloutWorkers
-from grpoflow.samples import Sample
-from grpoflow.scoring.groups import informative_groups
-from grpoflow.scoring.metrics import step_metrics
-from grpoflow.scoring.outcome import to_sample
+from grpoflow.samples import Sample, select_trainable
 from grpoflow.seeds import refill_seed
 
 
@@ -80,6 +80,15 @@ class StepRollout:
     metrics: dict[str, float]
     details_path: Path
     seconds: float = 0.0  # wall time of the rollout itself (it may overlap the trainer's step)
+
+
+def informative_groups(samples: Sequence[Sample], policy: Literal["drop_group", "keep_group"]) -> set[str]:
+    """The groups that give the trainer a GRPO signal: trainable under `policy` (`select_trainable`), with at
+    least two scored trials whose rewards differ."""
+    rewards: dict[str, set[float]] = defaultdict(set)
+    for s in select_trainable(samples, policy)[0]:
+        rewards[s.group_id].add(s.reward)
+    return {g for g, r in rewards.items() if len(r) > 1}
 
 
 @dataclass

@@ -39,6 +39,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from grpoflow.config import EmbeddedEngine  # noqa: E402
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.rollout.sessions.segments import segments  # noqa: E402
 from grpoflow.rollout.sessions.server import SessionServer, SessionSettings  # noqa: E402
@@ -141,7 +142,9 @@ def overhead(name: str, backend_url: str, model: Path, args, extra: dict) -> tup
     cut = {"a": 0, "b": 0}
     trees = []
     with (
-        SessionServer(SessionSettings(backend_url, str(model), request_timeout_s=600.0)) as srv,
+        SessionServer(
+            SessionSettings(backend_url, str(model), engine=EmbeddedEngine(request_timeout_s=600.0, outage_wait_s=0.0))
+        ) as srv,
         httpx.Client(timeout=600.0) as http,
     ):
         # warm-up (connections, template compilation, the engine's first forward): not counted

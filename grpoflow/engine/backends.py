@@ -16,7 +16,7 @@ from typing import Any
 from grpoflow.config import AttachedEngine, EmbeddedEngine, Engine, LaunchedEngine, SglangLaunch, VllmLaunch
 from grpoflow.engine import sglang_launch, vllm_launch
 from grpoflow.engine.client import EngineClient
-from grpoflow.engine.clients import engine_client
+from grpoflow.engine.clients import client_of
 from grpoflow.engine.launch import EngineProcess, start_embedded_engine
 from grpoflow.engine.router import start_router
 from grpoflow.errors import EngineError
@@ -93,7 +93,7 @@ def open_engine(
         return
     assert isinstance(cfg, AttachedEngine), f"no way to open {type(cfg).__name__}"
     url = cfg.url
-    client = engine_client(cfg.api, url, timeout=cfg.request_timeout_s, retries=cfg.retries)
+    client = client_of(cfg, url)
     if not client.health():
         client.close()
         raise EngineError(f"engine.url {url}: no healthy {client.name} server answers there (GET /health)")

@@ -18,7 +18,7 @@ from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import Engine, RolloutConfig
 from grpoflow.engine.client import token_budget
-from grpoflow.engine.clients import engine_client
+from grpoflow.engine.clients import client_of
 from grpoflow.prepare.clis import installed_cli
 from grpoflow.rollout.environments import BRIDGE_HOST
 from grpoflow.rollout.harnesses import agent_factory, get_binding
@@ -55,7 +55,7 @@ async def fit_to_engine(rollout: RolloutConfig, engine: Engine, engine_url: str)
     context length, and aborts one whose prompt comes within 6 tokens of it (`token_budget`), so an episode
     budget past that would turn the last turn of long episodes into failed trials, and their groups would be
     dropped. Within the engine's bound such an episode ends by its token budget (TRUNCATED) instead."""
-    client = engine_client(engine.api, engine_url, timeout=engine.request_timeout_s, retries=engine.retries)
+    client = client_of(engine, engine_url)
     try:
         context = await client.acontext_length()
     finally:
@@ -97,11 +97,8 @@ async def policy_access(
             "top_p": rollout.sampling.top_p,
             "top_k": rollout.sampling.top_k,
         },
-        request_timeout_s=engine.request_timeout_s,
-        engine_retries=engine.retries,
-        outage_s=engine.outage_wait_s,
+        engine=engine,
         lora_path=lora_path,
-        engine_api=engine.api,
         tool_call_parser=rollout.harness.tool_call_parser,
         truncation_ends_episode=binding.in_sandbox_cli and rollout.episode.early_truncation_exit,
     )

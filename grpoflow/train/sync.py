@@ -36,7 +36,7 @@ import torch
 
 from grpoflow.config import Engine, RunConfig
 from grpoflow.engine.client import EngineClient, SglangClient
-from grpoflow.engine.clients import engine_client
+from grpoflow.engine.clients import client_of
 from grpoflow.engine.protocol import WEIGHT_SESSION_ALREADY_OPEN
 from grpoflow.engine.router import remove_worker
 from grpoflow.engine.shared_tensors import serialize_named_tensors, shared_buffer
@@ -377,7 +377,7 @@ def _open_one(cfg: RunConfig, engine_url: str, trainer: TrainerState, sync_dir: 
     mode = cfg.weight_sync_mode()
     # with the adapter alone synced, every generation names it: `sync.client.lora_path` says which
     served = SERVED_ADAPTER if mode == "adapter" else None
-    client = engine_client(e.api, engine_url, timeout=e.request_timeout_s, retries=e.retries, lora_path=served)
+    client = client_of(e, engine_url, lora_path=served)
     try:
         if mode == "disk":
             yield DiskSync(client)

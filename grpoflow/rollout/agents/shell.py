@@ -18,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
+from pydantic import TypeAdapter
 
-from grpoflow.config import EngineApi
-from grpoflow.engine.clients import engine_client
+from grpoflow.config import Engine, EngineConfig, EpisodeConfig, SamplingConfig
+from grpoflow.engine.clients import client_of
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.rollout.record import (
     END_DONE,
@@ -38,6 +40,8 @@ from grpoflow.rollout.record import (
 )
 from grpoflow.seeds import turn_seed
 from grpoflow.tokens import TokenTrajectory, is_cut_off, load_tokenizer, stop_ids
+
+ENGINE: TypeAdapter[Engine] = TypeAdapter(EngineConfig)
 
 SYSTEM_PROMPT = """You are a shell agent working in a Linux sandbox; your working directory is /app.
 Reply with exactly one bash command in a fenced code block, like this:
@@ -82,41 +86,26 @@ class ShellAgent(BaseAgent):
     def __init__(
         self,
         *args: Any,
+        engine: Mapping[str, Any],
         engine_url: str,
         tokenizer_path: str,
-        engine_api: EngineApi = "sglang",
-        max_turns: int = 4,
-        max_new_tokens: int = 96,
-        max_context_tokens: int = 4096,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: int = 0,
-        command_timeout_sec: float = 30.0,
-        output_cap_chars: int = 2000,
-        early_truncation_exit: bool = True,
-        request_timeout_s: float = 300.0,
-        engine_retries: int = 3,
-        outage_wait_s: float = 0.0,
+        sampling: Mapping[str, Any],
+        episode: Mapping[str, Any],
+        seed: int,
         lora_path: str | None = None,
         **kwargs: Any,
     ):
+        """`engine`, `sampling`, `episode`: the run's `engine`, `rollout.sampling` and `rollout.episode` sections
+        as Harbor stores them with the trial (JSON), validated here; `seed`: the trial's; `lora_path`: the LoRA
+        adapter the engine serves the policy as, if any."""
         super().__init__(*args, **kwargs)
+        self.engine: Engine = ENGINE.validate_python(engine)
+        self.sampling = SamplingConfig.model_validate(sampling)
+        self.episode = EpisodeConfig.model_validate(episode)
         self.engine_url = engine_url
-        self.engine_api = engine_api  # the API the engine speaks (`EngineConfig.api`)
         self.tokenizer_path = tokenizer_path
-        self.max_turns = max_turns
-        self.max_new_tokens = max_new_tokens
-        self.max_context_tokens = max_context_tokens
-        self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.seed = seed
-        self.command_timeout_sec = command_timeout_sec
-        self.output_cap_chars = output_cap_chars
-        self.early_truncation_exit = early_truncation_exit
-        self.request_timeout_s = request_timeout_s
-        self.engine_retries = engine_retries
-        self.outage_wait_s = outage_wait_s
-        self.lora_path = lora_path  # the LoRA adapter the engine serves the policy as, if any
+        self.lora_path = lora_path
 
     @staticmethod
     def name() -> str:
@@ -136,14 +125,7 @@ class ShellAgent(BaseAgent):
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
         traj = TokenTrajectory.start(tokenizer, messages)
         rec = TrialRecord()
-        client = engine_client(
-            self.engine_api,
-            self.engine_url,
-            timeout=self.request_timeout_s,
-            retries=self.engine_retries,
-            lora_path=self.lora_path,
-            outage_s=self.outage_wait_s,
-        )
+        client = client_of(self.engine, self.engine_url, lora_path=self.lora_path, waits_out_outages=True)
         try:
             rec.end_reason = await self._loop(traj, environment, client, rec, context)
         except asyncio.CancelledError:  # Harbor's agent timeout
@@ -156,16 +138,19 @@ class ShellAgent(BaseAgent):
 
     async def _loop(self, traj, environment, client, rec, context) -> str:
         while True:
-            if rec.turns >= self.max_turns:
+            s, ep = self.sampling, self.episode
+            if rec.turns >= ep.max_turns:
                 return END_MAX_TURNS
-            if len(traj.tokens) + self.max_new_tokens > self.max_context_tokens:
+            if len(traj.tokens) + s.max_new_tokens > ep.max_context_tokens:
                 return END_TOKEN_BUDGET
             params = SamplingParams(
-                max_new_tokens=self.max_new_tokens,
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
                 sampling_seed=turn_seed(self.seed, rec.turns),
                 stop=STOP_STRINGS,
                 stop_token_ids=sorted(stop_ids(traj.tokenizer)),  # the turn end, where it is not the engine's EOS
-                **self.sampling,
             )
             t0 = time.perf_counter()
             resp = await client.agenerate(traj.tokens, params, return_logprob=True)
@@ -179,17 +164,17 @@ class ShellAgent(BaseAgent):
             reply = traj.add_generated(resp.output_ids, resp.logprobs)
             if is_cut_off(resp.meta_info.finish_reason.type, resp.output_ids, stop_ids(traj.tokenizer)):
                 rec.truncated = True
-                if self.early_truncation_exit:
+                if self.episode.early_truncation_exit:
                     return END_TRUNCATED
             self._record(context, traj, rec)
             command = parse_command(reply)
             if command is None:
                 return END_DONE if says_done(reply) else END_NO_COMMAND
             t0 = time.perf_counter()
-            result = await environment.exec(command, cwd="/app", timeout_sec=self.command_timeout_sec)
+            result = await environment.exec(command, cwd="/app", timeout_sec=self.episode.command_timeout_sec)
             rec.tool_time_s += time.perf_counter() - t0
             rec.commands_run += 1
-            feedback = format_output(result.stdout, result.stderr, result.return_code, self.output_cap_chars)
+            feedback = format_output(result.stdout, result.stderr, result.return_code, self.episode.output_cap_chars)
             traj.add_user(feedback)
             if says_done(reply):
                 return END_DONE

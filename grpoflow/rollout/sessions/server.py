@@ -57,9 +57,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpoflow.config import EngineApi
+from grpoflow.config import EmbeddedEngine, Engine
 from grpoflow.engine.client import token_budget
-from grpoflow.engine.clients import engine_client
+from grpoflow.engine.clients import client_of
 from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError, EngineUnavailableError
 from grpoflow.rollout.sessions.tool_calls import ParsedReply, loads, message_key, parse_reply, parsed_key
@@ -220,19 +220,17 @@ class SessionSettings:
     `top_k`) pins what every turn samples with, whatever the harness sends: the trainer scores the tokens under
     the run's sampling, so the engine must sample under it too. `lora_path`: the adapter every generation names
     (a LoRA run's adapter sync, `grpoflow.train.sync`). `tool_call_parser`: how replies are parsed into tool calls
-    (None: never). `truncation_ends_episode`: see the module doc."""
+    (None: never). `truncation_ends_episode`: see the module doc. `engine`: the run's engine section (its API,
+    request timeout, retries, and how long a turn waits out an engine that does not answer)."""
 
     engine_url: str
     tokenizer_path: str
+    engine: Engine = field(default_factory=EmbeddedEngine)
     model_name: str = "policy"
     max_new_tokens: int | None = None
     context_length: int | None = None
-    request_timeout_s: float = 600.0
-    engine_retries: int = 3
-    outage_s: float = 0.0  # how long a turn waits out an engine that does not answer
     sampling: Mapping[str, Any] | None = None
     lora_path: str | None = None
-    engine_api: EngineApi = "sglang"  # the API the engine speaks (`EngineConfig.api`)
     tool_call_parser: str | None = None
     truncation_ends_episode: bool = False
 
@@ -245,14 +243,7 @@ def create_app(settings: SessionSettings, store: SessionStore, secret: bytes) ->
     # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
     # does all tokenising, off the event loop.
     tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-tokenizer")
-    engine = engine_client(
-        c.engine_api,
-        c.engine_url,
-        timeout=c.request_timeout_s,
-        retries=c.engine_retries,
-        lora_path=c.lora_path,
-        outage_s=c.outage_s,
-    )
+    engine = client_of(c.engine, c.engine_url, lora_path=c.lora_path, waits_out_outages=True)
     limits: dict[str, int | None] = {"context_length": c.context_length}
 
     @asynccontextmanager

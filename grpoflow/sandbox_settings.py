@@ -1,7 +1,7 @@
 """The local sandbox's settings as `rollout.sandbox.kwargs` gives them, checked when the run config is, so a bad
 value is one line naming the key before anything is written (the sandbox's constructor would refuse it only once
-the first trial starts). `LocalSandbox.__init__` takes the same keywords with the same defaults (a test holds the
-two together); grpoflow sets its other keywords (the session bridge, the CLI dir) itself."""
+the first trial starts). `LocalSandbox.__init__` validates its keywords with this model, the one home of their
+defaults; grpoflow sets its other keywords (the session bridge, the CLI dir) itself."""
 
 from __future__ import annotations
 
@@ -38,14 +38,18 @@ class LocalSandboxSettings(BaseModel):
 SETTINGS: type[LocalSandboxSettings] = LocalSandboxSettings
 
 
-def sandbox_kwargs_problem(kwargs: dict[str, Any], field: str = "rollout.sandbox.kwargs") -> str | None:
-    """The first bad key of `kwargs` as one line naming `field.<key>`, or None."""
+def sandbox_kwargs_problem(
+    kwargs: dict[str, Any], field: str = "rollout.sandbox.kwargs", settings: type[LocalSandboxSettings] | None = None
+) -> str | None:
+    """The first bad key of `kwargs` as one line naming `field.<key>`, or None; `settings`: the model to check
+    against (default `SETTINGS`)."""
+    model = settings or SETTINGS
     try:
-        SETTINGS.model_validate(kwargs)
+        model.model_validate(kwargs)
     except ValidationError as err:
         e = err.errors()[0]
         key = ".".join(str(x) for x in e["loc"])
         if e["type"] == "extra_forbidden":  # the value is not echoed: an unknown key may hold anything
-            return f"`{field}.{key}`: not a setting of the local sandbox (it takes {', '.join(SETTINGS.model_fields)})"
+            return f"`{field}.{key}`: not a setting of the local sandbox (it takes {', '.join(model.model_fields)})"
         return f"`{field}.{key}`: {e['msg']} (got {e.get('input')!r})"
     return None

@@ -30,22 +30,13 @@ class FaultySandboxSettings(LocalSandboxSettings):
 
 
 class FaultySandbox(LocalSandbox):
-    def __init__(
-        self,
-        *args: Any,
-        fail_start_probability: float = 0.0,
-        fail_start_seed: int | None = None,
-        die_after_execs: int | None = None,
-        **kwargs: Any,
-    ):
-        if not 0.0 <= fail_start_probability <= 1.0:
-            raise ValueError(f"FaultySandbox: fail_start_probability must be in [0, 1], got {fail_start_probability}")
-        if die_after_execs is not None and die_after_execs < 0:
-            raise ValueError(f"FaultySandbox: die_after_execs must be >= 0, got {die_after_execs}")
+    Settings = FaultySandboxSettings
+
+    def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.fail_start_probability = fail_start_probability
-        self.fail_start_seed = fail_start_seed
-        self.die_after_execs = die_after_execs
+        self.fail_start_probability = self.settings.fail_start_probability
+        self.fail_start_seed = self.settings.fail_start_seed
+        self.die_after_execs = self.settings.die_after_execs
         self._execs = 0
 
     def maybe_fail_start(self) -> None:

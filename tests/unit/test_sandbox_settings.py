@@ -13,11 +13,10 @@ from grpoflow.sandbox_settings import LocalSandboxSettings, sandbox_kwargs_probl
 SET_BY_GRPOFLOW = {"session_bridge", "cli_dir"}  # the policy's bridge and the harness's CLIs, never a user's
 
 
-def test_the_settings_are_the_constructor_s_keywords_with_its_defaults():
+def test_the_constructor_takes_the_settings_through_their_model_and_only_grpoflow_s_own_keywords_besides():
     params = inspect.signature(LocalSandbox.__init__).parameters
-    keywords = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    settings = {n: f.default for n, f in LocalSandboxSettings.model_fields.items()}
-    assert settings == {n: d for n, d in keywords.items() if n not in SET_BY_GRPOFLOW}
+    assert LocalSandbox.Settings is LocalSandboxSettings
+    assert {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} == SET_BY_GRPOFLOW
 
 
 INTS = [n for n, f in LocalSandboxSettings.model_fields.items() if f.annotation is int]

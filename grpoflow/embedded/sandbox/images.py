@@ -32,6 +32,7 @@ from pathlib import Path
 from grpoflow.embedded.sandbox.rootfs import rmtree, tree_bytes
 from grpoflow.fileio import sha256_tree
 from grpoflow.rollout.environments import ImageBuildError
+from grpoflow.sandbox_settings import LocalSandboxSettings
 
 IMAGE_REPO = "grpoflow-env"
 BUILD_TIMEOUT_S = 1800
@@ -57,7 +58,7 @@ def context_digest(environment_dir: Path) -> str:
     return sha256_tree(environment_dir)[:DIGEST_CHARS]
 
 
-DEFAULT_IMAGE_MAX_MB = 8192
+DEFAULT_IMAGE_MAX_MB: int = LocalSandboxSettings.model_fields["image_max_mb"].default
 DEFAULT_CACHE_MAX_MB = 32768  # the image cache's budget, collected after each new image
 USED = "used"  # touched in <digest>/ each time a trial takes the image: the LRU order
 RECENT_S = 600  # an entry used this recently is never collected (a trial takes it, then holds it)

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, ClassVar
 
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import (
@@ -36,7 +36,7 @@ from harbor.models.task.config import NetworkMode, NetworkPolicy
 
 from grpoflow.dockerfile import host_rootfs_problem
 from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
-from grpoflow.embedded.sandbox.images import DEFAULT_IMAGE_MAX_MB, TaskImage, hold, task_image
+from grpoflow.embedded.sandbox.images import TaskImage, hold, task_image
 from grpoflow.embedded.sandbox.orphans import claim
 from grpoflow.embedded.sandbox.processes import (
     HOST_ENV,
@@ -92,8 +92,8 @@ from grpoflow.rollout.environments import (
     SandboxDiedError,
     SandboxStartError,
 )
+from grpoflow.sandbox_settings import LocalSandboxSettings, sandbox_kwargs_problem
 
-PROCESS_SCOPES = ("exec", "trial")
 DEFAULT_STORAGE_MB = 10240  # a trial's own files, when neither the sandbox's settings nor the task set it
 # Trial scope: after a command exits, how long to keep reading output a background process may still write.
 BACKGROUND_OUTPUT_GRACE_SEC = 0.5
@@ -116,6 +116,8 @@ class LocalSandbox(BaseEnvironment):
         if problems:
             raise SystemExit("\n".join(problems))
 
+    Settings: ClassVar[type[LocalSandboxSettings]] = LocalSandboxSettings  # what `rollout.sandbox.kwargs` sets
+
     def __init__(
         self,
         environment_dir: Path,
@@ -125,60 +127,31 @@ class LocalSandbox(BaseEnvironment):
         task_env_config: Any,
         logger: Any = None,
         *,
-        cpu_time_sec: int = 300,
-        memory_mb: int = 2048,
-        max_processes: int = 256,
-        max_file_size_mb: int = 1024,
-        max_output_bytes: int = 1_000_000,
-        work_dir: str | None = None,
-        process_scope: str = "exec",
         session_bridge: str | None = None,
         cli_dir: str | None = None,
-        image_cache_dir: str | None = None,
-        image_max_mb: int = DEFAULT_IMAGE_MAX_MB,
-        storage_mb: int | None = None,
         **kwargs: Any,
     ):
-        """Kwargs (all via `EnvironmentConfig.kwargs`):
+        """Kwargs (all via `EnvironmentConfig.kwargs`): the settings of `Settings` (`rollout.sandbox.kwargs`, which
+        the run config checked with the same model; each is described there), validated here first; and two that
+        grpoflow sets itself:
 
-        cpu_time_sec: RLIMIT_CPU of every process (CPU seconds; the process gets SIGXCPU/SIGKILL past it).
-        memory_mb: RLIMIT_AS of every process (address space, so set it above what programs merely reserve).
-            The task's `memory_mb` is not used: it means resident memory, which an rlimit cannot cap.
-        max_processes: processes (threads count too) the sandbox may have at once (RLIMIT_NPROC).
-        max_file_size_mb: largest file a process may write (RLIMIT_FSIZE). Disk use as a whole is not capped.
-        max_output_bytes: stdout and stderr of one exec are each cut to this many bytes (head and tail kept).
-        work_dir: where the per-trial temp dirs go (default: the system temp dir).
-        process_scope: "exec" (processes die with their exec) or "trial" (they live until stop(); see module doc).
         session_bridge: "host:port" that the sandbox reaches at 127.0.0.1:<port> (needs process_scope "trial": the
             forwarder lives in the trial's network namespace), and nothing else.
         cli_dir: a host dir with node_modules/.bin (an `npm install --prefix`), read-only at /opt/grpoflow/cli.
-        image_cache_dir: where task images' exported trees and build logs go (default: <GRPOFLOW_CACHE>/images).
-        image_max_mb: the largest task image unpacked (a larger one is refused before its export).
-        storage_mb: disk the trial's own files may take (its working dir, /tmp, /root, logs); default: the task's
-            `storage_mb`, else DEFAULT_STORAGE_MB. Checked before the trial starts and after every command (a
-            command may overshoot by what it writes, each file no larger than max_file_size_mb); over it, the
-            sandbox dies with one line (a sandbox failure of that trial).
-        Any other kwarg goes to Harbor's `BaseEnvironment` (`auto_mounting` defaults to True here).
+        The task's `memory_mb` is not used (it means resident memory, which an rlimit cannot cap); its `storage_mb`
+        is, where the settings give none (else DEFAULT_STORAGE_MB). Any other kwarg goes to Harbor's
+        `BaseEnvironment` (`auto_mounting` defaults to True here).
         """
-        for name, value in (
-            ("cpu_time_sec", cpu_time_sec),
-            ("memory_mb", memory_mb),
-            ("max_processes", max_processes),
-            ("max_file_size_mb", max_file_size_mb),
-            ("max_output_bytes", max_output_bytes),
-            ("image_max_mb", image_max_mb),
-            ("storage_mb", DEFAULT_STORAGE_MB if storage_mb is None else storage_mb),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LocalSandbox: {name} must be a positive integer, got {value!r}")
-        if process_scope not in PROCESS_SCOPES:
-            raise ValueError(f"LocalSandbox: process_scope must be one of {PROCESS_SCOPES}, got {process_scope!r}")
+        given = {name: kwargs.pop(name) for name in list(kwargs) if name in self.Settings.model_fields}
+        if problem := sandbox_kwargs_problem(given, type(self).__name__, self.Settings):
+            raise ValueError(problem)
+        self.settings = settings = self.Settings.model_validate(given)
         self._bridge_to: tuple[str, int] | None = None
         if session_bridge is not None:
             host, _, port = str(session_bridge).rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"LocalSandbox: session_bridge must be host:port, got {session_bridge!r}")
-            if process_scope != "trial":
+            if settings.process_scope != "trial":
                 raise ValueError("LocalSandbox: session_bridge needs process_scope='trial' (the forwarder must live)")
             self._bridge_to = (host.strip("[]"), int(port))
         if cli_dir is not None and not (Path(cli_dir) / "node_modules" / ".bin").is_dir():
@@ -187,15 +160,7 @@ class LocalSandbox(BaseEnvironment):
         self._bridge: Bridge | None = None
         self._bridge_dir: Path | None = None  # the bridge's socket and forwarder (a short path: see _own_binds)
         self._own: list[Bind] = []  # our read-only binds (bridge, CLIs), set when the trial dir is made
-        self.cpu_time_sec = cpu_time_sec
-        self.memory_mb = memory_mb
-        self.max_processes = max_processes
-        self.max_file_size_mb = max_file_size_mb
-        self.max_output_bytes = max_output_bytes
-        self.work_dir = work_dir
-        self.process_scope = process_scope
-        self.image_cache_dir = Path(image_cache_dir) if image_cache_dir else default_cache_dir() / "images"
-        self.image_max_mb = image_max_mb
+        self.image_cache_dir = Path(settings.image_cache_dir or default_cache_dir() / "images")
         self.base: Base = HOST_BASE  # the system dirs: an image's tree once start() built it (tasks that need one)
         self.image: TaskImage | None = None
         self._image_lock: int | None = None  # a shared lock on the image's cache entry while this sandbox lives
@@ -212,7 +177,7 @@ class LocalSandbox(BaseEnvironment):
         )
         self._maybe_resolve_task_env()  # the task's [environment.env] joins every exec's environment
         self._workdir = task_env_config.workdir or DEFAULT_WORKDIR
-        self.storage_mb = storage_mb or task_env_config.storage_mb or DEFAULT_STORAGE_MB
+        self.storage_mb = settings.storage_mb or task_env_config.storage_mb or DEFAULT_STORAGE_MB
         self._needs_image = host_rootfs_problem(self.environment_dir) is not None
         self._binds = harbor_binds(self._host_mounts)
         self._root: Path | None = None  # the per-trial temp dir; None until start()
@@ -268,7 +233,7 @@ class LocalSandbox(BaseEnvironment):
             await asyncio.to_thread(self._make_root, tools)
         except OSError as exc:
             raise SandboxStartError(f"could not create the sandbox dirs for {self.session_id}: {exc}") from exc
-        if self.process_scope == "trial":
+        if self.settings.process_scope == "trial":
             # The bwrap that holds the trial's namespaces; every exec then joins them through the launcher.
             seccomp = filter_fd()
             try:
@@ -414,7 +379,7 @@ class LocalSandbox(BaseEnvironment):
     async def _collect(
         self, proc: asyncio.subprocess.Process, marker_r: int, command: str, timeout_sec: float | None
     ) -> ExecResult:
-        out, err = CappedOutput(self.max_output_bytes), CappedOutput(self.max_output_bytes)
+        out, err = CappedOutput(self.settings.max_output_bytes), CappedOutput(self.settings.max_output_bytes)
         assert proc.stdout is not None and proc.stderr is not None
         readers = [
             asyncio.ensure_future(drain(proc.stdout, out)),
@@ -511,10 +476,10 @@ class LocalSandbox(BaseEnvironment):
 
     def _launch(self, argv: list[str], **spec: object) -> list[str]:
         limits = rlimits(
-            memory_mb=self.memory_mb,
-            cpu_time_sec=self.cpu_time_sec,
-            max_processes=self.max_processes,
-            max_file_size_mb=self.max_file_size_mb,
+            memory_mb=self.settings.memory_mb,
+            cpu_time_sec=self.settings.cpu_time_sec,
+            max_processes=self.settings.max_processes,
+            max_file_size_mb=self.settings.max_file_size_mb,
             uid=self._uid,
         )
         return launch_argv(argv, limits=limits, uid=self._uid, **spec)
@@ -550,7 +515,7 @@ class LocalSandbox(BaseEnvironment):
         build failed."""
         keep = Path(self.trial_paths.trial_dir) / "environment-build.log"
         try:
-            image = self.image = task_image(self.environment_dir, self.image_cache_dir, self.image_max_mb)
+            image = self.image = task_image(self.environment_dir, self.image_cache_dir, self.settings.image_max_mb)
             self._image_lock = hold(image)
         except ImageBuildError as exc:
             if exc.log is not None and exc.log.is_file():
@@ -575,7 +540,7 @@ class LocalSandbox(BaseEnvironment):
             raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
 
     def _make_root(self, tools: dict[str, str]) -> None:
-        root = make_trial_dir(self.work_dir, self.session_id)
+        root = make_trial_dir(self.settings.work_dir, self.session_id)
         self._root = root  # mkdtemp's 0700 stays: bwrap binds it as root, the sandbox only sees the mount
         claim(root)  # removed by the janitor if this process dies before stop() (outside rootfs: unseen inside)
         if os.geteuid() == 0:

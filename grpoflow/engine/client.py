@@ -27,7 +27,6 @@ from pydantic import BaseModel, ValidationError
 
 from grpoflow.engine.protocol import (
     BeginWeightUpdateRequest,
-    ChatCompletionResponse,
     EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResponse,
@@ -183,10 +182,6 @@ class EngineClient(ABC):
             if isinstance(value, int) and value > 0:
                 return value
         return None
-
-    def chat_completions(self, messages: list[dict], **params: Any) -> ChatCompletionResponse:
-        """OpenAI chat completion; `params` go into the body as given (max_tokens, temperature, seed, ...)."""
-        return self._call("POST", "/v1/chat/completions", {"messages": messages, **params}, ChatCompletionResponse)
 
     def health(self, timeout: float = 5.0) -> bool:
         """One probe of `/health`, no retries: True on 200, False if unreachable or unhealthy."""

@@ -12,13 +12,14 @@ from safetensors.torch import save_file
 from grpoflow.engine.client import SglangClient
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.errors import EngineError
+from tests.fakes.chat_client import ChatClient
 
 PROMPT = [1, 302, 201, 538, 439, 2, 201, 1, 296, 201]
 
 
 @pytest.fixture
 def client(engine_url):
-    with SglangClient(engine_url, timeout=30, retries=0) as c:
+    with ChatClient(engine_url, timeout=30, retries=0) as c:
         yield c
 
 
@@ -180,7 +181,7 @@ def test_harbor_litellm_reads_token_ids_and_logprobs(engine_url, monkeypatch):
         },
     )
     messages = [{"role": "user", "content": "list files"}]
-    probe = SglangClient(engine_url).chat_completions(messages, max_tokens=6, temperature=0, return_token_ids=True)
+    probe = ChatClient(engine_url).chat_completions(messages, max_tokens=6, temperature=0, return_token_ids=True)
     stop_id = probe.choices[0].token_ids[3]
     # Harbor treats finish_reason "length" as an error, so end the reply on a token we know comes.
     resp = asyncio.run(llm.call("list files", max_tokens=16, extra_body={"stop_token_ids": [stop_id]}))

@@ -22,11 +22,11 @@ import pytest
 
 from grpoflow.config import SglangLaunch, parse_run_config
 from grpoflow.engine.backends import open_engine
-from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.engine.sglang_launch import launch_settings, sglang_command, start_sglang_server
 from grpoflow.errors import ConfigError, EngineError
+from tests.fakes.chat_client import ChatClient
 from tests.fakes.sglang_standin import StandinServer
 
 STANDIN = Path(__file__).resolve().parents[2] / "fakes" / "sglang_standin.py"
@@ -41,8 +41,8 @@ class Target:
     direct_url: str  # the backend itself (== front.url for the stand-in)
     model_dir: Path
 
-    def client(self, *, direct: bool = False, retries: int = 2, timeout: float = 30.0) -> EngineClient:
-        return SglangClient(
+    def client(self, *, direct: bool = False, retries: int = 2, timeout: float = 30.0) -> ChatClient:
+        return ChatClient(
             self.direct_url if direct else self.front.url, timeout=timeout, retries=retries, backoff_s=0.01
         )
 

@@ -1,4 +1,4 @@
-"""The one place an engine API's name (`EngineConfig.api`; a harness's `engine_api`, which trials store) becomes
+"""The one place an engine API's name (`Engine.api`, a class variable of each backend's config type) becomes
 the client class that speaks it."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def _strings(node: ast.AST) -> set[str]:
 def _api_branches(path: Path) -> list[str]:
     """`x.api == ...`-like comparisons, comparisons with a backend's name (`cfg.backend in ("vllm", ...)`) and
     `api=` keywords (a client told its API) in `path`, as `file:line`; passing the name on as data
-    (`engine_api=engine.api`, stored with a trial) is no branch."""
+    (`engine.api` handed to the chooser) is no branch."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Compare):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 # Harbor sets its logger to DEBUG and logs every trial's internals; a run's console shows our per-step lines and
 # Harbor's warnings (the full detail stays in each trial's trial.log).
@@ -22,10 +22,11 @@ from prefect.context import refresh_global_settings_context
 from prefect.events import emit_event
 from prefect.runtime import deployment, flow_run
 from prefect.settings import get_current_settings
+from pydantic import Field
 
 from grpoflow.config import RunConfig, parse_run_config
 from grpoflow.errors import GrpoflowError, one_line
-from grpoflow.paths import RunPaths
+from grpoflow.paths import RUN_ID_PATTERN, RunPaths
 from grpoflow.prepare.clis import CLI_PACKAGES
 from grpoflow.run.info import DeploymentRef
 from grpoflow.run.metrics import evaluation_rows, read_metrics, training_rows
@@ -35,6 +36,10 @@ from tasks.prepare import prepare_dataset_task, prepare_harness_task, prepare_mo
 
 harbor.utils.logger.logger.setLevel(logging.WARNING)
 transformers.utils.logging.disable_progress_bar()  # per-load tqdm bars drown the per-step progress lines
+
+
+# A run dir's name: checked before the flow starts (the UI form refuses others), never a path.
+RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN)]
 
 
 # With no Prefect server configured, the first flow run starts a temporary one. Its first start in a fresh

@@ -17,7 +17,6 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
 from flows.common import flow_run_name, prepare_stage, run_events, start_run
-from flows.train import PREFECT_STAGES
 from grpoflow.config import RunConfig, read_config_file
 from grpoflow.paths import RunPaths, step_of
 from grpoflow.prepare.prompts import load_prompts
@@ -26,6 +25,7 @@ from grpoflow.run.info import final_checkpoint, update_run_info
 from grpoflow.run.loop import evaluate_run
 from grpoflow.scoring.evaluation import evaluation_lines
 from tasks.rollout import regrade_trials_task
+from tasks.stages import PREFECT_STAGES
 
 Split = Literal["eval", "train", "all"]
 # the train run's settings that decide which trials its evaluations ran

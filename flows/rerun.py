@@ -9,32 +9,22 @@ import re
 import secrets
 from pathlib import Path
 
-from prefect import flow, task
+from prefect import flow
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 
-from flows.common import run_events
-from flows.resume import RunId
+from flows.common import RunId, run_events
 from flows.train import train_flow
-from grpoflow.config import RunConfig
 from grpoflow.errors import ConfigError, RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.paths import RUN_ID_PATTERN, RunPaths
-from grpoflow.prepare.model import prepare_model
-from grpoflow.run.info import Provenance, read_run_info, update_run_info
+from grpoflow.run.info import read_run_info, update_run_info
 from grpoflow.run.rerun import (
     compare_runs,
     report_markdown,
     verdict_line,
 )
 from grpoflow.run.resume import load_saved_config
-from grpoflow.run.start import load_run_dataset
-
-
-@task(name="provenance-now", cache_policy=NO_CACHE)
-def provenance_now_task(cfg: RunConfig) -> Provenance:
-    """run.json's provenance as it would be now (model and dataset resolved again)."""
-    return Provenance.now(prepare_model(cfg.model.source), load_run_dataset(cfg))
+from tasks.provenance import provenance_now_task
 
 
 def _rerun_id(run_id: str) -> str:

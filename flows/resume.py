@@ -8,50 +8,26 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 from prefect.runtime import flow_run
-from pydantic import Field
 
-from flows.common import run_events
-from flows.train import PREFECT_STAGES, finish
-from grpoflow.config import RunConfig
-from grpoflow.paths import RUN_ID_PATTERN, RunPaths
+from flows.common import RunId, run_events
+from flows.report import finish
+from grpoflow.paths import RunPaths
 from grpoflow.rollout.journal import read_journal
 from grpoflow.run.info import Resume, read_run_info, update_run_info
 from grpoflow.run.loop import evaluation_versions, train_steps
 from grpoflow.run.metrics import has_row
 from grpoflow.run.resume import (
-    ResumePoint,
-    find_resume_point,
     load_saved_config,
-    repair_run_dir,
     run_lock,
 )
-from grpoflow.run.start import PreparedRun, reopen_run
 from grpoflow.train.checkpoint import restore_training_state
 from grpoflow.train.trainer import load_trainer
 from tasks.preflight import preflight_task
-
-# A run dir's name: checked before the flow starts (the UI form refuses others), never a path.
-RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN)]
-
-
-@task(name="resume-point", cache_policy=NO_CACHE)
-def resume_point_task(paths: RunPaths, steps: int) -> ResumePoint:
-    """The last full checkpoint, with the run dir repaired to agree with it."""
-    point = find_resume_point(paths)
-    repair_run_dir(paths, point, steps)
-    for note in point.repairs:
-        print(f"repaired: {note}")
-    return point
-
-
-@task(name="reopen-run", cache_policy=NO_CACHE)
-def reopen_run_task(cfg: RunConfig) -> PreparedRun:
-    return reopen_run(cfg)
+from tasks.resume import reopen_run_task, resume_point_task
+from tasks.stages import PREFECT_STAGES
 
 
 @flow(name="resume", flow_run_name="resume-{run_id}", log_prints=True)

@@ -132,3 +132,27 @@ def test_the_rule_catches_an_upward_edge_and_a_circle():
     assert forbidden_edges({"grpoflow.run.loop": ["grpoflow.embedded.engine.server"]}, table)
     assert forbidden_edges({"grpoflow.embedded.sandbox.local": ["grpoflow.rollout.environments"]}, table) == []
     assert circles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+
+
+FLOWS = CORE.parent / "flows"
+# The one flow that runs another: a rerun is the train flow again, on the recorded config, as its subflow.
+SUBFLOWS = {("flows.rerun", "flows.train")}
+
+
+def flow_modules() -> set[str]:
+    """The modules of flows/ that define a Prefect flow (the others, common and report, are their helpers)."""
+    return {f"flows.{p.stem}" for p in FLOWS.glob("*.py") if "@flow(" in p.read_text(encoding="utf-8")}
+
+
+def test_a_flow_calls_tasks_and_the_core_not_another_flow():
+    flows = flow_modules()
+    assert {"flows.train", "flows.resume", "flows.evaluate"} <= flows
+    edges = set()
+    for p in FLOWS.glob("*.py"):
+        if f"flows.{p.stem}" not in flows:
+            continue
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module in flows:
+                edges.add((f"flows.{p.stem}", node.module))
+    assert edges == SUBFLOWS
+    assert [p.name for p in FLOWS.glob("*.py") if "@task(" in p.read_text(encoding="utf-8")] == []  # tasks/ has them

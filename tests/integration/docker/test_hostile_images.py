@@ -226,7 +226,7 @@ def test_a_working_dir_over_the_storage_cap_is_refused_before_the_copy(image_cac
         with pytest.raises(ImageBuildError, match=r"/workspace\) is over the trial's storage cap of 8 MB"):
             asyncio.run(env.start(force_build=False))
         assert not list(
-            Path(env.work_dir or tempfile.gettempdir()).glob(f"grpoflow-sandbox-{task.name}*/rootfs/workspace")
+            Path(env.settings.work_dir or tempfile.gettempdir()).glob(f"grpoflow-sandbox-{task.name}*/rootfs/workspace")
         )
     finally:
         next(factory, None)

@@ -33,6 +33,7 @@ from harbor.environments.capabilities import (
     EnvironmentResourceCapabilities,
 )
 from harbor.models.task.config import NetworkMode, NetworkPolicy
+from pydantic import ValidationError
 
 from grpoflow.dockerfile import host_rootfs_problem
 from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
@@ -143,9 +144,10 @@ class LocalSandbox(BaseEnvironment):
         `BaseEnvironment` (`auto_mounting` defaults to True here).
         """
         given = {name: kwargs.pop(name) for name in list(kwargs) if name in self.Settings.model_fields}
-        if problem := sandbox_kwargs_problem(given, type(self).__name__, self.Settings):
-            raise ValueError(problem)
-        self.settings = settings = self.Settings.model_validate(given)
+        try:
+            self.settings = settings = self.Settings.model_validate(given)
+        except ValidationError as err:  # as the run config words it, naming the setting
+            raise ValueError(sandbox_kwargs_problem(given, type(self).__name__, self.Settings)) from err
         self._bridge_to: tuple[str, int] | None = None
         if session_bridge is not None:
             host, _, port = str(session_bridge).rpartition(":")

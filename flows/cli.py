@@ -313,7 +313,7 @@ def _regrade(root: Path, per_task: int) -> None:
     if per_task < 1:
         raise ConfigError(f"--per-task {per_task}: regrade at least 1 trial per task")
     cfg = load_saved_config(root)
-    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.api_key_file)
+    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.key_file())
     with run_lock(root):  # not while the run itself runs (it regrades at its end)
         regrades = regrade_run(root, cfg, per_task)
         if all(r.recorded is None for r in regrades):  # only rows of unreadable records, or none at all

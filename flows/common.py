@@ -98,7 +98,7 @@ def prepare_stage(cfg: RunConfig, stage: str) -> PreparedRun:
     """The first tasks of every flow: preflight, then the harness's CLI (claude-code, opencode in the local
     sandbox), dataset (and its gate), model and prompts, recorded in the run dir."""
     preflight_task(cfg, stage)
-    if cfg.rollout.sandbox.backend == "local" and cfg.rollout.harness.name in CLI_PACKAGES:
+    if cfg.rollout.sandbox.local and cfg.rollout.harness.name in CLI_PACKAGES:
         prepare_harness_task(cfg.rollout.harness.name)
     dataset, gate = prepare_dataset_task(cfg)  # first: a bad task set needs no model
     model = prepare_model_task(cfg.model.source)

@@ -50,7 +50,7 @@ def check_run(
     problems = (check_run_dir(cfg) if stage != "resume" else []) + harbor
     if stage == "prepare" or harbor:  # prepare needs no sandbox or engine; without harbor the sandbox checks can't run
         return problems
-    problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.harness.policy_api_key_file)
+    problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.harness.policy_key_file())
     if stage in ("train", "resume"):
         problems += sampling_problems(cfg.rollout)
     problems += check_sandbox(cfg.rollout, env, timeout_s) + gpu_problems(cfg) + nccl_problems(cfg)
@@ -135,13 +135,13 @@ def check_harbor(import_module: Callable[[str], object] = importlib.import_modul
 def check_sandbox(
     rollout: RolloutConfig, environ: Mapping[str, str], timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[str]:
-    if rollout.sandbox.backend == "local":
+    if rollout.sandbox.local:
         return check_local_sandbox()
     loaded = check_harbor_environment(rollout.sandbox.backend)
     if loaded:  # nothing more can be asked of an environment Harbor cannot load
         return loaded
     if rollout.sandbox.backend in PROVIDERS:
-        problems = sandbox_key_problems(rollout.sandbox.backend, rollout.sandbox.api_key_file, environ)
+        problems = sandbox_key_problems(rollout.sandbox.backend, rollout.sandbox.key_file(), environ)
     else:
         problems = check_harbor_preflight(rollout.sandbox.backend)
         if rollout.sandbox.backend == "docker" and not problems:

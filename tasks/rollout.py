@@ -140,7 +140,7 @@ def regrade_trials_task(cfg: RunConfig, paths: RunPaths) -> list[Regrade]:
     """Harbor's regrade of up to `report.regrade_per_task` of each task's stored trials, on the run's sandbox
     provider: the verdicts go to the run's regrades.jsonl, where task health reads them."""
     logger = get_run_logger()
-    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.api_key_file)
+    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.key_file())
     regrades = regrade_run(paths.root, cfg, cfg.report.regrade_per_task)
     head, *rows = regrade_summary(regrades)
     logger.info(head)

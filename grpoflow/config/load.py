@@ -8,9 +8,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from grpoflow.config.engine import ENGINE_TYPES
 from grpoflow.config.run import RunConfig
 from grpoflow.config.upgrade import moved_path, upgrade
+from grpoflow.config.variants import VARIANTS
 from grpoflow.errors import ConfigError
 from grpoflow.paths import new_run_id
 
@@ -20,15 +20,17 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     parts = []
     for e in err.errors():
         path, msg, got = list(e["loc"]), e["msg"], e.get("input")
-        if path == ["engine"] and e["type"] == "union_tag_invalid":  # the input is a dict: it has a tag
-            path, msg, got = ["engine", "backend"], f"one of {', '.join(ENGINE_TYPES)}", got.get("backend")
-        elif len(path) > 1 and path[0] == "engine" and path[1] in ENGINE_TYPES:
-            # pydantic puts the chosen backend (the union's tag) into the path: said in words instead
-            backend = path.pop(1)
-            if e["type"] == "missing" or (e["type"] == "string_type" and e.get("input") is None):
-                msg = f"required when engine.backend is `{backend}`"
-            elif e["type"] == "extra_forbidden":
-                msg = f"not a setting of engine.backend `{backend}`"
+        for v in VARIANTS:
+            n = len(v.path)
+            if tuple(path) == v.path and e["type"] == "union_tag_invalid":  # the input is a dict: it has a tag
+                path, msg, got = [*v.path, v.tag], f"one of {', '.join(v.types)}", got.get(v.tag)
+            elif len(path) > n and tuple(path[:n]) == v.path and path[n] in v.types:
+                # pydantic puts the chosen variant (the union's tag) into the path: said in words instead
+                chosen = path.pop(n)
+                if e["type"] == "missing" or (e["type"] == "string_type" and e.get("input") is None):
+                    msg = f"required when {v.dotted}.{v.tag} is `{chosen}`"
+                elif e["type"] == "extra_forbidden":
+                    msg = f"not a setting of {v.dotted}.{v.tag} `{chosen}`"
         loc = ".".join(str(x) for x in path) or "<root>"
         got_s = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=str)[:80]})"
         parts.append(f"field `{loc}`: {msg}{got_s}")
@@ -104,10 +106,12 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
                 raise ConfigError(f"override `{dotted}`: `{p}` is not a section")
             node = child
         node[leaf] = value
-    engine, kind = out.get("engine"), ENGINE_TYPES.get(str(overrides.get("engine.backend")))
-    if isinstance(engine, dict) and kind is not None:
-        # Another backend chosen here: the settings only the one before had go with it (as in the run form).
-        kept = {g.split(".")[1] for g in given if g.startswith("engine.")}  # what the overrides themselves set
-        for name in [k for k in engine if k not in kind.model_fields and k not in kept]:
-            del engine[name]
+    for v in VARIANTS:
+        section = v.section(out)
+        if section is not None and f"{v.dotted}.{v.tag}" in given:
+            # Another variant chosen here: the settings only the one before had go with it (as in the run form).
+            n = len(v.path)
+            kept = {g.split(".")[n] for g in given if g.startswith(v.dotted + ".")}  # what the overrides set
+            for name in [k for k in v.foreign(section) if k not in kept]:
+                del section[name]
     return out

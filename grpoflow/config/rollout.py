@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import urlsplit
 
 from harbor.models.environment_type import EnvironmentType
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from grpoflow.config.base import Section, looks_like_credential, refuse_credentials
+from grpoflow.config.base import Section, any_of_schema, looks_like_credential, refuse_credentials
 from grpoflow.credentials import sandbox_key_var
 from grpoflow.sandbox_settings import sandbox_kwargs_problem
 
-# `local` or any environment type of the installed Harbor, read from its own enum so the two never disagree.
-SandboxName = Literal[("local", *(t.value for t in EnvironmentType))]  # type: ignore[valid-type]
+# Any environment type of the installed Harbor, read from its own enum so the two never disagree.
+HarborEnvironment = Literal[tuple(t.value for t in EnvironmentType)]  # type: ignore[valid-type]
+SandboxName = Literal[("local", *get_args(HarborEnvironment))]  # type: ignore[valid-type]
 # Tool-call formats the session server parses: SGLang's `--tool-call-parser` names for the `<tool_call>` JSON format
 # (`qwen25`, `qwen`), and vLLM's name for the same format (`hermes`).
 TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes")
@@ -58,39 +59,47 @@ class EpisodeConfig(Section):
     output_cap_chars: int = Field(2000, ge=100, description="Command output fed back to the policy is cut to this.")
 
 
-class HarnessConfig(Section):
-    """The agent that runs each trial, and how it reaches the policy."""
+class Harness(Section):
+    """What every harness takes; each harness is a type of its own below, with only the settings it uses. Our shell
+    agent keeps a chat's exact tokens itself and talks to the engine directly; the chat harnesses re-send the
+    conversation as text and reach the policy through the session server, which keeps the tokens."""
 
-    name: Literal["shell", "terminus-2", "claude-code", "opencode"] = Field(
+    # Runs its CLI inside the sandbox (claude-code, opencode): the local sandbox needs the CLI and a bridge to the
+    # session server, and a cut-off turn must end the episode from the server's side (the CLI cannot be told).
+    in_sandbox_cli: ClassVar[bool] = False
+
+    name: str  # each harness's own Literal: what `rollout.harness.name` names, and first in a saved config
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        return refuse_credentials("rollout.harness", cls, data, known=(f for h in HARNESSES for f in h.model_fields))
+
+    def policy_key_file(self) -> str | None:
+        """The file holding the policy endpoint's API key (`policy_api_key_file` of a chat harness)."""
+        return None
+
+
+class ShellHarness(Harness):
+    model_config = ConfigDict(title="shell")
+
+    name: Literal["shell"] = Field(
         "shell",
         description="The agent that runs each trial: `shell` (grpoflow's token-native bash agent), or a Harbor "
         "harness talking to the policy through the session server: `terminus-2` (tmux), `claude-code` (Anthropic "
         "Messages API) or `opencode` (OpenAI chat with tool calls). The local sandbox gets the pinned claude-code "
         "and opencode CLIs from prepare's npm install (npm needed once); cloud sandboxes install them themselves.",
     )
-    tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
-        "qwen25",
-        description="claude-code, opencode: how the policy writes a tool call, by SGLang's `--tool-call-parser` "
-        'name: `qwen25` (or `qwen`; vLLM calls it `hermes`) reads `<tool_call>{"name": ..., "arguments": {...}}'
-        "</tool_call>`.",
-    )
+
+
+class ChatHarness(Harness):
+    """A Harbor harness: it speaks a chat API to the policy, through the session server."""
+
     session_server_url: str | None = Field(
         None,
         description="The URL sandboxes reach the session server at, when they run elsewhere (cloud sandboxes, "
         "Ray nodes), e.g. `http://10.0.0.5:8300`: the server then listens on every interface at that port. "
         "Empty: it listens on loopback only, which the local sandbox reaches through its bridge.",
-    )
-    parser: Literal["json", "xml"] = Field(
-        "json", description="terminus-2: the reply format the policy writes (terminus-2's `parser_name`)."
-    )
-    summarize: bool = Field(
-        False,
-        description="terminus-2: summarise a long episode and continue in a fresh context (compaction; one "
-        "trial then yields several linear segments).",
-    )
-    linear_history: bool = Field(
-        True,
-        description="terminus-2: keep each context (before and after a summary) as its own linear trajectory.",
     )
     policy_api_key_file: str | None = Field(
         None,
@@ -98,11 +107,6 @@ class HarnessConfig(Section):
         "that check one; grpoflow's engine and session server do not). Read when trials start, handed to the "
         "harness by variable name; never stored.",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_credentials(cls, data: Any) -> Any:
-        return refuse_credentials("rollout.harness", cls, data)
 
     @field_validator("session_server_url")
     @classmethod
@@ -116,27 +120,72 @@ class HarnessConfig(Section):
                 )
         return value
 
+    def policy_key_file(self) -> str | None:
+        return self.policy_api_key_file
 
-class SandboxConfig(Section):
-    """Where trials run, and how a sandbox failure is retried."""
 
-    backend: SandboxName = Field(
-        "local",
-        description="Where trials run: `local` (bubblewrap on this machine, no network), or a Harbor environment "
-        "type (`e2b`, `daytona`, `modal`, `docker`, ...) passed to Harbor as `EnvironmentConfig(type=...)`.",
+class Terminus2Harness(ChatHarness):
+    model_config = ConfigDict(title="terminus-2")
+
+    name: Literal["terminus-2"] = Field(
+        "terminus-2", description="`terminus-2`: Harbor's tmux agent, driven from this process."
     )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments of the sandbox environment (Harbor's `EnvironmentConfig.kwargs`), e.g. "
-        "`sandbox_timeout_secs` for e2b or `memory_mb` for local (whose keys and values are checked here). Harbor "
-        "writes them to every trial's config.json: credentials never go here.",
+    parser: Literal["json", "xml"] = Field(
+        "json", description="The reply format the policy writes (terminus-2's `parser_name`)."
     )
-    api_key_file: str | None = Field(
-        None,
-        description="File holding the sandbox provider's API key (for e2b: the `E2B_API_KEY` value). Read when "
-        "trials start and handed to the provider through the process environment; never stored. Empty: the key "
-        "comes from the environment variable.",
+    summarize: bool = Field(
+        False,
+        description="Summarise a long episode and continue in a fresh context (compaction; one trial then yields "
+        "several linear segments).",
     )
+    linear_history: bool = Field(
+        True, description="Keep each context (before and after a summary) as its own linear trajectory."
+    )
+
+
+class ToolCallingHarness(ChatHarness):
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
+        "qwen25",
+        description="How the policy writes a tool call, by SGLang's `--tool-call-parser` name: `qwen25` (or `qwen`; "
+        'vLLM calls it `hermes`) reads `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.',
+    )
+
+
+class ClaudeCodeHarness(ToolCallingHarness):
+    model_config = ConfigDict(title="claude-code")
+
+    in_sandbox_cli = True
+
+    name: Literal["claude-code"] = Field(
+        "claude-code", description="`claude-code`: the Claude Code CLI in the sandbox, on the Anthropic Messages API."
+    )
+
+
+class OpenCodeHarness(ToolCallingHarness):
+    model_config = ConfigDict(title="opencode")
+
+    in_sandbox_cli = True
+
+    name: Literal["opencode"] = Field(
+        "opencode", description="`opencode`: the opencode CLI in the sandbox, on OpenAI chat with tool calls."
+    )
+
+
+HARNESSES: tuple[type[Harness], ...] = (ShellHarness, Terminus2Harness, ClaudeCodeHarness, OpenCodeHarness)
+# The harness section: one of the harnesses, told apart by `rollout.harness.name`.
+HarnessConfig = Annotated[
+    ShellHarness | Terminus2Harness | ClaudeCodeHarness | OpenCodeHarness, Field(discriminator="name")
+]
+HARNESS_TYPES: dict[str, type[Harness]] = {get_args(h.model_fields["name"].annotation)[0]: h for h in HARNESSES}
+
+
+class Sandbox(Section):
+    """Where trials run, and how a sandbox failure is retried; each kind of sandbox is a type of its own below."""
+
+    local: ClassVar[bool] = False  # runs on this machine (grpoflow's bubblewrap sandbox), not in Harbor's
+
+    backend: str  # each sandbox's own Literal: what `rollout.sandbox.backend` names, and first in a saved config
+    kwargs: dict[str, Any]
     create_limit: str | None = Field(
         "sandbox-create",
         description="Name of a Prefect global concurrency limit held while a sandbox starts, bounding sandbox "
@@ -160,30 +209,89 @@ class SandboxConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _no_credentials(cls, data: Any) -> Any:
-        return refuse_credentials("rollout.sandbox", cls, data)
+        return refuse_credentials("rollout.sandbox", cls, data, known=HarborSandboxConfig.model_fields)
 
-    @model_validator(mode="after")
-    def _sandbox_settings(self) -> SandboxConfig:
-        secret = [k for k in self.kwargs if looks_like_credential(k)]
+    @field_validator("kwargs")
+    @classmethod
+    def _no_credentials_in_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        secret = [k for k in kwargs if looks_like_credential(k)]
         if secret:
             raise ValueError(
                 f"`rollout.sandbox.kwargs.{secret[0]}`: looks like a credential, and Harbor writes sandbox kwargs "
                 "to every trial's config.json; put the key in the provider's environment variable or name a key "
                 "file in rollout.sandbox.api_key_file"
             )
-        if self.backend == "local" and (problem := sandbox_kwargs_problem(self.kwargs)):
+        return kwargs
+
+    def key_file(self) -> str | None:
+        """The file holding the provider's API key (`api_key_file` of a Harbor environment)."""
+        return None
+
+
+class LocalSandboxConfig(Sandbox):
+    model_config = ConfigDict(title="local")
+
+    local = True
+
+    backend: Literal["local"] = Field(
+        "local",
+        description="Where trials run: `local` (bubblewrap on this machine, no network), or a Harbor environment "
+        "type (`e2b`, `daytona`, `modal`, `docker`, ...) passed to Harbor as `EnvironmentConfig(type=...)`.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The local sandbox's settings (`memory_mb`, `cpu_time_sec`, `storage_mb`, ...; keys and values "
+        "are checked here), passed as Harbor's `EnvironmentConfig.kwargs`.",
+    )
+
+    @field_validator("kwargs")
+    @classmethod
+    def _local_settings(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if problem := sandbox_kwargs_problem(kwargs):
             raise ValueError(problem)
+        return kwargs
+
+
+class HarborSandboxConfig(Sandbox):
+    model_config = ConfigDict(title="harbor")
+
+    backend: HarborEnvironment = Field(  # type: ignore[valid-type]
+        ...,
+        description="A Harbor environment type (`e2b`, `daytona`, `modal`, `docker`, ...), passed to Harbor as "
+        "`EnvironmentConfig(type=...)`.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the sandbox environment (Harbor's `EnvironmentConfig.kwargs`), e.g. "
+        "`sandbox_timeout_secs` for e2b. Harbor writes them to every trial's config.json: credentials never go here.",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="File holding the sandbox provider's API key (for e2b: the `E2B_API_KEY` value). Read when "
+        "trials start and handed to the provider through the process environment; never stored. Empty: the key "
+        "comes from the environment variable.",
+    )
+
+    @model_validator(mode="after")
+    def _known_key_var(self) -> HarborSandboxConfig:
         if self.api_key_file is not None and sandbox_key_var(self.backend) is None:
-            why = (
-                "the local sandbox needs no key"
-                if self.backend == "local"
-                else (
-                    f"grpoflow does not know which variable sandbox `{self.backend}` reads its key from; give its "
-                    "credentials in the environment as Harbor documents"
-                )
+            raise ValueError(
+                f"`rollout.sandbox.api_key_file`: grpoflow does not know which variable sandbox `{self.backend}` "
+                "reads its key from; give its credentials in the environment as Harbor documents"
             )
-            raise ValueError(f"`rollout.sandbox.api_key_file`: {why}")
         return self
+
+    def key_file(self) -> str | None:
+        return self.api_key_file
+
+
+# The sandbox section: the local one, or a Harbor environment, told apart by `rollout.sandbox.backend`.
+SandboxConfig = Annotated[LocalSandboxConfig | HarborSandboxConfig, Field(discriminator="backend")]
+SANDBOX_TYPES: dict[str, type[Sandbox]] = {
+    name: s
+    for s in (LocalSandboxConfig, HarborSandboxConfig)
+    for name in get_args(s.model_fields["backend"].annotation)
+}
 
 
 class RolloutConfig(Section):
@@ -204,10 +312,14 @@ class RolloutConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="How the engine samples each turn.")
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="The limits of one episode.")
     harness: HarnessConfig = Field(
-        default_factory=HarnessConfig, description="The agent that runs each trial, and how it reaches the policy."
+        default_factory=ShellHarness,
+        description="The agent that runs each trial (`rollout.harness.name`), and how it reaches the policy.",
+        json_schema_extra=any_of_schema,
     )
     sandbox: SandboxConfig = Field(
-        default_factory=SandboxConfig, description="Where trials run, and how a sandbox failure is retried."
+        default_factory=LocalSandboxConfig,
+        description="Where trials run (`rollout.sandbox.backend`), and how a sandbox failure is retried.",
+        json_schema_extra=any_of_schema,
     )
 
     @model_validator(mode="before")

@@ -7,21 +7,15 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from grpoflow.config.base import Section
+from grpoflow.config.base import Section, any_of_schema
 from grpoflow.config.data import DatasetConfig, ModelConfig, PromptsConfig
 from grpoflow.config.engine import EmbeddedEngine, EngineConfig
 from grpoflow.config.rollout import RolloutConfig
 from grpoflow.config.train import TrainConfig
 from grpoflow.config.upgrade import CONFIG_VERSION, upgrade
+from grpoflow.config.variants import name_variants
 from grpoflow.errors import ConfigError
 from grpoflow.paths import RUN_ID_PATTERN
-
-
-def _any_of(schema: dict[str, Any]) -> None:
-    # Prefect checks a deployment's parameters against the schema without their required fields, so a partial
-    # engine (`{deterministic: true}`) fits every backend's type and `oneOf` refuses it; the discriminator still
-    # tells the backends apart.
-    schema["anyOf"] = schema.pop("oneOf")
 
 
 class ReportConfig(Section):
@@ -109,7 +103,7 @@ class RunConfig(Section):
     engine: EngineConfig = Field(
         default_factory=EmbeddedEngine,
         description="The inference engine: its backend (`engine.backend`) and the settings that backend takes.",
-        json_schema_extra=_any_of,
+        json_schema_extra=any_of_schema,
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Agent trials per step.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The GRPO update.")
@@ -122,11 +116,8 @@ class RunConfig(Section):
         # Prefect hands its flow parameter here directly: a deployment may still spell an older layout.
         if not isinstance(data, dict):
             return data
-        engine = data.get("engine")
-        if isinstance(engine, dict) and "backend" not in engine:
-            data = {**data, "engine": {**engine, "backend": "embedded"}}  # what a config that names none runs on
         try:
-            data = upgrade(data)
+            data = name_variants(upgrade(data))
         except ConfigError as err:
             raise ValueError(str(err)) from None
         return {**data, "config_version": CONFIG_VERSION}
@@ -142,8 +133,8 @@ class RunConfig(Section):
         # A key read from a file reaches only this process's environment; Ray workers would start sandboxes
         # without it, and grpoflow ships no secret through Ray.
         keys = {
-            "rollout.sandbox.api_key_file": self.rollout.sandbox.api_key_file,
-            "rollout.harness.policy_api_key_file": self.rollout.harness.policy_api_key_file,
+            "rollout.sandbox.api_key_file": self.rollout.sandbox.key_file(),
+            "rollout.harness.policy_api_key_file": self.rollout.harness.policy_key_file(),
         }
         for name, value in keys.items():
             if self.cluster.ray_address and value:

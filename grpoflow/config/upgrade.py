@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from grpoflow.config.engine import ENGINE_TYPES
+from grpoflow.config.variants import VARIANTS
 from grpoflow.errors import ConfigError
 
-# The layout this grpoflow writes (`RunConfig.config_version`). 2: the engine section is its backend's type.
-CONFIG_VERSION = 2
+# The layout this grpoflow writes (`RunConfig.config_version`). 2: the engine section is its backend's type; 3: the
+# harness and the sandbox sections are too.
+CONFIG_VERSION = 3
 
 # Where each setting went when `rollout`, `train` and `engine` were grouped by concern: old dotted path -> new one.
 # Run dirs made before keep config.json in the old layout (resume and rerun read it), deployments and `--set` keys
@@ -118,36 +119,56 @@ def _moved(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-# Version 1 gave every engine all five backends' settings, and each backend read its own: a saved config lists
-# them all. Their version 1 defaults, which a version 1 config may carry beside any backend.
-_V1_ENGINE_DEFAULTS: dict[str, Any] = {
-    "url": None,
-    "embedded": {"threads": 1, "replicas": 1, "router_policy": "cache_aware", "max_batch_size": 16},
-    "launch": {"device": "cuda", "mem_fraction_static": 0.8, "startup_timeout_s": 900.0},
-    "sglang": {"python": None, "args": [], "max_total_tokens": None},
-    "vllm": {"python": None, "args": []},
+# Until version 2 the engine section held all five backends' settings, and until version 3 the harness section all
+# four harnesses' and the sandbox section the key file of cloud sandboxes, each read only by the variant it
+# belongs to: a saved config lists them all. Their old defaults, which such a config may carry beside any variant.
+_OLD_DEFAULTS: dict[tuple[str, ...], tuple[int, dict[str, Any]]] = {  # section -> (the last version with them, ...)
+    ("engine",): (
+        1,
+        {
+            "url": None,
+            "embedded": {"threads": 1, "replicas": 1, "router_policy": "cache_aware", "max_batch_size": 16},
+            "launch": {"device": "cuda", "mem_fraction_static": 0.8, "startup_timeout_s": 900.0},
+            "sglang": {"python": None, "args": [], "max_total_tokens": None},
+            "vllm": {"python": None, "args": []},
+        },
+    ),
+    ("rollout", "harness"): (
+        2,
+        {
+            "tool_call_parser": "qwen25",
+            "session_server_url": None,
+            "parser": "json",
+            "summarize": False,
+            "linear_history": True,
+            "policy_api_key_file": None,
+        },
+    ),
+    ("rollout", "sandbox"): (2, {"api_key_file": None}),
 }
 
 
-def _v1_engine(engine: dict[str, Any], saved: bool) -> None:
-    """Version 1's engine section as its backend's type, in place: the settings of other backends go when they hold
-    their defaults, or always in a run's own saved config (where they never took effect); a chosen value stays,
-    for validation to name."""
-    if "backend" not in engine:
-        return  # a part of a config, merged with others before it is validated (`RunConfig` names the default)
-    kind = ENGINE_TYPES.get(engine["backend"])
-    if kind is None:
-        return  # validation names it
-    for name, default in _V1_ENGINE_DEFAULTS.items():
-        if name in engine and name not in kind.model_fields:
-            value = engine[name]
-            at_default = value == default or (
-                isinstance(value, dict)
-                and isinstance(default, dict)
-                and all(default.get(k) == v for k, v in value.items())
-            )
-            if saved or at_default:
-                del engine[name]
+def _at_default(value: Any, default: Any) -> bool:
+    if isinstance(value, dict) and isinstance(default, dict):
+        return all(default.get(k) == v for k, v in value.items())
+    return value == default
+
+
+def _one_variant(data: dict[str, Any], version: int, saved: bool) -> None:
+    """Each variant section of an older config as its variant's type, in place: the settings of other variants go
+    when they hold their old defaults (whichever variant a merge ends on, nothing changes), or always in a run's own
+    saved config (where they never took effect); a chosen value stays, for validation to name."""
+    for v in VARIANTS:
+        last, defaults = _OLD_DEFAULTS[v.path]
+        section = v.section(data)
+        if version > last or section is None:
+            continue
+        kind = v.types.get(str(section.get(v.tag, v.default)))
+        if kind is None:
+            continue  # validation names it
+        for name, default in defaults.items():
+            if name in section and name not in kind.model_fields and (saved or _at_default(section[name], default)):
+                del section[name]
 
 
 def _v1_saved(data: dict[str, Any]) -> None:
@@ -167,7 +188,7 @@ def _v1_saved(data: dict[str, Any]) -> None:
 
 def upgrade(data: dict[str, Any], saved: bool = False) -> dict[str, Any]:
     """`data` (left as it is) in today's layout, whichever version wrote it (`config_version`; none: 1): old flat
-    names moved (`MOVED_SETTINGS`) and, from version 1, the engine's settings of other backends left out. `saved`:
+    names moved (`MOVED_SETTINGS`) and each variant section's settings of other variants left out (`_one_variant`). `saved`:
     `data` is a run's own config.json, which lists every setting it had; a version 1 one gets what the run did for
     the settings that came after it."""
     version = data.get("config_version", 1)
@@ -176,9 +197,7 @@ def upgrade(data: dict[str, Any], saved: bool = False) -> dict[str, Any]:
             f"`config_version` {version!r}: this grpoflow reads versions 1 to {CONFIG_VERSION} (a newer one wrote it?)"
         )
     out = _moved(copy.deepcopy(data))
-    if version == 1:
-        if isinstance(out.get("engine"), dict):
-            _v1_engine(out["engine"], saved)
-        if saved:
-            _v1_saved(out)
+    _one_variant(out, version, saved)
+    if version == 1 and saved:
+        _v1_saved(out)
     return out

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.config import Engine, RolloutConfig
+from grpoflow.config import ChatHarness, Engine, RolloutConfig, Terminus2Harness
 from grpoflow.credentials import POLICY_KEY_VAR
 from grpoflow.errors import ConfigError
 from grpoflow.prepare.clis import CLI_PACKAGES
@@ -82,12 +82,6 @@ class HarnessBinding:
     build: Callable[[BindingInput], AgentConfig]
     # Extra kwargs of the local sandbox this harness needs (terminus-2: a tmux server that lives across execs).
     local_sandbox_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    # Speaks OpenAI chat and re-sends the conversation as text: reaches the policy through the session server,
-    # which keeps the exact tokens. Our shell agent keeps them itself and talks to the engine directly.
-    via_session_server: bool = True
-    # Runs its CLI inside the sandbox (claude-code, opencode): the local sandbox needs the CLI and a bridge to the
-    # session server, and a cut-off turn must end the episode from the server's side (the CLI cannot be told).
-    in_sandbox_cli: bool = False
 
 
 def sampling_params(rollout: RolloutConfig, seed: int) -> dict[str, Any]:
@@ -122,10 +116,11 @@ def _shell(b: BindingInput) -> AgentConfig:
 
 
 def _terminus(b: BindingInput) -> AgentConfig:
-    r, ep = b.rollout, b.endpoint
+    r, ep, harness = b.rollout, b.endpoint, b.rollout.harness
+    assert isinstance(harness, Terminus2Harness)
     kwargs: dict[str, Any] = {
         "api_base": ep.api_base,
-        "parser_name": r.harness.parser,
+        "parser_name": harness.parser,
         "llm_call_kwargs": sampling_params(r, b.spec.seed),
         # Terminus-2 has no api_key parameter: LiteLLM takes it from llm_kwargs (or the key variable below).
         "llm_kwargs": {} if ep.key_from_env else {"api_key": LOCAL_API_KEY},
@@ -139,8 +134,8 @@ def _terminus(b: BindingInput) -> AgentConfig:
             "cache_creation_input_token_cost": 0.0,
             "cache_read_input_token_cost": 0.0,
         },
-        "enable_summarize": r.harness.summarize,
-        "trajectory_config": {"linear_history": r.harness.linear_history},
+        "enable_summarize": harness.summarize,
+        "trajectory_config": {"linear_history": harness.linear_history},
         "collect_rollout_details": True,
         "max_turns": r.episode.max_turns,  # always set (0 means no turn), never left to terminus-2's 1e6
         "suppress_max_turns_warning": True,
@@ -214,11 +209,12 @@ def _policy_hosts(ep: TrialEndpoint) -> list[str]:
 def sandbox_allowed_hosts(rollout: RolloutConfig) -> list[str]:
     """What the sandbox of a CLI harness must reach: the session server (loopback through the local sandbox's
     bridge, else `rollout.harness.session_server_url`'s host); nothing for the other harnesses."""
-    if not get_binding(rollout.harness.name).in_sandbox_cli:
+    harness = rollout.harness
+    if not isinstance(harness, ChatHarness) or not harness.in_sandbox_cli:
         return []
-    if rollout.sandbox.backend == "local" or rollout.harness.session_server_url is None:
+    if rollout.sandbox.local or harness.session_server_url is None:
         return [BRIDGE_HOST]
-    return [urlsplit(rollout.harness.session_server_url).hostname or ""]
+    return [urlsplit(harness.session_server_url).hostname or ""]
 
 
 def opencode_model(model: str) -> str:
@@ -252,10 +248,10 @@ def _opencode(b: BindingInput) -> AgentConfig:
 CLI_SANDBOX = {"process_scope": "trial", "memory_mb": 16384}
 
 HARNESSES: dict[str, HarnessBinding] = {
-    "shell": HarnessBinding("grpoflow-shell", _shell, via_session_server=False),
+    "shell": HarnessBinding("grpoflow-shell", _shell),
     "terminus-2": HarnessBinding("terminus-2", _terminus, local_sandbox_kwargs={"process_scope": "trial"}),
-    "claude-code": HarnessBinding("claude-code", _claude_code, local_sandbox_kwargs=CLI_SANDBOX, in_sandbox_cli=True),
-    "opencode": HarnessBinding("opencode", _opencode, local_sandbox_kwargs=CLI_SANDBOX, in_sandbox_cli=True),
+    "claude-code": HarnessBinding("claude-code", _claude_code, local_sandbox_kwargs=CLI_SANDBOX),
+    "opencode": HarnessBinding("opencode", _opencode, local_sandbox_kwargs=CLI_SANDBOX),
 }
 
 
@@ -270,22 +266,22 @@ def get_binding(harness: str) -> HarnessBinding:
 
 def harness_problems(rollout: RolloutConfig) -> list[str]:
     """What stops `rollout.harness.name` from running on this machine (one line each; empty: fine)."""
-    binding = get_binding(rollout.harness.name)
-    if rollout.sandbox.backend != "local":
-        if binding.in_sandbox_cli and rollout.harness.session_server_url is None:
+    harness = rollout.harness
+    if not rollout.sandbox.local:
+        if isinstance(harness, ChatHarness) and harness.in_sandbox_cli and harness.session_server_url is None:
             # the CLI calls the policy from the cloud sandbox, which cannot reach this machine's loopback
             return [
                 f"rollout.harness.name={rollout.harness.name} on rollout.sandbox.backend={rollout.sandbox.backend} calls the session server "
                 "from the sandbox: set rollout.harness.session_server_url to an address the sandbox reaches"
             ]
         return []
-    if rollout.harness.name == "terminus-2" and shutil.which("tmux") is None:
+    if isinstance(harness, Terminus2Harness) and shutil.which("tmux") is None:
         # The local sandbox shows the host's /usr, and terminus-2 drives a tmux in it (it cannot install one
         # offline).
         return [
             "rollout.harness.name=terminus-2 needs tmux on this machine for the local sandbox: apt-get install -y tmux"
         ]
-    if binding.in_sandbox_cli and not Path(SANDBOX_PYTHON).is_file():
+    if harness.in_sandbox_cli and not Path(SANDBOX_PYTHON).is_file():
         # the bridge's forwarder inside the sandbox runs on the host's python3, which the sandbox sees in /usr
         return [
             f"rollout.harness.name={rollout.harness.name} needs {SANDBOX_PYTHON} on this machine for the local sandbox's "
@@ -321,7 +317,7 @@ def agent_factory(
     base = engine_url.rstrip("/")
     url_of = api_base_for or (lambda spec: f"{base}/v1")
     served = model_alias(model or tokenizer_path)
-    key_from_env = rollout.harness.policy_api_key_file is not None
+    key_from_env = rollout.harness.policy_key_file() is not None
 
     def make(spec: TrialSpec) -> AgentConfig:
         token = token_for(spec) if token_for is not None else None

@@ -16,12 +16,12 @@ from urllib.parse import urlsplit
 
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.config import Engine, RolloutConfig
+from grpoflow.config import ChatHarness, Engine, RolloutConfig, ToolCallingHarness
 from grpoflow.engine.client import token_budget
 from grpoflow.engine.clients import client_of
 from grpoflow.prepare.clis import installed_cli
 from grpoflow.rollout.environments import BRIDGE_HOST
-from grpoflow.rollout.harnesses import agent_factory, get_binding
+from grpoflow.rollout.harnesses import agent_factory
 from grpoflow.rollout.sessions.segments import segment_samples
 from grpoflow.rollout.sessions.server import SessionServer, SessionSettings
 from grpoflow.rollout.trials import TrialOutcome, TrialSpec
@@ -82,8 +82,8 @@ async def policy_access(
     Episodes are bounded by `rollout.episode.max_context_tokens` or the engine's context, whichever is smaller.
     `lora_path`: the adapter every generation names (a LoRA run's adapter sync, `grpoflow.train.sync`)."""
     rollout = await fit_to_engine(rollout, engine, engine_url)
-    binding = get_binding(rollout.harness.name)
-    if not binding.via_session_server:
+    harness = rollout.harness
+    if not isinstance(harness, ChatHarness):  # our shell agent: tokens in and out on the engine's /generate
         make = agent_factory(rollout, engine, engine_url, tokenizer_path, lora_path=lora_path)
         yield PolicyAccess(make)
         return
@@ -99,14 +99,14 @@ async def policy_access(
         },
         engine=engine,
         lora_path=lora_path,
-        tool_call_parser=rollout.harness.tool_call_parser,
-        truncation_ends_episode=binding.in_sandbox_cli and rollout.episode.early_truncation_exit,
+        tool_call_parser=harness.tool_call_parser if isinstance(harness, ToolCallingHarness) else None,
+        truncation_ends_episode=harness.in_sandbox_cli and rollout.episode.early_truncation_exit,
     )
-    server = SessionServer(settings, public_url=rollout.harness.session_server_url)
+    server = SessionServer(settings, public_url=harness.session_server_url)
     async with server:
         sandbox_kwargs: dict[str, Any] = {}
         url_of = server.session_url
-        if binding.in_sandbox_cli and rollout.sandbox.backend == "local":
+        if harness.in_sandbox_cli and rollout.sandbox.local:
             # The CLI runs in the sandbox: prepare's pinned install, shown read-only, and a bridge from the
             # sandbox's loopback port to the server (wherever it listens), so the harness's URL is the loopback one.
             at = urlsplit(server.url)

@@ -22,7 +22,7 @@ def sandbox_config(rollout: RolloutConfig, **kwargs: Any) -> EnvironmentConfig:
     """
     merged = {**rollout.sandbox.kwargs, **kwargs}
     hosts = sandbox_allowed_hosts(rollout)  # a CLI harness's session server (Harbor's network policy)
-    if rollout.sandbox.backend == "local":
+    if rollout.sandbox.local:
         merged = {**get_binding(rollout.harness.name).local_sandbox_kwargs, **merged}
         return EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs=merged, extra_allowed_hosts=hosts)
     return EnvironmentConfig(type=EnvironmentType(rollout.sandbox.backend), kwargs=merged, extra_allowed_hosts=hosts)

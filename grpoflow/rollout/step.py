@@ -267,8 +267,8 @@ async def collect_with(
     `hooks` what happens."""
     hooks = hooks or RolloutHooks()
     await hooks.started(label, len(specs), len(read_journal(details_dir)))
-    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.api_key_file)
-    export_policy_key(cfg.rollout.harness.policy_api_key_file)
+    export_sandbox_key(cfg.rollout.sandbox.backend, cfg.rollout.sandbox.key_file())
+    export_policy_key(cfg.rollout.harness.policy_key_file())
     async with policy_access(
         cfg.rollout, cfg.engine, setup.engine_url, setup.tokenizer_path, setup.lora_path
     ) as policy:

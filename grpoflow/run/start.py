@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpoflow.config import RunConfig
+from grpoflow.config import ChatHarness, RunConfig
 from grpoflow.errors import DatasetError, ModelError, RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.paths import RunPaths, create_run_dir
@@ -49,7 +49,7 @@ def load_run_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> Dataset:
     `cache_dir`), so a resumed run finds the very tasks it started with."""
     return load_dataset(
         cfg.dataset.path,
-        local_sandbox=cfg.rollout.sandbox.backend == "local",
+        local_sandbox=cfg.rollout.sandbox.local,
         seed=cfg.seed,
         cache_dir=cache_dir,
         build_images=cfg.dataset.build_images,
@@ -105,7 +105,8 @@ def record_run(
     """Create runs/<run_id>/ and write config.json, run.json (provenance; the flow run and the deployment that
     started it; the split: which tasks and families on which side), prompts.jsonl and, with `gate`, gate.json
     (the dataset gate's verdict per task dir)."""
-    if cfg.rollout.harness.name == "shell":  # it extends the chat token by token; the session server can re-tokenise
+    # The shell agent extends a chat token by token; the session server of the chat harnesses can re-tokenise.
+    if not isinstance(cfg.rollout.harness, ChatHarness):
         try:
             check_chat_template(load_tokenizer(model.path))
         except TemplateError as err:

@@ -218,7 +218,7 @@ def _run(specs: list[TrialSpec], rollout: RolloutConfig, reward: RewardRule | No
     # The oracle and the no-op reach no host: a CLI harness's session-server allowance has nothing to serve here,
     # and the local sandbox refuses a host it cannot reach.
     environment = sandbox_config(rollout).model_copy(update={"extra_allowed_hosts": []})
-    export_sandbox_key(rollout.sandbox.backend, rollout.sandbox.api_key_file)
+    export_sandbox_key(rollout.sandbox.backend, rollout.sandbox.key_file())
     outcomes: dict[str, TrialOutcome] = {}
     with tempfile.TemporaryDirectory(prefix="grpoflow-gate-") as tmp:
         result = asyncio.run(

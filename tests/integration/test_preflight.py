@@ -459,7 +459,7 @@ def test_missing_policy_key_file_is_a_problem(tmp_path):
         {
             "output_dir": str(tmp_path),
             "run_id": "h2",
-            "rollout": {"harness": {"policy_api_key_file": str(tmp_path / "nope.key")}},
+            "rollout": {"harness": {"name": "terminus-2", "policy_api_key_file": str(tmp_path / "nope.key")}},
         }
     )
     problems = check_run(cfg, "train")

@@ -10,9 +10,11 @@ from grpoflow.config import (
     CONFIG_VERSION,
     ENGINE_TYPES,
     MOVED_SETTINGS,
+    OpenCodeHarness,
     RunConfig,
     SglangLaunch,
     SglangServer,
+    Terminus2Harness,
     apply_overrides,
     load_run_config,
     parse_run_config,
@@ -285,8 +287,82 @@ def test_another_backend_s_chosen_setting_is_named_unless_the_run_saved_it(tmp_p
 
 
 def test_a_newer_config_version_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"`config_version` 3: this grpoflow reads versions 1 to 2"):
-        parse_run_config({"config_version": 3})
+    newer = CONFIG_VERSION + 1
+    with pytest.raises(
+        ConfigError, match=rf"`config_version` {newer}: this grpoflow reads versions 1 to {CONFIG_VERSION}"
+    ):
+        parse_run_config({"config_version": newer})
+
+
+V2_CONFIG = Path(__file__).parent / "fixtures" / "config_v2.json"  # a terminus-2 run's, as version 2 saved it
+
+
+def test_a_version_2_config_keeps_loading_with_each_variant_as_its_type(tmp_path):
+    saved = json.loads(V2_CONFIG.read_text())
+    assert saved["config_version"] == 2 and "tool_call_parser" in saved["rollout"]["harness"]  # every harness's
+    expected = parse_run_config(
+        {
+            "run_id": "saved-at-config-version-2",
+            "rollout": {
+                "harness": {"name": "terminus-2", "summarize": True},
+                "sandbox": {"kwargs": {"memory_mb": 4096}},
+            },
+        }
+    )
+    assert parse_run_config(saved) == expected  # the other harnesses' settings held their defaults: they go
+    assert RunConfig.model_validate(saved) == expected  # as Prefect validates a deployment's parameters
+    # A run's own config.json lists every setting; one of another harness never took effect, whatever its value.
+    saved["rollout"]["harness"]["tool_call_parser"] = "hermes"
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
+    from grpoflow.run.resume import load_saved_config
+
+    assert load_saved_config(tmp_path / "old") == expected
+    # A config someone wrote, though, is told that the value it chose does nothing there.
+    with pytest.raises(
+        ConfigError,
+        match="field `rollout.harness.tool_call_parser`: not a setting of rollout.harness.name `terminus-2`",
+    ):
+        parse_run_config(saved)
+
+
+@pytest.mark.parametrize(
+    ("given", "error"),
+    [
+        (
+            {"harness": {"name": "shell", "summarize": True}},
+            "`rollout.harness.summarize`: not a setting of rollout.harness.name `shell`",
+        ),
+        (
+            {"harness": {"name": "opencode", "parser": "xml"}},
+            "`rollout.harness.parser`: not a setting of rollout.harness.name `opencode`",
+        ),
+        ({"harness": {"name": "aider"}}, "`rollout.harness.name`: one of shell, terminus-2, claude-code, opencode"),
+        (
+            {"sandbox": {"api_key_file": "/k"}},
+            "`rollout.sandbox.api_key_file`: not a setting of rollout.sandbox.backend `local`",
+        ),
+        ({"sandbox": {"backend": "e2b", "kwargs": {"memory_mb": "x"}}}, None),
+        (
+            {"sandbox": {"kwargs": {"memory_mb": "x"}}},
+            "`rollout.sandbox.kwargs.memory_mb`: Input should be a valid integer",
+        ),
+    ],
+)
+def test_a_setting_exists_only_in_the_variant_it_means_something_in(given, error):
+    if error is None:
+        assert parse_run_config({"rollout": given}).rollout.sandbox.kwargs == {"memory_mb": "x"}  # e2b's own kwargs
+    else:
+        with pytest.raises(ConfigError, match=re.escape(error)):
+            parse_run_config({"rollout": given})
+
+
+def test_choosing_another_harness_by_override_leaves_the_old_one_s_settings():
+    before = parse_run_config({"rollout": {"harness": {"name": "terminus-2", "summarize": True}}}).model_dump()
+    after = parse_run_config(apply_overrides(before, {"rollout.harness.name": "opencode"}))
+    assert after.rollout.harness == OpenCodeHarness()
+    kept = apply_overrides(before, {"rollout.harness.name": "terminus-2", "rollout.harness.parser": "xml"})
+    assert parse_run_config(kept).rollout.harness == Terminus2Harness(summarize=True, parser="xml")
 
 
 def test_choosing_another_backend_by_override_leaves_the_old_one_s_settings():
@@ -391,7 +467,7 @@ def _field_counts(model: type[BaseModel], prefix: str = "") -> dict[str, int]:
     for name in model.model_fields:
         variants = _sections(model, name)
         for section in variants:  # a section with variants counts each: `engine[sglang-launch]`
-            tag = f"[{get_args(section.model_fields['backend'].annotation)[0]}]" if len(variants) > 1 else ""
+            tag = f"[{section.model_config['title']}]" if len(variants) > 1 else ""
             counts |= _field_counts(section, f"{prefix}{name}{tag}.")
     return counts
 
@@ -403,8 +479,12 @@ def test_fields_per_group():
         "rollout": 8,
         "rollout.sampling": 4,
         "rollout.episode": 5,
-        "rollout.harness": 7,
-        "rollout.sandbox": 7,
+        "rollout.harness[shell]": 1,
+        "rollout.harness[terminus-2]": 6,
+        "rollout.harness[claude-code]": 4,
+        "rollout.harness[opencode]": 4,
+        "rollout.sandbox[local]": 6,
+        "rollout.sandbox[harbor]": 7,
         "train": 12,
         "train.loss": 12,
         "train.optimizer": 3,

@@ -121,7 +121,10 @@ def test_opencode_talks_chat_completions_to_our_url_under_its_own_provider_id(tm
 def test_unknown_harness_and_harnesses_the_sandbox_cannot_run_fail_before_any_trial():
     with pytest.raises(ConfigError, match=r"rollout.harness.name `aider`: unknown; known harnesses: shell, terminus-2"):
         get_binding("aider")
-    with pytest.raises(ConfigError, match=r"field `rollout.harness.name`: Input should be"):
+    with pytest.raises(
+        ConfigError,
+        match=r"field `rollout.harness.name`: one of shell, terminus-2, claude-code, opencode \(got \"aider\"\)",
+    ):
         parse_run_config({"rollout": {"harness": {"name": "aider"}}})
     for url in ("10.0.0.5", "https://10.0.0.5:8300"):
         with pytest.raises(ConfigError, match=r"rollout.harness.session_server_url.*give http://<host>:<port>"):

@@ -54,9 +54,8 @@ def test_manual_train_run_form(prefect_stack, browser):
     # Choices are dropdowns with exactly the allowed values, preset to the default.
     selects = browser.evaluate(SELECTS)
     assert ["token", "sample"] in selects and ["drop_group", "keep_group"] in selects, selects
-    assert any("local" in s and "e2b" in s for s in selects), selects
     selected = browser.evaluate(SELECTED)
-    assert {"local", "token", "drop_group"} <= set(selected), selected
+    assert {"token", "drop_group"} <= set(selected), selected
     # Defaults are filled in.
     values = browser.evaluate(VALUES)
     assert {"smollm2-135m-instruct", "builtin", "runs", "0.5", "16"} <= set(values), values
@@ -74,6 +73,20 @@ def test_manual_train_run_form(prefect_stack, browser):
         time.sleep(0.3)
     assert "Max Total Tokens (Optional)" in labels and "Router Policy (Optional)" not in labels
     _shot(browser, "manual-train-run-form-sglang-launch.png", height=2200)
+    # The harness and the sandbox are types too: a choice of each, the chosen one's settings below it.
+    buttons = browser.evaluate("[...document.querySelectorAll('button')].map(b => b.innerText.trim())")
+    for variants in (["shell", "terminus-2", "claude-code", "opencode"], ["local", "harbor"]):
+        assert [b for b in buttons if b in variants] == variants, buttons
+    assert not {"Summarize (Optional)", "Api Key File (Optional)"} & labels, labels
+    for choice, shows in [("terminus-2", "Summarize (Optional)"), ("harbor", "Api Key File (Optional)")]:
+        browser.click_text(choice)
+        deadline = time.monotonic() + 30
+        while shows not in set(browser.text().splitlines()):
+            assert time.monotonic() < deadline, f"choosing {choice} did not show {shows!r}"
+            time.sleep(0.3)
+    assert "Tool Call Parser (Optional)" not in set(browser.text().splitlines())  # claude-code's and opencode's
+    assert any("e2b" in s and "local" not in s for s in browser.evaluate(SELECTS))  # Harbor's environments
+    _shot(browser, "manual-train-run-form-terminus-2-harbor.png", height=2200)
 
 
 # Types into the form as a person does (the value setter plus an `input` event is what Vue listens to).

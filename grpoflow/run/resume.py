@@ -17,16 +17,20 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from grpoflow.config import RunConfig, parse_run_config, read_config_file
 from grpoflow.errors import RunDirError
 from grpoflow.fileio import append_jsonl, is_temp_sibling, write_text_atomic
 from grpoflow.paths import RunPaths, step_of
-from grpoflow.run.info import read_run_info
-from grpoflow.run.metrics import split_record, timings_path
-from grpoflow.train.checkpoint import STEP_FILE, holds_optimizer
+from grpoflow.rollout.journal import read_journal
+from grpoflow.run.info import Resume, RunInfo, read_run_info, update_run_info
+from grpoflow.run.loop import evaluation_versions
+from grpoflow.run.metrics import has_row, split_record, timings_path
+from grpoflow.train.checkpoint import STEP_FILE, holds_optimizer, restore_training_state
+from grpoflow.train.trainer import TrainerState, load_trainer
 
 
 @contextmanager
@@ -170,3 +174,63 @@ def _repair_log(path: Path, last: int, last_row: dict[str, Any] | None, keep: in
         append_jsonl(path, {"step": last, **last_row})
         notes.append(f"{path.name}: appended the row of step {last} from its checkpoint's step.json")
     return notes
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What resuming a run does, decided from its run dir once the dir agrees with its resume point."""
+
+    # `complete`: every step and the report are done; `report`: every step is recorded but the run never ended
+    # (killed in its report): only the report is written; `continue`: training goes on at `point.next_step`.
+    action: Literal["complete", "report", "continue"]
+    point: ResumePoint
+    steps: int  # the run's `train.steps`
+    info: RunInfo
+
+    @property
+    def done(self) -> dict[str, Any]:
+        """The last complete step's metrics and timings (empty when none completed)."""
+        record = self.point.record
+        return {**record["metrics"], **record["timings"]} if record else {}
+
+    def describe(self, paths: RunPaths) -> str:
+        """One line saying what resuming does."""
+        run_id, point, final = paths.root.name, self.point, self.steps
+        if self.action == "complete":
+            return f"run {run_id} is already complete ({final} of {final} steps): nothing to resume"
+        if self.action == "report":
+            return f"run {run_id} has all {final} steps but never ended: writing its report"
+        reused = len(read_journal(paths.details(point.next_step)))
+        at = f"step {point.next_step + 1}/{final}" if point.next_step < final else "its final evaluation"
+        return (
+            f"resuming run {run_id} at {at} ("
+            + (f"checkpoint {point.checkpoint.name}" if point.checkpoint else "no step had completed")
+            + (f"; {reused} finished trials of that step are kept" if reused else "")
+            + ")"
+        )
+
+
+def plan_resume(cfg: RunConfig, paths: RunPaths, point: ResumePoint) -> ResumePlan:
+    """What resuming the run at `point` does: the final step's evaluation (when it has one) is part of the steps."""
+    final = cfg.train.steps
+    steps_done = point.next_step >= final and (
+        final not in evaluation_versions(cfg.train) or has_row(paths.metrics, final)
+    )
+    info = read_run_info(paths)
+    action = ("complete" if info.ended is not None else "report") if steps_done else "continue"
+    return ResumePlan(action, point, final, info)
+
+
+def record_resume(paths: RunPaths, plan: ResumePlan, flow_run_id: str | None) -> None:
+    """Add this resume to run.json's `resumes`."""
+    at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    resume = Resume(at=at, from_step=plan.point.next_step, flow_run_id=flow_run_id)
+    update_run_info(paths, resumes=[*plan.info.resumes, resume])
+
+
+def reopen_trainer(cfg: RunConfig, model_path: Path | str, point: ResumePoint) -> TrainerState:
+    """The trainer of the run, restored to its resume point's checkpoint (fresh when no step completed)."""
+    trainer = load_trainer(model_path, cfg.train, seed=cfg.seed, sharded=cfg.sharding_mode() == "fsdp")
+    if point.checkpoint is not None:
+        restore_training_state(trainer, point.checkpoint)
+    return trainer

@@ -256,7 +256,7 @@ class HarborSandboxConfig(Sandbox):
     model_config = ConfigDict(title="harbor")
 
     backend: HarborEnvironment = Field(  # type: ignore[valid-type]
-        ...,
+        "docker",
         description="A Harbor environment type (`e2b`, `daytona`, `modal`, `docker`, ...), passed to Harbor as "
         "`EnvironmentConfig(type=...)`.",
     )

@@ -175,10 +175,13 @@ def test_parameter_schema_is_a_typed_form(prefect_stack):
     assert not no_default, f"fields without a default in the form: {no_default}"
     engine = schema["definitions"]["RunConfig"]["properties"]["engine"]
     assert sorted(engine["discriminator"]["mapping"]) == ["embedded", "sglang", "sglang-launch", "vllm", "vllm-launch"]
-    assert (
-        "e2b" in leaves["config.rollout.sandbox.backend"]["enum"]
-        and leaves["config.rollout.sandbox.backend"]["default"] == "local"
-    )
+    rollout = schema["definitions"]["RolloutConfig"]["properties"]
+    assert sorted(rollout["harness"]["discriminator"]["mapping"]) == ["claude-code", "opencode", "shell", "terminus-2"]
+    sandboxes = rollout["sandbox"]["discriminator"]["mapping"]  # `local`, and each Harbor environment
+    assert sandboxes["e2b"] == sandboxes["modal"] != sandboxes["local"], sandboxes
+    local = schema["definitions"][sandboxes["local"].rsplit("/", 1)[1]]["properties"]["backend"]
+    assert local["default"] == "local"
+    assert "e2b" in leaves["config.rollout.sandbox.backend"]["enum"]  # the Harbor type's choice
     assert leaves["config.train.loss.loss_aggregation"]["enum"] == ["token", "sample"]
     assert leaves["config.rollout.sampling.temperature"]["maximum"] == 2.0
     ev = stack.deployments["nightly-evaluate"]["parameter_openapi_schema"]["properties"]["split"]
@@ -188,7 +191,8 @@ def test_parameter_schema_is_a_typed_form(prefect_stack):
 BAD_CONFIGS = [
     ({"rollout": {"sampling": {"temperature": 5}}}, "config.rollout.sampling.temperature"),
     ({"engine": {"backend": "tgi"}}, "config.engine"),  # Prefect: "{'backend': 'tgi'} is not valid under any"
-    ({"rollout": {"sandbox": {"backend": "my-laptop"}}}, "config.rollout.sandbox.backend"),
+    ({"rollout": {"sandbox": {"backend": "my-laptop"}}}, "config.rollout.sandbox"),  # as `engine`'s
+    ({"rollout": {"harness": {"name": "shell", "summarize": True}}}, "config.rollout.harness"),  # terminus-2's
     ({"run_id": "Not A Valid Id"}, "config.run_id"),
     ({"train": {"steps": "many"}}, "config.train.steps"),
     ({"train": {"stepz": 3}}, "config.train"),  # a typo is refused, not ignored

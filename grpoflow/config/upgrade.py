@@ -163,7 +163,7 @@ def _one_variant(data: dict[str, Any], version: int, saved: bool) -> None:
         section = v.section(data)
         if version > last or section is None:
             continue
-        kind = v.types.get(str(section.get(v.tag, v.default)))
+        kind = v.type_of(section)
         if kind is None:
             continue  # validation names it
         for name, default in defaults.items():

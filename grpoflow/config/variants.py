@@ -31,7 +31,8 @@ class Variants:
         return node if isinstance(node, dict) else None
 
     def type_of(self, section: dict[str, Any]) -> type[BaseModel] | None:
-        return self.types.get(str(section.get(self.tag)))
+        """The type `section` names (the default variant's when it names none); None for an unknown name."""
+        return self.types.get(str(section.get(self.tag, self.default)))
 
     def foreign(self, section: dict[str, Any]) -> list[str]:
         """The settings of `section` that its variant does not take (none when the variant is unknown)."""

@@ -73,7 +73,9 @@ class Harness(Section):
     @model_validator(mode="before")
     @classmethod
     def _no_credentials(cls, data: Any) -> Any:
-        return refuse_credentials("rollout.harness", cls, data, known=(f for h in HARNESSES for f in h.model_fields))
+        return refuse_credentials(
+            "rollout.harness", cls, data, known=(f for h in HARNESS_TYPES.values() for f in h.model_fields)
+        )
 
     def policy_key_file(self) -> str | None:
         """The file holding the policy endpoint's API key (`policy_api_key_file` of a chat harness)."""
@@ -171,12 +173,14 @@ class OpenCodeHarness(ToolCallingHarness):
     )
 
 
-HARNESSES: tuple[type[Harness], ...] = (ShellHarness, Terminus2Harness, ClaudeCodeHarness, OpenCodeHarness)
 # The harness section: one of the harnesses, told apart by `rollout.harness.name`.
 HarnessConfig = Annotated[
     ShellHarness | Terminus2Harness | ClaudeCodeHarness | OpenCodeHarness, Field(discriminator="name")
 ]
-HARNESS_TYPES: dict[str, type[Harness]] = {get_args(h.model_fields["name"].annotation)[0]: h for h in HARNESSES}
+# `rollout.harness.name` -> its type (the members of the union inside `HarnessConfig`)
+HARNESS_TYPES: dict[str, type[Harness]] = {
+    get_args(h.model_fields["name"].annotation)[0]: h for h in get_args(get_args(HarnessConfig)[0])
+}
 
 
 class Sandbox(Section):

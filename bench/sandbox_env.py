@@ -62,6 +62,7 @@ def sandbox(task_dir: Path, work: Path, images: Path, n: int) -> LocalSandbox:
         task_env_config=task.config.environment,
         work_dir=str(work / "sandboxes"),
         image_cache_dir=str(images),
+        base_images={},
     )
 
 

@@ -7,8 +7,8 @@ of `FROM`, `WORKDIR /app` and `COPY app/ /app/` (comments and blank lines aside)
 sandbox gives without Docker (every built-in task); anything else (`RUN apt-get install`, `ENV`, `COPY` of other
 files or to elsewhere, another `WORKDIR`, `USER`, a second stage) needs the image built
 (`grpoflow.embedded.sandbox.images`, which builds it). With a Docker engine reachable such a task is built and run in its image;
-without one it is refused at prepare, naming the file and line, as it is when its `FROM` image is not on this
-machine (no registry can be reached to pull it).
+without one it is refused at prepare, naming the file and line, as it is when its `FROM` image cannot be had:
+not on this machine, not mapped to a local image by `dataset.base_images`, and no registry answering a pull.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import posixpath
 import shlex
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 _answered: set[str | None] = set()  # DOCKER_HOST values whose engine answered in this process
@@ -55,10 +56,12 @@ def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
     return out
 
 
-def local_sandbox_problem(task_dir: Path, build_images: bool | None = None) -> str | None:
+def local_sandbox_problem(
+    task_dir: Path, build_images: bool | None = None, mapping: dict[str, str] | None = None
+) -> str | list[BaseImage] | None:
     """Why the local sandbox cannot give the task the environment its Dockerfile describes, as one line naming
-    the file and line; None when it can: on the host rootfs, or (`build_images` not False, a Docker engine
-    answering and the `FROM` images present) in the image built from it."""
+    the file and line; when it can: None on the host rootfs, or (`build_images` not False, a Docker engine
+    answering and every `FROM` image resolved by `resolve_base_images`) the base images its image builds from."""
     problem = host_rootfs_problem(task_dir / "environment")
     if problem is None:
         return None
@@ -66,19 +69,59 @@ def local_sandbox_problem(task_dir: Path, build_images: bool | None = None) -> s
         return f"{problem}; dataset.build_images=true builds it with Docker"
     if (engine := docker_engine_problem()) is not None:
         return f"{problem}; {engine}"
-    text = (task_dir / "environment" / "Dockerfile").read_text(encoding="utf-8")
-    bases = base_images(text)
-    missing = set(missing_images([name for _, name in bases]))
-    for number, name in bases:
-        if name in missing:
-            return (
-                f"environment/Dockerfile:{number}: FROM {name}: the image is not on this machine's Docker engine "
-                "and is not pulled (no registry here; scripts/base-image.sh builds the Debian bookworm ones)"
+    try:
+        return resolve_base_images(task_dir / "environment", mapping)
+    except UnresolvedBaseImage as err:
+        return str(err)
+
+
+@dataclass(frozen=True)
+class BaseImage:
+    """A `FROM` image of a task's Dockerfile as this machine's Docker engine resolves it."""
+
+    line: int  # of the FROM instruction in environment/Dockerfile
+    reference: str  # as the FROM line writes it
+    image: str  # what the build uses: `dataset.base_images`' mapping of the reference, or the reference
+    id: str  # the engine's image ID (sha256:...): what the build starts from, and part of the image cache's key
+
+
+class UnresolvedBaseImage(ValueError):
+    """A `FROM` image that is neither on this machine nor pulled, in one line naming the reference and the setting."""
+
+
+_pulled: dict[str, str | None] = {}  # reference -> why its pull failed (None: pulled), once per process
+PULL_TIMEOUT_S = 900
+
+
+def resolve_base_images(environment_dir: Path, mapping: dict[str, str] | None = None) -> list[BaseImage]:
+    """Every `FROM` image of `environment_dir/Dockerfile`, mapped by `mapping` (`dataset.base_images`), and its
+    image ID on this machine's engine. An unmapped reference the engine lacks is pulled (once per process); one
+    that cannot be had raises `UnresolvedBaseImage`."""
+    mapping = mapping or {}
+    text = (environment_dir / "Dockerfile").read_text(encoding="utf-8")
+    out = []
+    for number, reference in from_images(text):
+        where = f"environment/Dockerfile:{number}: FROM {reference}"
+        image = mapping.get(reference, reference)
+        image_id = image_id_of(image)
+        if image_id is None and reference in mapping:
+            raise UnresolvedBaseImage(
+                f"{where}: dataset.base_images maps it to {image}, which is not on this machine's Docker engine"
             )
-    return None
+        if image_id is None:
+            if (why := pull(reference)) is not None:
+                raise UnresolvedBaseImage(
+                    f"{where}: not on this machine's Docker engine and not pulled ({why}); map it to a local image "
+                    "with dataset.base_images (scripts/base-image.sh builds Debian bookworm)"
+                )
+            image_id = image_id_of(reference)
+            if image_id is None:
+                raise UnresolvedBaseImage(f"{where}: pulled, but the engine does not show it")
+        out.append(BaseImage(number, reference, image, image_id))
+    return out
 
 
-def base_images(text: str) -> list[tuple[int, str]]:
+def from_images(text: str) -> list[tuple[int, str]]:
     """(line, image) of every `FROM` that names an image (not `scratch`, not an earlier stage)."""
     stages: set[str] = set()
     out = []
@@ -93,6 +136,50 @@ def base_images(text: str) -> list[tuple[int, str]]:
         if len(words) >= 3 and words[1].lower() == "as":
             stages.add(words[2].lower())
     return out
+
+
+def pinned_dockerfile(text: str, bases: list[BaseImage]) -> str:
+    """The Dockerfile with each `FROM` reference replaced by the image ID it resolved to: the build starts from
+    exactly the image the cache key names, whatever a tag points at meanwhile."""
+    lines = text.splitlines(keepends=True)
+    for base in bases:
+        words = lines[base.line - 1].split(" ")
+        at = [i for i, w in enumerate(words) if w.strip() == base.reference]
+        if not at:  # a FROM continued over lines: not rewritten in place
+            raise UnresolvedBaseImage(
+                f"environment/Dockerfile:{base.line}: FROM {base.reference}: write the FROM instruction on one line"
+            )
+        tail = words[at[0]][len(words[at[0]].rstrip()) :]
+        words[at[0]] = base.id + tail
+        lines[base.line - 1] = " ".join(words)
+    return "".join(lines)
+
+
+def image_id_of(name: str) -> str | None:
+    proc = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", name],
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
+    if proc.returncode != 0:
+        return None
+    return proc.stdout.strip() or None
+
+
+def pull(reference: str) -> str | None:
+    """`docker pull` of `reference`; None when it came, else the engine's last line (remembered for the process:
+    a thousand tasks on one unreachable base try once)."""
+    if reference not in _pulled:
+        try:
+            proc = subprocess.run(
+                ["docker", "pull", "-q", reference], capture_output=True, text=True, timeout=PULL_TIMEOUT_S
+            )
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            _pulled[reference] = None if proc.returncode == 0 else (lines[-1] if lines else f"exit {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            _pulled[reference] = f"no answer within {PULL_TIMEOUT_S} s"
+    return _pulled[reference]
 
 
 def host_rootfs_problem(environment_dir: Path) -> str | None:
@@ -162,16 +249,6 @@ def _ask_engine() -> str | None:
         lines = (proc.stderr or proc.stdout).strip().splitlines()
         return f"no Docker engine answers: {lines[-1] if lines else f'docker version exit {proc.returncode}'}"
     return None
-
-
-def missing_images(names: list[str]) -> list[str]:
-    """Those of `names` the local engine does not have (nothing is pulled: no registry is reachable here)."""
-    inspect = ["docker", "image", "inspect"]
-    return [
-        name
-        for name in names
-        if subprocess.run([*inspect, name], capture_output=True, timeout=ENGINE_TIMEOUT_S).returncode != 0
-    ]
 
 
 def workdir_problem(workdir: str | None) -> str | None:

@@ -72,12 +72,29 @@ with warnings.catch_warnings():
             "Dockerfile needs a build is left out with one line. Empty: on when a Docker engine answers (asked "
             "only for a task that needs a build), and such a task is left out with one line when none does.",
         )
+        base_images: dict[str, str] = Field(
+            default_factory=dict,
+            description="For Dockerfile-built tasks: a `FROM` reference mapped to an image on this machine's Docker "
+            'engine, used in its place, e.g. {"ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest": '
+            '"debian:bookworm-slim"}. A reference not mapped is used as written (pulled when a registry answers).',
+        )
         reward: str | dict[str, float] | None = Field(
             None,
             description="For verifiers that write several rewards (reward.json with more than one key and no "
             '`reward`): the key to train on, or weights of a weighted mean, e.g. {"tests": 3, "style": 1}. Empty: '
             "such a task's trials have no reward, and the dataset gate leaves it out.",
         )
+
+        @field_validator("base_images")
+        @classmethod
+        def _image_references(cls, v: dict[str, str]) -> dict[str, str]:
+            for ref, image in v.items():
+                for word in (ref, image):
+                    if not word or any(c.isspace() for c in word):
+                        raise ValueError(
+                            f"{word!r}: an image reference is a non-empty word (name[:tag] or name@digest)"
+                        )
+            return v
 
         @field_validator("reward")
         @classmethod

@@ -28,7 +28,7 @@ from harbor.models.task.config import TaskConfig
 from harbor.models.task.task import Task, strip_canary
 from pydantic import ValidationError
 
-from grpoflow.dockerfile import local_sandbox_problem, workdir_problem
+from grpoflow.dockerfile import BaseImage, local_sandbox_problem, workdir_problem
 from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import sha256_tree
 from grpoflow.paths import default_cache_dir
@@ -57,6 +57,7 @@ class TaskSpec:
     verifier_timeout_sec: float  # [verifier].timeout_sec (Harbor's default 600 s when unset)
     metadata: dict[str, Any] = field(default_factory=dict)  # the whole [metadata] table
     has_solution: bool = True  # solution/solve.sh exists: the oracle can prove the task solvable
+    bases: tuple[BaseImage, ...] = ()  # the FROM images its Dockerfile-built image starts from (local sandbox)
 
 
 @dataclass(frozen=True)
@@ -118,13 +119,14 @@ def load_dataset(
     seed: int = 0,
     cache_dir: Path | None = None,
     build_images: bool | None = None,
+    base_images: dict[str, str] | None = None,
 ) -> Dataset:
     """Load and validate every task dir under `path` (or under `dataset_root`'s dir for `builtin`, generated from
     `seed`, and `builtin-fixed`).
 
     Every non-hidden subdirectory of `path` is a task dir. One that is malformed (or, with `local_sandbox`, whose
     environment the local sandbox does not reproduce, on the host's rootfs or, unless `build_images` is False, in
-    the image built from its Dockerfile) is left out with its reason (`Dataset.left_out`); when none
+    the image built from its Dockerfile, its `FROM` images mapped by `base_images`) is left out with its reason (`Dataset.left_out`); when none
     is left, `DatasetError` says why in one line. A dataset-wide problem (no such dir, a task dir linked from
     outside it, two tasks of one name) raises at once.
     """
@@ -142,7 +144,7 @@ def load_dataset(
     left_out: list[LeftOut] = []
     for d in task_dirs:
         try:
-            tasks.append(load_task(d, local_sandbox=local_sandbox, build_images=build_images))
+            tasks.append(load_task(d, local_sandbox=local_sandbox, build_images=build_images, base_images=base_images))
         except DatasetError as err:
             left_out.append(LeftOut(d.name, d.resolve(), str(err)))
     _check_unique_names(tasks)
@@ -157,7 +159,13 @@ def load_dataset(
     return Dataset(root=root, tasks=tuple(tasks), sha256=_dataset_sha256(tasks, left_out), left_out=tuple(left_out))
 
 
-def load_task(task_dir: Path, *, local_sandbox: bool = False, build_images: bool | None = None) -> TaskSpec:
+def load_task(
+    task_dir: Path,
+    *,
+    local_sandbox: bool = False,
+    build_images: bool | None = None,
+    base_images: dict[str, str] | None = None,
+) -> TaskSpec:
     """Validate one task dir and describe it; raises `DatasetError` naming the dir and the problem. With
     `local_sandbox`, a task whose Dockerfile or workdir the local sandbox does not reproduce is refused too."""
     task_dir = Path(task_dir).resolve()
@@ -173,10 +181,12 @@ def load_task(task_dir: Path, *, local_sandbox: bool = False, build_images: bool
         _fail(task_dir, "missing tests/test.sh (the verifier)")
     if not (task_dir / "environment").is_dir():
         _fail(task_dir, "missing environment/ directory")
-    if local_sandbox and (
-        problem := workdir_problem(config.environment.workdir) or local_sandbox_problem(task_dir, build_images)
-    ):
-        _fail(task_dir, problem)
+    bases: tuple[BaseImage, ...] = ()
+    if local_sandbox:
+        fit = workdir_problem(config.environment.workdir) or local_sandbox_problem(task_dir, build_images, base_images)
+        if isinstance(fit, str):
+            _fail(task_dir, fit)
+        bases = tuple(fit or ())
     if local_sandbox and (problem := beyond_one_container(task_dir, config)):
         _fail(task_dir, problem)
     try:
@@ -196,6 +206,7 @@ def load_task(task_dir: Path, *, local_sandbox: bool = False, build_images: bool
         verifier_timeout_sec=config.verifier.timeout_sec,
         metadata=metadata,
         has_solution=(task_dir / "solution" / "solve.sh").is_file(),
+        bases=bases,
     )
 
 

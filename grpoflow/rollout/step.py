@@ -278,7 +278,7 @@ async def collect_with(
             specs,
             cfg.rollout,
             policy,
-            sandbox_config(cfg.rollout, **policy.sandbox_kwargs),
+            sandbox_config(cfg.rollout, cfg.dataset.base_images, **policy.sandbox_kwargs),
             trials_dir,
             details_dir,
             on_done=hooks.trial_done,

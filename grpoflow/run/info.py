@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpoflow.errors import RunDirError
 from grpoflow.fileio import write_json_atomic
@@ -36,6 +36,8 @@ class DatasetInfo(_Record):
     path: str
     sha256: str  # over every file of the task dirs
     tasks: list[str]
+    # FROM reference -> "image id" its Dockerfile-built tasks started from (`dataset.base_images` applied)
+    base_images: dict[str, str] = Field(default_factory=dict)
 
 
 class Provenance(_Record):
@@ -62,7 +64,12 @@ class Provenance(_Record):
             code_commit=code_commit(),
             packages={name: _version(name) for name in _TRACKED_PACKAGES},
             model=model,
-            dataset=DatasetInfo(path=str(dataset.root), sha256=dataset.sha256, tasks=[t.name for t in dataset.tasks]),
+            dataset=DatasetInfo(
+                path=str(dataset.root),
+                sha256=dataset.sha256,
+                tasks=[t.name for t in dataset.tasks],
+                base_images={b.reference: f"{b.image} {b.id}" for t in dataset.tasks for b in t.bases},
+            ),
         )
 
     def differences(self, now: Provenance) -> list[str]:
@@ -77,6 +84,8 @@ class Provenance(_Record):
         for name in sorted(set(self.packages) | set(now.packages)):
             pairs.append((f"package {name}", self.packages.get(name), now.packages.get(name)))
         pairs.append(("dataset sha256", self.dataset.sha256, now.dataset.sha256))
+        for ref in sorted(set(self.dataset.base_images) | set(now.dataset.base_images)):
+            pairs.append((f"base image {ref}", self.dataset.base_images.get(ref), now.dataset.base_images.get(ref)))
         pairs.append(("model weights sha256", self.model.weights_sha256, now.model.weights_sha256))
         return [f"{label}: {a} -> {b}" for label, a, b in pairs if a != b]
 

@@ -143,7 +143,7 @@ def regrade_run(run_root: Path, cfg: RunConfig, per_task: int) -> list[Regrade]:
     (`dataset.reward`); `regrades.jsonl` says what came of it (empty: the run recorded nothing to regrade)."""
     rule, rollout = cfg.dataset.reward_rule(), cfg.rollout
     stored, unreadable = pick_trials(run_root, per_task, rule)
-    environment = sandbox_config(rollout)
+    environment = sandbox_config(rollout, cfg.dataset.base_images)
     return asyncio.run(regrade_trials(run_root, stored, environment, rollout.concurrency, unreadable, rule))
 
 

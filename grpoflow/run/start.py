@@ -53,6 +53,7 @@ def load_run_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> Dataset:
         seed=cfg.seed,
         cache_dir=cache_dir,
         build_images=cfg.dataset.build_images,
+        base_images=cfg.dataset.base_images,
     )
 
 

@@ -163,7 +163,7 @@ def test_sandbox_config_local_and_harbor_types():
     assert (local.import_path, local.type, local.kwargs) == (
         LOCAL_SANDBOX_IMPORT_PATH,
         None,
-        {"memory_mb": 512, "work_dir": "/tmp/x"},
+        {"memory_mb": 512, "work_dir": "/tmp/x", "base_images": {}},
     )
     rollout = parse_run_config(
         {"rollout": {"sandbox": {"backend": "e2b", "kwargs": {"sandbox_timeout_secs": 600}}}}

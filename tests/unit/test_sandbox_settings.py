@@ -10,7 +10,11 @@ import pytest
 from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.sandbox_settings import LocalSandboxSettings, sandbox_kwargs_problem
 
-SET_BY_GRPOFLOW = {"session_bridge", "cli_dir"}  # the policy's bridge and the harness's CLIs, never a user's
+SET_BY_GRPOFLOW = {
+    "session_bridge",
+    "cli_dir",
+    "base_images",
+}  # the policy's bridge and the harness's CLIs, never a user's
 
 
 def test_the_constructor_takes_the_settings_through_their_model_and_only_grpoflow_s_own_keywords_besides():
@@ -27,10 +31,10 @@ INTS = [n for n, f in LocalSandboxSettings.model_fields.items() if f.annotation 
 def test_what_the_settings_refuse_the_constructor_refuses(name, value):
     assert sandbox_kwargs_problem({name: value}) is not None
     with pytest.raises(ValueError, match=name):  # refused before Harbor's arguments are looked at
-        LocalSandbox(Path("/nonexistent"), "env", "session", None, None, **{name: value})
+        LocalSandbox(Path("/nonexistent"), "env", "session", None, None, base_images={}, **{name: value})
 
 
 def test_a_bad_process_scope_is_refused_by_both():
     assert "process_scope" in sandbox_kwargs_problem({"process_scope": "forever"})
     with pytest.raises(ValueError, match="process_scope"):
-        LocalSandbox(Path("/nonexistent"), "env", "session", None, None, process_scope="forever")
+        LocalSandbox(Path("/nonexistent"), "env", "session", None, None, base_images={}, process_scope="forever")

@@ -6,7 +6,9 @@ Why bubblewrap on the exported tree rather than `docker run`: the sandbox's isol
 secrets or loopback, writes only inside the trial, process cleanup, per-trial uid) stays one piece of code, and a
 trial starts as fast as on the host rootfs (figures: docs/embedded.md, bench/sandbox_env.py).
 
-Everything is cached by the build context's digest (every file of `environment/`): the image is tagged
+Everything is cached by the build context's digest (every file of `environment/`) and the image IDs its `FROM`
+images resolve to (`grpoflow.dockerfile.resolve_base_images`: `dataset.base_images` applied, pulled when a registry
+answers), so a base tag that moved rebuilds; the build starts from exactly those IDs. The image is tagged
 `grpoflow-env:<digest>`, its tree unpacked once under `<cache>/<digest>/rootfs` (read-only to trials), its build
 log kept at `<cache>/<digest>.build.log`. The cache is collected least recently used first down to a size budget
 (`collect`: after each new image, and by `grpoflow cache gc`); a tree in use by a live sandbox (which holds a
@@ -18,6 +20,7 @@ rebuild what just failed.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -29,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpoflow.dockerfile import BaseImage, UnresolvedBaseImage, pinned_dockerfile, resolve_base_images
 from grpoflow.embedded.sandbox.rootfs import rmtree, tree_bytes
 from grpoflow.fileio import sha256_tree
 from grpoflow.rollout.environments import ImageBuildError
@@ -39,7 +43,7 @@ BUILD_TIMEOUT_S = 1800
 LOG_TAIL_LINES = 6  # of the builder's output in the error: the failing step, its output and the exit
 _BUILDER_NOISE = ("--->", "Removing intermediate container")  # layer ids: no help in finding what failed
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the builder colours a RUN's stderr
-DIGEST_CHARS = 24  # of the context's sha256: the tag and the cache dir's name
+DIGEST_CHARS = 24  # of the cache key's sha256: the tag and the cache dir's name
 
 _failed: dict[str, ImageBuildError] = {}  # context digest -> its failed build (this process)
 
@@ -52,10 +56,18 @@ class TaskImage:
     env: dict[str, str]  # the image's ENV
     build_log: Path
     built: bool  # this call built it (False: it came from the cache)
+    bases: tuple[BaseImage, ...] = ()  # the FROM images it was built from
 
 
-def context_digest(environment_dir: Path) -> str:
-    return sha256_tree(environment_dir)[:DIGEST_CHARS]
+def image_digest(environment_dir: Path, bases: list[BaseImage]) -> str:
+    """The cache key: the build context's files and the image IDs its FROM images resolved to."""
+    parts = [sha256_tree(environment_dir), *(f"{b.reference} {b.id}" for b in bases)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:DIGEST_CHARS]
+
+
+def image_key(environment_dir: Path, base_images: dict[str, str] | None = None) -> str:
+    """`image_digest` with the FROM images resolved now (`base_images`: `dataset.base_images`)."""
+    return image_digest(environment_dir, resolve_base_images(environment_dir, base_images))
 
 
 DEFAULT_IMAGE_MAX_MB: int = LocalSandboxSettings.model_fields["image_max_mb"].default
@@ -64,10 +76,20 @@ USED = "used"  # touched in <digest>/ each time a trial takes the image: the LRU
 RECENT_S = 600  # an entry used this recently is never collected (a trial takes it, then holds it)
 
 
-def task_image(environment_dir: Path, cache_dir: Path, max_mb: int = DEFAULT_IMAGE_MAX_MB) -> TaskImage:
-    """The task's image, built and unpacked unless the cache has it. Safe to call from many trials (threads or
-    processes) at once: one builds, the others wait on a lock and reuse it."""
-    digest = context_digest(environment_dir)
+def task_image(
+    environment_dir: Path,
+    cache_dir: Path,
+    max_mb: int = DEFAULT_IMAGE_MAX_MB,
+    base_images: dict[str, str] | None = None,
+) -> TaskImage:
+    """The task's image, built and unpacked unless the cache has it; `base_images` maps FROM references to
+    local images (`dataset.base_images`). Safe to call from many trials (threads or processes) at once: one
+    builds, the others wait on a lock and reuse it."""
+    try:
+        bases = resolve_base_images(environment_dir, base_images)
+    except UnresolvedBaseImage as err:
+        raise ImageBuildError(str(err)) from None
+    digest = image_digest(environment_dir, bases)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tag = f"{IMAGE_REPO}:{digest}"
@@ -79,15 +101,15 @@ def task_image(environment_dir: Path, cache_dir: Path, max_mb: int = DEFAULT_IMA
         meta = done / "image.json"
         if meta.is_file():
             (done / USED).touch()
-            return _read(meta, tag, log, built=False)
+            return _read(meta, tag, log, False, bases)
         try:
-            _build(environment_dir, tag, log)
+            _build(environment_dir, bases, tag, log)
             _unpack(tag, done, max_mb)
         except ImageBuildError as err:
             _failed[digest] = err
             raise
         (done / USED).touch()
-        image = _read(meta, tag, log, built=True)
+        image = _read(meta, tag, log, True, bases)
     collect(cache_dir, DEFAULT_CACHE_MAX_MB * 2**20, keep=digest)
     return image
 
@@ -138,7 +160,8 @@ def collect(cache_dir: Path, budget_bytes: int, keep: str | None = None) -> Coll
                 continue
             tag = json.loads((entry / "image.json").read_text()).get("tag")
             rmtree(entry)
-            (entry.parent / f"{entry.name}.build.log").unlink(missing_ok=True)
+            for leftover in (".build.log", ".build.Dockerfile"):
+                (entry.parent / f"{entry.name}{leftover}").unlink(missing_ok=True)
             if tag:
                 _docker("rmi", "-f", tag, check=False)
         removed.append((entry.name, size))
@@ -146,13 +169,21 @@ def collect(cache_dir: Path, budget_bytes: int, keep: str | None = None) -> Coll
     return Collected(removed, total, busy)
 
 
-def _build(environment_dir: Path, tag: str, log: Path) -> None:
+def _build(environment_dir: Path, bases: list[BaseImage], tag: str, log: Path) -> None:
     # The legacy builder: this engine has no BuildKit plugin, and it never pulls a FROM image it already has.
     env = {**os.environ, "DOCKER_BUILDKIT": "0"}
+    # The Dockerfile with its FROM images pinned to their IDs, beside the log (outside the build context).
+    pinned = log.with_suffix(".Dockerfile")
+    try:
+        pinned.write_text(pinned_dockerfile((environment_dir / "Dockerfile").read_text(encoding="utf-8"), bases))
+    except UnresolvedBaseImage as err:
+        raise ImageBuildError(str(err)) from None
     with open(log, "w") as out:
+        out.write("".join(f"FROM {b.reference} -> {b.image} ({b.id})\n" for b in bases))
+        out.flush()
         try:
             proc = subprocess.run(
-                ["docker", "build", "--rm", "-t", tag, str(environment_dir)],
+                ["docker", "build", "--rm", "-t", tag, "-f", str(pinned), str(environment_dir)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -237,9 +268,9 @@ def _tree_member(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
     return safe.replace(uid=None, gid=None, uname=None, gname=None, deep=False)
 
 
-def _read(meta: Path, tag: str, log: Path, built: bool) -> TaskImage:
+def _read(meta: Path, tag: str, log: Path, built: bool, bases: list[BaseImage]) -> TaskImage:
     data = json.loads(meta.read_text())
-    return TaskImage(tag, meta.parent / "rootfs", data["workdir"], dict(data["env"]), log, built)
+    return TaskImage(tag, meta.parent / "rootfs", data["workdir"], dict(data["env"]), log, built, tuple(bases))
 
 
 def _docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

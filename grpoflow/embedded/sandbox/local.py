@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import asdict
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
@@ -130,15 +131,19 @@ class LocalSandbox(BaseEnvironment):
         *,
         session_bridge: str | None = None,
         cli_dir: str | None = None,
+        base_images: dict[str, str],
         **kwargs: Any,
     ):
         """Kwargs (all via `EnvironmentConfig.kwargs`): the settings of `Settings` (`rollout.sandbox.kwargs`, which
-        the run config checked with the same model; each is described there), validated here first; and two that
+        the run config checked with the same model; each is described there), validated here first; and three that
         grpoflow sets itself:
 
         session_bridge: "host:port" that the sandbox reaches at 127.0.0.1:<port> (needs process_scope "trial": the
             forwarder lives in the trial's network namespace), and nothing else.
         cli_dir: a host dir with node_modules/.bin (an `npm install --prefix`), read-only at /opt/grpoflow/cli.
+        base_images: `dataset.base_images` (required, so a sandbox built without the run's config cannot quietly
+            build from other images): the FROM references a Dockerfile-built task's image builds from another
+            local image.
         The task's `memory_mb` is not used (it means resident memory, which an rlimit cannot cap); its `storage_mb`
         is, where the settings give none (else DEFAULT_STORAGE_MB). Any other kwarg goes to Harbor's
         `BaseEnvironment` (`auto_mounting` defaults to True here).
@@ -159,6 +164,7 @@ class LocalSandbox(BaseEnvironment):
         if cli_dir is not None and not (Path(cli_dir) / "node_modules" / ".bin").is_dir():
             raise ValueError(f"LocalSandbox: cli_dir {cli_dir} has no node_modules/.bin (an npm install --prefix)")
         self.cli_dir = Path(cli_dir) if cli_dir is not None else None
+        self.base_images = dict(base_images)
         self._bridge: Bridge | None = None
         self._bridge_dir: Path | None = None  # the bridge's socket and forwarder (a short path: see _own_binds)
         self._own: list[Bind] = []  # our read-only binds (bridge, CLIs), set when the trial dir is made
@@ -517,7 +523,9 @@ class LocalSandbox(BaseEnvironment):
         build failed."""
         keep = Path(self.trial_paths.trial_dir) / "environment-build.log"
         try:
-            image = self.image = task_image(self.environment_dir, self.image_cache_dir, self.settings.image_max_mb)
+            image = self.image = task_image(
+                self.environment_dir, self.image_cache_dir, self.settings.image_max_mb, self.base_images
+            )
             self._image_lock = hold(image)
         except ImageBuildError as exc:
             if exc.log is not None and exc.log.is_file():
@@ -526,7 +534,13 @@ class LocalSandbox(BaseEnvironment):
         if image.built:
             shutil.copyfile(image.build_log, keep)
         # Every trial says which image it ran in and where its build log is (a copy only where it was built).
-        record = {"tag": image.tag, "tree": str(image.rootfs), "build_log": str(image.build_log), "built": image.built}
+        record = {
+            "tag": image.tag,
+            "tree": str(image.rootfs),
+            "build_log": str(image.build_log),
+            "built": image.built,
+            "bases": [asdict(b) for b in image.bases],
+        }
         (keep.parent / "environment-image.json").write_text(json.dumps(record, indent=1) + "\n")
         # Every command runs as `/bin/bash -c` inside: without it no command can run at all.
         if not os.path.lexists(image.rootfs / "bin" / "bash"):

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from grpoflow.config import parse_run_config
-from grpoflow.embedded.sandbox.images import context_digest, task_image
+from grpoflow.embedded.sandbox.images import image_key, task_image
 from grpoflow.errors import DatasetError
 from grpoflow.prepare.dataset import load_dataset
 from grpoflow.run.start import prepare_run
@@ -59,7 +60,7 @@ def test_oracle_scores_one_and_nop_zero_through_prepare_and_the_build_is_cached(
     assert broken["oracle_reward"] is None and "ImageBuildError" in broken["reason"], broken["reason"]
     assert "no-such-compiler: not found" in broken["reason"]
     # the build log stays in the image cache (the gate's trials run before the run dir exists)
-    digest = context_digest(docker_tasks / DOCKER_TASK / "environment")
+    digest = image_key(docker_tasks / DOCKER_TASK / "environment")
     log = images / f"{digest}.build.log"
     assert "Successfully tagged grpoflow-env:" in log.read_text()
 
@@ -80,14 +81,64 @@ def test_oracle_scores_one_and_nop_zero_through_prepare_and_the_build_is_cached(
     assert DOCKER_TASK in prompts
 
 
-def test_a_from_image_not_on_this_machine_is_refused_in_one_line(docker_ready, docker_tasks):
+CORPUS_BASE = "ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest"  # the public corpus's FROM
+
+
+def test_a_from_image_not_here_and_not_pulled_is_refused_in_one_line_until_base_images_maps_it(
+    docker_ready, docker_tasks
+):
     dockerfile = docker_tasks / DOCKER_TASK / "environment" / "Dockerfile"
-    dockerfile.write_text(dockerfile.read_text().replace("debian:bookworm-slim", "grpoflow-test/absent:1"))
+    dockerfile.write_text(dockerfile.read_text().replace("debian:bookworm-slim", CORPUS_BASE))
     with pytest.raises(DatasetError) as info:
         load_dataset(docker_tasks, local_sandbox=True, build_images=True)
     reason = str(info.value)
     assert "\n" not in reason and str((docker_tasks / DOCKER_TASK).resolve()) in reason
-    assert "environment/Dockerfile:3: FROM grpoflow-test/absent:1: the image is not on this machine" in reason
+    # the pull was tried (no registry answers here) and the way out is named
+    assert f"environment/Dockerfile:3: FROM {CORPUS_BASE}: not on this machine's Docker engine and not pulled (" in (
+        reason
+    )
+    assert "map it to a local image with dataset.base_images" in reason
+    # mapped to an image that is not here either: that says so
+    with pytest.raises(DatasetError, match=r"dataset.base_images maps it to grpoflow-test/absent:1, which is not"):
+        load_dataset(docker_tasks, local_sandbox=True, base_images={CORPUS_BASE: "grpoflow-test/absent:1"})
+    # mapped to the Debian base built here: admitted, the resolved base recorded with the task
+    [task] = load_dataset(docker_tasks, local_sandbox=True, base_images={CORPUS_BASE: "debian:bookworm-slim"}).tasks
+    [base] = task.bases
+    assert (base.line, base.reference, base.image) == (3, CORPUS_BASE, "debian:bookworm-slim")
+    assert base.id == _image_id("debian:bookworm-slim")
+
+
+def _image_id(name: str) -> str:
+    return subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", name], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_a_mapped_base_builds_from_its_image_and_a_moved_base_tag_rebuilds(docker_ready, tmp_path):
+    moving = "grpoflow-test/moving-base:latest"
+    env = tmp_path / "task" / "environment"
+    env.mkdir(parents=True)
+    (env / "Dockerfile").write_text(f"FROM {CORPUS_BASE} AS base\nRUN cat /base-mark > /seen\n")
+    images = tmp_path / "images"
+    try:
+        for mark in ("first", "second"):
+            # the tag a mapping names moves to another image (as `latest` does when a base is rebuilt)
+            subprocess.run(
+                ["docker", "build", "-q", "-t", moving, "-"],
+                input=f"FROM debian:bookworm-slim\nRUN echo {mark} > /base-mark\n",
+                text=True,
+                check=True,
+                capture_output=True,
+            )
+            image = task_image(env, images, base_images={CORPUS_BASE: moving})
+            assert image.built, mark  # a new base ID is a new cache key: built again
+            assert (image.rootfs / "seen").read_text() == f"{mark}\n"
+            assert [(b.reference, b.image, b.id) for b in image.bases] == [(CORPUS_BASE, moving, _image_id(moving))]
+            log = image.build_log.read_text()
+            assert log.startswith(f"FROM {CORPUS_BASE} -> {moving} ({_image_id(moving)})")
+            assert not task_image(env, images, base_images={CORPUS_BASE: moving}).built  # same base: cached
+    finally:
+        subprocess.run(["docker", "rmi", "-f", moving], capture_output=True)
 
 
 def test_without_a_docker_engine_the_task_is_refused_in_one_line(no_docker_engine, docker_tasks):

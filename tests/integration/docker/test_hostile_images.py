@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.embedded.sandbox.images import context_digest
+from grpoflow.embedded.sandbox.images import image_key
 from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.embedded.sandbox.processes import uid_pids
 from grpoflow.embedded.sandbox.seccomp import ARCHES
@@ -208,7 +208,7 @@ def test_an_image_over_its_cap_is_refused_before_export_and_removed(tmp_path: Pa
     finally:
         next(factory, None)
     assert not [p for p in images.iterdir() if p.is_dir()]  # nothing unpacked
-    tag = "grpoflow-env:" + context_digest(task / "environment")
+    tag = "grpoflow-env:" + image_key(task / "environment")
     assert subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0
 
 

@@ -62,7 +62,7 @@ def sandbox_factory(
             session_id=f"{task_name}__test{len(made)}__env",
             trial_paths=trial_paths,
             task_env_config=task.config.environment,
-            **{**defaults, **kwargs},
+            **{"base_images": {}, **defaults, **kwargs},
         )
         made.append(env)
         return env

@@ -130,7 +130,9 @@ def trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
         pytest.skip("bubblewrap (bwrap) is not installed: apt-get install -y bubblewrap")
     trials_dir = tmp_path_factory.mktemp("trials")
     sandbox_dirs = tmp_path_factory.mktemp("sandboxes")
-    sandbox = EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs={"work_dir": str(sandbox_dirs)})
+    sandbox = EnvironmentConfig(
+        import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs={"work_dir": str(sandbox_dirs), "base_images": {}}
+    )
 
     async def run(trial_name: str, task_name: str, command: str, gate: asyncio.Semaphore) -> Outcome:
         config = TrialConfig(

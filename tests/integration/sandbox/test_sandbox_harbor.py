@@ -36,7 +36,7 @@ def _config(
         task=TaskConfig(path=task_path),
         agent=agent,
         trials_dir=trials_dir,
-        environment=EnvironmentConfig(import_path=import_path, kwargs=env_kwargs),
+        environment=EnvironmentConfig(import_path=import_path, kwargs={"base_images": {}, **env_kwargs}),
     )
 
 

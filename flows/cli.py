@@ -116,8 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--validate",
         action="store_true",
-        help="run the dataset gate on --dataset instead (as prepare does): each task's oracle and a no-op agent "
-        "once, in the sandbox of rollout.sandbox.backend; print the tasks left out and why (verdicts cached)",
+        help="run the dataset gate on --dataset instead (as prepare does): each task's oracle (dataset."
+        "gate_oracle_runs times) and a no-op agent, in the sandbox of rollout.sandbox.backend; print the tasks left "
+        "out and why (verdicts cached)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="with --validate: run every task again, reading no cached verdict (the new ones are cached)",
     )
     p.add_argument("--dataset", help="with --validate: directory of Harbor tasks, `builtin` or `builtin-fixed`")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="with --validate: dotted override, repeatable")
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("resume", "rerun"):
         return _resume_or_rerun(args)
-    if args.command == "tasks" and (args.validate or args.dataset):
+    if args.command == "tasks" and (args.validate or args.dataset or args.fresh):
         return _validate(args)
     if args.command == "tasks":
         return _tasks(Path(args.output_dir), args.regrade, args.per_task)
@@ -287,13 +293,15 @@ def _validate(args: argparse.Namespace) -> int:
     from grpoflow.run.start import gate_dataset
 
     try:
+        if args.fresh and not args.validate:
+            raise ConfigError("--fresh goes with --validate: `grpoflow tasks --validate --fresh --dataset PATH`")
         if not (args.validate and args.dataset):
             raise ConfigError("--validate and --dataset PATH go together: `grpoflow tasks --validate --dataset PATH`")
         if args.regrade is not None or args.per_task is not None:
             raise ConfigError("--validate does not go with --regrade or --per-task")
         overrides = _set_overrides(args.set) | {"dataset.path": args.dataset, "dataset.validate": True}
         cfg = parse_run_config(apply_overrides({}, overrides), source="command line")
-        dataset, _ = gate_dataset(cfg)  # prints the table
+        dataset, _ = gate_dataset(cfg, fresh=args.fresh)  # prints the table
     except GrpoflowError as err:
         sys.stdout.flush()  # the table comes first, also when stdout is a pipe
         print(f"grpoflow: error: {err}", file=sys.stderr)

@@ -62,7 +62,22 @@ with warnings.catch_warnings():
             description="The dataset gate at prepare: every task runs Harbor's oracle (when it has solution/solve.sh) "
             "and a no-op agent once, in the run's sandbox; a task whose oracle misses its full reward, or whose no-op "
             "already passes, is left out of training and evaluation (gate.json says why). Results are cached by the "
-            "task's content and the sandbox kind. Empty: on for every dataset but the built-in one (which the tests check).",
+            "task's content, its images, the sandbox's settings and Harbor's version. Empty: on for every dataset but the built-in one (which the tests check).",
+        )
+        gate_oracle_runs: int = Field(
+            2,
+            ge=1,
+            le=16,
+            description="Trials of a task's oracle at the dataset gate. Runs that disagree (one passes, one does not) "
+            "mark the task `flaky` and leave it out: its verifier's rewards cannot be trusted for training.",
+        )
+        gate_ttl: float = Field(
+            7.0,
+            gt=0,
+            le=3650,
+            description="Days a verdict that leaves a task out (oracle-fails, nop-passes, flaky, needs-network) is "
+            "reused from the gate's cache; after that, or once grpoflow's code changes, the task is tried again. "
+            "`grpoflow tasks --validate --fresh` tries every task again now.",
         )
 
         build_images: bool | None = Field(

@@ -23,7 +23,7 @@ from grpoflow.prepare.prompts import (
 )
 from grpoflow.prepare.split import FamilyRule
 from grpoflow.run.info import DeploymentRef, Provenance, RunInfo, SplitInfo, parent_of, read_run_info, write_run_info
-from grpoflow.scoring.gate import GateReport, admitted_dataset, run_gate, ungated_report
+from grpoflow.scoring.gate import GateReport, GateSettings, admitted_dataset, run_gate, ungated_report
 from grpoflow.tokens import TemplateError, check_chat_template, load_tokenizer
 
 
@@ -57,13 +57,21 @@ def load_run_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> Dataset:
     )
 
 
-def gate_dataset(cfg: RunConfig, cache_dir: Path | None = None) -> tuple[Dataset, GateReport]:
-    """Load the dataset and run the dataset gate on it (`grpoflow.scoring.gate`; unless `gate_wanted` says no):
-    the admitted tasks, and every task dir's verdict. Prints the gate's table (one line per task left out); a
-    dataset with nothing left raises `DatasetError` in one line, after the table."""
+def gate_dataset(cfg: RunConfig, cache_dir: Path | None = None, fresh: bool = False) -> tuple[Dataset, GateReport]:
+    """Load the dataset and run the dataset gate on it (`grpoflow.scoring.gate`; unless `gate_wanted` says no;
+    `fresh`: no cached verdict read): the admitted tasks, and every task dir's verdict. Prints the gate's progress
+    and table (one line per task left out); a dataset with nothing left raises `DatasetError` in one line, after
+    the table."""
     dataset = load_run_dataset(cfg, cache_dir)
     if gate_wanted(cfg):
-        report = run_gate(dataset, cfg.rollout, Path(cache_dir or default_cache_dir()), cfg.dataset.reward_rule())
+        report = run_gate(
+            dataset,
+            cfg.rollout,
+            Path(cache_dir or default_cache_dir()),
+            cfg.dataset.reward_rule(),
+            GateSettings.of(cfg.dataset, fresh),
+            progress=lambda line: print(f"grpoflow: {line}", flush=True),
+        )
     else:
         report = ungated_report(dataset, cfg.rollout.sandbox.backend)
     if report.gated or report.left_out:

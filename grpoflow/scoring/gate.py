@@ -1,17 +1,24 @@
 """The dataset gate: before a run trains on a dataset, prove each task can be solved and cannot be passed by
 doing nothing, in the sandbox the run will use.
 
-Each task runs Harbor's oracle agent once (its `solution/solve.sh`, when it has one) and Harbor's no-op agent
-once, through the same trial machinery as a training step (`collect_step`: Harbor `Trial`s, sandbox retries,
-scoring by `to_sample`). A task whose oracle does not reach the full reward (`PASS`), or whose no-op already
-does, would train the policy on rewards that say nothing about its work (all zeros, or all ones): it is left out
-of training and evaluation with its reason, the verifier's last lines included. A task without a solution is
-kept and marked `unverified` (its no-op still runs). A trial that ends in a sandbox or infrastructure failure
-(after its retries) says nothing about the task: the task is kept, marked `unchecked`, and not cached. With the
-gate off (`dataset.validate`; the built-in set by default) nothing runs: tasks are `ungated` (or `unverified`).
+Each task runs Harbor's oracle agent `dataset.gate_oracle_runs` times (its `solution/solve.sh`, when it has one) and
+Harbor's no-op agent once, through the same trial machinery as a training step (`collect_step`: Harbor `Trial`s,
+sandbox retries, scoring by `to_sample`). A task whose oracle does not reach the full reward (`PASS`), or whose
+no-op already does, would train the policy on rewards that say nothing about its work (all zeros, or all ones): it
+is left out of training and evaluation with its reason, the verifier's last lines included. Oracle runs that
+disagree make the task `flaky` (its verifier's rewards cannot be trusted); an oracle whose verifier failed to
+resolve a host name is `needs-network` (the task wants a network its sandbox did not give), not `oracle-fails`. A
+task without a solution is kept and marked `unverified` (its no-op still runs). A trial that ends in a sandbox or
+infrastructure failure (after its retries) says nothing about the task: the task is kept, marked `unchecked`, and
+not cached. With the gate off (`dataset.validate`; the built-in set by default) nothing runs: tasks are `ungated`
+(or `unverified`).
 
-Verdicts are cached under `<cache>/gate/` by the task's content digest (every file of the task dir) and the
-sandbox kind, so a second prepare of the same tasks runs no trial, and a nightly run pays only for changed tasks.
+Verdicts are cached under `<cache>/gate/` keyed by everything that decides them: the task's content digest (every
+file of the task dir), the image IDs its Dockerfile builds from, the reward rule, the oracle runs, the sandbox's
+settings and Harbor's version. So a second prepare of the same tasks runs no trial, and a nightly run pays only
+for changed tasks. A verdict that leaves a task out is never right for good: it is reused only while grpoflow's
+own code is the same and for `dataset.gate_ttl` days (`fresh` runs every task again); a regrade that finds a task's
+verifier flaky records `flaky` here too (`record_flaky`), so the next prepare leaves it out.
 """
 
 from __future__ import annotations
@@ -20,19 +27,23 @@ import asyncio
 import hashlib
 import json
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import cache
+from importlib.metadata import version
 from pathlib import Path
 from typing import Literal
 
 from harbor.models.agent.name import AgentName
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.config import RewardRule, RolloutConfig
+from grpoflow.config import DatasetConfig, RewardRule, RolloutConfig
 from grpoflow.credentials import export_sandbox_key
 from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import read_tail, sha256_tree, write_json_atomic
-from grpoflow.prepare.dataset import Dataset, LeftOut, TaskSpec
+from grpoflow.prepare.dataset import Dataset, LeftOut, TaskSpec, load_task
 from grpoflow.rollout.environments import ImageBuildError, is_infrastructure_failure
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.record import TrialRecord
@@ -42,17 +53,52 @@ from grpoflow.rollout.trials import TrialOutcome, TrialSpec
 from grpoflow.samples import PASS, Sample
 
 # Bumped when what a verdict means changes: older cache entries are then not read.
-GATE_VERSION = 1
+GATE_VERSION = 2
 TAIL_LINES = 5  # of the verifier's output, kept with a verdict
 TAIL_BYTES = 64 * 1024  # read from the end of the verifier's output for those lines
 ORACLE, NOP = AgentName.ORACLE.value, AgentName.NOP.value
+PROGRESS_EVERY_S = 10.0  # the gate is never silent for longer
 
 Verdict = Literal[
-    "verified", "unverified", "unchecked", "ungated", "oracle-fails", "nop-passes", "environment-fails", "refused"
+    "verified",
+    "unverified",
+    "unchecked",
+    "ungated",
+    "oracle-fails",
+    "nop-passes",
+    "flaky",
+    "needs-network",
+    "environment-fails",
+    "refused",
 ]
 ADMITTED: frozenset[str] = frozenset({"verified", "unverified", "unchecked", "ungated"})
-LEFT_OUT: tuple[str, ...] = ("oracle-fails", "nop-passes", "environment-fails", "refused")
-CACHED: frozenset[str] = frozenset({"verified", "unverified", "oracle-fails", "nop-passes"})
+LEFT_OUT: tuple[str, ...] = ("oracle-fails", "nop-passes", "flaky", "needs-network", "environment-fails", "refused")
+NEGATIVE: frozenset[str] = frozenset({"oracle-fails", "nop-passes", "flaky", "needs-network"})  # cached, expiring
+CACHED: frozenset[str] = frozenset({"verified", "unverified", *NEGATIVE})
+# What a verifier prints when it reached for the network and found none (curl, pip, apt, Python's socket, git).
+NO_NETWORK_SIGNS = (
+    "could not resolve host",
+    "temporary failure in name resolution",
+    "name or service not known",
+    "failed to establish a new connection",
+    "network is unreachable",
+    "could not resolve hostname",
+    "getaddrinfo failed",
+)
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """How the gate runs (`dataset.*` settings of the run, and the CLI's `--fresh`)."""
+
+    oracle_runs: int = 2  # `dataset.gate_oracle_runs`
+    ttl_days: float = 7.0  # `dataset.gate_ttl`: how long a verdict that leaves a task out is reused
+    base_images: dict[str, str] = field(default_factory=dict)  # `dataset.base_images`, for the sandbox's builds
+    fresh: bool = False  # read no cached verdict (write the new ones)
+
+    @classmethod
+    def of(cls, dataset: DatasetConfig, fresh: bool = False) -> GateSettings:
+        return cls(dataset.gate_oracle_runs, dataset.gate_ttl, dict(dataset.base_images), fresh)
 
 
 @dataclass(frozen=True)
@@ -63,10 +109,11 @@ class TaskGate:
     path: str
     verdict: Verdict
     reason: str | None = None  # one line; None for an admitted task with nothing to say
-    oracle_reward: float | None = None
+    oracle_reward: float | None = None  # the deciding oracle run's (a failing one, when any failed)
     nop_reward: float | None = None
     verifier_tail: list[str] = field(default_factory=list)  # the last lines of the deciding trial's verifier
-    digest: str | None = None  # sha256 of the task dir's files (the cache key, with the sandbox kind)
+    digest: str | None = None  # sha256 of the task dir's files (in the cache key)
+    oracle_rewards: list[float | None] = field(default_factory=list)  # every oracle run's, in order
     cached: bool = False  # the verdict came from the cache: no trial ran for it
 
     @property
@@ -84,6 +131,7 @@ class GateReport:
     tasks: list[TaskGate]
     trials_run: int = 0
     seconds: float = 0.0
+    base_images: dict[str, str] = field(default_factory=dict)  # FROM reference -> "image id" the builds start from
 
     @property
     def left_out(self) -> list[TaskGate]:
@@ -98,6 +146,7 @@ class GateReport:
             "left_out": len(self.left_out),
             "trials_run": self.trials_run,
             "seconds": round(self.seconds, 3),
+            "base_images": self.base_images,
             "tasks": [asdict(t) | {"admitted": t.admitted} for t in self.tasks],
         }
 
@@ -116,10 +165,11 @@ class GateReport:
             )
         else:
             head += " (gate off: tasks not run)"
+        bases = [f"  base image: FROM {ref} -> {used}" for ref, used in sorted(self.base_images.items())]
         rows = [
             f"  {t.verdict}: {t.name}: {t.reason}" for t in self.tasks if t.verdict not in ("verified", "unverified")
         ]
-        return [head, *rows]
+        return [head, *bases, *rows]
 
 
 def refused(left_out: tuple[LeftOut, ...]) -> list[TaskGate]:
@@ -134,37 +184,104 @@ def ungated_report(dataset: Dataset, sandbox: str) -> GateReport:
     return GateReport(str(dataset.root), sandbox, False, sorted([*tasks, *refused(dataset.left_out)], key=_by_name))
 
 
-def gate_cache_path(cache_dir: Path, sandbox: str, digest: str) -> Path:
-    return Path(cache_dir) / "gate" / f"v{GATE_VERSION}" / sandbox / f"{digest}.json"
+def gate_cache_path(cache_dir: Path, sandbox: str, key: str) -> Path:
+    return Path(cache_dir) / "gate" / f"v{GATE_VERSION}" / sandbox / f"{key}.json"
 
 
-def run_gate(dataset: Dataset, rollout: RolloutConfig, cache_dir: Path, reward: RewardRule | None = None) -> GateReport:
+def verdict_key(
+    task: TaskSpec, digest: str, rollout: RolloutConfig, reward: RewardRule | None, oracle_runs: int
+) -> str:
+    """What decides a task's verdict, hashed: the task's files, the images its own builds from, the reward rule,
+    the oracle runs, the sandbox's settings (its retries and start limits aside: they change no outcome) and
+    Harbor's version."""
+    sandbox = rollout.sandbox.model_dump(
+        mode="json", exclude={"retries", "retry_backoff_s", "on_retries_exhausted", "create_limit", "api_key_file"}
+    )
+    parts = {
+        "task": digest,
+        "bases": [b.id for b in task.bases],
+        "reward": repr(reward),
+        "oracle_runs": oracle_runs,
+        "sandbox": sandbox,
+        "harbor": version("harbor"),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@cache
+def code_digest() -> str:
+    """sha256 of grpoflow's own modules: a verdict that leaves a task out is not reused across a code change."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def run_gate(
+    dataset: Dataset,
+    rollout: RolloutConfig,
+    cache_dir: Path,
+    reward: RewardRule | None = None,
+    settings: GateSettings | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> GateReport:
     """The gate over every task of `dataset`, in `rollout`'s sandbox (`rollout.concurrency` trials at once, with
-    its sandbox retries), scored by `reward` (`dataset.reward`); cached verdicts are reused, new definite ones
-    cached (keyed by the reward rule too: it decides what the oracle scores)."""
-    scored_by = "" if reward is None else "-" + hashlib.sha256(repr(reward).encode()).hexdigest()[:12]
+    its sandbox retries), scored by `reward` (`dataset.reward`); cached verdicts are reused (`verdict_key`; one
+    that leaves a task out only while fresh), new definite ones cached. `progress` hears a line at the start and
+    at least every `PROGRESS_EVERY_S` while trials run."""
+    settings = settings or GateSettings()
     t0 = time.perf_counter()
     verdicts: dict[str, TaskGate] = {}
-    pending: list[tuple[TaskSpec, str]] = []
+    pending: list[tuple[TaskSpec, str, Path]] = []
     for task in dataset.tasks:
         digest = sha256_tree(task.path)
-        hit = _read_cache(gate_cache_path(cache_dir, rollout.sandbox.backend, digest + scored_by))
+        path = gate_cache_path(
+            cache_dir, rollout.sandbox.backend, verdict_key(task, digest, rollout, reward, settings.oracle_runs)
+        )
+        hit = None if settings.fresh else _read_cache(path, settings.ttl_days)
         if hit is not None:
             verdicts[task.name] = replace(hit, name=task.name, path=str(task.path), digest=digest, cached=True)
         else:
-            pending.append((task, digest))
-    specs = [spec for task, _ in pending for spec in _specs(task)]
+            pending.append((task, digest, path))
+    specs = [spec for task, _, _ in pending for spec in _specs(task, settings.oracle_runs)]
     if specs:
-        outcomes = _run(specs, rollout, reward)
-        for task, digest in pending:
-            verdict = _verdict(task, digest, outcomes)
+        if progress is not None:
+            progress(
+                f"dataset gate: {len(specs)} trials of {len(pending)} tasks to run "
+                f"({len(verdicts)} verdicts from the cache; {rollout.concurrency} at once)"
+            )
+        outcomes = _run(specs, rollout, reward, settings.base_images, progress)
+        for task, digest, path in pending:
+            verdict = _verdict(task, digest, outcomes, settings.oracle_runs)
             verdicts[task.name] = verdict
             if verdict.verdict in CACHED:
-                write_json_atomic(
-                    gate_cache_path(cache_dir, rollout.sandbox.backend, digest + scored_by), _cache_record(verdict)
-                )
+                write_json_atomic(path, _cache_record(verdict))
     tasks = sorted([*verdicts.values(), *refused(dataset.left_out)], key=_by_name)
-    return GateReport(str(dataset.root), rollout.sandbox.backend, True, tasks, len(specs), time.perf_counter() - t0)
+    bases = {b.reference: f"{b.image} {b.id}" for t in dataset.tasks for b in t.bases}
+    seconds = time.perf_counter() - t0
+    return GateReport(str(dataset.root), rollout.sandbox.backend, True, tasks, len(specs), seconds, bases)
+
+
+def record_flaky(
+    task_path: Path,
+    rollout: RolloutConfig,
+    cache_dir: Path,
+    reason: str,
+    settings: GateSettings | None = None,
+    reward: RewardRule | None = None,
+) -> Path:
+    """Cache a `flaky` verdict for the task at `task_path` (a regrade found its verifier's reward differing), under
+    the key the gate reads: the next prepare leaves the task out, for `dataset.gate_ttl` days."""
+    settings = settings or GateSettings()
+    task = load_task(task_path, local_sandbox=rollout.sandbox.local, base_images=settings.base_images)
+    digest = sha256_tree(task.path)
+    verdict = TaskGate(task.name, str(task.path), "flaky", reason, digest=digest)
+    path = gate_cache_path(
+        cache_dir, rollout.sandbox.backend, verdict_key(task, digest, rollout, reward, settings.oracle_runs)
+    )
+    write_json_atomic(path, _cache_record(verdict))
+    return path
 
 
 def admitted_dataset(dataset: Dataset, report: GateReport) -> Dataset:
@@ -192,11 +309,19 @@ def admitted_dataset(dataset: Dataset, report: GateReport) -> Dataset:
 # ---- the trials -------------------------------------------------------------------------------------------------
 
 
-def _specs(task: TaskSpec) -> list[TrialSpec]:
-    agents = [ORACLE, NOP] if task.has_solution else [NOP]
+def _oracle_id(task: TaskSpec, run: int) -> str:
+    return f"gate-{task.name}-{ORACLE}-{run}"
+
+
+def _nop_id(task: TaskSpec) -> str:
+    return f"gate-{task.name}-{NOP}"
+
+
+def _specs(task: TaskSpec, oracle_runs: int) -> list[TrialSpec]:
+    ids = [_oracle_id(task, k) for k in range(oracle_runs)] if task.has_solution else []
     return [
-        TrialSpec(task.name, str(task.path), f"gate-{task.name}", k, f"gate-{task.name}-{agent}", 0)
-        for k, agent in enumerate(agents)
+        TrialSpec(task.name, str(task.path), f"gate-{task.name}", k, rollout_id, 0)
+        for k, rollout_id in enumerate([*ids, _nop_id(task)])
     ]
 
 
@@ -207,9 +332,15 @@ class _Done:
     tail: list[str]  # the verifier's last lines (read before the trial dirs go)
 
 
-def _run(specs: list[TrialSpec], rollout: RolloutConfig, reward: RewardRule | None) -> dict[str, _Done]:
+def _run(
+    specs: list[TrialSpec],
+    rollout: RolloutConfig,
+    reward: RewardRule | None,
+    base_images: dict[str, str],
+    progress: Callable[[str], None] | None,
+) -> dict[str, _Done]:
     """Run the gate's trials through `collect_step`, keyed by rollout id."""
-    agent_of = {s.rollout_id: s.rollout_id.rsplit("-", 1)[1] for s in specs}
+    agent_of = {s.rollout_id: NOP if s.rollout_id.endswith(f"-{NOP}") else ORACLE for s in specs}
     # Neither agent has web tools to turn off; saying so keeps Harbor from logging an ERROR per trial when the
     # sandbox has no network.
     policy = PolicyAccess(
@@ -217,10 +348,10 @@ def _run(specs: list[TrialSpec], rollout: RolloutConfig, reward: RewardRule | No
     )
     # The oracle and the no-op reach no host: a CLI harness's session-server allowance has nothing to serve here,
     # and the local sandbox refuses a host it cannot reach.
-    environment = sandbox_config(rollout).model_copy(update={"extra_allowed_hosts": []})
+    environment = sandbox_config(rollout, base_images).model_copy(update={"extra_allowed_hosts": []})
     export_sandbox_key(rollout.sandbox.backend, rollout.sandbox.key_file())
     outcomes: dict[str, TrialOutcome] = {}
-    with tempfile.TemporaryDirectory(prefix="grpoflow-gate-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="grpoflow-gate-") as tmp, _Ticker(len(specs), outcomes, progress):
         result = asyncio.run(
             collect_step(
                 "gate",
@@ -238,6 +369,34 @@ def _run(specs: list[TrialSpec], rollout: RolloutConfig, reward: RewardRule | No
         # The verifier's output is read before the trial dirs go.
         tails = {rid: _verifier_tail(o) for rid, o in outcomes.items()}
     return {s.rollout_id: _Done(s, outcomes[s.rollout_id], tails[s.rollout_id]) for s in result.samples}
+
+
+class _Ticker:
+    """A line to `progress` every `PROGRESS_EVERY_S` while the gate's trials run: done/total, elapsed, ETA (image
+    builds happen inside the first trials of a task, so a long build shows as time without trials done)."""
+
+    def __init__(self, total: int, done: dict, progress: Callable[[str], None] | None):
+        self.total, self.done, self.progress = total, done, progress
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._tick, name="gate-progress", daemon=True)
+
+    def __enter__(self) -> _Ticker:
+        self.t0 = time.monotonic()
+        if self.progress is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def _tick(self) -> None:
+        assert self.progress is not None
+        while not self.stop.wait(PROGRESS_EVERY_S):
+            done, elapsed = len(self.done), time.monotonic() - self.t0
+            eta = f"ETA {elapsed / done * (self.total - done):.0f} s" if done else "ETA after the first trial"
+            self.progress(f"dataset gate: {done}/{self.total} trials done in {elapsed:.0f} s, {eta}")
 
 
 def _verifier_tail(outcome: TrialOutcome) -> list[str]:
@@ -262,14 +421,24 @@ def _infrastructure(outcome: TrialOutcome) -> bool:
     )
 
 
-def _verdict(task: TaskSpec, digest: str, done: dict[str, _Done]) -> TaskGate:
-    base = TaskGate(task.name, str(task.path), "verified", digest=digest)
-    oracle = done.get(f"gate-{task.name}-{ORACLE}")
-    nop = done[f"gate-{task.name}-{NOP}"]
-    base = replace(base, nop_reward=nop.sample.reward, oracle_reward=oracle.sample.reward if oracle else None)
-    for agent, d in ((ORACLE, oracle), (NOP, nop)):
-        exc = d.outcome.result.exception_info if d is not None else None
-        if d is not None and exc is not None and exc.exception_type == ImageBuildError.__name__:
+def _verdict(task: TaskSpec, digest: str, done: dict[str, _Done], oracle_runs: int) -> TaskGate:
+    oracles = [done[_oracle_id(task, k)] for k in range(oracle_runs)] if task.has_solution else []
+    nop = done[_nop_id(task)]
+    passed = [o for o in oracles if o.sample.reward is not None and o.sample.reward >= PASS]
+    failed = [o for o in oracles if o not in passed]
+    decider = failed[0] if failed else (passed[0] if passed else None)
+    base = TaskGate(
+        task.name,
+        str(task.path),
+        "verified",
+        digest=digest,
+        nop_reward=nop.sample.reward,
+        oracle_reward=decider.sample.reward if decider else None,
+        oracle_rewards=[o.sample.reward for o in oracles],
+    )
+    for agent, d in [*((ORACLE, o) for o in oracles), (NOP, nop)]:
+        exc = d.outcome.result.exception_info
+        if exc is not None and exc.exception_type == ImageBuildError.__name__:
             # The task's own environment (its image's build, or its tree) gives no sandbox: every trial of it would
             # fail the same way. Left out, and not cached: a build that failed on a registry's hiccup is tried again.
             return replace(
@@ -277,19 +446,38 @@ def _verdict(task: TaskSpec, digest: str, done: dict[str, _Done]) -> TaskGate:
                 verdict="environment-fails",
                 reason=f"the {agent} trial could not get the task's environment ({d.sample.exit_reason})",
             )
-        if d is not None and _infrastructure(d.outcome):
+        if _infrastructure(d.outcome):
             return replace(
                 base,
                 verdict="unchecked",
                 reason=f"the {agent} trial hit an infrastructure failure ({d.sample.exit_reason}): not a verdict "
                 "on the task, which is kept unchecked",
             )
-    if oracle is not None and (oracle.sample.reward is None or oracle.sample.reward < PASS):
-        tail = oracle.tail
+    if failed and passed:
+        bad, good = failed[0], passed[0]
+        return replace(
+            base,
+            verdict="flaky",
+            reason=f"its oracle passed {len(passed)} of {len(oracles)} runs (scored {_score(bad.sample)} once): the "
+            f"verifier's verdict varies; failing run's verifier: {' | '.join(bad.tail[-2:]) or '(no output)'}; "
+            f"passing run's: {' | '.join(good.tail[-2:]) or '(no output)'}",
+            verifier_tail=bad.tail,
+        )
+    if failed:
+        tail = failed[0].tail
+        lowered = " ".join(tail).lower()
+        if any(sign in lowered for sign in NO_NETWORK_SIGNS):
+            return replace(
+                base,
+                verdict="needs-network",
+                reason="its verifier reached for the network and found none (the sandbox gives the task no network); "
+                f"verifier: {' | '.join(tail[-3:])}",
+                verifier_tail=tail,
+            )
         return replace(
             base,
             verdict="oracle-fails",
-            reason=f"its oracle (solution/solve.sh) scored {_score(oracle.sample)}, not {PASS}"
+            reason=f"its oracle (solution/solve.sh) scored {_score(failed[0].sample)}, not {PASS}"
             + (f"; verifier: {' | '.join(tail[-3:])}" if tail else ""),
             verifier_tail=tail,
         )
@@ -302,7 +490,7 @@ def _verdict(task: TaskSpec, digest: str, done: dict[str, _Done]) -> TaskGate:
             "the task's work" + (f"; verifier: {' | '.join(tail[-3:])}" if tail else ""),
             verifier_tail=tail,
         )
-    if oracle is None:
+    if not oracles:
         return replace(base, verdict="unverified", reason="no solution/solve.sh: solvability not proven")
     return base
 
@@ -320,18 +508,24 @@ def _cache_record(verdict: TaskGate) -> dict:
     record = asdict(verdict)
     for key in ("name", "path", "digest", "cached"):  # the task's place and name are not part of its content
         record.pop(key)
-    return record
+    # when and by which code: a verdict that leaves a task out is reused only while both hold (`_read_cache`)
+    return record | {"at": time.time(), "code": code_digest()}
 
 
-def _read_cache(path: Path) -> TaskGate | None:
-    """A cached verdict, or None when there is none or it cannot be read (then the trials run again)."""
+def _read_cache(path: Path, ttl_days: float) -> TaskGate | None:
+    """A cached verdict, or None when there is none, it cannot be read, or it leaves the task out and is older
+    than `ttl_days` or was reached by other code (then the trials run again)."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-        return TaskGate(name="", path="", **record)
+        at, code = record.pop("at"), record.pop("code")
+        verdict = TaskGate(name="", path="", **record)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError):  # a torn or foreign file: the trials decide again
+    except (OSError, ValueError, TypeError, KeyError):  # a torn or foreign file: the trials decide again
         return None
+    if verdict.verdict in NEGATIVE and (code != code_digest() or time.time() - float(at) > ttl_days * 86400):
+        return None
+    return verdict
 
 
 def _by_name(t: TaskGate) -> str:

@@ -3,7 +3,8 @@
 `fail_start_probability` (with `fail_start_seed`, a function of (seed, session id): a retry draws again, a rerun of
 the same trial repeats its fate) makes `start()` raise `SandboxStartError`; `die_after_execs` makes the sandbox
 "die" after that many execs (Harbor's own, the verifier's among them, count too): every later exec raises
-`SandboxDiedError`. The `faulty_sandbox` fixture (tests/conftest.py) puts it where a run's `rollout.sandbox.backend=local`
+`SandboxDiedError`. `shared_dir` binds one writable host dir at `/shared` into every trial's sandbox: state that
+outlives a trial, as an outside service a flaky verifier consults would be. The `faulty_sandbox` fixture (tests/conftest.py) puts it where a run's `rollout.sandbox.backend=local`
 goes, so `rollout.sandbox.kwargs` reach it.
 """
 
@@ -27,12 +28,19 @@ class FaultySandboxSettings(LocalSandboxSettings):
     fail_start_probability: float = Field(0.0, ge=0.0, le=1.0, strict=False)
     fail_start_seed: int | None = None
     die_after_execs: int | None = Field(None, ge=0)
+    shared_dir: str | None = None
+
+
+SHARED = "/shared"
 
 
 class FaultySandbox(LocalSandbox):
     Settings = FaultySandboxSettings
 
     def __init__(self, *args: Any, **kwargs: Any):
+        shared = kwargs.get("shared_dir")
+        if shared is not None:  # a user mount, as Harbor's `mounts` gives one to any environment
+            kwargs["mounts"] = [{"type": "bind", "source": shared, "target": SHARED, "read_only": False}]
         super().__init__(*args, **kwargs)
         self.fail_start_probability = self.settings.fail_start_probability
         self.fail_start_seed = self.settings.fail_start_seed

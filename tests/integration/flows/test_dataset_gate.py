@@ -15,7 +15,8 @@ from grpoflow.errors import DatasetError
 from grpoflow.prepare.dataset import builtin_dataset_path, load_dataset
 from grpoflow.run.health import health_markdown, task_health
 from grpoflow.run.start import prepare_run
-from grpoflow.scoring.gate import run_gate
+from grpoflow.scoring import gate as gate_module
+from grpoflow.scoring.gate import GateSettings, gate_cache_path, record_flaky, run_gate
 from tests.integration.bad_inputs.conftest import assert_one_line
 
 pytestmark = [
@@ -93,9 +94,11 @@ def test_prepare_admits_what_the_gate_proves_and_a_second_prepare_runs_no_trial(
         "needs-apt": "refused",
     }
     assert [n for n, t in verdicts.items() if t["admitted"]] == ["good", "no-solution"]
-    assert (gate["admitted"], gate["left_out"], gate["trials_run"], gate["sandbox"]) == (2, 3, 7, "local")
+    # two oracle runs (dataset.gate_oracle_runs) and one no-op per task with a solution, a no-op alone without
+    assert (gate["admitted"], gate["left_out"], gate["trials_run"], gate["sandbox"]) == (2, 3, 10, "local")
     # the reasons: the oracle's score and the verifier's last lines; the no-op's pass; the Dockerfile's line
     assert verdicts["oracle-fails"]["oracle_reward"] == 0.0
+    assert verdicts["oracle-fails"]["oracle_rewards"] == [0.0, 0.0]
     assert "scored 0.0" in verdicts["oracle-fails"]["reason"]
     assert "/app/hello.txt is missing" in verdicts["oracle-fails"]["reason"]
     assert verdicts["oracle-fails"]["verifier_tail"][-1] == "reward: 0"
@@ -113,6 +116,9 @@ def test_prepare_admits_what_the_gate_proves_and_a_second_prepare_runs_no_trial(
     assert info["dataset"]["tasks"] == ["good", "no-solution"]
     # the CLI's table: a head line, then one line per task left out
     out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("grpoflow: ")]
+    # first what is to run, then (every 10 s while trials run) how far it got
+    assert out[0] == "grpoflow: dataset gate: 10 trials of 4 tasks to run (0 verdicts from the cache; 8 at once)"
+    out = [line for line in out[1:] if "trials done in" not in line]
     assert out[0].startswith("grpoflow: dataset gate: 2 of 5 tasks admitted, 3 left out")
     assert sorted(line.split(":")[1].strip() for line in out[1:]) == ["nop-passes", "oracle-fails", "refused"]
 
@@ -125,7 +131,7 @@ def test_prepare_admits_what_the_gate_proves_and_a_second_prepare_runs_no_trial(
     assert all(t["cached"] for t in gate2["tasks"] if t["verdict"] != "refused")
     assert [t["verdict"] for t in gate2["tasks"]] == [t["verdict"] for t in gate["tasks"]]
     assert again.paths.prompts.read_text() == run.paths.prompts.read_text()
-    print(f"gate: first prepare {first_s:.1f} s (7 trials), second {second_s:.1f} s (cached)")
+    print(f"gate: first prepare {first_s:.1f} s (10 trials), second {second_s:.1f} s (cached)")
 
     # a prompts file naming a task the gate left out: that prompt never trains either
     own = tmp_path / "own.jsonl"
@@ -138,7 +144,7 @@ def test_prepare_admits_what_the_gate_proves_and_a_second_prepare_runs_no_trial(
     with (mixed / "good" / "instruction.md").open("a") as f:
         f.write("\n")
     gate3 = run_gate(load_dataset(mixed, local_sandbox=True), parse_run_config({}).rollout, cache)
-    assert gate3.trials_run == 2 and [t.name for t in gate3.tasks if not t.cached and t.verdict != "refused"] == [
+    assert gate3.trials_run == 3 and [t.name for t in gate3.tasks if not t.cached and t.verdict != "refused"] == [
         "good"
     ]
 
@@ -190,7 +196,7 @@ def test_tasks_validate_prints_the_table_and_names_why_nothing_is_left(tmp_path,
     monkeypatch.setenv("GRPOFLOW_CACHE", str(tmp_path / "cache"))
     assert main(["tasks", "--validate", "--dataset", str(mixed)]) == 0
     out = capfd.readouterr().out.splitlines()
-    assert "2 of 5 tasks admitted, 3 left out" in out[0]
+    assert "10 trials of 4 tasks to run" in out[0] and "2 of 5 tasks admitted, 3 left out" in out[1]
     assert any(line.startswith("grpoflow:   oracle-fails: oracle-fails: its oracle") for line in out)
     assert out[-1] == f"grpoflow: 2 tasks of {mixed.resolve()} would train and evaluate"
 
@@ -264,3 +270,112 @@ def test_several_rewards_are_left_out_until_dataset_reward_says_how_to_score_the
     style = parse_run_config({"run_id": "r", "dataset": {"reward": "style"}}).dataset.reward_rule()
     [flat] = run_gate(dataset, rollout, tmp_path / "cache", style).tasks
     assert not flat.admitted and flat.nop_reward == 1.0
+
+
+def _second_look_fails(root):
+    """A verifier that consults state outside its trial (as one that asks an outside service would): the first
+    oracle run to be verified passes, every later one fails; the no-op never gets that far."""
+    task = _copy(root, "hello-file", "flaky")
+    test = task / "tests" / "test.sh"
+    test.write_text(
+        test.read_text().replace(
+            "finish 1",
+            'mkdir /shared/first-look 2>/dev/null || fail "the outside service says no this time"\nfinish 1',
+        )
+    )
+
+
+def _needs_network(root):
+    """A verifier that installs its test runner first, as Harbor's own examples do: without network, no name
+    resolves (nothing leaves the sandbox: its namespace has no interface but loopback)."""
+    task = _copy(root, "hello-file", "needs-network")
+    test = task / "tests" / "test.sh"
+    install = (
+        "python3 -c \"import socket; socket.getaddrinfo('pypi.org', 443)\" 2>&1 | tail -n 1\n"
+        '[ "${PIPESTATUS[0]}" = 0 ] || fail "could not install the test runner"\n'
+    )
+    test.write_text(test.read_text().replace("need_file /app/hello.txt", install + "need_file /app/hello.txt"))
+
+
+def test_a_verifier_that_disagrees_with_itself_is_flaky_and_one_without_network_needs_network(
+    tmp_path, faulty_sandbox, monkeypatch
+):
+    root = tmp_path / "tasks"
+    _copy(root, "hello-file", "good")
+    _second_look_fails(root)
+    _needs_network(root)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # the sandbox's own uid writes there
+    rollout = parse_run_config({"rollout": {"sandbox": {"kwargs": {"shared_dir": str(shared)}}}}).rollout
+    lines: list[str] = []
+    monkeypatch.setattr(gate_module, "PROGRESS_EVERY_S", 0.5)
+    report = run_gate(load_dataset(root, local_sandbox=True), rollout, tmp_path / "cache", progress=lines.append)
+    verdicts = {t.name: t for t in report.tasks}
+    assert {n: t.verdict for n, t in verdicts.items()} == {
+        "good": "verified",
+        "flaky": "flaky",
+        "needs-network": "needs-network",
+    }
+    flaky = verdicts["flaky"]
+    assert sorted(flaky.oracle_rewards) == [0.0, 1.0] and not flaky.admitted
+    # both verifiers' last lines: the failing run's and the passing run's
+    assert "passed 1 of 2 runs" in flaky.reason and "the outside service says no this time" in flaky.reason
+    assert "passing run's: reward: 1" in flaky.reason
+    network = verdicts["needs-network"]
+    assert "name resolution" in network.reason or "not known" in network.reason, network.reason
+    assert not network.admitted and network.oracle_rewards == [0.0, 0.0]
+    # the gate talked while it ran: a head line, then done/total with an ETA
+    assert lines[0] == "dataset gate: 9 trials of 3 tasks to run (0 verdicts from the cache; 8 at once)"
+    assert any("trials done in" in line and "ETA" in line for line in lines[1:]), lines
+
+
+def test_a_verdict_that_leaves_a_task_out_expires_and_fresh_runs_every_task_again(tmp_path, monkeypatch, capfd):
+    root = tmp_path / "tasks"
+    _copy(root, "hello-file", "good")
+    _oracle_fails(root)
+    dataset, rollout, cache = load_dataset(root, local_sandbox=True), parse_run_config({}).rollout, tmp_path / "cache"
+    assert run_gate(dataset, rollout, cache).trials_run == 6
+    again = run_gate(dataset, rollout, cache)
+    assert again.trials_run == 0 and all(t.cached for t in again.tasks)
+
+    # eight days on: the negative verdict is stale (dataset.gate_ttl, 7 days), the positive one still holds
+    for path in (cache / "gate").rglob("*.json"):
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps(record | {"at": record["at"] - 8 * 86400}))
+    later = {t.name: t for t in run_gate(dataset, rollout, cache).tasks}
+    assert (later["good"].cached, later["oracle-fails"].cached) == (True, False)
+    assert later["oracle-fails"].verdict == "oracle-fails"
+    # a longer ttl trusts it again; another grpoflow (its code digest) does not
+    assert run_gate(dataset, rollout, cache, settings=GateSettings(ttl_days=30)).trials_run == 0
+    monkeypatch.setattr(gate_module, "code_digest", lambda: "another-grpoflow")
+    assert run_gate(dataset, rollout, cache, settings=GateSettings(ttl_days=30)).trials_run == 3
+    monkeypatch.undo()
+
+    # `grpoflow tasks --validate --fresh` runs every task again
+    monkeypatch.setenv("GRPOFLOW_CACHE", str(cache))
+    assert main(["tasks", "--validate", "--fresh", "--dataset", str(root)]) == 0
+    out = capfd.readouterr().out
+    assert "6 trials in" in out and "0 verdicts from the cache" in out
+    assert main(["tasks", "--validate", "--dataset", str(root)]) == 0
+    assert "0 trials in" in capfd.readouterr().out
+    assert main(["tasks", "--fresh"]) == 2
+    assert "--fresh goes with --validate" in capfd.readouterr().err
+
+
+def test_a_regrade_that_finds_a_verifier_flaky_leaves_the_task_out_at_the_next_prepare(tmp_path):
+    root = tmp_path / "tasks"
+    _copy(root, "hello-file", "good")
+    _copy(root, "make-dir", "flips-on-regrade")
+    dataset, rollout, cache = load_dataset(root, local_sandbox=True), parse_run_config({}).rollout, tmp_path / "cache"
+    assert all(t.admitted for t in run_gate(dataset, rollout, cache).tasks)
+    path = record_flaky(
+        root / "flips-on-regrade", rollout, cache, "a regrade of step 3 scored 0.0 where the run recorded 1.0"
+    )
+    assert path.parent == gate_cache_path(cache, "local", "x").parent
+    report = run_gate(dataset, rollout, cache)
+    verdicts = {t.name: t for t in report.tasks}
+    assert report.trials_run == 0
+    assert (verdicts["flips-on-regrade"].verdict, verdicts["flips-on-regrade"].cached) == ("flaky", True)
+    assert "scored 0.0 where the run recorded 1.0" in verdicts["flips-on-regrade"].reason
+    assert verdicts["good"].admitted

@@ -41,14 +41,15 @@ from harbor.models.trial.result import TrialResult
 from harbor.publisher.packager import Packager
 
 from grpoflow.config import RewardRule, RunConfig
-from grpoflow.errors import one_line
+from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import publish_dir, write_text_atomic
-from grpoflow.paths import RunPaths
+from grpoflow.paths import RunPaths, default_cache_dir
 from grpoflow.prepare.dataset import task_config
 from grpoflow.rollout.outcome import verifier_reward
 from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import run_here
 from grpoflow.samples import PASS
+from grpoflow.scoring.gate import GateSettings, record_flaky
 
 REGRADE_DIR = "regrade"  # under the run dir: the separate-mode copies of tasks and the regrade trials' dirs
 
@@ -138,13 +139,28 @@ async def regrade_trials(
     return regrades
 
 
-def regrade_run(run_root: Path, cfg: RunConfig, per_task: int) -> list[Regrade]:
+def regrade_run(run_root: Path, cfg: RunConfig, per_task: int, cache_dir: Path | None = None) -> list[Regrade]:
     """`pick_trials` of the run, regraded in the sandboxes `cfg.rollout` names and scored as the run scored them
-    (`dataset.reward`); `regrades.jsonl` says what came of it (empty: the run recorded nothing to regrade)."""
+    (`dataset.reward`); `regrades.jsonl` says what came of it (empty: the run recorded nothing to regrade). A task
+    whose regrade differs is recorded `flaky` in the dataset gate's cache under `cache_dir`, so the next prepare
+    that gates it leaves it out."""
     rule, rollout = cfg.dataset.reward_rule(), cfg.rollout
     stored, unreadable = pick_trials(run_root, per_task, rule)
     environment = sandbox_config(rollout, cfg.dataset.base_images)
-    return asyncio.run(regrade_trials(run_root, stored, environment, rollout.concurrency, unreadable, rule))
+    regrades = asyncio.run(regrade_trials(run_root, stored, environment, rollout.concurrency, unreadable, rule))
+    paths = {t.task: t.task_path for t in stored}
+    for row in {r.task: r for r in reversed(regrades) if r.differs}.values():
+        reason = (
+            f"a regrade of {row.trial} scored {row.regraded} where the run recorded {row.recorded}: its verifier "
+            "is flaky or reads state the trial did not record"
+        )
+        try:
+            record_flaky(
+                paths[row.task], rollout, cache_dir or default_cache_dir(), reason, GateSettings.of(cfg.dataset), rule
+            )
+        except DatasetError:  # the task no longer loads: the gate refuses it anyway
+            continue
+    return regrades
 
 
 def regrade_summary(regrades: Sequence[Regrade]) -> list[str]:

@@ -12,7 +12,7 @@ from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import parse_run_config
 from grpoflow.paths import RunPaths
-from grpoflow.prepare.dataset import builtin_dataset_path
+from grpoflow.prepare.dataset import builtin_dataset_path, load_dataset
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.step import collect_step
@@ -23,9 +23,11 @@ from grpoflow.run.regrade import (
     alternate,
     pick_trials,
     read_regrades,
+    regrade_run,
     regrade_summary,
     regrade_trials,
 )
+from grpoflow.scoring.gate import run_gate
 from tests.fakes.prompts import builtin_prompts
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -129,6 +131,18 @@ def test_regrade_flags_a_verifier_that_reads_unrecorded_state(run_root):
     table = health_markdown(["run"], list(health.values()))
     assert "| reads-tmp | 1.00 (4) | always 1, flaky verifier | 2 of 2 | - |" in table
     assert "| hello-file | 1.00 (4) | always 1 | 0 of 2 | - |" in table
+
+
+def test_a_task_its_regrade_contradicted_is_left_out_by_the_next_gate_as_flaky(run_root, tmp_path):
+    cfg, cache = parse_run_config({}), tmp_path / "cache"
+    regrades = regrade_run(run_root, cfg, 2, cache_dir=cache)
+    assert {r.task for r in regrades if r.differs} == {"reads-tmp"}
+    report = run_gate(load_dataset(tmp_path / "tasks", local_sandbox=True), cfg.rollout, cache)
+    verdicts = {t.name: t for t in report.tasks}
+    assert (verdicts["reads-tmp"].verdict, verdicts["reads-tmp"].cached) == ("flaky", True)
+    assert "scored 0.0 where the run recorded 1.0" in verdicts["reads-tmp"].reason
+    assert verdicts["unsolved"].verdict == "oracle-fails" and not verdicts["unsolved"].cached
+    assert report.trials_run == 3  # the unsolved task's alone: the flaky one came from the regrade
 
 
 def test_trials_that_cannot_be_regraded_are_rows_with_why_never_verdicts(run_root, tmp_path):

@@ -91,8 +91,9 @@ NO_NETWORK_SIGNS = (
 class GateSettings:
     """How the gate runs (`dataset.*` settings of the run, and the CLI's `--fresh`)."""
 
-    oracle_runs: int = 2  # `dataset.gate_oracle_runs`
-    ttl_days: float = 7.0  # `dataset.gate_ttl`: how long a verdict that leaves a task out is reused
+    # the config's defaults (one home for each)
+    oracle_runs: int = DatasetConfig.model_fields["gate_oracle_runs"].default
+    ttl_days: float = DatasetConfig.model_fields["gate_ttl"].default  # how long a verdict leaving a task out holds
     base_images: dict[str, str] = field(default_factory=dict)  # `dataset.base_images`, for the sandbox's builds
     fresh: bool = False  # read no cached verdict (write the new ones)
 

@@ -33,6 +33,7 @@ from grpoflow.dockerfile import from_images  # noqa: E402
 from grpoflow.embedded.sandbox.images import task_image  # noqa: E402
 from grpoflow.errors import DatasetError, one_line  # noqa: E402
 from grpoflow.prepare.dataset import load_dataset  # noqa: E402
+from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.rollout.environments import ImageBuildError  # noqa: E402
 from grpoflow.scoring.gate import GateSettings, run_gate  # noqa: E402
 
@@ -84,7 +85,8 @@ def main() -> int:
     args = ap.parse_args()
     prefixes = _pairs(args.map_prefix, "--map-prefix") or {CORPUS_BASE_PREFIX: "debian:bookworm-slim"}
     if not args.no_baseline:
-        print(f"baseline: HF generate {hf_generate_tok_s():.1f} tok/s (SmolLM2-135M, one thread)", flush=True)
+        model = prepare_model("smollm2-135m-instruct").path
+        print(f"baseline: HF generate {hf_generate_tok_s(model):.1f} tok/s (SmolLM2-135M, one thread)", flush=True)
     work = Path(tempfile.mkdtemp(prefix="grpoflow-corpus-"))
     try:
         root = work / "tasks"

@@ -41,7 +41,16 @@ from grpoflow.sandbox_settings import LocalSandboxSettings
 IMAGE_REPO = "grpoflow-env"
 BUILD_TIMEOUT_S = 1800
 LOG_TAIL_LINES = 6  # of the builder's output in the error: the failing step, its output and the exit
-_BUILDER_NOISE = ("--->", "Removing intermediate container")  # layer ids: no help in finding what failed
+# Lines that never say what failed: layer ids, the legacy builder's deprecation notice (printed first, so a build
+# that fails at parse would show only it), and our own note of the base images at the log's head.
+_BUILDER_NOISE = (
+    "--->",
+    "Removing intermediate container",
+    "DEPRECATED: The legacy builder",
+    "BuildKit is currently disabled",
+    "environment-variable.",
+    "# base: ",
+)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the builder colours a RUN's stderr
 DIGEST_CHARS = 24  # of the cache key's sha256: the tag and the cache dir's name
 
@@ -179,7 +188,7 @@ def _build(environment_dir: Path, bases: list[BaseImage], tag: str, log: Path) -
     except UnresolvedBaseImage as err:
         raise ImageBuildError(str(err)) from None
     with open(log, "w") as out:
-        out.write("".join(f"FROM {b.reference} -> {b.image} ({b.id})\n" for b in bases))
+        out.write("".join(f"# base: FROM {b.reference} -> {b.image} ({b.id})\n" for b in bases))
         out.flush()
         try:
             proc = subprocess.run(
@@ -221,6 +230,10 @@ def _unpack(tag: str, done: Path, max_mb: int) -> None:
         try:
             with tarfile.open(fileobj=export.stdout, mode="r|") as tar:
                 _extract(tar, staging / "rootfs", max_mb * 2**20, skipped)
+            # tarfile stops at the end-of-archive blocks; what docker still writes after them (padding) must be
+            # read, or `docker export` dies of SIGPIPE and a good image reads as a failed export.
+            while export.stdout.read(1 << 20):
+                pass
         except (tarfile.TarError, OSError) as exc:
             export.kill()
             raise ImageBuildError(f"could not unpack {tag}: {exc}") from exc

@@ -18,6 +18,7 @@ from grpoflow.config import parse_run_config
 from grpoflow.embedded.sandbox.images import image_key, task_image
 from grpoflow.errors import DatasetError
 from grpoflow.prepare.dataset import load_dataset
+from grpoflow.rollout.environments import ImageBuildError
 from grpoflow.run.start import prepare_run
 from tests.integration.docker.conftest import DOCKER_TASK
 
@@ -135,7 +136,7 @@ def test_a_mapped_base_builds_from_its_image_and_a_moved_base_tag_rebuilds(docke
             assert (image.rootfs / "seen").read_text() == f"{mark}\n"
             assert [(b.reference, b.image, b.id) for b in image.bases] == [(CORPUS_BASE, moving, _image_id(moving))]
             log = image.build_log.read_text()
-            assert log.startswith(f"FROM {CORPUS_BASE} -> {moving} ({_image_id(moving)})")
+            assert log.startswith(f"# base: FROM {CORPUS_BASE} -> {moving} ({_image_id(moving)})")
             assert not task_image(env, images, base_images={CORPUS_BASE: moving}).built  # same base: cached
     finally:
         subprocess.run(["docker", "rmi", "-f", moving], capture_output=True)
@@ -157,3 +158,14 @@ def test_a_dataset_s_dockerfiles_are_built_when_an_engine_answers_unless_the_run
     reason = str(info.value)
     assert "environment/Dockerfile:4: `RUN apt-get update" in reason and "\n" not in reason
     assert reason.endswith("dataset.build_images=true builds it with Docker")
+
+
+def test_a_dockerfile_the_builder_cannot_parse_fails_with_the_parser_s_line_not_its_notices(docker_ready, tmp_path):
+    env = tmp_path / "environment"
+    env.mkdir()
+    # a heredoc: BuildKit's syntax, which this engine's legacy builder does not parse
+    (env / "Dockerfile").write_text("FROM debian:bookworm-slim\nRUN cat > /x.yml <<'EOF'\nname: CI\nEOF\n")
+    with pytest.raises(ImageBuildError) as info:
+        task_image(env, tmp_path / "images")
+    assert "dockerfile parse error line 3: unknown instruction: NAME:" in str(info.value)
+    assert "DEPRECATED" not in str(info.value) and "# base:" not in str(info.value)

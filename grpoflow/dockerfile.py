@@ -157,7 +157,7 @@ def pinned_dockerfile(text: str, bases: list[BaseImage]) -> str:
 
 def image_id_of(name: str) -> str | None:
     proc = subprocess.run(
-        ["docker", "image", "inspect", "--format", "{{.Id}}", name],
+        ["docker", "image", "inspect", "--format", "{{.Id}}", "--", name],  # a name is never an option
         capture_output=True,
         text=True,
         timeout=ENGINE_TIMEOUT_S,
@@ -173,7 +173,7 @@ def pull(reference: str) -> str | None:
     if reference not in _pulled:
         try:
             proc = subprocess.run(
-                ["docker", "pull", "-q", reference], capture_output=True, text=True, timeout=PULL_TIMEOUT_S
+                ["docker", "pull", "-q", "--", reference], capture_output=True, text=True, timeout=PULL_TIMEOUT_S
             )
             lines = (proc.stderr or proc.stdout).strip().splitlines()
             _pulled[reference] = None if proc.returncode == 0 else (lines[-1] if lines else f"exit {proc.returncode}")

@@ -88,7 +88,7 @@ with warnings.catch_warnings():
             "only for a task that needs a build), and such a task is left out with one line when none does.",
         )
         base_images: dict[str, str] = Field(
-            default_factory=dict,
+            {},  # a default, not a factory, so the Prefect form shows it (pydantic copies it per instance)
             description="For Dockerfile-built tasks: a `FROM` reference mapped to an image on this machine's Docker "
             'engine, used in its place, e.g. {"ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest": '
             '"debian:bookworm-slim"}. A reference not mapped is used as written (pulled when a registry answers).',

@@ -88,6 +88,10 @@ class Dataset:
                 return task
         raise KeyError(name)
 
+    def base_images(self) -> dict[str, str]:
+        """FROM reference -> "image id" that its Dockerfile-built tasks start from (`dataset.base_images` applied)."""
+        return {b.reference: f"{b.image} {b.id}" for t in self.tasks for b in t.bases}
+
 
 def builtin_dataset_path() -> Path:
     """The packaged hand-written task directories (`grpoflow/data/tasks`, the dataset `builtin-fixed`)."""

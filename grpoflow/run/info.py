@@ -68,7 +68,7 @@ class Provenance(_Record):
                 path=str(dataset.root),
                 sha256=dataset.sha256,
                 tasks=[t.name for t in dataset.tasks],
-                base_images={b.reference: f"{b.image} {b.id}" for t in dataset.tasks for b in t.bases},
+                base_images=dataset.base_images(),
             ),
         )
 

@@ -259,9 +259,10 @@ def run_gate(
             if verdict.verdict in CACHED:
                 write_json_atomic(path, _cache_record(verdict))
     tasks = sorted([*verdicts.values(), *refused(dataset.left_out)], key=_by_name)
-    bases = {b.reference: f"{b.image} {b.id}" for t in dataset.tasks for b in t.bases}
     seconds = time.perf_counter() - t0
-    return GateReport(str(dataset.root), rollout.sandbox.backend, True, tasks, len(specs), seconds, bases)
+    return GateReport(
+        str(dataset.root), rollout.sandbox.backend, True, tasks, len(specs), seconds, dataset.base_images()
+    )
 
 
 def record_flaky(

@@ -204,9 +204,28 @@ def verdict_key(
         "reward": repr(reward),
         "oracle_runs": oracle_runs,
         "sandbox": sandbox,
-        "harbor": version("harbor"),
+        "harbor": _harbor_version(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _verdict_path(
+    cache_dir: Path,
+    task: TaskSpec,
+    digest: str,
+    rollout: RolloutConfig,
+    reward: RewardRule | None,
+    settings: GateSettings,
+) -> Path:
+    """Where the gate reads and writes the task's verdict (`record_flaky` writes there too)."""
+    key = verdict_key(task, digest, rollout, reward, settings.oracle_runs)
+    return gate_cache_path(cache_dir, rollout.sandbox.backend, key)
+
+
+@cache
+def _harbor_version() -> str:
+    # read once: a dataset of thousands of tasks would otherwise scan the installed packages' metadata per task
+    return version("harbor")
 
 
 @cache
@@ -237,9 +256,7 @@ def run_gate(
     pending: list[tuple[TaskSpec, str, Path]] = []
     for task in dataset.tasks:
         digest = sha256_tree(task.path)
-        path = gate_cache_path(
-            cache_dir, rollout.sandbox.backend, verdict_key(task, digest, rollout, reward, settings.oracle_runs)
-        )
+        path = _verdict_path(cache_dir, task, digest, rollout, reward, settings)
         hit = None if settings.fresh else _read_cache(path, settings.ttl_days)
         if hit is not None:
             verdicts[task.name] = replace(hit, name=task.name, path=str(task.path), digest=digest, cached=True)
@@ -279,9 +296,7 @@ def record_flaky(
     task = load_task(task_path, local_sandbox=rollout.sandbox.local, base_images=settings.base_images)
     digest = sha256_tree(task.path)
     verdict = TaskGate(task.name, str(task.path), "flaky", reason, digest=digest)
-    path = gate_cache_path(
-        cache_dir, rollout.sandbox.backend, verdict_key(task, digest, rollout, reward, settings.oracle_runs)
-    )
+    path = _verdict_path(cache_dir, task, digest, rollout, reward, settings)
     write_json_atomic(path, _cache_record(verdict))
     return path
 

@@ -50,6 +50,7 @@ _BUILDER_NOISE = (
     "BuildKit is currently disabled",
     "environment-variable.",
     "# base: ",
+    "Sending build context to Docker daemon",
 )
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the builder colours a RUN's stderr
 DIGEST_CHARS = 24  # of the cache key's sha256: the tag and the cache dir's name
@@ -203,7 +204,11 @@ def _build(environment_dir: Path, bases: list[BaseImage], tag: str, log: Path) -
             rc = f"none: timed out after {BUILD_TIMEOUT_S} s"
     if rc != 0:
         lines = [_ANSI.sub("", line).strip() for line in log.read_text(errors="replace").splitlines()]
-        tail = " | ".join([line for line in lines if line and not line.startswith(_BUILDER_NOISE)][-LOG_TAIL_LINES:])
+        lines = [line for line in lines if line and not line.startswith(_BUILDER_NOISE)]
+        # From the failing step on (the last `Step N/M`): earlier steps' lines (the pinned FROM's 71-character ID
+        # among them) would push what failed out of the reason's length.
+        steps = [i for i, line in enumerate(lines) if line.startswith("Step ")]
+        tail = " | ".join(lines[steps[-1] if steps else 0 :][-LOG_TAIL_LINES:])
         raise ImageBuildError(f"docker build failed (exit {rc}): {tail}", log)
 
 

@@ -239,8 +239,8 @@ class LocalSandboxConfig(Sandbox):
 
     backend: Literal["local"] = Field(
         "local",
-        description="Where trials run: `local` (bubblewrap on this machine, no network), or a Harbor environment "
-        "type (`e2b`, `daytona`, `modal`, `docker`, ...) passed to Harbor as `EnvironmentConfig(type=...)`.",
+        description="Where trials run: `local`, bubblewrap on this machine, without network (the `harbor` variant "
+        "names a Harbor environment type instead).",
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,

@@ -23,7 +23,7 @@ from pathlib import Path
 from grpoflow.fileio import publish_dir
 
 # Bump whenever what `generate` writes for a seed changes: the cache is keyed by it, and a run's dataset hash too.
-VERSION = 3
+VERSION = 4
 INSTANCES = 4  # per family; the main job evaluates every instance, so this sets its evaluation's cost
 MAX_DRAWS = 1000  # per family: far more than its pools need for `INSTANCES` distinct instances
 
@@ -403,7 +403,7 @@ build_timeout_sec = 600.0
 network_mode = "no-network"
 workdir = "/app"
 cpus = 1
-memory_mb = 512
+memory_mb = 2048
 """
 _README = """\
 # {family}

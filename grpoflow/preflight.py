@@ -9,6 +9,7 @@ itself once it is up. `tasks/preflight.py` runs them as each flow's first task. 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from grpoflow.rollout.harnesses import harness_problems
 Stage = Literal["prepare", "train", "evaluate", "resume"]  # resume: a train run whose dir exists
 
 DEFAULT_TIMEOUT_S = 5.0
+log = logging.getLogger(__name__)
 
 
 class PreflightError(GrpoflowError):
@@ -151,15 +153,19 @@ def check_sandbox(
 
 def check_local_sandbox() -> list[str]:
     """The local sandbox's own preflight (Harbor's `preflight()` of the class the rollout loads by import path):
-    the host tools it runs, one line per missing one."""
+    the host tools it runs, one line per missing one. Where it can give a trial no cgroup, a warning says so (a
+    run can go on: memory is then capped per process as address space)."""
     module, name = LOCAL_SANDBOX_IMPORT_PATH.split(":")
+    cls = getattr(importlib.import_module(module), name)
     try:
-        getattr(importlib.import_module(module), name).preflight()
+        cls.preflight()
     except SystemExit as err:
         return [
             f"rollout.sandbox.backend=local: {line}, or set rollout.sandbox.backend to a Harbor environment type (e.g. e2b)"
             for line in str(err.code).splitlines()
         ]
+    if notice := cls.limits_notice():
+        log.warning("rollout.sandbox.backend=local: %s", notice)
     return []
 
 

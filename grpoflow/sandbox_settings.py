@@ -15,8 +15,22 @@ class LocalSandboxSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     cpu_time_sec: int = Field(300, gt=0, le=2**31 - 1, description="RLIMIT_CPU of every process, in CPU seconds.")
-    memory_mb: int = Field(2048, gt=0, le=2**30, description="RLIMIT_AS of every process (address space), in MiB.")
-    max_processes: int = Field(256, gt=0, le=2**22, description="RLIMIT_NPROC: processes the sandbox may have.")
+    memory_mb: int | None = Field(
+        None,
+        gt=0,
+        le=2**30,
+        description="Memory a trial may use, in MiB, as Docker's --memory: its cgroup's limit (default: the task's "
+        "memory_mb, or 2048).",
+    )
+    address_space_mb: int | None = Field(
+        None,
+        gt=0,
+        le=2**30,
+        description="Only where no cgroup can be had: RLIMIT_AS of every process, in MiB (default: the memory).",
+    )
+    max_processes: int = Field(
+        256, gt=0, le=2**22, description="Processes and threads a trial may have (its cgroup's pids.max)."
+    )
     max_file_size_mb: int = Field(1024, gt=0, le=2**30, description="RLIMIT_FSIZE: the largest file, in MiB.")
     max_output_bytes: int = Field(
         1_000_000, gt=0, le=2**31 - 1, description="stdout and stderr of one exec are each cut to this many bytes."

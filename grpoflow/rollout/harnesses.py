@@ -244,8 +244,9 @@ def _opencode(b: BindingInput) -> AgentConfig:
 
 
 # The CLIs' bridge lives in the trial's namespaces; their JavaScript engines reserve far more address space than
-# they use, and RLIMIT_AS caps address space, so the cap is raised for them (resident memory stays the task's).
-CLI_SANDBOX = {"process_scope": "trial", "memory_mb": 16384}
+# they use, so where no cgroup can be had (memory capped as address space) the cap is raised for them; a cgroup
+# caps resident memory at the task's either way.
+CLI_SANDBOX = {"process_scope": "trial", "address_space_mb": 16384}
 
 HARNESSES: dict[str, HarnessBinding] = {
     "shell": HarnessBinding("grpoflow-shell", _shell),

@@ -1,16 +1,18 @@
 """The host side of every process a `LocalSandbox` starts: run by the host's Python (`python -I -S launch.py OPTIONS
 -- ARGV`), never from the sandbox's tree, so nothing a task image ships runs before its privileges are gone.
 
-In order, with OPTIONS (`--rlimit NAME=VALUE`, `--uid N`, `--stage PATH NAME`, `--enter PID --seccomp-fd FD`)
-saying what applies:
-1. `rlimits`: set (soft and hard) here, on the host; they survive every exec below.
-2. `stage` (as root only): bwrap runs as the sandbox uid and must reach its mount sources by path, which may lie
+In order, with OPTIONS (`--cgroup PROCS_FILE`, `--rlimit NAME=VALUE`, `--uid N`, `--stage PATH NAME`,
+`--enter PID --seccomp-fd FD`) saying what applies:
+1. `cgroup`: this process joins the trial's cgroup (each hierarchy's cgroup.procs), while it still may; all it
+   starts is charged there.
+2. `rlimits`: set (soft and hard) here, on the host; they survive every exec below.
+3. `stage` (as root only): bwrap runs as the sandbox uid and must reach its mount sources by path, which may lie
    under dirs that uid cannot enter (a 0700 home, pytest's temp dir). This process unshares a mount namespace of
    its own, mounts a tmpfs on `STAGE` and binds each source (opened without following a link) at
    `STAGE/<name>`. The host sees none of it, and it ends with this process tree.
-3. `uid`: drop to it (groups cleared, gid and uid set), then no-new-privs: no capability is left in the host's
+4. `uid`: drop to it (groups cleared, gid and uid set), then no-new-privs: no capability is left in the host's
    user namespace, and no setuid file can give one back.
-4. Either exec ARGV (bwrap, which makes the sandbox's user namespace and applies the seccomp filter itself), or,
+5. Either exec ARGV (bwrap, which makes the sandbox's user namespace and applies the seccomp filter itself), or,
    with `enter` (a holder's pid 1), join that sandbox's namespaces: the user namespace that owns them first, then
    them, then the holder's own user namespace (bwrap nests one to forbid more), then its root; then fork, so the
    child is in the sandbox's pid namespace, install the seccomp filter read from `seccomp_fd`, and exec ARGV
@@ -137,13 +139,15 @@ def wait_and_exit(child: int, signal) -> None:  # noqa: ANN001  (the module, imp
 
 def parse(args: list[str]) -> tuple[dict, list[str]]:
     """(options, ARGV) from `OPTIONS -- ARGV`."""
-    opts: dict = {"rlimit": {}, "stage": [], "uid": None, "enter": None, "seccomp_fd": None}
+    opts: dict = {"cgroup": [], "rlimit": {}, "stage": [], "uid": None, "enter": None, "seccomp_fd": None}
     i = 0
     while args[i] != "--":
         flag = args[i]
         if flag == "--rlimit":
             name, _, value = args[i + 1].partition("=")
             opts["rlimit"][name] = int(value)
+        elif flag == "--cgroup":
+            opts["cgroup"].append(args[i + 1])
         elif flag == "--stage":
             opts["stage"].append((args[i + 1], args[i + 2]))
             i += 1
@@ -158,6 +162,10 @@ def parse(args: list[str]) -> tuple[dict, list[str]]:
 def main() -> None:
     opts, argv = parse(sys.argv[1:])
     os.chdir("/")
+    for procs in opts["cgroup"]:
+        fd = os.open(procs, os.O_WRONLY)
+        os.write(fd, b"0")  # "0": the writing process itself
+        os.close(fd)
     for name, value in opts["rlimit"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     if opts["stage"]:

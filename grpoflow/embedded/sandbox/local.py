@@ -2,7 +2,8 @@
 
 Select it with `EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs={...})`. One trial = one temp dir
 on the host; each command is one short-lived `bwrap` process over it, with no network, the host's /usr and /etc
-read-only, its own /app, /logs, /tests, /solution, /tmp, rlimits and (as root) a uid of its own. With
+read-only, its own /app, /logs, /tests, /solution, /tmp, a cgroup of the trial's (memory, pids and cpus as Docker
+limits them; `cgroups`), rlimits and (as root) a uid of its own. With
 `process_scope="trial"` one bwrap per trial holds the namespaces, so a tmux server lives across execs
 (terminus-2). With `session_bridge` the sandbox's loopback port reaches one host address (the session server)
 through a unix socket (`bridge`); with `cli_dir` a host dir of npm-installed CLIs is shown read-only and put on
@@ -34,10 +35,13 @@ from harbor.environments.capabilities import (
     EnvironmentResourceCapabilities,
 )
 from harbor.models.task.config import NetworkMode, NetworkPolicy
+from harbor.models.trial.config import ResourceMode
 from pydantic import ValidationError
 
 from grpoflow.dockerfile import host_rootfs_problem
 from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
+from grpoflow.embedded.sandbox.cgroups import CgroupUnavailable, Limits, TrialCgroup, unavailable_reason
+from grpoflow.embedded.sandbox.cgroups import create as create_cgroup
 from grpoflow.embedded.sandbox.images import TaskImage, hold, task_image
 from grpoflow.embedded.sandbox.orphans import claim
 from grpoflow.embedded.sandbox.processes import (
@@ -97,6 +101,7 @@ from grpoflow.rollout.environments import (
 from grpoflow.sandbox_settings import LocalSandboxSettings, sandbox_kwargs_problem
 
 DEFAULT_STORAGE_MB = 10240  # a trial's own files, when neither the sandbox's settings nor the task set it
+DEFAULT_MEMORY_MB = 2048  # a trial's memory, when neither the sandbox's settings nor the task set it
 # Trial scope: after a command exits, how long to keep reading output a background process may still write.
 BACKGROUND_OUTPUT_GRACE_SEC = 0.5
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -117,6 +122,18 @@ class LocalSandbox(BaseEnvironment):
         problems = missing_tools()
         if problems:
             raise SystemExit("\n".join(problems))
+
+    @classmethod
+    def limits_notice(cls) -> str | None:
+        """Where no trial can have a cgroup here: what that changes, as one line (None where one can)."""
+        reason = unavailable_reason()
+        if reason is None:
+            return None
+        return (
+            f"no cgroup for the trials ({reason}): memory is capped per process as address space (RLIMIT_AS, "
+            "rollout.sandbox.kwargs.address_space_mb), which a JVM or Node may exceed at start, and cpus are not "
+            "enforced"
+        )
 
     Settings: ClassVar[type[LocalSandboxSettings]] = LocalSandboxSettings  # what `rollout.sandbox.kwargs` sets
 
@@ -144,9 +161,9 @@ class LocalSandbox(BaseEnvironment):
         base_images: `dataset.base_images` (required, so a sandbox built without the run's config cannot quietly
             build from other images): the FROM references a Dockerfile-built task's image builds from another
             local image.
-        The task's `memory_mb` is not used (it means resident memory, which an rlimit cannot cap); its `storage_mb`
-        is, where the settings give none (else DEFAULT_STORAGE_MB). Any other kwarg goes to Harbor's
-        `BaseEnvironment` (`auto_mounting` defaults to True here).
+        The task's `memory_mb`, `cpus` and `storage_mb` apply where the settings give none (as Harbor's resource
+        policy reads them; memory else DEFAULT_MEMORY_MB, storage else DEFAULT_STORAGE_MB, cpus else no quota). Any
+        other kwarg goes to Harbor's `BaseEnvironment` (`auto_mounting` defaults to True here).
         """
         given = {name: kwargs.pop(name) for name in list(kwargs) if name in self.Settings.model_fields}
         try:
@@ -186,6 +203,13 @@ class LocalSandbox(BaseEnvironment):
         self._maybe_resolve_task_env()  # the task's [environment.env] joins every exec's environment
         self._workdir = task_env_config.workdir or DEFAULT_WORKDIR
         self.storage_mb = settings.storage_mb or task_env_config.storage_mb or DEFAULT_STORAGE_MB
+        # As Harbor's Docker environment applies them: the task's (after overrides), limits unless its policy says
+        # to ignore them.
+        task_memory = self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT)
+        self.memory_mb = settings.memory_mb or task_memory or DEFAULT_MEMORY_MB
+        self.cpus = self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT)
+        self._cgroup: TrialCgroup | None = None  # made at start(); None where no cgroup can be had (RLIMIT_AS)
+        self._limited_by: str | None = None  # "cgroup v1"/"cgroup v2"/"RLIMIT_AS" from start() until recorded
         self._needs_image = host_rootfs_problem(self.environment_dir) is not None
         self._binds = harbor_binds(self._host_mounts)
         self._root: Path | None = None  # the per-trial temp dir; None until start()
@@ -225,8 +249,10 @@ class LocalSandbox(BaseEnvironment):
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
-        # No cgroups: the task's cpus/memory are neither limits nor requests here (see the kwargs for rlimits).
-        return EnvironmentResourceCapabilities(fractional_cpus=True)
+        # The trial's cgroup makes the task's cpus and memory hard limits; without one, memory is an address-space
+        # cap per process and cpus are not enforced.
+        cgroup = unavailable_reason() is None
+        return EnvironmentResourceCapabilities(cpu_limit=cgroup, memory_limit=cgroup, fractional_cpus=True)
 
     def _validate_definition(self) -> None:
         # A Dockerfile the host rootfs reproduces is not built (the host's /usr is the image, environment/app/ is
@@ -300,6 +326,11 @@ class LocalSandbox(BaseEnvironment):
             await asyncio.to_thread(kill_uid, self._uid)
             release_uid(self._uid)
             self._uid = None
+        if self._limited_by is not None:
+            await asyncio.to_thread(self._record_resources)
+        if self._cgroup is not None:
+            cgroup, self._cgroup = self._cgroup, None
+            await asyncio.to_thread(cgroup.remove)
         if self._image_lock is not None:
             os.close(self._image_lock)
             self._image_lock = None
@@ -374,11 +405,20 @@ class LocalSandbox(BaseEnvironment):
                 for fd in (marker_w, env_fd, seccomp):
                     os.close(fd)  # the sandbox holds the only marker write end now: EOF once it closed it
             self._procs.add(proc)
+            oom_before = self._cgroup.oom_kills() if self._cgroup is not None else 0
             try:
                 result = await self._collect(proc, marker_r, command, timeout_sec)
             finally:
                 self._procs.discard(proc)
                 scrub_log_symlinks(self._binds)
+            if self._cgroup is not None and self._cgroup.oom_kills() > oom_before:
+                note = (
+                    f"\n[grpoflow sandbox] out of memory: the kernel killed a process of this trial at its memory "
+                    f"limit of {self.memory_mb} MiB (the task's memory_mb, or rollout.sandbox.kwargs.memory_mb)\n"
+                )
+                result = ExecResult(
+                    stdout=result.stdout, stderr=(result.stderr or "") + note, return_code=result.return_code
+                )
             await asyncio.to_thread(self._check_storage, command)
             return result
         finally:
@@ -483,14 +523,17 @@ class LocalSandbox(BaseEnvironment):
         return [*self._argv_prefix[:-1], "--seccomp", str(seccomp_fd), "--"]
 
     def _launch(self, argv: list[str], **spec: object) -> list[str]:
+        cgroup = self._cgroup
         limits = rlimits(
-            memory_mb=self.settings.memory_mb,
             cpu_time_sec=self.settings.cpu_time_sec,
-            max_processes=self.settings.max_processes,
             max_file_size_mb=self.settings.max_file_size_mb,
+            # The cgroup caps memory and pids for the whole trial; only without one, per process.
+            address_space_mb=None if cgroup else (self.settings.address_space_mb or self.memory_mb),
+            max_processes=None if cgroup else self.settings.max_processes,
             uid=self._uid,
         )
-        return launch_argv(argv, limits=limits, uid=self._uid, **spec)
+        procs = cgroup.procs_files if cgroup is not None else []
+        return launch_argv(argv, limits=limits, uid=self._uid, cgroup=procs, **spec)
 
     @staticmethod
     def _env_fd(env: dict[str, str]) -> int:
@@ -561,6 +604,8 @@ class LocalSandbox(BaseEnvironment):
         claim(root)  # removed by the janitor if this process dies before stop() (outside rootfs: unseen inside)
         if os.geteuid() == 0:
             self._uid = allocate_uid()
+        self._cgroup = self._new_cgroup()
+        self._limited_by = self._cgroup.mechanism if self._cgroup is not None else "RLIMIT_AS"
         app = self.environment_dir / "app"
         own = self._own = self._own_binds(root)
         binds = [*self._binds, *own]
@@ -574,6 +619,37 @@ class LocalSandbox(BaseEnvironment):
             self._argv_prefix = bwrap_argv(tools["bwrap"], root, binds, uid, extra_ro, self._sources, self.base)
         except BaseTreeError as exc:  # the task's own tree: every trial of it would fail the same way
             raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
+
+    def _new_cgroup(self) -> TrialCgroup | None:
+        """The trial's cgroup, or None where this machine gives none (preflight said so: memory is then capped per
+        process as address space). One that could be had and now cannot is a failed start (retried)."""
+        if unavailable_reason() is not None:
+            return None
+        limits = Limits(memory_bytes=self.memory_mb * 2**20, pids=self.settings.max_processes, cpus=self.cpus)
+        try:
+            return create_cgroup(limits)
+        except CgroupUnavailable as exc:
+            raise SandboxStartError(f"sandbox for {self.session_id}: could not make its cgroup: {exc}") from exc
+
+    def _record_resources(self) -> None:
+        """The trial dir's sandbox-resources.json: the limits it ran under, how they were enforced, and (with a
+        cgroup) the most memory it used at once and how many processes the kernel killed at the limit."""
+        record: dict[str, Any] = {
+            "limited_by": self._limited_by,
+            "memory_mb": self.memory_mb,
+            "cpus": self.cpus if self._cgroup is not None else None,
+            "max_processes": self.settings.max_processes,
+        }
+        if self._cgroup is not None:
+            peak = self._cgroup.peak_memory_bytes()
+            record["peak_memory_mb"] = round(peak / 2**20, 1) if peak is not None else None
+            record["oom_kills"] = self._cgroup.oom_kills()
+        else:
+            record["address_space_mb"] = self.settings.address_space_mb or self.memory_mb
+        self._limited_by = None
+        trial_dir = Path(self.trial_paths.trial_dir)
+        if trial_dir.is_dir():
+            (trial_dir / "sandbox-resources.json").write_text(json.dumps(record, indent=1) + "\n")
 
     def _own_binds(self, root: Path) -> list[Bind]:
         """Read-only dirs of ours (not Harbor's mounts, so never a target of uploads): the bridge and the CLIs."""

@@ -76,19 +76,22 @@ def release_uid(uid: int) -> None:
         _uids_in_use.discard(uid)
 
 
-def rlimits(*, memory_mb: int, cpu_time_sec: int, max_processes: int, max_file_size_mb: int, uid: int | None) -> dict:
-    """The rlimits the launcher sets on the host before anything of the sandbox runs (resource names: values)."""
-    nproc = max_processes
-    if uid is None:
+def rlimits(
+    *,
+    cpu_time_sec: int,
+    max_file_size_mb: int,
+    address_space_mb: int | None,
+    max_processes: int | None,
+    uid: int | None,
+) -> dict:
+    """The rlimits the launcher sets on the host before anything of the sandbox runs (resource names: values).
+    `address_space_mb` and `max_processes` are None where the trial's cgroup limits memory and pids instead."""
+    want = {"RLIMIT_CPU": cpu_time_sec, "RLIMIT_FSIZE": max_file_size_mb * 2**20, "RLIMIT_CORE": 0}
+    if address_space_mb is not None:
+        want["RLIMIT_AS"] = address_space_mb * 2**20
+    if max_processes is not None:
         # Without a uid of our own, RLIMIT_NPROC counts every process of this user on the host.
-        nproc += count_uid_processes(os.getuid())
-    want = {
-        "RLIMIT_AS": memory_mb * 2**20,
-        "RLIMIT_CPU": cpu_time_sec,
-        "RLIMIT_NPROC": nproc,
-        "RLIMIT_FSIZE": max_file_size_mb * 2**20,
-        "RLIMIT_CORE": 0,
-    }
+        want["RLIMIT_NPROC"] = max_processes + (count_uid_processes(os.getuid()) if uid is None else 0)
     limits = {}
     for name, value in want.items():
         hard = resource.getrlimit(getattr(resource, name))[1]
@@ -102,12 +105,15 @@ def launch_argv(
     *,
     limits: dict[str, int],
     uid: int | None,
+    cgroup: tuple[str, ...] | list[str] = (),
     stage: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
     enter: int | None = None,
     seccomp_fd: int | None = None,
 ) -> list[str]:
-    """The host command that starts `argv` (bwrap, or with `enter=<pid>` a command in that sandbox): launch.py."""
-    opts = [arg for name, value in limits.items() for arg in ("--rlimit", f"{name}={value}")]
+    """The host command that starts `argv` (bwrap, or with `enter=<pid>` a command in that sandbox): launch.py.
+    `cgroup`: the cgroup.procs files it joins first."""
+    opts = [arg for procs in cgroup for arg in ("--cgroup", procs)]
+    opts += [arg for name, value in limits.items() for arg in ("--rlimit", f"{name}={value}")]
     opts += [arg for path, name in stage for arg in ("--stage", path, name)]
     for flag, value in (("--uid", uid), ("--enter", enter), ("--seccomp-fd", seccomp_fd)):
         if value is not None:

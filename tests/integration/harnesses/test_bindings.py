@@ -173,7 +173,7 @@ def test_the_local_sandbox_keeps_processes_for_the_trial_only_when_the_harness_n
         kwargs("terminus-2", memory_mb=512, process_scope="exec") == {"memory_mb": 512, "process_scope": "exec"} | local
     )
     assert kwargs("terminus-2", "e2b") == {}
-    assert kwargs("opencode") == {"process_scope": "trial", "memory_mb": 16384} | local
+    assert kwargs("opencode") == {"process_scope": "trial", "address_space_mb": 16384} | local
 
 
 def test_a_cli_harness_sandbox_allows_the_session_server_host_and_no_other():

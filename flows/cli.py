@@ -86,12 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in [
         ("main", f"the main job: the train flow, starting from the `{MAIN_PRESET}` preset"),
         ("train", "the train flow: prepare, then rollout -> evaluate -> GRPO step per step"),
-        ("evaluate", "the evaluate flow: k trials per prompt of the eval split, no training"),
+        ("evaluate", "the evaluate flow: k trials per prompt of a split (the eval split), no training"),
         ("prepare", "prepare a run: model, dataset, prompts"),
     ]:
         _add_run_args(p := sub.add_parser(name, help=help_))
         if name == "evaluate":
             p.add_argument("--from-run", metavar="RUN_ID", help="evaluate this train run's final checkpoint")
+            p.add_argument(
+                "--split", choices=("eval", "train", "all"), default="eval", help="which prompts (default: eval)"
+            )
     _add_run_args(p := sub.add_parser("plan", help="the run's GPU placement and memory per trainer rank, no run"))
     p.add_argument("--shape", help=f"plan for a model of this size instead of the run's: {', '.join(KNOWN_SHAPES)}")
     p.add_argument("--ranks", help="trainer rank counts to compare, e.g. 1,2,4,8 (default: cluster.train_ranks)")
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if problems := run_dir_problems(cfg.output_dir, cfg.run_id):  # said before Prefect's slow start
             raise RunDirError("; ".join(problems))
-        _run_flow(args.command, cfg, getattr(args, "from_run", None))  # Prefect only now: it is slow to import
+        # Prefect only now: it is slow to import
+        _run_flow(args.command, cfg, getattr(args, "from_run", None), getattr(args, "split", "eval"))
     except GrpoflowError as err:
         sys.stdout.flush()  # what was printed comes first, also when stdout is a pipe
         print(f"grpoflow: error: {err}", file=sys.stderr)
@@ -336,7 +340,7 @@ def _regrade(root: Path, per_task: int) -> None:
         print(f"grpoflow: {line}")
 
 
-def _run_flow(command: str, cfg, from_run: str | None = None) -> None:
+def _run_flow(command: str, cfg, from_run: str | None = None, split: str = "eval") -> None:
     kwargs = {}
     if command == "prepare":
         from flows.prepare import prepare_flow as flow
@@ -344,6 +348,7 @@ def _run_flow(command: str, cfg, from_run: str | None = None) -> None:
         from flows.evaluate import evaluate_flow as flow
 
         kwargs["from_run"] = from_run
+        kwargs["split"] = split
     else:
         from flows.train import train_flow as flow
     from flows.server import command_server  # after the flow's modules: flows.common sets the startup wait

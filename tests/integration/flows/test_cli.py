@@ -81,3 +81,26 @@ def test_a_bad_dataset_is_said_before_the_model_is_touched(tmp_path, capfd, monk
     line = _err_line(capfd)
     assert str(data / "hello-file") in line and "instruction.md" in line, line
     assert not (tmp_path / "cache").exists()  # no GGUF read, no conversion dir: the model was never looked at
+
+
+def test_evaluate_takes_the_split_to_evaluate(tmp_path, monkeypatch, capfd):
+    import contextlib
+
+    import flows.evaluate
+    import flows.server
+
+    called = []
+
+    def evaluate_flow(cfg, **kwargs):  # what the flow is called with; the run dir it would make
+        called.append((cfg.run_id, kwargs))
+        (tmp_path / cfg.run_id).mkdir()
+
+    monkeypatch.setattr(flows.evaluate, "evaluate_flow", evaluate_flow)
+    monkeypatch.setattr(flows.server, "command_server", contextlib.nullcontext)
+    base = ["evaluate", "--output-dir", str(tmp_path), "--run-id"]
+    main([*base, "e-all", "--split", "all"])
+    main([*base, "e-default"])
+    assert called == [("e-all", {"from_run": None, "split": "all"}), ("e-default", {"from_run": None, "split": "eval"})]
+    with pytest.raises(SystemExit):
+        main([*base, "e-bad", "--split", "everything"])
+    assert "invalid choice: 'everything'" in capfd.readouterr().err

@@ -1,41 +1,47 @@
 """A sample of a Harbor task corpus (e.g. github.com/zjysteven/terminal-bench-env's `environments_harbor/`, 3,566
-Terminal-Bench tasks, fetched by the user) through what prepare does with it on this machine: the dataset loader
-(refusals), each task's image built with the local Docker engine (its `FROM` base mapped by `dataset.base_images`
-to the Debian one built here), then the dataset gate in the bubblewrap sandbox on the image.
+Terminal-Bench tasks, fetched by the user) through what a user's run does with it on this machine: the dataset
+loader (refusals), each task's image built with the local Docker engine (its `FROM` base mapped by
+`dataset.base_images` to the Debian one built here), then `grpoflow evaluate --split all` with the embedded model:
+prepare and its dataset gate, then trials of every admitted task in the bubblewrap sandbox on its image.
 
     .venv/bin/python bench/corpus.py DIR [--sample 20] [--seed 0] [--map-prefix PREFIX=IMAGE ...]
-        [--base REF=IMAGE ...] [--concurrency 2] [--no-baseline]
+        [--base REF=IMAGE ...] [--concurrency 2] [--samples-per-task 1] [--image-cache DIR] [--no-baseline]
 
 `--map-prefix` maps every `FROM` reference starting with PREFIX to IMAGE (default: the corpus's Terminal-Bench
 Ubuntu 24.04 base to `debian:bookworm-slim`); `--base` maps one reference exactly. Per task: build seconds (cold,
-or the cache's lookup), the gate's verdict and its reason; in total: tasks refused at load, built, admitted and left
+or the cache's lookup), the gate's verdict, and over its evaluation trials: the sandbox's start (ms, Harbor's
+environment setup), the trial's wall time, its peak memory (the trial's cgroup), its reward or failure, and the
+reason a task was left out. In total: tasks refused at load, built, runnable (admitted, trials complete) and left
 out by verdict. The aim: every task either runnable or left out for a reason that is the corpus's (e.g. a package
-Debian lacks), none for a limit of ours. Needs a Docker engine and the base image: scripts/docker-env.sh.
+Debian lacks), none for a limit of ours. Needs a Docker engine and the base image: scripts/docker-env.sh. Gate
+verdicts are cached as in any run (in $GRPOFLOW_CACHE): a second sample of the same tasks reuses them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 import flows  # noqa: E402, F401  (the offline environment, before Harbor loads)
 from bench.main_job import hf_generate_tok_s  # noqa: E402
-from grpoflow.config import parse_run_config  # noqa: E402
 from grpoflow.dockerfile import from_images  # noqa: E402
 from grpoflow.embedded.sandbox.images import task_image  # noqa: E402
 from grpoflow.errors import DatasetError, one_line  # noqa: E402
 from grpoflow.prepare.dataset import load_dataset  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.rollout.environments import ImageBuildError  # noqa: E402
-from grpoflow.scoring.gate import GateSettings, run_gate  # noqa: E402
 
 CORPUS_BASE_PREFIX = "ghcr.io/laude-institute/t-bench/ubuntu-24-04"
 
@@ -72,6 +78,90 @@ def base_mapping(tasks: list[Path], prefixes: dict[str, str], exact: dict[str, s
     return mapping
 
 
+def evaluate(root: Path, runs: Path, mapping: dict[str, str], images: Path, args: argparse.Namespace) -> Path:
+    """`grpoflow evaluate --split all` over the sample, as a user runs it; its run dir."""
+    run_id = f"corpus-seed{args.seed}"
+    sets = {
+        "dataset.build_images": "true",
+        "dataset.base_images": json.dumps(mapping),
+        "rollout.sandbox.kwargs.image_cache_dir": str(images),
+        "rollout.concurrency": str(args.concurrency),
+        "train.eval.samples_per_prompt": str(args.samples_per_task),
+    }
+    argv = [sys.executable, "-m", "flows.cli", "evaluate", "--dataset", str(root), "--split", "all"]
+    argv += ["--run-id", run_id, "--output-dir", str(runs)]
+    argv += [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+    tail = proc.stdout.strip().splitlines()[-3:] + proc.stderr.strip().splitlines()[-3:]
+    print(f"grpoflow evaluate: exit {proc.returncode} in {time.perf_counter() - t0:.0f} s; " + " / ".join(tail))
+    return runs / run_id
+
+
+def _seconds(span: dict | None) -> float | None:
+    if not span or not span.get("started_at") or not span.get("finished_at"):
+        return None
+    start, end = (datetime.fromisoformat(span[k].replace("Z", "+00:00")) for k in ("started_at", "finished_at"))
+    return (end - start).total_seconds()
+
+
+def trial_rows(run_dir: Path) -> dict[str, list[dict]]:
+    """Per task: each evaluation trial's sandbox start (s), wall (s), peak memory (MiB) and reward or failure."""
+    rows: dict[str, list[dict]] = {}
+    for result_file in sorted(run_dir.glob("trials/eval_*/*/result.json")):
+        result = json.loads(result_file.read_text())
+        resources = result_file.parent / "sandbox-resources.json"
+        used = json.loads(resources.read_text()) if resources.is_file() else {}
+        failure = (result.get("exception_info") or {}).get("exception_type")
+        reward = ((result.get("verifier_result") or {}).get("rewards") or {}).get("reward")
+        rows.setdefault(result["task_name"], []).append(
+            {
+                "start": _seconds(result.get("environment_setup")),
+                "wall": _seconds(result),
+                "peak": used.get("peak_memory_mb"),
+                "outcome": failure or (f"reward {reward:g}" if reward is not None else "no reward"),
+            }
+        )
+    return rows
+
+
+def _fmt(values: list, spec: str, scale: float = 1.0) -> str:
+    known = [v * scale for v in values if v is not None]
+    return "/".join(format(v, spec) for v in known) if known else "-"
+
+
+def report(tasks: list[Path], built: dict[str, str], run_dir: Path) -> None:
+    gate_file = run_dir / "gate.json"
+    if not gate_file.is_file():
+        print(f"no {gate_file}: the evaluation failed before its dataset gate (its output is above)")
+        return
+    gate = json.loads(gate_file.read_text())
+    trials = trial_rows(run_dir)
+    print(
+        "\n| task | built (s) | gate verdict | trial start (ms) | trial wall (s) | peak memory (MiB) | outcome | reason |"
+        "\n|---|---|---|---|---|---|---|---|"
+    )
+    runnable = 0
+    for t in gate["tasks"]:
+        rows = trials.get(t["name"], [])
+        complete = rows and all(not r["outcome"][0].isupper() for r in rows)  # a reward, not an exception type
+        runnable += bool(t["admitted"] and complete)
+        verdict = t["verdict"] + (" (cached)" if t.get("cached") else "")
+        reason = one_line(t.get("reason") or "", 160).replace("|", "/")
+        print(
+            f"| {t['name']} | {built.get(t['name'], '-')} | {verdict} | {_fmt([r['start'] for r in rows], '.0f', 1000)} "
+            f"| {_fmt([r['wall'] for r in rows], '.1f')} | {_fmt([r['peak'] for r in rows], '.0f')} "
+            f"| {'; '.join(r['outcome'] for r in rows) or '-'} | {reason} |"
+        )
+    verdicts = Counter(t["verdict"] for t in gate["tasks"] if not t["admitted"])
+    n_built = sum(v != "failed" for v in built.values())
+    print(
+        f"\n{len(tasks)} tasks: {n_built} built, {runnable} runnable (admitted, evaluation trials complete), "
+        f"{len(gate['tasks']) - gate['admitted']} left out {dict(sorted(verdicts.items()))}; "
+        f"gate {gate['trials_run']} trials in {gate['seconds']:.0f} s"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("corpus", type=Path, help="a dir of Harbor task dirs")
@@ -79,7 +169,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--map-prefix", action="append", default=[], metavar="PREFIX=IMAGE")
     ap.add_argument("--base", action="append", default=[], metavar="REF=IMAGE")
-    ap.add_argument("--concurrency", type=int, default=2, help="gate trials at once")
+    ap.add_argument("--concurrency", type=int, default=2, help="trials at once (the gate's and the evaluation's)")
+    ap.add_argument("--samples-per-task", type=int, default=1, help="evaluation trials per task")
     ap.add_argument("--image-cache", type=Path, help="default: a fresh temp dir (every build cold)")
     ap.add_argument("--no-baseline", action="store_true")
     args = ap.parse_args()
@@ -109,32 +200,8 @@ def main() -> int:
                 built[task.name] = "failed"
                 print(f"  build failed: {task.name}: {one_line(str(err), 300)}", flush=True)
             print(f"built {i}/{len(dataset.tasks)}: {task.name}: {built[task.name]} s", flush=True)
-        rollout = parse_run_config(
-            {
-                "rollout": {
-                    "concurrency": args.concurrency,
-                    "sandbox": {"retries": 1, "kwargs": {"image_cache_dir": str(images)}},
-                }
-            }
-        ).rollout
-        report = run_gate(
-            dataset,
-            rollout,
-            work / "cache",
-            settings=GateSettings(base_images=mapping, fresh=True),
-            progress=lambda line: print(line, flush=True),
-        )
-        print("\n| task | built (s) | gate verdict | reason |\n|---|---|---|---|")
-        for t in report.tasks:
-            reason = one_line(t.reason or "", 160).replace("|", "/")
-            print(f"| {t.name} | {built.get(t.name, '-')} | {t.verdict} | {reason} |")
-        verdicts = Counter(t.verdict for t in report.tasks)
-        n_built = sum(v not in ("failed",) for v in built.values())
-        print(
-            f"\n{len(tasks)} tasks: {len(dataset.left_out)} refused at load, {n_built} built, "
-            f"{sum(t.admitted for t in report.tasks)} admitted; verdicts {dict(sorted(verdicts.items()))}; "
-            f"gate {report.trials_run} trials in {report.seconds:.0f} s"
-        )
+        run_dir = evaluate(root, work / "runs", mapping, images, args)
+        report(tasks, built, run_dir)
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -13,8 +13,10 @@ not on this machine, not mapped to a local image by `dataset.base_images`, and n
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
+import re
 import shlex
 import shutil
 import subprocess
@@ -27,33 +29,59 @@ SANDBOX_WORKDIR = "/app"  # the one working directory the local sandbox has (pre
 _APP_SOURCES = {"app", "app/", "./app", "./app/"}
 
 
-def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
-    """(line number of its first line, instruction in upper case, arguments) per instruction; comments and
-    blank lines dropped, backslash continuations joined (Docker's default escape character)."""
-    out: list[tuple[int, str, str]] = []
+# A heredoc marker in a RUN, COPY or ADD instruction (BuildKit's syntax): `<<EOF`, `<<-EOF`, `<<'EOF'`, `<<"EOF"`.
+HEREDOC = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2")
+HEREDOC_INSTRUCTIONS = ("RUN", "COPY", "ADD")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    line: int  # its first line
+    end: int  # its last line (a heredoc's terminator, where it has one)
+    keyword: str  # upper case
+    args: str  # the instruction's own line(s), continuations joined
+    heredocs: str = ""  # the lines after it that its heredocs take, terminators included ("" if none)
+
+
+def _instructions(text: str) -> list[Instruction]:
+    out: list[Instruction] = []
+    lines = text.splitlines()
     pending: list[str] = []
     start = 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
+    i = 0
+    while i < len(lines):
+        number, line = i + 1, lines[i].strip()
+        i += 1
         if not pending and (not line or line.startswith("#")):
             continue
         if pending and line.startswith("#"):  # Docker drops comment lines inside a continued instruction
             continue
         if not pending:
             start = number
-        if line.endswith("\\"):
+        if line.endswith("\\") and i < len(lines):
             pending.append(line[:-1])
             continue
-        pending.append(line)
+        pending.append(line.removesuffix("\\"))  # a continuation at the end of the file: still an instruction
         joined = " ".join(part.strip() for part in pending if part.strip())
         pending = []
         keyword, _, args = joined.partition(" ")
-        out.append((start, keyword.upper(), args.strip()))
-    if pending:  # a continuation at the end of the file: still an instruction
-        joined = " ".join(part.strip() for part in pending if part.strip())
-        keyword, _, args = joined.partition(" ")
-        out.append((start, keyword.upper(), args.strip()))
+        keyword, body = keyword.upper(), []
+        if keyword in HEREDOC_INSTRUCTIONS:
+            for strip_tabs, _, word in HEREDOC.findall(args):
+                while i < len(lines):  # the body runs to a line that is the word alone (tabs first, with <<-)
+                    body.append(lines[i])
+                    i += 1
+                    if (lines[i - 1].lstrip("\t") if strip_tabs else lines[i - 1]) == word:
+                        break
+        out.append(Instruction(start, i if body else number, keyword, args.strip(), "\n".join(body)))
     return out
+
+
+def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
+    """(line number of its first line, instruction in upper case, arguments) per instruction; comments and
+    blank lines dropped, backslash continuations joined (Docker's default escape character); a heredoc's lines
+    belong to its instruction (after a newline in its arguments), never read as instructions."""
+    return [(i.line, i.keyword, f"{i.args}\n{i.heredocs}" if i.heredocs else i.args) for i in _instructions(text)]
 
 
 def local_sandbox_problem(
@@ -139,8 +167,9 @@ def from_images(text: str) -> list[tuple[int, str]]:
 
 
 def pinned_dockerfile(text: str, bases: list[BaseImage]) -> str:
-    """The Dockerfile with each `FROM` reference replaced by the image ID it resolved to: the build starts from
-    exactly the image the cache key names, whatever a tag points at meanwhile."""
+    """The Dockerfile as built: each `FROM` reference replaced by the image ID it resolved to (the build starts from
+    exactly the image the cache key names, whatever a tag points at meanwhile), and each RUN heredoc in a form
+    Docker's legacy builder runs (`legacy_run_heredocs`)."""
     lines = text.splitlines(keepends=True)
     for base in bases:
         words = lines[base.line - 1].split(" ")
@@ -152,6 +181,36 @@ def pinned_dockerfile(text: str, bases: list[BaseImage]) -> str:
         tail = words[at[0]][len(words[at[0]].rstrip()) :]
         words[at[0]] = base.id + tail
         lines[base.line - 1] = " ".join(words)
+    return legacy_run_heredocs("".join(lines))
+
+
+def legacy_run_heredocs(text: str) -> str:
+    """`text` with each RUN that has a heredoc (BuildKit's syntax, which the legacy builder without BuildKit reads
+    as instructions) rewritten as the exec form of the shell running the same script: the instruction's line and
+    its heredocs, or for a bare `RUN <<EOF` the heredoc's body, as BuildKit runs them. Left as written (for the
+    builder to refuse in its own words): heredocs of COPY or ADD, and a bare one naming its interpreter (`#!`)."""
+    found = _instructions(text)
+    lines = text.splitlines(keepends=True)
+    shell = ["/bin/sh", "-c"]
+    rewrites: list[tuple[Instruction, list[str]]] = []
+    for ins in found:
+        if ins.keyword == "SHELL":
+            try:
+                shell = [str(word) for word in json.loads(ins.args)]
+            except ValueError:
+                pass  # not JSON: the builder refuses the SHELL line itself
+        if ins.keyword != "RUN" or not ins.heredocs:
+            continue
+        if HEREDOC.fullmatch(ins.args):  # bare: the body is the script
+            body = ins.heredocs.splitlines()[:-1]
+            if body and body[0].startswith("#!"):
+                continue
+            script = "\n".join(body)
+        else:
+            script = f"{ins.args}\n{ins.heredocs}"
+        rewrites.append((ins, [*shell, script]))
+    for ins, argv in reversed(rewrites):  # from the end: earlier line numbers stay valid
+        lines[ins.line - 1 : ins.end] = [f"RUN {json.dumps(argv)}\n"]
     return "".join(lines)
 
 

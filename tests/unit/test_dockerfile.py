@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.dockerfile import BaseImage, UnresolvedBaseImage, docker_engine_problem, from_images, pinned_dockerfile
+from grpoflow.dockerfile import (
+    BaseImage,
+    UnresolvedBaseImage,
+    docker_engine_problem,
+    dockerfile_instructions,
+    from_images,
+    legacy_run_heredocs,
+    pinned_dockerfile,
+)
 from grpoflow.embedded.sandbox.rootfs import image_base
 
 
@@ -54,3 +62,56 @@ def test_a_pinned_dockerfile_names_each_from_image_by_the_id_it_resolved_to() ->
     continued = "FROM \\\n  debian:12\n"
     with pytest.raises(UnresolvedBaseImage, match="write the FROM instruction on one line"):
         pinned_dockerfile(continued, [BaseImage(1, "debian:12", "debian:12", "sha256:bbb")])
+
+
+HEREDOCS = """\
+FROM debian:bookworm-slim
+RUN cat > /a.py << 'EOF'
+#!/usr/bin/env python3
+FROM evil:1
+EOF
+RUN <<-X cat > /b.txt
+	indented
+	X
+RUN <<EOF
+echo bare
+EOF
+RUN <<EOF
+#!/usr/bin/env python3
+print(1)
+EOF
+COPY <<EOF /c.txt
+c
+EOF
+WORKDIR /app
+"""
+
+
+def test_a_heredoc_s_lines_belong_to_its_instruction() -> None:
+    found = dockerfile_instructions(HEREDOCS)
+    assert [(line, keyword) for line, keyword, _ in found] == [
+        (1, "FROM"),
+        (2, "RUN"),
+        (6, "RUN"),
+        (9, "RUN"),
+        (12, "RUN"),
+        (16, "COPY"),
+        (19, "WORKDIR"),
+    ]
+    assert found[1][2] == "cat > /a.py << 'EOF'\n#!/usr/bin/env python3\nFROM evil:1\nEOF"
+    assert from_images(HEREDOCS) == [(1, "debian:bookworm-slim")]  # a body line is never a base image
+
+
+def test_run_heredocs_become_the_shell_running_the_same_script() -> None:
+    legacy = legacy_run_heredocs(HEREDOCS).splitlines()
+    assert legacy[1] == """RUN ["/bin/sh", "-c", "cat > /a.py << 'EOF'\\n#!/usr/bin/env python3\\nFROM evil:1\\nEOF"]"""
+    assert legacy[2] == 'RUN ["/bin/sh", "-c", "<<-X cat > /b.txt\\n\\tindented\\n\\tX"]'
+    assert legacy[3] == 'RUN ["/bin/sh", "-c", "echo bare"]'  # bare: the body is the script
+    # a bare heredoc naming its interpreter, and COPY's: as written, for the builder to refuse in its own words
+    assert legacy[4:8] == ["RUN <<EOF", "#!/usr/bin/env python3", "print(1)", "EOF"]
+    assert legacy[8:] == ["COPY <<EOF /c.txt", "c", "EOF", "WORKDIR /app"]
+    shell = 'SHELL ["/bin/bash", "-euo", "pipefail", "-c"]\n'
+    assert legacy_run_heredocs(shell + "RUN <<EOF\necho x\nEOF\n").splitlines()[1] == (
+        'RUN ["/bin/bash", "-euo", "pipefail", "-c", "echo x"]'
+    )
+    assert legacy_run_heredocs("FROM a\nRUN echo plain\n") == "FROM a\nRUN echo plain\n"

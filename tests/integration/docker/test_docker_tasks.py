@@ -163,9 +163,26 @@ def test_a_dataset_s_dockerfiles_are_built_when_an_engine_answers_unless_the_run
 def test_a_dockerfile_the_builder_cannot_parse_fails_with_the_parser_s_line_not_its_notices(docker_ready, tmp_path):
     env = tmp_path / "environment"
     env.mkdir()
-    # a heredoc: BuildKit's syntax, which this engine's legacy builder does not parse
-    (env / "Dockerfile").write_text("FROM debian:bookworm-slim\nRUN cat > /x.yml <<'EOF'\nname: CI\nEOF\n")
+    # a COPY heredoc: BuildKit's syntax, which this engine's legacy builder does not parse (a RUN one is rewritten)
+    (env / "Dockerfile").write_text("FROM debian:bookworm-slim\nCOPY <<'EOF' /x.yml\nname: CI\nEOF\n")
     with pytest.raises(ImageBuildError) as info:
         task_image(env, tmp_path / "images")
     assert "dockerfile parse error line 3: unknown instruction: NAME:" in str(info.value)
     assert "DEPRECATED" not in str(info.value) and "# base:" not in str(info.value)
+
+
+def test_a_run_heredoc_builds_on_the_legacy_builder_as_buildkit_runs_it(docker_ready, tmp_path):
+    env = tmp_path / "environment"
+    env.mkdir()
+    # As corpus tasks write files: a heredoc after a command, a bare one, and a body line that reads like an
+    # instruction (never a second base image).
+    (env / "Dockerfile").write_text(
+        "FROM debian:bookworm-slim\n"
+        "RUN cat > /ci.yml << 'EOF'\nname: CI\nFROM nowhere:1\n  run: echo \"$HOME\"\nEOF\n"
+        "RUN <<EOF\nset -e\necho bare > /bare.txt\nEOF\n"
+        "WORKDIR /app\n"
+    )
+    image = task_image(env, tmp_path / "images")
+    assert (image.rootfs / "ci.yml").read_text() == 'name: CI\nFROM nowhere:1\n  run: echo "$HOME"\n'
+    assert (image.rootfs / "bare.txt").read_text() == "bare\n"
+    assert [b.reference for b in image.bases] == ["debian:bookworm-slim"]

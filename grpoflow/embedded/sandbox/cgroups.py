@@ -22,6 +22,7 @@ import errno
 import itertools
 import os
 import re
+import secrets
 import signal
 import threading
 import time
@@ -125,15 +126,17 @@ class TrialCgroup:
     @property
     def procs_files(self) -> list[str]:
         """The files a process writes "0" to, to join this cgroup (all of them, in order)."""
-        return [str(d / "cgroup.procs") for d in self.dirs.values()]
+        return [str(d / "cgroup.procs") for d in dict.fromkeys(self.dirs.values())]
 
     @property
-    def _memory(self) -> Path:
-        return self.dirs["" if self.version == 2 else "memory"]
+    def _memory(self) -> Path | None:  # None: its creation failed before the dir was made
+        return self.dirs.get("" if self.version == 2 else "memory")
 
     def peak_memory_bytes(self) -> int | None:
         """The most memory the trial used at once (None where the kernel keeps no such count)."""
         name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        if self._memory is None:
+            return None
         try:
             return int(_read(self._memory / name))
         except (FileNotFoundError, ValueError):
@@ -142,6 +145,8 @@ class TrialCgroup:
     def oom_kills(self) -> int:
         """Processes the kernel killed at this cgroup's memory limit so far."""
         name = "memory.events" if self.version == 2 else "memory.oom_control"
+        if self._memory is None:
+            return 0
         try:
             text = (self._memory / name).read_text()
         except FileNotFoundError:
@@ -150,6 +155,8 @@ class TrialCgroup:
         return int(match.group(1)) if match else 0
 
     def pids(self) -> list[int]:
+        if self._memory is None:
+            return []
         with contextlib.suppress(FileNotFoundError):
             return [int(p) for p in _read(self._memory / "cgroup.procs").split()]
         return []
@@ -158,8 +165,8 @@ class TrialCgroup:
         """SIGKILL whatever is still in it, then remove its dirs. A process that will not go (stuck in the kernel)
         leaves the dirs for a later `create` to sweep."""
         deadline = time.monotonic() + wait_sec
-        if self.version == 2:
-            with contextlib.suppress(FileNotFoundError, OSError):
+        if self.version == 2 and self._memory is not None:
+            with contextlib.suppress(OSError):
                 _write(self._memory / "cgroup.kill", "1")  # 5.14+; the loop below covers older kernels
         while pids := self.pids():
             for pid in pids:
@@ -168,7 +175,7 @@ class TrialCgroup:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.02)
-        for d in self.dirs.values():
+        for d in set(self.dirs.values()):
             _rmdir(d)
 
 
@@ -188,15 +195,16 @@ def _sweep(parent: Path) -> None:
     """Remove the empty cgroups a dead grpoflow process left in `parent`."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
-            match = re.fullmatch(rf"{PREFIX}(\d+)-\d+", entry.name)
+            match = re.fullmatch(rf"{PREFIX}(\d+)-\d+[0-9a-f]{{8}}", entry.name)
             if match and entry.is_dir() and not Path(f"/proc/{match.group(1)}").exists():
                 with contextlib.suppress(OSError):
                     _rmdir(Path(entry.path))
 
 
 def _new_name() -> str:
+    # The random part: a reused pid (or another pid namespace's) never meets a dir an earlier process left.
     with _names_lock:
-        return f"{PREFIX}{os.getpid()}-{next(_names)}"
+        return f"{PREFIX}{os.getpid()}-{next(_names)}{secrets.token_hex(4)}"
 
 
 def _v2_parent(h: Hierarchy) -> Path:
@@ -211,12 +219,26 @@ def _v2_parent(h: Hierarchy) -> Path:
     if wanted <= enabled:
         return h.own
     try:
-        want = " ".join(f"+{c}" for c in sorted(wanted | ({"cpu"} & available)))
-        _write(h.own / "cgroup.subtree_control", want)
+        for controller in sorted(wanted) + sorted({"cpu"} & available):  # one at a time: cpu is optional
+            with contextlib.suppress(OSError) if controller == "cpu" else contextlib.nullcontext():
+                _write(h.own / "cgroup.subtree_control", f"+{controller}")
         return h.own
     except OSError:
         if h.own == h.mount:
             raise
+    # Our cgroup holds processes (ours), so it can have no children with controllers. A sibling under our parent
+    # (which hands them to us) would escape whatever our own cgroup limits: only where it limits nothing.
+    limits = {
+        name: _read(h.own / name)
+        for name in ("memory.max", "memory.high", "pids.max", "cpu.max")
+        if (h.own / name).exists()
+    }
+    bounded = [name for name, value in limits.items() if value.split()[0] != "max"]
+    if bounded:
+        raise CgroupUnavailable(
+            f"cgroup v2 at {h.own}: it holds this process, so no child of it can have controllers, and a sibling "
+            f"would escape its limits ({', '.join(bounded)})"
+        )
     return h.own.parent  # its subtree_control holds what our cgroup.controllers lists
 
 
@@ -249,9 +271,10 @@ def _create_v1(found: dict[str, Hierarchy], limits: Limits) -> TrialCgroup:
     try:
         for controller in V1_CONTROLLERS:
             if controller in found:
-                _sweep(found[controller].own)
                 d = found[controller].own / name
-                d.mkdir()
+                if d not in dirs.values():  # controllers mounted together (cpu,memory) share one hierarchy
+                    _sweep(found[controller].own)
+                    d.mkdir()
                 dirs[controller] = d
         _write(dirs["memory"] / "memory.limit_in_bytes", str(limits.memory_bytes))
         with contextlib.suppress(FileNotFoundError, OSError):  # memsw exists only with swap accounting

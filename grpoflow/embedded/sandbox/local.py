@@ -326,11 +326,13 @@ class LocalSandbox(BaseEnvironment):
             await asyncio.to_thread(kill_uid, self._uid)
             release_uid(self._uid)
             self._uid = None
-        if self._limited_by is not None:
-            await asyncio.to_thread(self._record_resources)
-        if self._cgroup is not None:
-            cgroup, self._cgroup = self._cgroup, None
-            await asyncio.to_thread(cgroup.remove)
+        try:
+            if self._limited_by is not None:
+                await asyncio.to_thread(self._record_resources)
+        finally:
+            if self._cgroup is not None:
+                cgroup, self._cgroup = self._cgroup, None
+                await asyncio.to_thread(cgroup.remove)
         if self._image_lock is not None:
             os.close(self._image_lock)
             self._image_lock = None
@@ -390,6 +392,7 @@ class LocalSandbox(BaseEnvironment):
         marker_r, marker_w = os.pipe()
         env_fd, seccomp = self._env_fd(self._exec_env(env)), filter_fd()
         argv = self._exec_argv(command, cwd, marker_w, env_fd, seccomp)
+        oom_before = self._cgroup.oom_kills() if self._cgroup is not None else 0
         try:
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -405,7 +408,6 @@ class LocalSandbox(BaseEnvironment):
                 for fd in (marker_w, env_fd, seccomp):
                     os.close(fd)  # the sandbox holds the only marker write end now: EOF once it closed it
             self._procs.add(proc)
-            oom_before = self._cgroup.oom_kills() if self._cgroup is not None else 0
             try:
                 result = await self._collect(proc, marker_r, command, timeout_sec)
             finally:

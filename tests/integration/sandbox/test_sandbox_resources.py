@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from grpoflow.embedded.sandbox import local
-from grpoflow.embedded.sandbox.cgroups import hierarchies, unavailable_reason
+from grpoflow.embedded.sandbox import cgroups, local
+from grpoflow.embedded.sandbox.cgroups import (
+    CgroupUnavailable,
+    Hierarchy,
+    Limits,
+    create,
+    hierarchies,
+    unavailable_reason,
+)
 from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.preflight import check_local_sandbox
 
@@ -21,7 +28,7 @@ HOG_400_MB = "x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x}"
 
 
 @pytest.fixture
-def cgroups() -> None:
+def with_cgroups() -> None:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"no cgroup can be had on this machine: {reason}")
@@ -32,7 +39,7 @@ def _resources(env: LocalSandbox) -> dict:
 
 
 @pytest.mark.parametrize("scope", ["exec", "trial"])
-def test_memory_is_the_trial_s_resident_memory(cgroups, make_sandbox: Callable[..., LocalSandbox], scope) -> None:
+def test_memory_is_the_trial_s_resident_memory(with_cgroups, make_sandbox: Callable[..., LocalSandbox], scope) -> None:
     async def main() -> tuple:
         env = make_sandbox(memory_mb=256, process_scope=scope)
         await env.start(force_build=False)
@@ -52,13 +59,13 @@ def test_memory_is_the_trial_s_resident_memory(cgroups, make_sandbox: Callable[.
     assert not any(d.exists() for d in dirs)  # the trial's cgroup went with it
 
 
-def test_the_task_s_memory_applies_unless_the_settings_give_one(cgroups, make_sandbox) -> None:
+def test_the_task_s_memory_applies_unless_the_settings_give_one(with_cgroups, make_sandbox) -> None:
     task, given = make_sandbox(), make_sandbox(memory_mb=300)
     assert task.memory_mb == task.task_env_config.memory_mb and given.memory_mb == 300
     assert make_sandbox(override_memory_mb=700).memory_mb == 700  # Harbor's override, as its Docker applies it
 
 
-def test_cpus_are_a_quota_on_the_whole_trial(cgroups, make_sandbox: Callable[..., LocalSandbox]) -> None:
+def test_cpus_are_a_quota_on_the_whole_trial(with_cgroups, make_sandbox: Callable[..., LocalSandbox]) -> None:
     # Two busy loops for 2 s of wall time: unlimited they take ~4 CPU-seconds on two cores; at cpus=0.5, ~1.
     busy = "for i in 1 2; do timeout 2 bash -c 'while :; do :; done' & done; wait; times"
 
@@ -129,3 +136,16 @@ def test_the_trial_cgroup_goes_under_this_process_s_own_cgroup_in_each_hierarchy
     # A hierarchy mounted from another namespace's subtree that does not hold ours shows no cgroup of ours.
     other = V2_MOUNTINFO.replace(" / /sys/fs/cgroup ", " /user.slice /sys/fs/cgroup ")
     assert hierarchies(other, V2_CGROUP) == {}
+
+
+def test_a_cgroup_that_cannot_be_made_is_a_reason_not_a_crash(tmp_path, monkeypatch) -> None:
+    # The first mkdir fails (as for a non-root user, or a container's read-only cgroupfs): create() cleans up
+    # what it made (nothing) and says why; no v2 hierarchy is tried (none given).
+    found = {name: Hierarchy(name, tmp_path / name, tmp_path / name) for name in ("memory", "pids")}
+    for h in found.values():
+        h.own.mkdir()
+    monkeypatch.setattr(cgroups, "_new_name", lambda: "grpoflow-1-1")
+    (found["memory"].own / "grpoflow-1-1").write_text("")  # in the way of the memory dir
+    with pytest.raises(CgroupUnavailable, match=r"^v1: .*File exists"):
+        create(Limits(memory_bytes=2**26, pids=8, cpus=None), found)
+    assert list(found["pids"].own.iterdir()) == []

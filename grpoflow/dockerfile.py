@@ -29,8 +29,9 @@ SANDBOX_WORKDIR = "/app"  # the one working directory the local sandbox has (pre
 _APP_SOURCES = {"app", "app/", "./app", "./app/"}
 
 
-# A heredoc marker in a RUN, COPY or ADD instruction (BuildKit's syntax): `<<EOF`, `<<-EOF`, `<<'EOF'`, `<<"EOF"`.
-HEREDOC = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2")
+# A heredoc marker in a RUN, COPY or ADD instruction (BuildKit's syntax): `<<EOF`, `<<-EOF`, `<<'EOF'`, `<<"EOF"`,
+# starting a word (not a here-string `<<<`, not a shift inside `$((...))`).
+HEREDOC = re.compile(r"(?:^|(?<=\s))\d*<<(-?)\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2(?=\s|$)")
 HEREDOC_INSTRUCTIONS = ("RUN", "COPY", "ADD")
 
 
@@ -66,7 +67,7 @@ def _instructions(text: str) -> list[Instruction]:
         pending = []
         keyword, _, args = joined.partition(" ")
         keyword, body = keyword.upper(), []
-        if keyword in HEREDOC_INSTRUCTIONS:
+        if keyword in HEREDOC_INSTRUCTIONS and not args.lstrip().startswith("["):  # the exec form has none
             for strip_tabs, _, word in HEREDOC.findall(args):
                 while i < len(lines):  # the body runs to a line that is the word alone (tabs first, with <<-)
                     body.append(lines[i])
@@ -188,18 +189,21 @@ def legacy_run_heredocs(text: str) -> str:
     """`text` with each RUN that has a heredoc (BuildKit's syntax, which the legacy builder without BuildKit reads
     as instructions) rewritten as the exec form of the shell running the same script: the instruction's line and
     its heredocs, or for a bare `RUN <<EOF` the heredoc's body, as BuildKit runs them. Left as written (for the
-    builder to refuse in its own words): heredocs of COPY or ADD, and a bare one naming its interpreter (`#!`)."""
+    builder to refuse in its own words): heredocs of COPY or ADD, a RUN with flags (`--mount`, BuildKit's), and a
+    bare heredoc naming its interpreter (`#!`)."""
     found = _instructions(text)
     lines = text.splitlines(keepends=True)
     shell = ["/bin/sh", "-c"]
     rewrites: list[tuple[Instruction, list[str]]] = []
     for ins in found:
+        if ins.keyword == "FROM":
+            shell = ["/bin/sh", "-c"]  # each stage starts from the default
         if ins.keyword == "SHELL":
             try:
                 shell = [str(word) for word in json.loads(ins.args)]
             except ValueError:
                 pass  # not JSON: the builder refuses the SHELL line itself
-        if ins.keyword != "RUN" or not ins.heredocs:
+        if ins.keyword != "RUN" or not ins.heredocs or ins.args.startswith("--"):  # RUN --mount=...: BuildKit's
             continue
         if HEREDOC.fullmatch(ins.args):  # bare: the body is the script
             body = ins.heredocs.splitlines()[:-1]

@@ -115,3 +115,23 @@ def test_run_heredocs_become_the_shell_running_the_same_script() -> None:
         'RUN ["/bin/bash", "-euo", "pipefail", "-c", "echo x"]'
     )
     assert legacy_run_heredocs("FROM a\nRUN echo plain\n") == "FROM a\nRUN echo plain\n"
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        "RUN tr a-z A-Z <<< hello",  # a here-string
+        "RUN echo $((1<<3))",  # a shift
+        'RUN ["sh", "-c", "cat <<EOF"]',  # the exec form
+    ],
+)
+def test_what_only_looks_like_a_heredoc_takes_no_lines(run: str) -> None:
+    text = f"FROM a\n{run}\nFROM b AS c\nCOPY x /x\n"
+    assert [keyword for _, keyword, _ in dockerfile_instructions(text)] == ["FROM", "RUN", "FROM", "COPY"]
+    assert from_images(text) == [(1, "a"), (3, "b")]
+    assert legacy_run_heredocs(text) == text
+
+
+def test_a_run_heredoc_with_buildkit_flags_is_left_for_the_builder() -> None:
+    text = "FROM a\nRUN --mount=type=cache,target=/c <<EOF\necho x\nEOF\n"
+    assert legacy_run_heredocs(text) == text

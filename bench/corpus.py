@@ -108,7 +108,13 @@ def _seconds(span: dict | None) -> float | None:
 def trial_rows(run_dir: Path) -> dict[str, list[dict]]:
     """Per task: each evaluation trial's sandbox start (s), wall (s), peak memory (MiB) and reward or failure."""
     rows: dict[str, list[dict]] = {}
+    last: dict[str, Path] = {}  # a retried trial's dirs end in __a0, __a1, ...: its last attempt speaks for it
     for result_file in sorted(run_dir.glob("trials/eval_*/*/result.json")):
+        name, _, attempt = result_file.parent.name.rpartition("__a")
+        trial = f"{result_file.parent.parent.name}/{name}"
+        if trial not in last or int(attempt) > int(last[trial].parent.name.rpartition("__a")[2]):
+            last[trial] = result_file
+    for result_file in sorted(last.values()):
         result = json.loads(result_file.read_text())
         resources = result_file.parent / "sandbox-resources.json"
         used = json.loads(resources.read_text()) if resources.is_file() else {}

@@ -28,8 +28,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -42,6 +42,9 @@ from grpoflow.errors import DatasetError, one_line  # noqa: E402
 from grpoflow.prepare.dataset import load_dataset  # noqa: E402
 from grpoflow.prepare.model import prepare_model  # noqa: E402
 from grpoflow.rollout.environments import ImageBuildError  # noqa: E402
+
+if TYPE_CHECKING:
+    from harbor.models.trial.result import TimingInfo, TrialResult
 
 CORPUS_BASE_PREFIX = "ghcr.io/laude-institute/t-bench/ubuntu-24-04"
 
@@ -98,33 +101,37 @@ def evaluate(root: Path, runs: Path, mapping: dict[str, str], images: Path, args
     return runs / run_id
 
 
-def _seconds(span: dict | None) -> float | None:
-    if not span or not span.get("started_at") or not span.get("finished_at"):
+def _seconds(span: TimingInfo | TrialResult | None) -> float | None:
+    if span is None or span.started_at is None or span.finished_at is None:
         return None
-    start, end = (datetime.fromisoformat(span[k].replace("Z", "+00:00")) for k in ("started_at", "finished_at"))
-    return (end - start).total_seconds()
+    return (span.finished_at - span.started_at).total_seconds()
+
+
+def _attempt(result_file: Path) -> tuple[str, int]:
+    """(the trial, its attempt) of a trial dir `<eval dir>/<trial>__a<attempt>/result.json`."""
+    name, _, attempt = result_file.parent.name.rpartition("__a")
+    return f"{result_file.parent.parent.name}/{name}", int(attempt)
 
 
 def trial_rows(run_dir: Path) -> dict[str, list[dict]]:
-    """Per task: each evaluation trial's sandbox start (s), wall (s), peak memory (MiB) and reward or failure."""
+    """Per task: each evaluation trial's sandbox start (s), wall (s), peak memory (MiB) and reward or failure; a
+    retried trial by its last attempt."""
+    from harbor.models.trial.result import TrialResult  # after `flows`: its offline environment comes first
+
+    last = {_attempt(f)[0]: f for f in sorted(run_dir.glob("trials/eval_*/*/result.json"), key=_attempt)}
     rows: dict[str, list[dict]] = {}
-    last: dict[str, Path] = {}  # a retried trial's dirs end in __a0, __a1, ...: its last attempt speaks for it
-    for result_file in sorted(run_dir.glob("trials/eval_*/*/result.json")):
-        name, _, attempt = result_file.parent.name.rpartition("__a")
-        trial = f"{result_file.parent.parent.name}/{name}"
-        if trial not in last or int(attempt) > int(last[trial].parent.name.rpartition("__a")[2]):
-            last[trial] = result_file
     for result_file in sorted(last.values()):
-        result = json.loads(result_file.read_text())
+        result = TrialResult.model_validate_json(result_file.read_text())
         resources = result_file.parent / "sandbox-resources.json"
         used = json.loads(resources.read_text()) if resources.is_file() else {}
-        failure = (result.get("exception_info") or {}).get("exception_type")
-        reward = ((result.get("verifier_result") or {}).get("rewards") or {}).get("reward")
-        rows.setdefault(result["task_name"], []).append(
+        failure = result.exception_info.exception_type if result.exception_info else None
+        reward = (result.verifier_result.rewards or {}).get("reward") if result.verifier_result else None
+        rows.setdefault(result.task_name, []).append(
             {
-                "start": _seconds(result.get("environment_setup")),
+                "start": _seconds(result.environment_setup),
                 "wall": _seconds(result),
                 "peak": used.get("peak_memory_mb"),
+                "failed": failure is not None,
                 "outcome": failure or (f"reward {reward:g}" if reward is not None else "no reward"),
             }
         )
@@ -150,7 +157,7 @@ def report(tasks: list[Path], built: dict[str, str], run_dir: Path) -> None:
     runnable = 0
     for t in gate["tasks"]:
         rows = trials.get(t["name"], [])
-        complete = rows and all(not r["outcome"][0].isupper() for r in rows)  # a reward, not an exception type
+        complete = rows and not any(r["failed"] for r in rows)
         runnable += bool(t["admitted"] and complete)
         verdict = t["verdict"] + (" (cached)" if t.get("cached") else "")
         reason = one_line(t.get("reason") or "", 160).replace("|", "/")

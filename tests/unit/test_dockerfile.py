@@ -16,7 +16,7 @@ from grpoflow.dockerfile import (
     legacy_run_heredocs,
     pinned_dockerfile,
 )
-from grpoflow.embedded.sandbox.rootfs import image_base
+from grpoflow.embedded.sandbox.rootfs import Account, Base, BaseTreeError, account_files, image_account, image_base
 
 
 @pytest.mark.parametrize(
@@ -36,17 +36,41 @@ def test_no_engine_at_a_dead_socket_is_one_line(no_docker_engine: None) -> None:
     assert problem is not None and "\n" not in problem
 
 
-def test_the_workdirs_top_dir_is_per_trial_and_the_rest_read_only(tmp_path: Path) -> None:
+def test_an_image_s_dirs_are_the_trial_s_but_usr_and_etc(tmp_path: Path) -> None:
     for name in ("usr", "etc", "var", "workspace", "tmp", "root", "proc", "opt"):
         (tmp_path / name).mkdir()
     (tmp_path / "bin").symlink_to("usr/bin")
     (tmp_path / ".dockerenv").write_text("")
     base = image_base(tmp_path, "/workspace/sub")
-    assert base.seeded == ("/workspace",)
-    assert base.ro_dirs == ("/etc", "/opt", "/usr", "/var")  # never /tmp, /root, /proc: those are the trial's
-    assert "/var" in base.not_trial_paths and "/workspace" not in base.not_trial_paths
+    assert base.writable == ("/opt", "/root", "/tmp", "/var", "/workspace")  # never /proc: the kernel's
+    assert base.ro_dirs == ("/etc", "/usr")
+    assert "/etc" in base.not_trial_paths and "/var" not in base.not_trial_paths
+    assert base.account == Account()  # no USER: the sandbox account, home /root
     with pytest.raises(ValueError, match="read-only"):
         image_base(tmp_path, "/usr/src/app")
+
+
+def test_an_image_s_user_is_looked_up_as_docker_does_and_takes_the_trial_s_uid(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/bash\nbuilder:x:1000:1000::/home/builder:/bin/sh\n"
+    )
+    (tmp_path / "etc" / "group").write_text("root:x:0:\nbuilder:x:1000:\nstaff:x:50:builder\n")
+    for spec in ("builder", "1000", "builder:staff", "1000:1000"):
+        assert image_account(tmp_path, spec) == Account("builder", "/home/builder", ("1000", "1000")), spec
+    for spec in (None, "", "root", "0", "0:0"):
+        assert image_account(tmp_path, spec) == Account(), spec
+    assert image_account(tmp_path, "4242") == Account("sandbox", "/")  # a uid without an entry: home /
+    with pytest.raises(BaseTreeError, match="the image's USER ghost is not in its /etc/passwd"):
+        image_account(tmp_path, "ghost")
+    files = account_files(Base(tmp_path, (), (), image_account(tmp_path, "builder")), 70123)
+    assert "builder:x:70123:70123::/home/builder:/bin/sh\n" in files["passwd"]
+    assert files["group"] == "root:x:0:\nbuilder:x:70123:\nstaff:x:50:builder\n"
+    plain = account_files(Base(tmp_path, (), ()), 70123)
+    assert plain["passwd"].endswith(
+        "builder:x:1000:1000::/home/builder:/bin/sh\nsandbox:x:70123:70123:sandbox:/root:/bin/bash\n"
+    )
+    assert plain["group"].endswith("sandbox:x:70123:\n")
 
 
 def test_a_pinned_dockerfile_names_each_from_image_by_the_id_it_resolved_to() -> None:

@@ -22,7 +22,7 @@ def _entry(cache: Path, digest: str, mib: int, used_ago_s: float) -> TaskImage:
     used = cache / digest / USED
     used.touch()
     os.utime(used, (time.time() - used_ago_s,) * 2)
-    return TaskImage(f"grpoflow-env-test:{digest}", tree, None, {}, cache / f"{digest}.build.log", False)
+    return TaskImage(f"grpoflow-env-test:{digest}", tree, None, {}, None, cache / f"{digest}.build.log", False)
 
 
 def test_collect_removes_the_least_recently_used_first_and_spares_held_and_recent(tmp_path: Path) -> None:

@@ -61,9 +61,10 @@ _failed: dict[str, ImageBuildError] = {}  # context digest -> its failed build (
 @dataclass(frozen=True)
 class TaskImage:
     tag: str
-    rootfs: Path  # the image's exported filesystem (shared by every trial; bound read-only)
+    rootfs: Path  # the image's exported filesystem (shared by every trial: the lower dir of its layer)
     workdir: str | None  # the image's WORKDIR (None: not set)
     env: dict[str, str]  # the image's ENV
+    user: str | None  # the image's USER (None: not set, root)
     build_log: Path
     built: bool  # this call built it (False: it came from the cache)
     bases: tuple[BaseImage, ...] = ()  # the FROM images it was built from
@@ -109,7 +110,7 @@ def task_image(
         if digest in _failed:  # failed in this process (another trial's, or this one's before its retry)
             raise ImageBuildError(str(_failed[digest]), _failed[digest].log)
         meta = done / "image.json"
-        if meta.is_file():
+        if meta.is_file() and "user" in json.loads(meta.read_text()):  # else unpacked before USER was kept
             (done / USED).touch()
             return _read(meta, tag, log, False, bases)
         try:
@@ -213,7 +214,7 @@ def _build(environment_dir: Path, bases: list[BaseImage], tag: str, log: Path) -
 
 
 def _unpack(tag: str, done: Path, max_mb: int) -> None:
-    """`docker create` + `docker export` into `done/rootfs`, with the image's WORKDIR and ENV in image.json.
+    """`docker create` + `docker export` into `done/rootfs`, with the image's WORKDIR, ENV and USER in image.json.
 
     The export is third-party bytes: unpacked by `_tree_member`'s rules (no owners, no setuid/setgid bits, no
     device nodes, FIFOs or sockets, nothing outside the tree), and no larger than `max_mb` (an image over it is
@@ -253,7 +254,13 @@ def _unpack(tag: str, done: Path, max_mb: int) -> None:
     finally:
         _docker("rm", "-f", container, check=False)
     env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
-    meta = {"tag": tag, "workdir": config.get("WorkingDir") or None, "env": env, "skipped": skipped}
+    meta = {
+        "tag": tag,
+        "workdir": config.get("WorkingDir") or None,
+        "env": env,
+        "user": config.get("User") or None,
+        "skipped": skipped,
+    }
     (staging / "image.json").write_text(json.dumps(meta, indent=1))
     if done.exists():  # a half-unpacked tree from a process that died: never marked done
         shutil.rmtree(done)
@@ -288,7 +295,9 @@ def _tree_member(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
 
 def _read(meta: Path, tag: str, log: Path, built: bool, bases: list[BaseImage]) -> TaskImage:
     data = json.loads(meta.read_text())
-    return TaskImage(tag, meta.parent / "rootfs", data["workdir"], dict(data["env"]), log, built, tuple(bases))
+    return TaskImage(
+        tag, meta.parent / "rootfs", data["workdir"], dict(data["env"]), data["user"], log, built, tuple(bases)
+    )
 
 
 def _docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -34,7 +34,7 @@ ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}  # the whole environment of what
 NS_GET_USERNS = 0xB701  # ioctl on a namespace fd: an fd of the user namespace that owns it
 NAMESPACES = (("mnt", os.CLONE_NEWNS), ("pid", os.CLONE_NEWPID), ("net", os.CLONE_NEWNET))
 NAMESPACES += (("ipc", os.CLONE_NEWIPC), ("uts", os.CLONE_NEWUTS), ("cgroup", os.CLONE_NEWCGROUP))
-MS_BIND, MS_REC, MS_SLAVE = 4096, 16384, 1 << 19
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE, MNT_DETACH = 2, 4, 4096, 16384, 1 << 19, 2
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -50,9 +50,14 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
     enc = lambda s: s.encode() if s is not None else None  # noqa: E731
     _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+def unmount(target: str) -> None:
+    """Detach the mount at `target` (lazily: a process still inside keeps its view until it ends)."""
+    _check(_libc.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
 
 
 def stage(sources: list[tuple[str, str]]) -> None:
@@ -63,8 +68,8 @@ def stage(sources: list[tuple[str, str]]) -> None:
     if not os.path.isdir(STAGE) or os.path.islink(STAGE) or st.st_uid != 0:
         raise OSError(f"{STAGE} is not a directory owned by root")
     os.unshare(os.CLONE_NEWNS)
-    _mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing mounted here propagates to the host
-    _mount("tmpfs", STAGE, "tmpfs", 0, "mode=0711,size=64k")
+    mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing mounted here propagates to the host
+    mount("tmpfs", STAGE, "tmpfs", 0, "mode=0711,size=64k")
     for path, name in sources:
         fd = os.open(path, os.O_PATH | os.O_NOFOLLOW)
         mode = os.fstat(fd).st_mode
@@ -75,7 +80,7 @@ def stage(sources: list[tuple[str, str]]) -> None:
             os.mkdir(target, 0o755)
         else:
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
-        _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None)
+        mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None)
         os.close(fd)
 
 

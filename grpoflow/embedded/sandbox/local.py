@@ -67,7 +67,6 @@ from grpoflow.embedded.sandbox.processes import (
 )
 from grpoflow.embedded.sandbox.rootfs import (
     HOST_BASE,
-    SANDBOX_HOME,
     Base,
     BaseTreeError,
     Bind,
@@ -87,6 +86,7 @@ from grpoflow.embedded.sandbox.rootfs import (
     rmtree,
     scrub_log_symlinks,
     tree_bytes,
+    unmount_layers,
 )
 from grpoflow.embedded.sandbox.seccomp import filter_fd
 from grpoflow.errors import one_line
@@ -213,6 +213,8 @@ class LocalSandbox(BaseEnvironment):
         self._needs_image = host_rootfs_problem(self.environment_dir) is not None
         self._binds = harbor_binds(self._host_mounts)
         self._root: Path | None = None  # the per-trial temp dir; None until start()
+        self._layer: Path | None = None  # as root on an image: the overlay's upper and work dirs, in the trial dir
+        self._layer_start_bytes = 0  # the layer's upper dir as the trial began (inodes the chown copied up)
         self._uid: int | None = None  # the sandbox uid when we are root
         self._argv_prefix: list[str] = []  # bwrap's, up to its "--"
         self._sources = Sources(staged=False)  # what bwrap mounts, as the launcher stages it (see Sources)
@@ -337,6 +339,7 @@ class LocalSandbox(BaseEnvironment):
             os.close(self._image_lock)
             self._image_lock = None
         if self._root is not None:
+            await asyncio.to_thread(unmount_layers, self._root)  # the trial's changes stay in its upper dir
             scrub_log_symlinks(self._binds)
             if delete:
                 await asyncio.to_thread(rmtree, self._root)
@@ -496,7 +499,11 @@ class LocalSandbox(BaseEnvironment):
         stop() to delete) and the command's result is lost with it."""
         assert self._root is not None
         limit = self.storage_mb * 2**20
-        used = tree_bytes([self._root / "rootfs", *(b.source for b in self._binds if not b.read_only)], limit)
+        # With a layer, only what the trial changed (its upper dir) is the trial's: the image's files are not, nor
+        # what handing the image's dirs to the sandbox uid put there before the trial began.
+        files = self._layer / "upper" if self._layer is not None else self._root / "rootfs"
+        start = self._layer_start_bytes
+        used = tree_bytes([files, *(b.source for b in self._binds if not b.read_only)], limit + start) - start
         if used > limit:
             self._dead_reason = (
                 f"the trial's files reached {used // 2**20} MB, over its storage cap of {self.storage_mb} MB "
@@ -555,9 +562,10 @@ class LocalSandbox(BaseEnvironment):
         image_env = self.image.env if self.image is not None else {}
         path = image_env.get("PATH", SANDBOX_PATH)
         path = f"{CLI_DIR}/node_modules/.bin:{path}" if self.cli_dir is not None else path
-        base = {**image_env, "PATH": path, "HOME": SANDBOX_HOME, "LANG": "C.UTF-8"}
+        account = self.base.account
+        base = {**image_env, "PATH": path, "HOME": account.home, "LANG": "C.UTF-8"}
         if self._uid is not None:
-            base["USER"] = base["LOGNAME"] = "sandbox"  # the name our passwd entry gives the sandbox uid
+            base["USER"] = base["LOGNAME"] = account.name  # the name our passwd entry gives the sandbox uid
         return {**base, **(self._merge_env(env) or {})}
 
     # ---- start: the per-trial tree ------------------------------------------------------------------------
@@ -596,7 +604,7 @@ class LocalSandbox(BaseEnvironment):
         if self.task_env_config.workdir is None:
             self._workdir = image.workdir or DEFAULT_WORKDIR
         try:
-            self.base = image_base(image.rootfs, self._workdir)
+            self.base = image_base(image.rootfs, self._workdir, image.user)
         except ValueError as exc:
             raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
 
@@ -614,13 +622,24 @@ class LocalSandbox(BaseEnvironment):
         # As root, bwrap runs as the sandbox uid: its mount sources are staged (see Sources).
         self._sources = Sources(staged=self._uid is not None)
         uid = self._uid if self._uid is not None else os.getuid()
+        # As root an image's dirs are an overlay over its shared tree (see rootfs); otherwise copies.
+        self._layer = root / "layer" if self._uid is not None and self.base.is_image else None
         try:
             extra_ro = build_rootfs(
-                root / "rootfs", app, binds, self._uid, self.auto_mounting, self.base, self.storage_mb * 2**20
+                root / "rootfs",
+                app,
+                binds,
+                self._uid,
+                self.auto_mounting,
+                self.base,
+                self.storage_mb * 2**20,
+                self._layer,
             )
             self._argv_prefix = bwrap_argv(tools["bwrap"], root, binds, uid, extra_ro, self._sources, self.base)
         except BaseTreeError as exc:  # the task's own tree: every trial of it would fail the same way
             raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
+        if self._layer is not None:
+            self._layer_start_bytes = tree_bytes([self._layer / "upper"], 2**62)
 
     def _new_cgroup(self) -> TrialCgroup | None:
         """The trial's cgroup, or None where this machine gives none (preflight said so: memory is then capped per

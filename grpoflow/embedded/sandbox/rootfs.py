@@ -1,8 +1,11 @@
 """The per-trial host tree behind a `LocalSandbox`'s /: building it, bwrap's mounts over it, mapping sandbox
 paths onto host paths, and copying files in and out without following links the sandbox planted.
 
-The system dirs come from a `Base`: the host's (/usr and /etc) or a task image's exported tree (every top-level
-dir of it read-only, but the one holding its WORKDIR, which each trial gets a writable copy of).
+The system dirs come from a `Base`: the host's (/usr and /etc) or a task image's exported tree. An image's tree is
+the trial's / as Docker would run it: /usr and /etc read-only, every other dir as the image built it (its /app,
+/tmp, /root, WORKDIR, home dirs), on a copy-on-write layer of the trial's own and owned by the sandbox uid. As
+root, that layer is an overlay mount with the shared tree as its lower dir (`mount_layer`); otherwise each trial
+gets a copy of those dirs.
 """
 
 from __future__ import annotations
@@ -18,51 +21,85 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from grpoflow.embedded.sandbox import launch
 from grpoflow.embedded.sandbox.launch import STAGE
 
 SANDBOX_HOME = "/root"
+SANDBOX_USER = "sandbox"  # the sandbox uid's name when the image names no USER
 # Host dirs shown read-only. Everything else of the host stays invisible.
 HOST_RO_DIRS = ("/usr", "/etc")
 # Top-level names that are symlinks into /usr on a merged-/usr host (or real dirs to bind read-only otherwise).
 HOST_LIB_NAMES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Per-trial dirs the sandbox user owns (relative to rootfs).
 OWNED_DIRS = ("app", "tmp", "root", "tests", "solution")
-# Top-level names of an image's tree that are never bound from it: per-trial dirs, kernel filesystems, Harbor's logs.
-IMAGE_SKIPPED = frozenset({*OWNED_DIRS, "logs", "proc", "dev", "sys", "run"})
+# Top-level names of an image's tree that are never part of the trial's layer: kernel filesystems bwrap mounts.
+KERNEL_DIRS = frozenset({"proc", "dev", "sys"})
+
+
+@dataclass(frozen=True)
+class Account:
+    """Who the sandbox uid is inside: the name its passwd entry gives it and its home (an image's USER, else
+    `sandbox` at /root)."""
+
+    name: str = SANDBOX_USER
+    home: str = SANDBOX_HOME
+    image_ids: tuple[str, str] | None = None  # (uid, gid) of the image's own entry for the name, replaced by ours
 
 
 @dataclass(frozen=True)
 class Base:
     """Where the sandbox's system dirs come from: `root` (the host's /, or an image's exported tree), the
-    sandbox paths bound read-only from it, and the top-level dirs each trial gets a writable copy of."""
+    sandbox paths bound read-only from it, and the top-level dirs the trial owns (its own layer of them)."""
 
     root: Path
     ro_dirs: tuple[str, ...]
-    seeded: tuple[str, ...] = ()
+    writable: tuple[str, ...] = ()
+    account: Account = Account()
+
+    @property
+    def is_image(self) -> bool:
+        return self.root != HOST_BASE_ROOT
 
     @property
     def not_trial_paths(self) -> tuple[str, ...]:
         return (*self.ro_dirs, "/proc", "/dev", *(f"/{n}" for n in HOST_LIB_NAMES))
 
 
-HOST_BASE = Base(Path("/"), HOST_RO_DIRS)
+HOST_BASE_ROOT = Path("/")
+HOST_BASE = Base(HOST_BASE_ROOT, HOST_RO_DIRS)
 # Sandbox paths that are host or kernel filesystems, never per-trial files: uploads/downloads there are refused.
 NOT_TRIAL_PATHS = HOST_BASE.not_trial_paths
 
 
-def image_base(tree: Path, workdir: str) -> Base:
-    """The base for an image's exported `tree`: its top-level dirs read-only, but the one holding `workdir`
-    (e.g. /workspace with the data its Dockerfile copied), which each trial gets its own writable copy of."""
+def image_base(tree: Path, workdir: str, user: str | None = None) -> Base:
+    """The base for an image's exported `tree`: its /usr and /etc read-only, every other top-level dir the
+    trial's own (but the kernel's), and the image's `user` (Docker's USER: name or uid, maybe `:group`) as the
+    account the sandbox uid runs under."""
     parts = PurePosixPath(posixpath.normpath(workdir)).parts
     top = parts[1] if len(parts) > 1 else None
     if top in ("usr", "etc", *HOST_LIB_NAMES):
         raise ValueError(f"the image's working directory {workdir} is under /{top}, which trials see read-only")
-    ro, seeded = [], []
+    ro, writable = [], []
     for entry in sorted(tree.iterdir()):
-        if entry.name in IMAGE_SKIPPED or entry.name in HOST_LIB_NAMES or entry.is_symlink() or not entry.is_dir():
+        if entry.name in KERNEL_DIRS or entry.name in HOST_LIB_NAMES or entry.is_symlink() or not entry.is_dir():
             continue
-        (seeded if entry.name == top else ro).append(f"/{entry.name}")
-    return Base(tree, tuple(ro), tuple(seeded))
+        (ro if f"/{entry.name}" in HOST_RO_DIRS else writable).append(f"/{entry.name}")
+    return Base(tree, tuple(ro), tuple(writable), image_account(tree, user))
+
+
+def image_account(tree: Path, user: str | None) -> Account:
+    """The account an image's USER names, looked up in its /etc/passwd as Docker does: a name must be there; a
+    uid without an entry runs with / as its home; root (or none) is the default `sandbox` account."""
+    name = (user or "").split(":", 1)[0]
+    if name in ("", "root", "0"):
+        return Account()
+    for line in read_tree_file(tree, "etc/passwd").splitlines():
+        fields = line.split(":")
+        if len(fields) >= 7 and name in (fields[0], fields[2]):
+            return Account(fields[0], fields[5] or "/", (fields[2], fields[3]))
+    if name.isdigit():
+        return Account(SANDBOX_USER, "/")
+    raise BaseTreeError(f"the image's USER {name} is not in its /etc/passwd")
 
 
 @dataclass(frozen=True)
@@ -112,33 +149,42 @@ def build_rootfs(
     auto_mounting: bool,
     base: Base = HOST_BASE,
     storage_bytes: int | None = None,
+    layer: Path | None = None,
 ) -> list[str]:
-    """Create the sandbox's / at `rootfs`, pre-filled from the task's `app` dir and the base's seeded dirs (no
-    larger together than `storage_bytes`: `BaseTreeError` before any copy); the base's lib dirs to bind read-only
-    (one without merged /usr)."""
-    if storage_bytes is not None:
-        seeded = tree_bytes([app, *(base.root / s[1:] for s in base.seeded)], storage_bytes)
-        if seeded > storage_bytes:
+    """Create the sandbox's / at `rootfs`: on the host base, pre-filled from the task's `app` dir; on an image,
+    its writable dirs as the image has them, through an overlay whose upper dir is `layer` (when given: as root),
+    else as copies (no larger together than `storage_bytes`: `BaseTreeError` before any copy). Returns the
+    base's lib dirs to bind read-only (one without merged /usr)."""
+    layered = layer is not None and base.is_image
+    if layered:
+        assert layer is not None
+        mount_layer(base.root, layer, rootfs)
+    else:
+        sources = [base.root / w[1:] for w in base.writable] + ([] if base.is_image else [app])
+        if storage_bytes is not None and tree_bytes(sources, storage_bytes) > storage_bytes:
             raise BaseTreeError(
-                f"the task's working directory ({', '.join(base.seeded) or '/app'}) is over the trial's storage "
-                f"cap of {storage_bytes // 2**20} MB before the trial starts"
+                f"the task's files ({', '.join(base.writable) or '/app'}) are over the trial's storage cap of "
+                f"{storage_bytes // 2**20} MB before the trial starts"
             )
-    rootfs.mkdir(mode=0o755)
+        rootfs.mkdir(mode=0o755)
     extra_ro: list[str] = []
     for lib in HOST_LIB_NAMES:
         host = base.root / lib
         if host.is_symlink():
-            (rootfs / lib).symlink_to(os.readlink(host))
+            if not layered:  # the layer shows the image's own link
+                (rootfs / lib).symlink_to(os.readlink(host))
         elif host.is_dir():
             extra_ro.append(f"/{lib}")  # a base without merged /usr: show the real dir read-only
     for owned in OWNED_DIRS:
-        (rootfs / owned).mkdir()
+        real_dir_chain(rootfs, rootfs / owned, None)  # an image's own, else new (a link it has in their place goes)
     (rootfs / "tmp").chmod(0o1777)
-    if app.is_dir():
+    if not base.is_image and app.is_dir():
+        # The host base reproduces `COPY app /app`; an image's /app is what its Dockerfile put there.
         shutil.copytree(app, rootfs / "app", symlinks=True, dirs_exist_ok=True)
-    for seeded in base.seeded:
-        shutil.copytree(base.root / seeded[1:], rootfs / seeded[1:], symlinks=True)
-        give(rootfs / seeded[1:], uid)
+    for top in base.writable:
+        if not layered:
+            shutil.copytree(base.root / top[1:], rootfs / top[1:], symlinks=True, dirs_exist_ok=True)
+        give(rootfs / top[1:], uid)
     for owned in OWNED_DIRS:
         give(rootfs / owned, uid)
     for bind in binds:
@@ -155,6 +201,53 @@ def build_rootfs(
             (rootfs / rel).mkdir(parents=True, exist_ok=True)
             give(rootfs / rel, uid)
     return extra_ro
+
+
+# Characters overlayfs reads as separators in its mount options: a path holding one cannot be a layer.
+_OVERLAY_SEPARATORS = re.compile(r"[,:\\]")
+
+
+def mount_layer(tree: Path, layer: Path, target: Path) -> None:
+    """Mount an overlay at `target` (made here): `tree` as its read-only lower dir, shared by every trial of the
+    image and never written; `layer/upper` takes whatever the trial changes, `layer/work` is overlayfs's own.
+
+    `metacopy=on` makes handing a dir to the sandbox uid cheap (a chown copies up the inode, not the data). It is
+    safe here because neither layer can hold the overlay's own xattrs: the tree was unpacked without xattrs, and
+    the sandbox (no capability in the host's user namespace) cannot set `trusted.*` ones on the upper dir.
+    Kernels without metacopy get a plain overlay (a chown then copies the file)."""
+    upper, work = layer / "upper", layer / "work"
+    for path in (tree, upper, work):
+        if _OVERLAY_SEPARATORS.search(str(path)):
+            raise BaseTreeError(f"{path} has a character overlayfs cannot take in a path (',', ':' or a backslash)")
+    upper.mkdir(parents=True)
+    work.mkdir()
+    target.mkdir(mode=0o755)
+    options = f"lowerdir={tree},upperdir={upper},workdir={work}"
+    flags = launch.MS_NOSUID | launch.MS_NODEV
+    try:
+        launch.mount("overlay", str(target), "overlay", flags, options + ",metacopy=on")
+    except OSError:
+        launch.mount("overlay", str(target), "overlay", flags, options)
+
+
+def unmount_layers(root: Path) -> None:
+    """Detach every mount at or under `root` (a trial's layer), deepest first, before its dir is removed: a
+    recursive delete must not walk into a mount."""
+    prefix = os.path.realpath(root)
+    for target in sorted(mounts_under(prefix), key=len, reverse=True):
+        launch.unmount(target)
+
+
+def mounts_under(prefix: str) -> list[str]:
+    """Mount points at or under `prefix` in this process's mount namespace."""
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            # The 5th field is the mount point, with space, tab, newline and backslash as octal escapes.
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split(" ")[4])
+            if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
+                found.append(point)
+    return found
 
 
 class Sources:
@@ -191,19 +284,15 @@ def bwrap_argv(
 
     bwrap runs as `uid` (the launcher dropped to it) and makes a user namespace that maps only that uid: nothing
     inside holds a capability of the host's. It also writes the passwd/group files (in `root`) that it binds over
-    the base's, with a `sandbox` entry for the uid: tools that look the user up (git, whoami, ssh) fail when the
-    uid has no name.
+    the base's, naming the uid (`account_files`): tools that look the user up (git, whoami, ssh) fail when
+    the uid has no name.
     """
     argv = [bwrap, "--unshare-user", "--uid", str(uid), "--gid", str(uid), "--cap-drop", "ALL"]
     argv += ["--bind", sources(root / "rootfs"), "/"]
     for ro in (*base.ro_dirs, *extra_ro):
         argv += ["--ro-bind", sources(base.root / ro[1:]), ro]
-    for name, line in (
-        ("passwd", f"sandbox:x:{uid}:{uid}:sandbox:{SANDBOX_HOME}:/bin/bash\n"),
-        ("group", f"sandbox:x:{uid}:\n"),
-    ):
-        text = read_tree_file(base.root, f"etc/{name}")
-        (root / name).write_text(text + ("" if text.endswith("\n") or not text else "\n") + line)
+    for name, text in account_files(base, uid).items():
+        (root / name).write_text(text)
         argv += ["--ro-bind", sources(root / name), f"/etc/{name}"]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     for bind in binds:
@@ -223,6 +312,26 @@ def bwrap_argv(
         "--",
     ]
     return argv
+
+
+def account_files(base: Base, uid: int) -> dict[str, str]:
+    """The base's /etc/passwd and /etc/group with the sandbox uid named: the image USER's entry (and its primary
+    group's) take the uid in place of the image's ids; otherwise a `sandbox` entry (home /root) is added."""
+    passwd = [line.split(":") for line in read_tree_file(base.root, "etc/passwd").splitlines()]
+    group = [line.split(":") for line in read_tree_file(base.root, "etc/group").splitlines()]
+    account = base.account
+    if account.image_ids is None:
+        passwd.append([account.name, "x", str(uid), str(uid), account.name, account.home, "/bin/bash"])
+        group.append([account.name, "x", str(uid), ""])
+    else:
+        own_uid, own_gid = account.image_ids
+        for fields in passwd:
+            if len(fields) >= 7 and fields[2] == own_uid:
+                fields[2] = fields[3] = str(uid)
+        for fields in group:
+            if len(fields) >= 3 and fields[2] == own_gid:
+                fields[2] = str(uid)
+    return {name: "".join(":".join(f) + "\n" for f in lines) for name, lines in (("passwd", passwd), ("group", group))}
 
 
 TREE_FILE_MAX_BYTES = 1 << 20  # passwd/group: far above any real one

@@ -20,6 +20,13 @@ DOCKER_TASK = "csv-total"
 collect_ignore_glob = ["tasks/*"]
 
 
+def task_with_dockerfile(tmp_path: Path, name: str, dockerfile: str) -> Path:
+    """A copy of the written task named `name` under `tmp_path`, its environment built from `dockerfile`."""
+    task = shutil.copytree(TASKS / DOCKER_TASK, tmp_path / name)
+    (task / "environment" / "Dockerfile").write_text(dockerfile)
+    return task
+
+
 def _ensure_docker() -> None:
     """Fail (not skip) with the reason when no engine can be had: CI's `./run.sh test` installs and starts it."""
     if shutil.which("bwrap") is None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
-import shutil
 import stat
 import subprocess
 import tempfile
@@ -23,8 +22,8 @@ from grpoflow.embedded.sandbox.images import image_key
 from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.embedded.sandbox.processes import uid_pids
 from grpoflow.embedded.sandbox.seccomp import ARCHES
-from grpoflow.rollout.environments import ImageBuildError
-from tests.integration.docker.conftest import DOCKER_TASK, TASKS
+from grpoflow.rollout.environments import ImageBuildError, SandboxDiedError
+from tests.integration.docker.conftest import task_with_dockerfile
 from tests.integration.sandbox.conftest import sandbox_factory
 
 pytestmark = pytest.mark.timeout(600)
@@ -43,15 +42,9 @@ WORKDIR /workspace
 """
 
 
-def _task(tmp_path: Path, name: str, dockerfile: str) -> Path:
-    task = shutil.copytree(TASKS / DOCKER_TASK, tmp_path / name)
-    (task / "environment" / "Dockerfile").write_text(dockerfile)
-    return task
-
-
 @pytest.fixture
 def hostile_sandbox(image_cache: Path, tmp_path: Path) -> Iterator[Callable[..., LocalSandbox]]:
-    task = _task(tmp_path, "hostile", HOSTILE)
+    task = task_with_dockerfile(tmp_path, "hostile", HOSTILE)
     yield from sandbox_factory(lambda _: task, "hostile", tmp_path, image_cache_dir=str(image_cache))
 
 
@@ -175,7 +168,7 @@ def test_passwd_links_out_of_the_image_are_refused_without_a_read(
 ) -> None:
     target, marker = _link_targets(tmp_path)[kind]
     monkeypatch.setenv("GRPOFLOW_TEST_API_KEY", "FLOW-SECRET-MARKER-9d2")  # the flow's planted secret
-    task = _task(
+    task = task_with_dockerfile(
         tmp_path,
         f"passwd-{kind}",
         f"FROM debian:bookworm-slim\nRUN ln -sf {target} /etc/passwd && ln -sf {target} /etc/group\n"
@@ -196,7 +189,9 @@ def test_passwd_links_out_of_the_image_are_refused_without_a_read(
 
 
 def test_an_image_over_its_cap_is_refused_before_export_and_removed(tmp_path: Path, docker_ready: None) -> None:
-    task = _task(tmp_path, "big-image", "FROM debian:bookworm-slim\nCOPY data/ /workspace/\nWORKDIR /workspace\n")
+    task = task_with_dockerfile(
+        tmp_path, "big-image", "FROM debian:bookworm-slim\nCOPY data/ /workspace/\nWORKDIR /workspace\n"
+    )
     images = tmp_path / "images"  # cold: the cap is checked when the image is unpacked
     factory = sandbox_factory(lambda _: task, task.name, tmp_path, image_cache_dir=str(images), image_max_mb=16)
     make = next(factory)
@@ -212,8 +207,9 @@ def test_an_image_over_its_cap_is_refused_before_export_and_removed(tmp_path: Pa
     assert subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0
 
 
-def test_a_working_dir_over_the_storage_cap_is_refused_before_the_copy(image_cache: Path, tmp_path: Path) -> None:
-    task = _task(
+def test_an_image_s_own_files_are_not_the_trial_s_storage_but_its_writes_are(image_cache: Path, tmp_path: Path) -> None:
+    """The storage cap counts what the trial wrote (its layer's upper dir), never the image's files below it."""
+    task = task_with_dockerfile(
         tmp_path,
         "big-workdir",
         "FROM debian:bookworm-slim\nRUN mkdir /workspace && head -c 20000000 /dev/urandom > /workspace/blob\n"
@@ -222,11 +218,17 @@ def test_a_working_dir_over_the_storage_cap_is_refused_before_the_copy(image_cac
     factory = sandbox_factory(lambda _: task, task.name, tmp_path, image_cache_dir=str(image_cache), storage_mb=8)
     make = next(factory)
     env = make()
+
+    async def main() -> tuple:
+        await env.start(force_build=False)
+        size = await env.exec("wc -c < blob; echo small > note")
+        with pytest.raises(SandboxDiedError, match=r"over its storage cap of 8 MB") as died:
+            await env.exec("head -c 10000000 /dev/zero > more")
+        return size, died.value
+
     try:
-        with pytest.raises(ImageBuildError, match=r"/workspace\) is over the trial's storage cap of 8 MB"):
-            asyncio.run(env.start(force_build=False))
-        assert not list(
-            Path(env.settings.work_dir or tempfile.gettempdir()).glob(f"grpoflow-sandbox-{task.name}*/rootfs/workspace")
-        )
+        size, died = asyncio.run(main())
+        assert size.return_code == 0 and size.stdout.split() == ["20000000"], size.stderr
+        assert "\n" not in str(died)
     finally:
         next(factory, None)

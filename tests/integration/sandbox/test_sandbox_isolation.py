@@ -97,9 +97,9 @@ def test_cannot_read_planted_host_secrets(make_sandbox: Callable[..., LocalSandb
     *reads, top, search, base = results
     for result in reads:
         assert result.return_code != 0 and secret not in result.stdout + result.stderr
-    # The root holds the per-trial dirs, the base's system dirs (the host's /usr and /etc, or an image's tree) and
-    # its lib links, /proc and /dev: no more.
-    system = {d.lstrip("/") for d in (*base.ro_dirs, *base.seeded)}
+    # The root holds the per-trial dirs, the base's system dirs (the host's /usr and /etc, or an image's whole
+    # top level) and its lib links, /proc and /dev: no more.
+    system = {d.lstrip("/") for d in base.ro_dirs} | ({p.name for p in base.root.iterdir()} if base.is_image else set())
     assert set(top.stdout.split()) <= {*OWNED_DIRS, "logs", *system, "proc", "dev", *HOST_LIB_NAMES}
     assert search.stdout.split() == ["/app/given.txt"]
 

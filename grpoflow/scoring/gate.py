@@ -53,7 +53,7 @@ from grpoflow.rollout.trials import TrialOutcome, TrialSpec
 from grpoflow.samples import PASS, Sample
 
 # Bumped when what a verdict means changes: older cache entries are then not read.
-GATE_VERSION = 3
+GATE_VERSION = 4
 TAIL_LINES = 5  # of the verifier's output, kept with a verdict
 TAIL_BYTES = 64 * 1024  # read from the end of the verifier's output for those lines
 ORACLE, NOP = AgentName.ORACLE.value, AgentName.NOP.value

@@ -339,7 +339,8 @@ class LocalSandbox(BaseEnvironment):
             os.close(self._image_lock)
             self._image_lock = None
         if self._root is not None:
-            await asyncio.to_thread(unmount_layers, self._root)  # the trial's changes stay in its upper dir
+            if self._layer is not None:  # the trial's changes stay in its upper dir
+                await asyncio.to_thread(unmount_layers, self._root)
             scrub_log_symlinks(self._binds)
             if delete:
                 await asyncio.to_thread(rmtree, self._root)

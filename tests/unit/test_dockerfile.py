@@ -57,7 +57,7 @@ def test_an_image_s_user_is_looked_up_as_docker_does_and_takes_the_trial_s_uid(t
     )
     (tmp_path / "etc" / "group").write_text("root:x:0:\nbuilder:x:1000:\nstaff:x:50:builder\n")
     for spec in ("builder", "1000", "builder:staff", "1000:1000"):
-        assert image_account(tmp_path, spec) == Account("builder", "/home/builder", ("1000", "1000")), spec
+        assert image_account(tmp_path, spec) == Account("builder", "/home/builder", in_image=True), spec
     for spec in (None, "", "root", "0", "0:0"):
         assert image_account(tmp_path, spec) == Account(), spec
     assert image_account(tmp_path, "4242") == Account("sandbox", "/")  # a uid without an entry: home /
@@ -65,12 +65,16 @@ def test_an_image_s_user_is_looked_up_as_docker_does_and_takes_the_trial_s_uid(t
         image_account(tmp_path, "ghost")
     files = account_files(Base(tmp_path, (), (), image_account(tmp_path, "builder")), 70123)
     assert "builder:x:70123:70123::/home/builder:/bin/sh\n" in files["passwd"]
-    assert files["group"] == "root:x:0:\nbuilder:x:70123:\nstaff:x:50:builder\n"
+    assert files["group"] == "root:x:0:\nbuilder:x:70123:\nstaff:x:50:builder\n"  # its private group
     plain = account_files(Base(tmp_path, (), ()), 70123)
     assert plain["passwd"].endswith(
         "builder:x:1000:1000::/home/builder:/bin/sh\nsandbox:x:70123:70123:sandbox:/root:/bin/bash\n"
     )
     assert plain["group"].endswith("sandbox:x:70123:\n")
+    (tmp_path / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\napp:x:1001:0::/opt/app:/bin/sh\n")
+    shared = account_files(Base(tmp_path, (), (), image_account(tmp_path, "app")), 70123)  # `useradd -g 0`
+    assert "app:x:70123:70123::/opt/app:/bin/sh\n" in shared["passwd"]
+    assert shared["group"].startswith("root:x:0:\n") and shared["group"].endswith("app:x:70123:\n")
 
 
 def test_a_pinned_dockerfile_names_each_from_image_by_the_id_it_resolved_to() -> None:

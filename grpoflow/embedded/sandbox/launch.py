@@ -34,7 +34,8 @@ ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}  # the whole environment of what
 NS_GET_USERNS = 0xB701  # ioctl on a namespace fd: an fd of the user namespace that owns it
 NAMESPACES = (("mnt", os.CLONE_NEWNS), ("pid", os.CLONE_NEWPID), ("net", os.CLONE_NEWNET))
 NAMESPACES += (("ipc", os.CLONE_NEWIPC), ("uts", os.CLONE_NEWUTS), ("cgroup", os.CLONE_NEWCGROUP))
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE, MNT_DETACH = 2, 4, 4096, 16384, 1 << 19, 2
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 4096, 16384, 1 << 19
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -56,8 +57,9 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
 
 
 def unmount(target: str) -> None:
-    """Detach the mount at `target` (lazily: a process still inside keeps its view until it ends)."""
-    _check(_libc.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
+    """Detach the mount at `target` (lazily: a process still inside keeps its view until it ends); a link as the
+    last component is not followed."""
+    _check(_libc.umount2(target.encode(), ctypes.c_int(MNT_DETACH | UMOUNT_NOFOLLOW)), f"umount {target}")
 
 
 def stage(sources: list[tuple[str, str]]) -> None:

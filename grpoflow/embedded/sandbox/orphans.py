@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from grpoflow.embedded.sandbox.rootfs import rmtree, unmount_layers
+from grpoflow.embedded.sandbox.rootfs import rmtree, unmount_layer
 
 OWNER_FILE = ".grpoflow-owner"
 PREFIXES = ("grpoflow-sandbox-", "grpoflow-bridge-")
@@ -106,7 +106,7 @@ def sweep(base: Path, dead: tuple[int, int | None] | None = None) -> list[Path]:
 def _remove(path: Path, attempts: int = 5) -> bool:
     for _ in range(attempts):  # the dead run's sandbox processes may still be going down, writing as they go
         try:
-            unmount_layers(path)  # a trial's overlay: the delete must not walk into it
+            unmount_layer(path)  # a trial's overlay: the delete must not walk into it
             rmtree(path)
         except FileNotFoundError:  # a file vanished under us, or another sweep took the whole dir
             if not path.exists():

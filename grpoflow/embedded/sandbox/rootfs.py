@@ -11,6 +11,7 @@ gets a copy of those dirs.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import re
@@ -43,7 +44,7 @@ class Account:
 
     name: str = SANDBOX_USER
     home: str = SANDBOX_HOME
-    image_ids: tuple[str, str] | None = None  # (uid, gid) of the image's own entry for the name, replaced by ours
+    in_image: bool = False  # the image's /etc/passwd has the name: its entry takes the sandbox uid
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def image_account(tree: Path, user: str | None) -> Account:
     for line in read_tree_file(tree, "etc/passwd").splitlines():
         fields = line.split(":")
         if len(fields) >= 7 and name in (fields[0], fields[2]):
-            return Account(fields[0], fields[5] or "/", (fields[2], fields[3]))
+            return Account(fields[0], fields[5] or "/", in_image=True)
     if name.isdigit():
         return Account(SANDBOX_USER, "/")
     raise BaseTreeError(f"the image's USER {name} is not in its /etc/passwd")
@@ -218,36 +219,49 @@ def mount_layer(tree: Path, layer: Path, target: Path) -> None:
     upper, work = layer / "upper", layer / "work"
     for path in (tree, upper, work):
         if _OVERLAY_SEPARATORS.search(str(path)):
-            raise BaseTreeError(f"{path} has a character overlayfs cannot take in a path (',', ':' or a backslash)")
+            raise OSError(f"{path} has a character overlayfs cannot take in a path (',', ':' or a backslash)")
     upper.mkdir(parents=True)
     work.mkdir()
-    target.mkdir(mode=0o755)
+    target.mkdir()
+    for path, mode in ((upper, 0o755), (work, 0o700), (target, 0o755)):
+        path.chmod(mode)  # the overlay's / takes the upper dir's mode: never the umask's
     options = f"lowerdir={tree},upperdir={upper},workdir={work}"
     flags = launch.MS_NOSUID | launch.MS_NODEV
     try:
         launch.mount("overlay", str(target), "overlay", flags, options + ",metacopy=on")
-    except OSError:
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
         launch.mount("overlay", str(target), "overlay", flags, options)
 
 
-def unmount_layers(root: Path) -> None:
-    """Detach every mount at or under `root` (a trial's layer), deepest first, before its dir is removed: a
-    recursive delete must not walk into a mount."""
-    prefix = os.path.realpath(root)
-    for target in sorted(mounts_under(prefix), key=len, reverse=True):
-        launch.unmount(target)
+def unmount_layer(trial_dir: Path) -> None:
+    """Detach the overlay at `trial_dir/rootfs` (a trial's layer) before the dir is removed: a recursive delete
+    must not walk into it. The dir is opened without following a link and must be this user's (a dir in a shared
+    temp dir may be anyone's); only an overlay mounted exactly there is detached."""
+    try:
+        fd = os.open(trial_dir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone, a link, not a dir: no layer of ours
+        return
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return
+        if os.path.join(os.readlink(f"/proc/self/fd/{fd}"), "rootfs") in overlay_mount_points():
+            launch.unmount(f"/proc/self/fd/{fd}/rootfs")
+    finally:
+        os.close(fd)
 
 
-def mounts_under(prefix: str) -> list[str]:
-    """Mount points at or under `prefix` in this process's mount namespace."""
-    found = []
+def overlay_mount_points() -> set[str]:
+    """Where overlays are mounted in this process's mount namespace."""
+    points = set()
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
-            # The 5th field is the mount point, with space, tab, newline and backslash as octal escapes.
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split(" ")[4])
-            if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
-                found.append(point)
-    return found
+            fields, _, rest = line.partition(" - ")
+            if rest.split(" ", 1)[0] == "overlay":
+                # The 5th field is the mount point, with space, tab, newline and backslash as octal escapes.
+                points.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields.split(" ")[4]))
+    return points
 
 
 class Sources:
@@ -315,22 +329,24 @@ def bwrap_argv(
 
 
 def account_files(base: Base, uid: int) -> dict[str, str]:
-    """The base's /etc/passwd and /etc/group with the sandbox uid named: the image USER's entry (and its primary
-    group's) take the uid in place of the image's ids; otherwise a `sandbox` entry (home /root) is added."""
+    """The base's /etc/passwd and /etc/group with the sandbox uid named: the image USER's entry (and its private
+    group) take the uid in place of the image's ids; otherwise a `sandbox` entry (home /root) is added."""
     passwd = [line.split(":") for line in read_tree_file(base.root, "etc/passwd").splitlines()]
     group = [line.split(":") for line in read_tree_file(base.root, "etc/group").splitlines()]
     account = base.account
-    if account.image_ids is None:
+    if not account.in_image:
         passwd.append([account.name, "x", str(uid), str(uid), account.name, account.home, "/bin/bash"])
-        group.append([account.name, "x", str(uid), ""])
     else:
-        own_uid, own_gid = account.image_ids
         for fields in passwd:
-            if len(fields) >= 7 and fields[2] == own_uid:
+            if len(fields) >= 7 and fields[0] == account.name:
                 fields[2] = fields[3] = str(uid)
-        for fields in group:
-            if len(fields) >= 3 and fields[2] == own_gid:
-                fields[2] = str(uid)
+    # The uid's own group: the user's private group (same name) takes its gid; a shared one (root's, staff) keeps
+    # its own, and the uid gets a group of its own beside it.
+    private = [f for f in group if len(f) >= 3 and f[0] == account.name]
+    for fields in private:
+        fields[2] = str(uid)
+    if not private:
+        group.append([account.name, "x", str(uid), ""])
     return {name: "".join(":".join(f) + "\n" for f in lines) for name, lines in (("passwd", passwd), ("group", group))}
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from grpoflow.embedded.sandbox import orphans
 from grpoflow.embedded.sandbox.local import LocalSandbox
-from grpoflow.embedded.sandbox.rootfs import mount_layer, mounts_under, tree_bytes
+from grpoflow.embedded.sandbox.rootfs import mount_layer, overlay_mount_points, tree_bytes, unmount_layer
 from grpoflow.rollout.environments import ImageBuildError
 from tests.integration.docker.conftest import task_with_dockerfile
 from tests.integration.sandbox.conftest import sandbox_factory
@@ -49,7 +49,7 @@ def test_the_image_s_dirs_and_user_are_the_trial_s_on_a_layer_of_its_own(
         await first.start(force_build=False)
         await second.start(force_build=False)
         assert first._root is not None
-        mounted = mounts_under(str(first._root))
+        mounted = str(first._root / "rootfs") in overlay_mount_points()
         upper = tree_bytes([first._root / "layer" / "upper"], 2**40)
         seen = await first.exec(
             "pwd; cat built.txt; wc -c < shared.bin; cat /root/.config/seed /tmp/seed $HOME/.profile-seed; "
@@ -79,9 +79,9 @@ def test_the_image_s_dirs_and_user_are_the_trial_s_on_a_layer_of_its_own(
     tree = first.image.rootfs
     assert (tree / "app" / "built.txt").read_text() == "47\n" and (tree / "app" / "shared.bin").is_file()
     # An overlay at the trial's /, whose upper dir took the chowns as inodes, not 8 MB of copies.
-    assert [m for m in mounted if m.endswith("/rootfs")], mounted
+    assert mounted
     assert upper < 4_000_000, upper
-    assert not root.exists() and not mounts_under(str(root))  # stop() unmounted it before deleting
+    assert not root.exists() and str(root) not in Path("/proc/self/mountinfo").read_text()  # unmounted first
 
 
 def test_a_user_the_image_does_not_have_fails_at_start_in_one_line(image_cache: Path, tmp_path: Path) -> None:
@@ -114,5 +114,27 @@ def test_the_janitor_unmounts_a_dead_run_s_layer_before_removing_it(tmp_path: Pa
     mount_layer(lower, trial / "layer", trial / "rootfs")
     assert (trial / "rootfs" / "app" / "kept.txt").is_file()
     assert orphans.sweep(base) == [trial]
-    assert not trial.exists() and not mounts_under(str(base))
+    assert not trial.exists() and str(base) not in Path("/proc/self/mountinfo").read_text()
     assert (lower / "app" / "kept.txt").read_text() == "shared\n"
+
+
+def test_only_a_layer_of_ours_mounted_exactly_there_is_detached(tmp_path: Path) -> None:
+    """A trial dir in a shared temp dir may be anyone's: a link (to /) or another user's dir is never a reason to
+    detach a mount, whatever is mounted under it."""
+    lower = tmp_path / "tree"
+    lower.mkdir()
+    link = tmp_path / "grpoflow-sandbox-link"
+    link.symlink_to("/")
+    unmount_layer(link)  # would name /rootfs, or every mount under / if the link were followed
+    assert os.path.ismount("/proc")
+    theirs = tmp_path / "grpoflow-sandbox-theirs"
+    theirs.mkdir()
+    mount_layer(lower, theirs / "layer", theirs / "rootfs")
+    os.chown(theirs, 12345, 12345)
+    try:
+        unmount_layer(theirs)
+        assert str(theirs / "rootfs") in overlay_mount_points()
+    finally:
+        os.chown(theirs, 0, 0)
+        unmount_layer(theirs)
+    assert str(theirs / "rootfs") not in overlay_mount_points()

@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import asdict
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
@@ -86,7 +87,7 @@ from grpoflow.embedded.sandbox.rootfs import (
     rmtree,
     scrub_log_symlinks,
     tree_bytes,
-    unmount_layers,
+    unmount_layer,
 )
 from grpoflow.embedded.sandbox.seccomp import filter_fd
 from grpoflow.errors import one_line
@@ -214,7 +215,8 @@ class LocalSandbox(BaseEnvironment):
         self._binds = harbor_binds(self._host_mounts)
         self._root: Path | None = None  # the per-trial temp dir; None until start()
         self._layer: Path | None = None  # as root on an image: the overlay's upper and work dirs, in the trial dir
-        self._layer_start_bytes = 0  # the layer's upper dir as the trial began (inodes the chown copied up)
+        self._start_bytes = 0  # the trial's files as it began (with a layer: the inodes the chown copied up)
+        self._making_root = threading.Lock()  # held while start() makes the trial dir; stop() waits for it
         self._uid: int | None = None  # the sandbox uid when we are root
         self._argv_prefix: list[str] = []  # bwrap's, up to its "--"
         self._sources = Sources(staged=False)  # what bwrap mounts, as the launcher stages it (see Sources)
@@ -318,33 +320,45 @@ class LocalSandbox(BaseEnvironment):
         if self._bridge_dir is not None:  # only the socket and the forwarder: nothing of the trial's to keep
             await asyncio.to_thread(rmtree, self._bridge_dir)
             self._bridge_dir = None
-        for proc in list(self._procs):
-            await (kill_exec_and_reap(proc) if self._holder is not None else kill_and_reap(proc))
-        if self._holder is not None:
-            holder, self._holder = self._holder, None
-            await asyncio.to_thread(stop_holder, holder)
-        if self._uid is not None:
-            # Belt and braces: the pid namespace already took everything down; anything left with our uid goes.
-            await asyncio.to_thread(kill_uid, self._uid)
-            release_uid(self._uid)
-            self._uid = None
         try:
-            if self._limited_by is not None:
-                await asyncio.to_thread(self._record_resources)
+            for proc in list(self._procs):
+                await (kill_exec_and_reap(proc) if self._holder is not None else kill_and_reap(proc))
+            if self._holder is not None:
+                holder, self._holder = self._holder, None
+                await asyncio.to_thread(stop_holder, holder)
+            if self._uid is not None:
+                # Belt and braces: the pid namespace already took everything down; anything left with our uid goes.
+                await asyncio.to_thread(kill_uid, self._uid)
+                release_uid(self._uid)
+                self._uid = None
+            try:
+                if self._limited_by is not None:
+                    await asyncio.to_thread(self._record_resources)
+            finally:
+                if self._cgroup is not None:
+                    cgroup, self._cgroup = self._cgroup, None
+                    await asyncio.to_thread(cgroup.remove)
         finally:
-            if self._cgroup is not None:
-                cgroup, self._cgroup = self._cgroup, None
-                await asyncio.to_thread(cgroup.remove)
-        if self._image_lock is not None:
-            os.close(self._image_lock)
-            self._image_lock = None
-        if self._root is not None:
-            if self._layer is not None:  # the trial's changes stay in its upper dir
-                await asyncio.to_thread(unmount_layers, self._root)
-            scrub_log_symlinks(self._binds)
-            if delete:
-                await asyncio.to_thread(rmtree, self._root)
-                self._root = None
+            await self._remove_root(delete)
+
+    async def _remove_root(self, delete: bool) -> None:
+        """Detach the trial's layer (its changes stay in the upper dir), then let the image go and, with `delete`,
+        the trial dir. A start still making the dir (its caller cancelled, the thread going on) finishes first:
+        its mount must not be made after the unmount."""
+        await asyncio.to_thread(self._making_root.acquire)
+        try:
+            if self._root is not None and self._layer is not None:
+                await asyncio.to_thread(unmount_layer, self._root)
+            if self._image_lock is not None:  # after the unmount: the image's tree may be collected from here on
+                os.close(self._image_lock)
+                self._image_lock = None
+            if self._root is not None:
+                scrub_log_symlinks(self._binds)
+                if delete:
+                    await asyncio.to_thread(rmtree, self._root)
+                    self._root = None
+        finally:
+            self._making_root.release()
 
     async def prepare_logs_for_host(self) -> None:
         # Harbor calls this once the agent phase is over, before the verifier runs. In trial scope the agent's
@@ -500,17 +514,21 @@ class LocalSandbox(BaseEnvironment):
         stop() to delete) and the command's result is lost with it."""
         assert self._root is not None
         limit = self.storage_mb * 2**20
-        # With a layer, only what the trial changed (its upper dir) is the trial's: the image's files are not, nor
-        # what handing the image's dirs to the sandbox uid put there before the trial began.
-        files = self._layer / "upper" if self._layer is not None else self._root / "rootfs"
-        start = self._layer_start_bytes
-        used = tree_bytes([files, *(b.source for b in self._binds if not b.read_only)], limit + start) - start
+        # What the trial wrote since it began: not the files it started from (an image's, the task's /app).
+        start = self._start_bytes
+        used = tree_bytes([self._trial_files(), *(b.source for b in self._binds if not b.read_only)], limit + start)
+        used -= start
         if used > limit:
             self._dead_reason = (
                 f"the trial's files reached {used // 2**20} MB, over its storage cap of {self.storage_mb} MB "
                 f"(storage_mb; checked after each command)"
             )
             raise SandboxDiedError(f"sandbox {self.session_id}: {self._dead_reason}, after {command[:80]!r}")
+
+    def _trial_files(self) -> Path:
+        """The host dir of the trial's own files: its layer's upper dir (only what it changed), else its rootfs."""
+        assert self._root is not None
+        return self._layer / "upper" if self._layer is not None else self._root / "rootfs"
 
     def _exec_argv(self, command: str, cwd: str, marker_fd: int, env_fd: int, seccomp_fd: int) -> list[str]:
         # The wrapper proves the sandbox came up (a byte on marker_fd, which it then closes so the command can't
@@ -610,6 +628,10 @@ class LocalSandbox(BaseEnvironment):
             raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
 
     def _make_root(self, tools: dict[str, str]) -> None:
+        with self._making_root:
+            self._make_root_locked(tools)
+
+    def _make_root_locked(self, tools: dict[str, str]) -> None:
         root = make_trial_dir(self.settings.work_dir, self.session_id)
         self._root = root  # mkdtemp's 0700 stays: bwrap binds it as root, the sandbox only sees the mount
         claim(root)  # removed by the janitor if this process dies before stop() (outside rootfs: unseen inside)
@@ -639,8 +661,7 @@ class LocalSandbox(BaseEnvironment):
             self._argv_prefix = bwrap_argv(tools["bwrap"], root, binds, uid, extra_ro, self._sources, self.base)
         except BaseTreeError as exc:  # the task's own tree: every trial of it would fail the same way
             raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
-        if self._layer is not None:
-            self._layer_start_bytes = tree_bytes([self._layer / "upper"], 2**62)
+        self._start_bytes = tree_bytes([self._trial_files()], 2**62)
 
     def _new_cgroup(self) -> TrialCgroup | None:
         """The trial's cgroup, or None where this machine gives none (preflight said so: memory is then capped per

@@ -269,11 +269,16 @@ def _unpack(tag: str, done: Path, max_mb: int) -> None:
 
 def _extract(tar: tarfile.TarFile, dest: Path, max_bytes: int, skipped: list[str]) -> None:
     total = 0
+    regular: set[str] = set()  # names of the regular files unpacked so far: what a hard link may name
     for member in tar:
         safe = _tree_member(member, str(dest))
+        if safe is not None and safe.islnk() and safe.linkname not in regular:
+            safe = None  # tarfile would re-read its skipped target (a device node, a FIFO) from the archive
         if safe is None:
             skipped.append(member.name)
             continue
+        if safe.isreg():
+            regular.add(safe.name)
         total += safe.size if safe.isreg() else 0
         if total > max_bytes:
             raise ImageBuildError(f"the image's tree is over the local sandbox's image_max_mb={max_bytes // 2**20}")

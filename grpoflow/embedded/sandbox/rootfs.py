@@ -187,7 +187,8 @@ def build_rootfs(
             shutil.copytree(base.root / top[1:], rootfs / top[1:], symlinks=True, dirs_exist_ok=True)
         give(rootfs / top[1:], uid)
     for owned in OWNED_DIRS:
-        give(rootfs / owned, uid)
+        if f"/{owned}" not in base.writable:  # an image's /app, /tmp, /root were given above: walked once
+            give(rootfs / owned, uid)
     for bind in binds:
         bind.source.mkdir(parents=True, exist_ok=True)
         if uid is not None and bind in log_binds(binds):

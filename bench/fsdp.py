@@ -129,7 +129,7 @@ def one_setting(model: str, ranks: int, sharding: str, precision: str, samples: 
         on_every_rank(state, report_peak, out)
     peaks = [json.loads(Path(out, f"rank-{r}.json").read_text())["peak_gb"] for r in range(ranks)]
     return {
-        "tokens_per_s": m["n_forward_tokens"] / seconds,
+        "tokens_per_s": m.computed["n_forward_tokens"] / seconds,
         "seconds": seconds,
         "peak_gb": peaks,
         "load_peak_gb": load_peak,

@@ -67,7 +67,7 @@ with trainer_ranks(state, {model!r}, cfg):
     run_update(state, samples, cfg, step=0)  # warm-up: first-touch allocations, the group's first collective
     t = time.perf_counter()
     m = run_update(state, samples, cfg, step=1)
-    print(json.dumps({{"seconds": time.perf_counter() - t, "tokens": m["n_forward_tokens"]}}))
+    print(json.dumps({{"seconds": time.perf_counter() - t, "tokens": m.computed["n_forward_tokens"]}}))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -25,6 +25,7 @@ commit, sync; once per trainer rank). With hourly rates (`report.cost_per_gpu_ho
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from grpoflow.samples import INFRASTRUCTURE_STATUSES, Sample
@@ -63,31 +64,58 @@ def rollout_discards(
     }
 
 
-def token_ledger(record: dict[str, Any], rollout_discarded: dict[str, float]) -> dict[str, float]:
-    """The token `ledger/...` keys of a step's record (its `rollout/` and `train/` keys already in), taking the
-    train step's own counts (`train/tokens_trained`, `train/discarded/<reason>`) out of the record into them."""
+@dataclass
+class TokenLedger:
+    """Where a step's generated tokens went: `generated` = `trained` + the sum of `discarded` (by reason)."""
+
+    generated: float
+    trained: float
+    discarded: dict[str, float]  # every reason of REASONS, in its order
+    after_truncation: float
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "ledger/generated": self.generated,
+            "ledger/trained": self.trained,
+            **{f"ledger/{TRAIN_KEY}{r}": n for r, n in self.discarded.items()},
+            "ledger/after_truncation": self.after_truncation,
+        }
+
+
+def token_ledger(
+    rollout: dict[str, float], train: dict[str, float], rollout_discarded: dict[str, float]
+) -> tuple[TokenLedger, dict[str, float]]:
+    """The step's token ledger from its rollout's figures (`rollout/...`), the train step's (`train/...`, with
+    its own counts: `train/tokens_trained`, `train/discarded/<reason>`) and the rollout side's discards; and the
+    train step's figures without the counts the ledger took."""
     discarded = dict.fromkeys(REASONS, 0.0) | rollout_discarded
-    for key in [k for k in record if k.startswith(f"train/{TRAIN_KEY}")]:
-        discarded[key.removeprefix(f"train/{TRAIN_KEY}")] += record.pop(key)
-    return {
-        "ledger/generated": record.get("rollout/tokens_generated", 0.0),
-        "ledger/trained": float(record.pop("train/tokens_trained", 0.0)),
-        **{f"ledger/{TRAIN_KEY}{r}": float(n) for r, n in discarded.items()},
-        "ledger/after_truncation": record.get("rollout/tokens_after_truncation", 0.0),
-    }
+    counts = {"train/tokens_trained"}
+    for key in [k for k in train if k.startswith(f"train/{TRAIN_KEY}")]:
+        discarded[key.removeprefix(f"train/{TRAIN_KEY}")] += train[key]
+        counts.add(key)
+    ledger = TokenLedger(
+        generated=rollout.get("rollout/tokens_generated", 0.0),
+        trained=float(train.get("train/tokens_trained", 0.0)),
+        discarded={r: float(n) for r, n in discarded.items()},
+        after_truncation=rollout.get("rollout/tokens_after_truncation", 0.0),
+    )
+    return ledger, {k: v for k, v in train.items() if k not in counts}
 
 
-def time_ledger(record: dict[str, Any], train_ranks: int = 1) -> dict[str, float]:
-    """The seconds of the ledger, once the step's record has its `time/` keys (commit and sync included). The
-    trainer's count once per rank (`cluster.train_ranks`): each holds its device for the update; the engines'
-    (`time/engine_busy_s`) are summed over replicas already."""
-    trainer = sum(record.get(k, 0.0) for k in ("time/train_s", "time/commit_s", "time/sync_s"))
+def time_ledger(
+    trainer_s: float, rollout_seconds: dict[str, float], engine_busy_s: float | None, train_ranks: int = 1
+) -> dict[str, float]:
+    """The seconds of the ledger: the trainer's (its update, commit and syncs) once per rank
+    (`cluster.train_ranks`): each holds its device for the update; the sandboxes' from the rollout's
+    (`rollout/tool_time_s` and `rollout/overhead_time_s`, summed over trials); the engines' compute
+    (`engine_busy_s`, summed over replicas already), where they report it."""
     out = {
-        "ledger/trainer_s": trainer * train_ranks,
-        "ledger/sandbox_s": record.get("rollout/tool_time_s", 0.0) + record.get("rollout/overhead_time_s", 0.0),
+        "ledger/trainer_s": trainer_s * train_ranks,
+        "ledger/sandbox_s": rollout_seconds.get("rollout/tool_time_s", 0.0)
+        + rollout_seconds.get("rollout/overhead_time_s", 0.0),
     }
-    if "time/engine_busy_s" in record:
-        out["ledger/engine_s"] = record["time/engine_busy_s"]
+    if engine_busy_s is not None:
+        out["ledger/engine_s"] = engine_busy_s
     return out
 
 

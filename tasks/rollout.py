@@ -122,7 +122,7 @@ class PrefectHooks(RolloutHooks):
             ],
             description=f"Trials of {label}: reward, exit status, retries",
         )
-        m = result.metrics
+        m = result.figures.computed
         self.logger.info(
             "%s: %d trials, reward %.3f, pass@k %.2f, truncated %.2f, retries %d, %.1fs",
             label,
@@ -131,7 +131,7 @@ class PrefectHooks(RolloutHooks):
             m["pass_at_k"],
             m["truncated_ratio"],
             m["retries"],
-            m["wall_time_s"],
+            result.figures.seconds["wall_time_s"],
         )
 
 

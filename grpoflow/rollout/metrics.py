@@ -9,11 +9,12 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+from grpoflow.figures import Figures
 from grpoflow.samples import PASS, Sample
 
 
-def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshold: float = PASS) -> dict[str, float]:
-    """Rollout/evaluate metrics of one step. Rewards are averaged over trials that have one.
+def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshold: float = PASS) -> Figures:
+    """Rollout/evaluate figures of one step. Rewards are averaged over trials that have one.
 
     A trial is one rollout however many segments it trained as (a compacted session gives several samples with
     one rollout_id, each repeating the trial's reward and metrics): trial-level figures count each rollout once,
@@ -44,13 +45,17 @@ def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshol
         "tokens_generated": tokens_generated,
         "retries": sum(s.metrics.get("retries", 0.0) for s in samples),
         "trials_retried": float(sum(s.metrics.get("retries", 0.0) > 0 for s in samples)),
-        "wall_time_s": wall_time_s,
     }
     gen = sum(s.metrics.get("generation_time_s", 0.0) for s in samples)
     tool = sum(s.metrics.get("tool_time_s", 0.0) for s in samples)
     trial_wall = sum(s.metrics.get("trial_wall_time_s", 0.0) for s in samples)
     # Summed over trials (they overlap in time): what each trial spent generating, in tools, and in between.
-    m.update({"generation_time_s": gen, "tool_time_s": tool, "overhead_time_s": max(0.0, trial_wall - gen - tool)})
+    seconds = {
+        "wall_time_s": wall_time_s,
+        "generation_time_s": gen,
+        "tool_time_s": tool,
+        "overhead_time_s": max(0.0, trial_wall - gen - tool),
+    }
     if any("requests" in s.metrics for s in samples):  # trials through the session server (grpoflow.rollout.sessions)
         requests = sum(s.metrics.get("requests", 0.0) for s in samples)
         m["session/requests"] = requests
@@ -64,7 +69,7 @@ def step_metrics(samples: Sequence[Sample], wall_time_s: float, success_threshol
     for status, count in Counter(s.exit_status for s in samples).items():
         m[f"exit/{status}"] = float(count)
     m.update(first_command_spread(samples))
-    return m
+    return Figures(m, seconds)
 
 
 _FENCED = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)

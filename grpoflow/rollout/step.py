@@ -21,6 +21,7 @@ from harbor.models.trial.config import EnvironmentConfig
 
 from grpoflow.config import RewardRule, RolloutConfig, RunConfig
 from grpoflow.credentials import export_policy_key, export_sandbox_key
+from grpoflow.figures import Figures
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.journal import append_trial, read_journal, write_samples
@@ -77,7 +78,7 @@ class RolloutHooks:
 @dataclass
 class StepRollout:
     samples: list[Sample]
-    metrics: dict[str, float]
+    figures: Figures  # `step_metrics`, and dynamic sampling's counts
     details_path: Path
     seconds: float = 0.0  # wall time of the rollout itself (it may overlap the trainer's step)
 
@@ -203,8 +204,10 @@ async def collect_step(
         specs += batch
     wall = time.perf_counter() - t0
     samples = [x for s in specs for x in done[s.rollout_id]]
-    metrics = step_metrics(samples, wall) | (refill.metrics(samples) if refill else {})
-    return StepRollout(samples, metrics, write_samples(details_dir, samples))
+    figures = step_metrics(samples, wall)
+    if refill:
+        figures.computed |= refill.metrics(samples)
+    return StepRollout(samples, figures, write_samples(details_dir, samples))
 
 
 def select_step_prompts(

@@ -23,7 +23,8 @@ import torch
 
 from grpoflow.fileio import fsync_files, fsync_path, is_temp_sibling
 from grpoflow.paths import RunPaths, step_of
-from grpoflow.run.metrics import MetricsLog, split_record
+from grpoflow.run.metrics import MetricsLog
+from grpoflow.run.record import StepRecord
 from grpoflow.train.checkpoint import (
     OPTIMIZER_DCP,
     OPTIMIZER_FILE,
@@ -65,21 +66,24 @@ def step_dir(full: bool, last: bool, engine_loads_it: bool, engine_dtype: torch.
 
 
 def save_step(
-    trainer: TrainerState, paths: RunPaths, step: int, record: dict[str, Any], plan: StepDir = StepDir(True, None)
+    trainer: TrainerState, paths: RunPaths, step: int, record: StepRecord, plan: StepDir = StepDir(True, None)
 ) -> Path:
     """`checkpoints/step_<step>/` as `plan` says, atomically, with step.json (not fsynced: nothing resumes from it
     unless `StepCommits` makes it a full checkpoint)."""
-    metrics, timings = split_record(record)
-    record = {"step": step, "metrics": metrics, "timings": timings}
     if is_sharded(trainer.model):
         return save_sharded_checkpoint(
-            trainer, paths.checkpoint(step), step_record=record, durable=False, weights=plan.weights, dtype=plan.dtype
+            trainer,
+            paths.checkpoint(step),
+            step_record=record.to_json(),
+            durable=False,
+            weights=plan.weights,
+            dtype=plan.dtype,
         )
     return save_checkpoint(
         trainer.model,
         trainer.tokenizer,
         paths.checkpoint(step),
-        step_record=record,
+        step_record=record.to_json(),
         durable=False,
         weights=plan.weights,
         dtype=plan.dtype,
@@ -99,9 +103,9 @@ class StepCommits:
         self.paths, self.log = paths, log
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._pending: tuple[int, dict[str, Any]] | None = None
+        self._pending: tuple[int, StepRecord] | None = None
 
-    def finish(self, trainer: TrainerState, ckpt: Path | None, step: int, record: dict[str, Any], full: bool) -> None:
+    def finish(self, trainer: TrainerState, ckpt: Path | None, step: int, record: StepRecord, full: bool) -> None:
         self.flush()
         if not full:
             log_step(self.paths, step, record, self.log)
@@ -112,10 +116,9 @@ class StepCommits:
         else:
             state = _cpu_copy(trainer.optimizer.state_dict())  # the next step updates the live tensors in place
         counters = {"step": step, "optimizer_steps": trainer.optimizer_steps}
-        record["time/commit_s"] = record.get("time/commit_s", 0.0) + time.perf_counter() - t0  # the caller's too
+        record.times.commit += time.perf_counter() - t0  # the caller's too
         self._pending = (step, record)
-        metrics, timings = split_record(record)
-        final = {"step": step, "metrics": metrics, "timings": timings}  # with what the sync added to the record
+        final = record.to_json()  # with what the sync added to the record
         self._thread = threading.Thread(
             target=self._complete,
             args=(Path(ckpt), state, counters, final),
@@ -190,9 +193,9 @@ def _cpu_copy(state: Any) -> Any:
     return copy.deepcopy(state)
 
 
-def log_step(paths: RunPaths, step: int, record: dict[str, Any], log: MetricsLog) -> None:
+def log_step(paths: RunPaths, step: int, record: StepRecord, log: MetricsLog) -> None:
     """The step's metrics/timings rows, then pruning of older checkpoints that are not full."""
-    log.log(step, record)
+    log.log(step, record.metrics(), record.timings())
     prune_checkpoints(paths.checkpoint(step).parent, latest=step)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from grpoflow.cluster import ray_session, serve_host
 from grpoflow.config import AttachedEngine, RunConfig, TrainConfig
 from grpoflow.engine.backends import EngineHandle, open_engine
+from grpoflow.figures import Figures
 from grpoflow.ledger import rollout_discards, time_ledger, token_ledger
 from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.preflight import engine_preflight
@@ -36,6 +37,7 @@ from grpoflow.rollout.workers import rollout_workers
 from grpoflow.run.commit import StepCommits, is_full_checkpoint, save_step, step_dir
 from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import MetricsLog, append_step, has_row, read_metrics
+from grpoflow.run.record import StepRecord
 from grpoflow.run.start import PreparedRun
 from grpoflow.samples import select_trainable
 from grpoflow.scoring.evaluation import base_pass_rates, evaluate_policy, evaluation_lines, reward_gain, task_rewards
@@ -53,7 +55,7 @@ class Stages:
 
     rollout: Callable[..., StepRollout]  # run_step_trials(cfg, step, prompts, setup, paths, pool)
     evaluate: Callable[..., dict[str, float]]  # evaluate_policy(cfg, version, prompts, setup, paths, base)
-    update: Callable[..., dict[str, float]]  # run_update(trainer, samples, cfg, step)
+    update: Callable[..., Figures]  # run_update(trainer, samples, cfg, step)
     save: Callable[..., Path]  # save_step(trainer, paths, step, record, plan)
     sync: Callable[..., dict[str, float]]  # sync_weights(syncs, trainer, ckpt, version, probe)
     probe: Callable[..., dict[str, float]]  # probe_engines(trainer, syncs, cfg, sync_probe)
@@ -110,7 +112,7 @@ def evaluate_run(
     ):
         setup = RolloutSetup(engine.url, run.model.path, None, workers)
         metrics = stages.evaluate(cfg, version, prompts, setup, run.paths, base)
-    append_step(run.paths.metrics, version, {"weight_version": str(version), **metrics})
+    append_step(run.paths.metrics, version, {"weight_version": str(version), **metrics}, {})
     return metrics
 
 
@@ -123,14 +125,14 @@ def train_steps(
     weights: Path | None = None,
 ) -> dict[str, Any]:
     """Steps `start_step` .. `train.steps - 1`, then the final evaluation; `weights` (a step checkpoint) is loaded
-    into the engine first when resuming. Returns the last step's record (metrics and timings). The caller holds
-    the run's lock."""
-    record: dict[str, Any] = {}
+    into the engine first when resuming. Returns the last step's metrics and timings. The caller holds the run's
+    lock."""
+    record: StepRecord | None = None
     with StepLoop(cfg, run, trainer, stages, start_step, weights) as loop:
         for step in range(start_step, cfg.train.steps):
             record = loop.step(step)
         loop.evaluate_last()
-    return record
+    return record.metrics() | record.timings() if record is not None else {}
 
 
 class RolloutAhead:
@@ -285,30 +287,28 @@ class StepLoop:
             print(line)
         return metrics
 
-    def sync_now(self, into: dict[str, Any]) -> None:
+    def sync_now(self, record: StepRecord) -> None:
         """The pending weights into the engine; only while no rollout runs on it. A step that syncs twice (an
         evaluation, then the end of the last step) records both."""
         assert self.pending is not None and self.ahead.idle
         t = time.perf_counter()
         version, ckpt = self.pending
         moved = self.stages.sync(self.syncs, self.trainer, ckpt, version, self.sync_probe)
-        moved["sync/bytes"] += into.get("sync/bytes", 0.0)
-        into |= moved
-        into["time/sync_s"] = into.get("time/sync_s", 0.0) + time.perf_counter() - t
+        record.add_sync(moved, time.perf_counter() - t)
         self.ahead.engine_version, self.pending = int(version), None
 
-    def step(self, step: int) -> dict[str, Any]:
+    def step(self, step: int) -> StepRecord:
         """Step `step`: its rollout, the update on what it may train on, the commit and the sync."""
         cfg, t0 = self.cfg, time.perf_counter()
-        record: dict[str, Any] = {}
+        record = StepRecord(step)
         ready = self.ahead.take(step)  # the rollout started during the previous step, once it is done
         t_waited = time.perf_counter()
         if self.pending is not None and (ready is None or step in self.evals):
             self.sync_now(record)  # an evaluation, or this step's own rollout, needs the latest weights
         t_eval = time.perf_counter()
         if step in self.evals:
-            record |= self._evaluate(step)
-            self.base = self.base or base_pass_rates(record)
+            record.evaluation = self._evaluate(step)
+            self.base = self.base or base_pass_rates(record.evaluation)
         t_rollout = time.perf_counter()
         rollout = ready or self.ahead.run(step)
         t_collected = time.perf_counter()
@@ -321,23 +321,20 @@ class StepLoop:
         t1 = time.perf_counter()
         if not trainable:
             print(f"step {step}: no trainable samples (all groups dropped): weights unchanged")
-        train_m = self.stages.update(self.trainer, trainable, cfg, step)
-        record |= self._rollout_record(rollout, filtered)
-        record |= {
-            **{f"train/{k}": v for k, v in train_m.items()},
-            "weight_version": str(step + 1),  # GRPO updates in the weights; rollout samples carry it
-            "time/eval_s": t_rollout - t_eval,
-            "time/rollout_s": t_collected - t_rollout + t_waited - t0,
-            "time/rollout_run_s": rollout.seconds,
-            "time/train_s": time.perf_counter() - t1,
-            "time/step_s": time.perf_counter() - t0,
-        }
-        record |= token_ledger(record, discards)
-        self._commit(step, record, t0)
+        train = self.stages.update(self.trainer, trainable, cfg, step).prefixed("train/")
+        record.rollout = self._rollout_figures(rollout, filtered)
+        record.tokens, train.computed = token_ledger(record.rollout.computed, train.computed, discards)
+        record.train = train
+        times = record.times
+        times.eval, times.rollout = t_rollout - t_eval, t_collected - t_rollout + t_waited - t0
+        times.rollout_run, times.train = rollout.seconds, time.perf_counter() - t1
+        times.step = time.perf_counter() - t0
+        self._commit(record, t0)
+        done = record.rollout.computed
         print(
-            f"step {step + 1}/{cfg.train.steps}: reward {record['rollout/reward_mean']:.3f} "
-            f"pass@k {record['rollout/pass_at_k']:.2f} truncated {record['rollout/truncated_ratio']:.2f} "
-            f"loss {train_m.get('loss', float('nan')):.4f} ({time.perf_counter() - t0:.0f}s)"
+            f"step {step + 1}/{cfg.train.steps}: reward {done['rollout/reward_mean']:.3f} "
+            f"pass@k {done['rollout/pass_at_k']:.2f} truncated {done['rollout/truncated_ratio']:.2f} "
+            f"loss {train.computed.get('train/loss', float('nan')):.4f} ({time.perf_counter() - t0:.0f}s)"
         )
         return record
 
@@ -353,34 +350,39 @@ class StepLoop:
         filtered = {"rollout/dropped_groups": float(dropped), **{f"rollout/{k}": v for k, v in stale.items()}}
         return trainable, filtered, rollout_discards(rollout.samples, samples, trainable)
 
-    def _rollout_record(self, rollout: StepRollout, filtered: dict[str, float]) -> dict[str, Any]:
+    def _rollout_figures(self, rollout: StepRollout, filtered: dict[str, float]) -> Figures:
+        """The step's `rollout/...` figures: its trials', then what the filter left out."""
         stale = {k: v for k, v in filtered.items() if k != "rollout/dropped_groups"}
-        return {
-            **{f"rollout/{k}": v for k, v in rollout.metrics.items()},
+        figures = rollout.figures.prefixed("rollout/")
+        figures.computed |= {
             "rollout/dropped_groups": filtered["rollout/dropped_groups"],
             **({"rollout/reward_gain": reward_gain(rollout.samples, self.base)} if self.base else {}),
             **{f"rollout/task/{k}": v for k, v in task_rewards(rollout.samples).items()},
             **stale,
         }
+        return figures
 
-    def _commit(self, step: int, record: dict[str, Any], t0: float) -> None:
+    def _commit(self, record: StepRecord, t0: float) -> None:
         """The step's checkpoint dir (as the plan says), the sync when no rollout runs, then its rows."""
-        cfg = self.cfg
+        cfg, step, times = self.cfg, record.step, record.times
         t2 = time.perf_counter()
         self.commits.flush()  # the previous full checkpoint is durable (it had the whole step to finish)
         full = is_full_checkpoint(step, cfg.train.steps, cfg.train.checkpoint.interval)
         last = step == cfg.train.steps - 1
         plan = step_dir(full, last, self.syncs.needs_dir, sync_dtype(cfg.engine))  # None: an in-memory sync's
         ckpt = self.stages.save(self.trainer, self.paths, step, record, plan) if plan else None
-        record["time/commit_s"] = time.perf_counter() - t2
-        self.pending = (record["weight_version"], ckpt)
+        times.commit = time.perf_counter() - t2
+        self.pending = (record.weight_version, ckpt)
         if self.ahead.idle:  # else at the next step, once the rollout running now is done
             self.sync_now(record)
         busy, self.engine_busy = self.engine_busy, self.syncs.busy_seconds()
         if busy is not None and self.engine_busy is not None:
-            record["time/engine_busy_s"] = self.engine_busy - busy
-        record["time/wall_s"] = time.perf_counter() - t0  # the whole step, its syncs and commit included
-        record |= time_ledger(record, cfg.cluster.train_ranks)
+            times.engine_busy = self.engine_busy - busy
+        times.wall = time.perf_counter() - t0
+        trainer_s = times.train + times.commit + (times.sync or 0.0)
+        record.ledger_seconds = time_ledger(
+            trainer_s, record.rollout.seconds, times.engine_busy, cfg.cluster.train_ranks
+        )
         self.commits.finish(self.trainer, ckpt, step, record, full)
 
     def evaluate_last(self) -> None:
@@ -391,4 +393,4 @@ class StepLoop:
             t0 = time.perf_counter()
             row = {"weight_version": str(final), **self._evaluate(final)}
             self.commits.flush()  # the last step's row comes first
-            self.log.log(final, row | {"time/eval_s": time.perf_counter() - t0})
+            self.log.log(final, row, {"time/eval_s": time.perf_counter() - t0})

@@ -1,10 +1,10 @@
 """What a person reads about a run: metrics.jsonl (one line per step), timings.jsonl, TensorBoard scalars,
 curves, a summary.
 
-One rule splits a step's record: a key ending in `_s` (seconds, or a rate per second) is a wall-clock figure and
-goes to `timings.jsonl`; everything else goes to `metrics.jsonl`. So metrics.jsonl holds only what the run
-computed, and a rerun on the deterministic path reproduces it byte for byte; both files carry the same `step`
-key, and TensorBoard gets both.
+A step's row comes in two parts, as its stages made them (`grpoflow.run.record.StepRecord`): what the run
+computed goes to `metrics.jsonl`, so a rerun on the deterministic path reproduces it byte for byte, and the
+wall-clock figures (seconds, rates per second) to `timings.jsonl`; both files carry the same `step` key, and
+TensorBoard gets both.
 """
 
 from __future__ import annotations
@@ -20,25 +20,12 @@ from grpoflow.paths import RunPaths
 from grpoflow.scoring.evaluation import SPLIT_LABELS, split_labels
 
 
-def is_timing(key: str) -> bool:
-    """Wall-clock keys (`time/step_s`, `train/tokens_per_s`, ...): they differ between identical runs."""
-    return key.endswith("_s")
-
-
-def split_record(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(metrics, timings) of one step's record, each without the `step` key."""
-    metrics = {k: v for k, v in record.items() if k != "step" and not is_timing(k)}
-    timings = {k: v for k, v in record.items() if k != "step" and is_timing(k)}
-    return metrics, timings
-
-
 def timings_path(metrics_path: Path) -> Path:
     return RunPaths(Path(metrics_path).parent).timings  # beside it, in the same run dir
 
 
-def append_step(metrics_path: Path, step: int, record: dict[str, Any]) -> None:
-    """Append the step's row to metrics.jsonl and to timings.jsonl (split by `is_timing`)."""
-    metrics, timings = split_record(record)
+def append_step(metrics_path: Path, step: int, metrics: dict[str, Any], timings: dict[str, float]) -> None:
+    """Append the step's row to metrics.jsonl and to timings.jsonl."""
     append_jsonl(Path(metrics_path), {"step": step, **metrics})
     append_jsonl(timings_path(metrics_path), {"step": step, **timings})
 
@@ -53,9 +40,9 @@ class MetricsLog:
         self.path = Path(metrics_path)
         self.writer = SummaryWriter(logdir=str(tb_dir), flush_secs=10)
 
-    def log(self, step: int, record: dict[str, Any]) -> None:
-        append_step(self.path, step, record)
-        self.scalars(step, record)
+    def log(self, step: int, metrics: dict[str, Any], timings: dict[str, float]) -> None:
+        append_step(self.path, step, metrics, timings)
+        self.scalars(step, metrics | timings)
 
     def scalars(self, step: int, record: dict[str, Any]) -> None:
         for key, value in record.items():

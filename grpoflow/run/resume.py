@@ -28,7 +28,7 @@ from grpoflow.paths import RunPaths, step_of
 from grpoflow.rollout.journal import read_journal
 from grpoflow.run.info import Resume, RunInfo, read_run_info, update_run_info
 from grpoflow.run.loop import evaluation_versions
-from grpoflow.run.metrics import has_row, split_record, timings_path
+from grpoflow.run.metrics import has_row, timings_path
 from grpoflow.train.checkpoint import STEP_FILE, holds_optimizer, restore_training_state
 from grpoflow.train.trainer import TrainerState, load_trainer
 
@@ -113,7 +113,7 @@ def repair_run_dir(paths: RunPaths, point: ResumePoint, steps: int | None = None
     notes: list[str] = []
     last = -1 if point.last_step is None else point.last_step
     keep = last + 1 if steps is not None and last == steps - 1 else last
-    metrics, timings = split_record(point.record["metrics"] | point.record["timings"]) if point.record else ({}, {})
+    metrics, timings = (point.record["metrics"], point.record["timings"]) if point.record else ({}, {})
     for path, row in ((paths.metrics, metrics), (timings_path(paths.metrics), timings)):
         notes += _repair_log(path, last, row if point.record else None, keep)
     ckpts = paths.checkpoints

@@ -40,6 +40,7 @@ from grpoflow.engine.update_group import (
     join_update_group,
 )
 from grpoflow.errors import one_line
+from grpoflow.figures import Figures
 from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.train.checkpoint import restore_training_state
 from grpoflow.train.parallel import DataParallel, RankError
@@ -122,7 +123,7 @@ class RankWorkers:
             time.sleep(0.1)
 
 
-def run_update(state, samples, cfg, step: int) -> dict[str, float]:
+def run_update(state, samples, cfg, step: int) -> Figures:
     """`grpo_update` on every rank: rank 0 hands the workers the same samples first. A broken collective (a
     worker died) is reported with the worker's own error."""
     dp = state.dp

@@ -18,6 +18,7 @@ import time
 import torch
 
 from grpoflow.config import RunConfig, TrainConfig
+from grpoflow.figures import Figures
 from grpoflow.samples import Sample
 from grpoflow.seeds import step_seed
 from grpoflow.train.fsdp import clip_gradients, idle_pass, idle_passes, is_sharded
@@ -223,7 +224,6 @@ def train_step(
     Minibatches are drawn in a seeded random order when there are several; `global_batch_size` counts rollouts,
     and the segments of one rollout stay in one minibatch. Returns the step's metrics.
     """
-    t0 = time.perf_counter()
     torch.manual_seed(seed)
     kept, adv, counts = prepare_samples(samples, cfg)
     minibatches = _rollout_minibatches(kept, cfg.batch.global_batch_size, seed)
@@ -298,8 +298,6 @@ def train_step(
             means.setdefault(k, []).append(v)
     out.update({k: sum(v) / len(v) for k, v in means.items()})
     out.update(counts)
-    out["step_time_s"] = time.perf_counter() - t0
-    out["tokens_per_s"] = out["n_forward_tokens"] / out["step_time_s"]
     if state.device.type == "cuda":
         out["peak_memory_gb"] = torch.cuda.max_memory_allocated(state.device) / 2**30
     return out
@@ -349,13 +347,16 @@ def shape_overlong(samples: list[Sample], cfg: RunConfig) -> tuple[list[Sample],
     return samples, {}
 
 
-def grpo_update(state: TrainerState, samples: list[Sample], cfg: RunConfig, step: int) -> dict[str, float]:
-    """Step `step`'s GRPO update on its trainable samples. With none (every group dropped) the weights stay as
-    they are and the metrics, every key of them, say so (`n_samples` 0)."""
+def grpo_update(state: TrainerState, samples: list[Sample], cfg: RunConfig, step: int) -> Figures:
+    """Step `step`'s GRPO update on its trainable samples: its metrics, and its seconds and forward tokens per
+    second. With none (every group dropped) the weights stay as they are and the metrics, every key of them, say
+    so (`n_samples` 0)."""
+    t0 = time.perf_counter()
     masked = sum(_n_trained(s) for s in samples if s.status == "TRUNCATED") if cfg.train.loss.truncated == "mask" else 0
     samples, shaped = shape_overlong(samples, cfg)
     shaped["discarded/masked_overlong"] = masked  # their tokens left every loss (grpoflow.ledger)
     metrics = train_step(
         state, samples, cfg.train, seed=step_seed(cfg.seed, step), temperature=cfg.rollout.sampling.temperature
     )
-    return metrics | shaped
+    seconds = time.perf_counter() - t0
+    return Figures(metrics | shaped, {"step_time_s": seconds, "tokens_per_s": metrics["n_forward_tokens"] / seconds})

@@ -6,11 +6,13 @@ import json
 import torch
 
 from grpoflow.config import TrainConfig
+from grpoflow.figures import Figures
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.model import PreparedModel
 from grpoflow.run.commit import StepCommits, save_step
 from grpoflow.run.info import DatasetInfo, RunInfo, write_run_info
-from grpoflow.run.metrics import MetricsLog, read_step_records, split_record
+from grpoflow.run.metrics import MetricsLog, read_step_records
+from grpoflow.run.record import StepRecord, StepTimes
 from grpoflow.run.resume import find_resume_point, repair_run_dir
 from grpoflow.train.checkpoint import restore_training_state
 from grpoflow.train.step import train_step
@@ -39,21 +41,6 @@ def _run_dir(tmp_path, flow: str = "train") -> RunPaths:
     return paths
 
 
-def test_split_rule_sends_wall_clock_keys_to_timings():
-    metrics, timings = split_record(
-        {
-            "step": 3,
-            "train/loss": 0.5,
-            "train/tokens_per_s": 9.0,
-            "time/step_s": 2.0,
-            "rollout/wall_time_s": 1.0,
-            "weight_version": "4",
-        }
-    )
-    assert metrics == {"train/loss": 0.5, "weight_version": "4"}
-    assert timings == {"train/tokens_per_s": 9.0, "time/step_s": 2.0, "rollout/wall_time_s": 1.0}
-
-
 def test_restored_trainer_continues_bit_exact(tiny_model_dir, tmp_path):
     """Two steps in one process == one step, commit, a fresh process's trainer restored from it, one step."""
     cfg = TrainConfig(optimizer={"learning_rate": 1e-2})
@@ -62,7 +49,7 @@ def test_restored_trainer_continues_bit_exact(tiny_model_dir, tmp_path):
     samples = agentic_samples(a.model)
     m0 = train_step(a, samples, cfg, seed=0)
     log = MetricsLog(paths.metrics, paths.tb)
-    record = {"train/loss": m0["loss"], "time/step_s": 1.0}
+    record = StepRecord(0, train=Figures({"train/loss": m0["loss"]}), times=StepTimes(step=1.0))
     commits = StepCommits(paths, log)
     commits.finish(a, save_step(a, paths, 0, record), 0, record, full=True)
     commits.flush()  # the full checkpoint is complete, its row logged

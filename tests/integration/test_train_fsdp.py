@@ -48,7 +48,7 @@ def _single(model_dir, train, steps=2):
     cfg = _config(model_dir, 1, "replicate", **train)
     state = load_trainer(model_dir, cfg.train, seed=0)
     samples = agentic_samples(state.model)
-    metrics = [run_update(state, samples, cfg, step) for step in range(steps)]
+    metrics = [run_update(state, samples, cfg, step).computed for step in range(steps)]
     return metrics, {n: p.detach().clone() for n, p in state.model.named_parameters()}, samples
 
 
@@ -57,7 +57,7 @@ def _sharded(model_dir, ranks, samples, train, steps=2, **extra):
     state = load_trainer(model_dir, cfg.train, seed=0, sharded=True)
     with trainer_ranks(state, model_dir, cfg):
         assert is_sharded(state.model)
-        metrics = [run_update(state, samples, cfg, step) for step in range(steps)]
+        metrics = [run_update(state, samples, cfg, step).computed for step in range(steps)]
         weights = full_parameters(state)
         master = {n: (p.to_local().dtype, type(p)) for n, p in state.model.named_parameters()}
         moments = [v.to_local().dtype for s in state.optimizer.state.values() for v in s.values() if v.dim() > 0]
@@ -150,8 +150,10 @@ def test_sharded_checkpoint_is_an_hf_dir_and_resumes_bit_exact(tiny_model_dir, t
     the same step within fp32 rounding."""
     from transformers import AutoModelForCausalLM
 
+    from grpoflow.figures import Figures
     from grpoflow.run.commit import StepCommits, save_step
     from grpoflow.run.metrics import MetricsLog
+    from grpoflow.run.record import StepRecord, StepTimes
     from grpoflow.run.resume import find_resume_point
     from grpoflow.train.checkpoint import OPTIMIZER_DCP, holds_optimizer, restore_training_state
     from tests.integration.test_resume_core import _run_dir
@@ -162,8 +164,8 @@ def test_sharded_checkpoint_is_an_hf_dir_and_resumes_bit_exact(tiny_model_dir, t
     samples = agentic_samples(a.model)
     log = MetricsLog(paths.metrics, paths.tb)
     with trainer_ranks(a, tiny_model_dir, cfg):
-        m0 = run_update(a, samples, cfg, 0)
-        record = {"train/loss": m0["loss"], "time/step_s": 1.0}
+        m0 = run_update(a, samples, cfg, 0).computed
+        record = StepRecord(0, train=Figures({"train/loss": m0["loss"]}), times=StepTimes(step=1.0))
         commits = StepCommits(paths, log)
         commits.finish(a, save_step(a, paths, 0, record), 0, record, full=True)
         commits.flush()

@@ -59,11 +59,11 @@ def test_two_ranks_take_the_single_process_step(tiny_model_dir, train):
     cfg1, cfg2 = _config(tiny_model_dir, 1, **train), _config(tiny_model_dir, 2, **train)
     alone = load_trainer(tiny_model_dir, cfg1.train, seed=0)
     samples = agentic_samples(alone.model)
-    expected = run_update(alone, samples, cfg1, step=0)
+    expected = run_update(alone, samples, cfg1, step=0).computed
     ranked = load_trainer(tiny_model_dir, cfg2.train, seed=0)
     with trainer_ranks(ranked, tiny_model_dir, cfg2):
-        got = run_update(ranked, samples, cfg2, step=0)
-        got_again = run_update(ranked, samples, cfg2, step=1)  # the workers take a second job
+        got = run_update(ranked, samples, cfg2, step=0).computed
+        got_again = run_update(ranked, samples, cfg2, step=1).computed  # the workers take a second job
     assert ranked.dp is None  # rank 0 trains alone again after the block
     assert expected["optimizer_steps"] >= 1 and got["optimizer_steps"] == expected["optimizer_steps"]
     for key in ("n_samples", "n_tokens", "n_forward_tokens", "skipped_zero_advantage"):
@@ -73,7 +73,7 @@ def test_two_ranks_take_the_single_process_step(tiny_model_dir, train):
     for key in ("loss", "grad_norm", "clip_frac_high", "logprob_gap_mean", "entropy", "logprob_gap_max"):
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
     before = {n: p.detach().clone() for n, p in alone.model.named_parameters()}
-    second = run_update(alone, samples, cfg1, step=1)
+    second = run_update(alone, samples, cfg1, step=1).computed
     assert got_again["optimizer_steps"] == second["optimizer_steps"]
     assert any(not torch.equal(p, before[n]) for n, p in alone.model.named_parameters())  # step 1 moved them
     theirs = dict(alone.model.named_parameters())

@@ -49,18 +49,18 @@ def test_the_first_command_is_the_first_word_of_the_first_block(reply, command):
 
 def test_a_collapsed_step_has_one_command_and_no_entropy():
     collapsed = [_trial(f"t{i}-0", f"```bash\necho {i} > /app/f{i}\n```") for i in range(4)]
-    m = step_metrics(collapsed, 1.0)
+    m = step_metrics(collapsed, 1.0).computed
     assert m["first_command_top_share"] == 1.0 and m["first_command_entropy"] == 0.0
     varied = [_trial(f"t{i}-0", f"```bash\n{c} /app/x\n```") for i, c in enumerate(["echo", "mkdir", "rm", "echo"])]
-    m = step_metrics(varied, 1.0)
+    m = step_metrics(varied, 1.0).computed
     assert m["first_command_top_share"] == 0.5
     assert m["first_command_entropy"] == pytest.approx(-(0.5 * math.log2(0.5) + 2 * 0.25 * math.log2(0.25)))
     # a compacted trial's later segment repeats the conversation: the trial counts once
-    again = step_metrics([*varied, _trial("t0-0", "```bash\nmkdir x\n```", segment=1)], 1.0)
+    again = step_metrics([*varied, _trial("t0-0", "```bash\nmkdir x\n```", segment=1)], 1.0).computed
     assert again["first_command_top_share"] == 0.5
 
 
 def test_trials_with_no_reply_add_no_spread_and_the_plot_draws_it(tmp_path):
-    assert "first_command_entropy" not in step_metrics([_trial("t-0", None)], 1.0)
+    assert "first_command_entropy" not in step_metrics([_trial("t-0", None)], 1.0).computed
     rows = [{"step": s, "rollout/reward_mean": 0.5, "rollout/first_command_top_share": 0.5 + s / 8} for s in range(4)]
     assert plot_curves(rows, tmp_path / "summary.png").stat().st_size > 0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpoflow.ledger import rollout_discards, run_ledger, time_ledger, token_ledger, unaccounted
+from grpoflow.ledger import REASONS, rollout_discards, run_ledger, time_ledger, token_ledger, unaccounted
 from tests.fakes.samples import make_sample
 
 
@@ -23,26 +23,24 @@ def test_rollout_discards_count_stale_then_failed_then_their_groups():
     assert out == {"stale": 10.0, "infrastructure": 7.0, "failed_trial": 2.0, "dropped_group": 7.0}
 
 
-def test_a_step_row_balances_and_the_train_keys_move_into_the_ledger():
-    record = {
-        "rollout/tokens_generated": 30.0,
-        "rollout/tokens_after_truncation": 0.0,
+def test_a_step_row_balances_and_the_train_counts_move_into_the_ledger():
+    rollout = {"rollout/tokens_generated": 30.0, "rollout/tokens_after_truncation": 0.0}
+    train = {
         "train/tokens_trained": 12,
         "train/discarded/zero_std_group": 6,
         "train/discarded/mismatch_masked": 2,
         "train/loss": 0.1,
-        "time/train_s": 2.0,
-        "time/commit_s": 0.5,
-        "rollout/tool_time_s": 1.0,
-        "rollout/overhead_time_s": 0.25,
-        "time/engine_busy_s": 4.0,
     }
-    row = token_ledger(record, {"stale": 0.0, "failed_trial": 4.0, "dropped_group": 6.0})
-    assert "train/tokens_trained" not in record and "train/discarded/zero_std_group" not in record
+    ledger, own = token_ledger(rollout, train, {"stale": 0.0, "failed_trial": 4.0, "dropped_group": 6.0})
+    assert own == {"train/loss": 0.1}  # the counts are the ledger's now, not the update's columns
+    row = ledger.metrics()
     assert row["ledger/trained"] == 12 and row["ledger/discarded/zero_std_group"] == 6
+    assert list(ledger.discarded) == list(REASONS)  # every reason a column, in one order
     assert unaccounted(row) == 0
-    times = time_ledger(record)
+    seconds = {"rollout/tool_time_s": 1.0, "rollout/overhead_time_s": 0.25}
+    times = time_ledger(2.5, seconds, engine_busy_s=4.0)
     assert times == {"ledger/trainer_s": 2.5, "ledger/sandbox_s": 1.25, "ledger/engine_s": 4.0}
+    assert time_ledger(2.5, seconds, None, train_ranks=2) == {"ledger/trainer_s": 5.0, "ledger/sandbox_s": 1.25}
     total = run_ledger([row | times, row | times], gpu_hour=3.6, sandbox_hour=36.0)
     # (2 x (4 + 2.5) s) / 3600 x 3.6 + (2 x 1.25 s) / 3600 x 36 = 0.013 + 0.025
     assert total["ledger/cost"] == pytest.approx(0.038)

@@ -12,9 +12,11 @@ import pytest
 
 from grpoflow.config import TrainConfig
 from grpoflow.errors import CheckpointError
+from grpoflow.figures import Figures
 from grpoflow.paths import RunPaths
 from grpoflow.run.commit import StepCommits, save_step
 from grpoflow.run.metrics import MetricsLog
+from grpoflow.run.record import StepRecord
 from grpoflow.train.checkpoint import save_checkpoint
 from grpoflow.train.step import train_step
 from grpoflow.train.trainer import load_trainer
@@ -83,9 +85,10 @@ def test_a_full_checkpoint_completed_in_the_background(tmp_path, small_disk, tra
     paths.root.mkdir()
     log = MetricsLog(paths.metrics, tmp_path / "tb")  # TensorBoard's files elsewhere: not under test
     commits = StepCommits(paths, log)
-    ckpt = save_step(trainer, paths, 0, {"train/loss": 1.0})
+    record = StepRecord(0, train=Figures({"train/loss": 1.0}))
+    ckpt = save_step(trainer, paths, 0, record)
     published = _left(ckpt)
-    commits.finish(trainer, ckpt, 0, {"train/loss": 1.0}, full=True)
+    commits.finish(trainer, ckpt, 0, record, full=True)
     with pytest.raises(CheckpointError) as info:
         commits.flush()
     log.close()

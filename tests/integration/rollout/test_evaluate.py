@@ -120,7 +120,7 @@ def test_step_metrics():
         to_sample(_outcome(reward=0.0, group="b", k=1), "r", 0),
         to_sample(_outcome(exc="SandboxStartError", group="c", k=0, n_attempts=3), "r", 0),
     ]
-    m = step_metrics(samples, wall_time_s=2.0)
+    m = step_metrics(samples, wall_time_s=2.0).computed
     assert m["trials"] == 5 and m["scored"] == 4
     assert m["reward_mean"] == 0.25 and m["pass_at_1"] == 0.25 and m["pass_at_k"] == 0.5
     assert m["zero_std_group_share"] == 0.5 and m["group_reward_std_mean"] == 0.25
@@ -142,8 +142,8 @@ def test_step_metrics_count_a_segmented_rollout_once():
     seg1 = first.model_copy(
         update={"segment_index": 1, "loss_mask": [0 if i < half else 1 for i in range(len(first.tokens))]}
     )
-    m_whole = step_metrics(whole, wall_time_s=1.0)
-    m_split = step_metrics([seg0, seg1, whole[1]], wall_time_s=1.0)
+    m_whole = step_metrics(whole, wall_time_s=1.0).computed
+    m_split = step_metrics([seg0, seg1, whole[1]], wall_time_s=1.0).computed
     for key in ("trials", "scored", "reward_mean", "pass_at_1", "pass_at_k", "group_reward_std_mean", "retries"):
         assert m_split[key] == m_whole[key], key
     assert m_split["trials"] == 2

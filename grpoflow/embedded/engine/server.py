@@ -27,8 +27,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -70,150 +71,181 @@ log = logging.getLogger(__name__)
 def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> FastAPI:
     """A FastAPI app serving `scheduler`; the caller owns the scheduler's lifetime."""
     app = FastAPI(title="grpoflow embedded engine", docs_url=None, redoc_url=None)
-    model_name = served_model_name or scheduler.model_path
+    app.state.scheduler = scheduler
+    app.state.model_name = served_model_name or scheduler.model_path
     _install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if scheduler.is_alive else 503)
-
-    @app.post("/flush_cache")
-    async def flush_cache() -> Response:
-        scheduler.flush_cache()
-        return Response("Cache flushed.\n", status_code=200)
-
-    @app.get("/model_info")
-    async def model_info() -> dict:
-        hf_config = scheduler.model.config
-        return ModelInfo(
-            model_path=scheduler.weights_path,  # SGLang's: the last dir loaded (/get_server_info: the launch one)
-            tokenizer_path=scheduler.model_path,
-            is_generation=True,
-            weight_version=scheduler.weight_version,
-            model_type=getattr(hf_config, "model_type", None),
-            architectures=getattr(hf_config, "architectures", None),
-        ).model_dump()
-
-    @app.get("/get_server_info")
-    async def get_server_info() -> dict:
-        # SGLang's shape: its server args at the top level, then one `internal_states` entry per scheduler (we
-        # have one). The counters are ours (SGLang's entries hold other keys); a benchmark reads busy_time_s
-        # twice and divides the difference by its wall time to get the engine's busy fraction.
-        return {
-            "model_path": scheduler.model_path,
-            "tokenizer_path": scheduler.model_path,
-            "served_model_name": model_name,
-            "random_seed": scheduler.seed,
-            "max_running_requests": scheduler.max_batch_size,
-            "context_length": scheduler.context_length,
-            "weight_version": scheduler.weight_version,
-            "internal_states": [scheduler.internal_state()],
-        }
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "grpoflow",
-            "root": scheduler.model_path,
-            "max_model_len": scheduler.context_length,
-        }
-        return {"object": "list", "data": [card]}
-
-    @app.post("/generate")
-    async def generate(req: GenerateRequest) -> dict:
-        fut = scheduler.submit(
-            req.input_ids, req.sampling_params, return_logprob=req.return_logprob, rid=req.rid, lora_path=req.lora_path
-        )
-        result: GenerationResult = await asyncio.wrap_future(fut)
-        # exclude_none: SGLang leaves out what does not apply (finish_reason.matched on "length", logprobs).
-        return _generate_response(result, req.return_logprob).model_dump(exclude_none=True)
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
-        res = await asyncio.wrap_future(scheduler.update_weights_from_disk(req.model_path, req.weight_version))
-        body = UpdateWeightsFromDiskResponse(
-            success=res.success, message=res.message, num_paused_requests=res.num_paused_requests
-        ).model_dump()
-        return JSONResponse(body, status_code=200 if res.success else 400)
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(req: InitWeightsUpdateGroupRequest) -> JSONResponse:
-        # Joining blocks until the trainer joins too: off the event loop, so /health and others keep answering.
-        await asyncio.get_running_loop().run_in_executor(
-            None,
-            scheduler.init_weights_update_group,
-            req.master_address,
-            req.master_port,
-            req.rank_offset,
-            req.world_size,
-            req.group_name,
-            req.backend,
-        )
-        return JSONResponse(WeightsUpdateGroupResponse(success=True, message="joined").model_dump())
-
-    @app.post("/begin_weight_update")
-    async def begin_weight_update(req: BeginWeightUpdateRequest) -> JSONResponse:
-        return _session_answer(scheduler.begin_weight_update())
-
-    @app.post("/end_weight_update")
-    async def end_weight_update(req: EndWeightUpdateRequest) -> JSONResponse:
-        return _session_answer(scheduler.end_weight_update())
-
-    def _session_answer(res) -> JSONResponse:
-        body = WeightsUpdateGroupResponse(success=res.success, message=res.message).model_dump()
-        return JSONResponse(body, status_code=200 if res.success else 400)
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
-        fut = scheduler.update_weights_from_distributed(
-            req.names, req.dtypes, req.shapes, req.group_name, req.weight_version
-        )
-        res = await asyncio.wrap_future(fut)
-        body = WeightsUpdateGroupResponse(success=res.success, message=res.message).model_dump()
-        return JSONResponse(body, status_code=200 if res.success else 400)
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest) -> JSONResponse:
-        fut = scheduler.update_weights_from_tensor(req.serialized_named_tensors, req.load_format, req.weight_version)
-        res = await asyncio.wrap_future(fut)
-        body = WeightsUpdateGroupResponse(success=res.success, message=res.message).model_dump()
-        return JSONResponse(body, status_code=200 if res.success else 400)
-
-    @app.post("/load_lora_adapter")
-    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> JSONResponse:
-        return _lora_answer(await asyncio.wrap_future(scheduler.load_lora_adapter(req.lora_name, req.lora_path)))
-
-    @app.post("/unload_lora_adapter")
-    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> JSONResponse:
-        return _lora_answer(await asyncio.wrap_future(scheduler.unload_lora_adapter(req.lora_name)))
-
-    def _lora_answer(res) -> JSONResponse:
-        body = LoRAUpdateResponse(success=res.success, error_message=None if res.success else res.message)
-        return JSONResponse(body.model_dump(), status_code=200 if res.success else 400)
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(req: UpdateWeightVersionRequest) -> JSONResponse:
-        res = await asyncio.wrap_future(scheduler.update_weight_version(req.new_version))
-        return JSONResponse({"success": res.success, "message": res.message})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> dict:
-        prompt_ids = chat_prompt_ids(scheduler.tokenizer, req)
-        futs = [
-            scheduler.submit(
-                prompt_ids,
-                chat_sampling_params(req, len(prompt_ids), scheduler.context_length, i),
-                return_logprob=bool(req.logprobs),
-            )
-            for i in range(req.n)
-        ]
-        results = [await asyncio.wrap_future(f) for f in futs]
-        return chat_response(scheduler.tokenizer, req, model_name, prompt_ids, results)
-
+    app.include_router(router)
     return app
+
+
+router = APIRouter()
+
+
+def _scheduler(request: Request) -> Scheduler:
+    return request.app.state.scheduler
+
+
+def _model_name(request: Request) -> str:
+    return request.app.state.model_name
+
+
+Engine = Annotated[Scheduler, Depends(_scheduler)]
+ModelName = Annotated[str, Depends(_model_name)]
+
+
+@router.get("/health")
+async def health(scheduler: Engine) -> Response:
+    return Response(status_code=200 if scheduler.is_alive else 503)
+
+
+@router.post("/flush_cache")
+async def flush_cache(scheduler: Engine) -> Response:
+    scheduler.flush_cache()
+    return Response("Cache flushed.\n", status_code=200)
+
+
+@router.get("/model_info")
+async def model_info(scheduler: Engine) -> dict:
+    hf_config = scheduler.model.config
+    return ModelInfo(
+        model_path=scheduler.weights_path,  # SGLang's: the last dir loaded (/get_server_info: the launch one)
+        tokenizer_path=scheduler.model_path,
+        is_generation=True,
+        weight_version=scheduler.weight_version,
+        model_type=getattr(hf_config, "model_type", None),
+        architectures=getattr(hf_config, "architectures", None),
+    ).model_dump()
+
+
+@router.get("/get_server_info")
+async def get_server_info(scheduler: Engine, model_name: ModelName) -> dict:
+    # SGLang's shape: its server args at the top level, then one `internal_states` entry per scheduler (we
+    # have one). The counters are ours (SGLang's entries hold other keys); a benchmark reads busy_time_s
+    # twice and divides the difference by its wall time to get the engine's busy fraction.
+    return {
+        "model_path": scheduler.model_path,
+        "tokenizer_path": scheduler.model_path,
+        "served_model_name": model_name,
+        "random_seed": scheduler.seed,
+        "max_running_requests": scheduler.max_batch_size,
+        "context_length": scheduler.context_length,
+        "weight_version": scheduler.weight_version,
+        "internal_states": [scheduler.internal_state()],
+    }
+
+
+@router.get("/v1/models")
+async def models(scheduler: Engine, model_name: ModelName) -> dict:
+    card = {
+        "id": model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "grpoflow",
+        "root": scheduler.model_path,
+        "max_model_len": scheduler.context_length,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/generate")
+async def generate(req: GenerateRequest, scheduler: Engine) -> dict:
+    fut = scheduler.submit(
+        req.input_ids, req.sampling_params, return_logprob=req.return_logprob, rid=req.rid, lora_path=req.lora_path
+    )
+    result: GenerationResult = await asyncio.wrap_future(fut)
+    # exclude_none: SGLang leaves out what does not apply (finish_reason.matched on "length", logprobs).
+    return _generate_response(result, req.return_logprob).model_dump(exclude_none=True)
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest, scheduler: Engine) -> JSONResponse:
+    res = await asyncio.wrap_future(scheduler.update_weights_from_disk(req.model_path, req.weight_version))
+    body = UpdateWeightsFromDiskResponse(
+        success=res.success, message=res.message, num_paused_requests=res.num_paused_requests
+    ).model_dump()
+    return JSONResponse(body, status_code=200 if res.success else 400)
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(req: InitWeightsUpdateGroupRequest, scheduler: Engine) -> JSONResponse:
+    # Joining blocks until the trainer joins too: off the event loop, so /health and others keep answering.
+    await asyncio.get_running_loop().run_in_executor(
+        None,
+        scheduler.init_weights_update_group,
+        req.master_address,
+        req.master_port,
+        req.rank_offset,
+        req.world_size,
+        req.group_name,
+        req.backend,
+    )
+    return JSONResponse(WeightsUpdateGroupResponse(success=True, message="joined").model_dump())
+
+
+@router.post("/begin_weight_update")
+async def begin_weight_update(req: BeginWeightUpdateRequest, scheduler: Engine) -> JSONResponse:
+    return _update_answer(scheduler.begin_weight_update())
+
+
+@router.post("/end_weight_update")
+async def end_weight_update(req: EndWeightUpdateRequest, scheduler: Engine) -> JSONResponse:
+    return _update_answer(scheduler.end_weight_update())
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest, scheduler: Engine) -> JSONResponse:
+    fut = scheduler.update_weights_from_distributed(
+        req.names, req.dtypes, req.shapes, req.group_name, req.weight_version
+    )
+    return _update_answer(await asyncio.wrap_future(fut))
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest, scheduler: Engine) -> JSONResponse:
+    fut = scheduler.update_weights_from_tensor(req.serialized_named_tensors, req.load_format, req.weight_version)
+    return _update_answer(await asyncio.wrap_future(fut))
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(req: LoadLoRAAdapterRequest, scheduler: Engine) -> JSONResponse:
+    return _lora_answer(await asyncio.wrap_future(scheduler.load_lora_adapter(req.lora_name, req.lora_path)))
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, scheduler: Engine) -> JSONResponse:
+    return _lora_answer(await asyncio.wrap_future(scheduler.unload_lora_adapter(req.lora_name)))
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(req: UpdateWeightVersionRequest, scheduler: Engine) -> JSONResponse:
+    res = await asyncio.wrap_future(scheduler.update_weight_version(req.new_version))
+    return JSONResponse({"success": res.success, "message": res.message})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, scheduler: Engine, model_name: ModelName) -> dict:
+    prompt_ids = chat_prompt_ids(scheduler.tokenizer, req)
+    futs = [
+        scheduler.submit(
+            prompt_ids,
+            chat_sampling_params(req, len(prompt_ids), scheduler.context_length, i),
+            return_logprob=bool(req.logprobs),
+        )
+        for i in range(req.n)
+    ]
+    results = [await asyncio.wrap_future(f) for f in futs]
+    return chat_response(scheduler.tokenizer, req, model_name, prompt_ids, results)
+
+
+def _update_answer(res) -> JSONResponse:
+    """A weight update's answer in SGLang's shape: 400 when it failed."""
+    body = WeightsUpdateGroupResponse(success=res.success, message=res.message).model_dump()
+    return JSONResponse(body, status_code=200 if res.success else 400)
+
+
+def _lora_answer(res) -> JSONResponse:
+    body = LoRAUpdateResponse(success=res.success, error_message=None if res.success else res.message)
+    return JSONResponse(body.model_dump(), status_code=200 if res.success else 400)
 
 
 def _generate_response(r: GenerationResult, return_logprob: bool) -> GenerateResponse:

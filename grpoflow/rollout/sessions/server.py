@@ -49,10 +49,10 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import quote, urlsplit
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -235,45 +235,45 @@ class SessionSettings:
     truncation_ends_episode: bool = False
 
 
-def create_app(settings: SessionSettings, store: SessionStore, secret: bytes) -> FastAPI:
-    """The session server app; `secret`: the key of the per-session tokens (`session_token`)."""
-    c = settings
-    tokenizer = load_tokenizer(str(c.tokenizer_path))
-    stop = stop_ids(tokenizer)  # the template's turn end and the EOS; a template without one fails here, at start
-    # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
-    # does all tokenising, off the event loop.
-    tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-tokenizer")
-    engine = client_of(c.engine, c.engine_url, lora_path=c.lora_path, waits_out_outages=True)
-    limits: dict[str, int | None] = {"context_length": c.context_length}
+class SessionService:
+    """What every route of the session server works with: the settings, the sessions, the tokenizer and the
+    engine's client. `secret`: the key of the per-session tokens (`session_token`)."""
 
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        try:
-            yield
-        finally:
-            await engine.aclose()
-            tok_pool.shutdown(wait=False)
+    def __init__(self, settings: SessionSettings, store: SessionStore, secret: bytes):
+        self.settings, self.store, self.secret = settings, store, secret
+        self.tokenizer = load_tokenizer(str(settings.tokenizer_path))
+        # the template's turn end and the EOS; a template without one fails here, at start
+        self.stop = stop_ids(self.tokenizer)
+        # HF fast tokenizers reconfigure their Rust state on each call, so concurrent calls can fail: one thread
+        # does all tokenising, off the event loop.
+        self.tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-tokenizer")
+        self.engine = client_of(
+            settings.engine, settings.engine_url, lora_path=settings.lora_path, waits_out_outages=True
+        )
+        self._context_length = settings.context_length
 
-    app = FastAPI(title="grpoflow session server", docs_url=None, redoc_url=None, lifespan=lifespan)
-    _install_error_handlers(app)
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+        self.tok_pool.shutdown(wait=False)
 
-    async def _context_length() -> int | None:
-        if limits["context_length"] is None:
-            value = await engine.acontext_length()
+    async def context_length(self) -> int | None:
+        """The bound on prompt + output: the settings', else (asked once) what the engine's context allows."""
+        if self._context_length is None:
+            value = await self.engine.acontext_length()
             if value is None:
                 log.warning("the engine does not say its context length; prompts are not bounded here")
-            limits["context_length"] = token_budget(value) if value else 0
-        return limits["context_length"] or None
+            self._context_length = token_budget(value) if value else 0
+        return self._context_length or None
 
-    def _card() -> dict:
-        return {"id": c.model_name, "object": "model", "created": 0, "owned_by": "grpoflow"}
+    def card(self) -> dict:
+        return {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "grpoflow"}
 
-    def _authorise(session_id: str, request: Request) -> None:
+    def authorise(self, session_id: str, request: Request) -> None:
         if not _SESSION_ID.match(session_id):
             raise RequestRefused(f"invalid session id {session_id[:80]!r}", "invalid_session_id")
         auth = request.headers.get("authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), session_token(secret, session_id).encode()):
+        if not hmac.compare_digest(given.encode(), session_token(self.secret, session_id).encode()):
             raise RequestRefused(
                 f"session {session_id[:80]}: missing or wrong API key (each session takes its own token)",
                 "invalid_api_key",
@@ -281,103 +281,51 @@ def create_app(settings: SessionSettings, store: SessionStore, secret: bytes) ->
                 status=401,
             )
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/stats")
-    async def stats() -> dict:
-        return store.stats()
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [_card()]}
-
-    @app.get("/sessions/{session_id:path}/v1/models")
-    async def session_models(session_id: str, request: Request) -> dict:
-        _authorise(session_id, request)
-        return {"object": "list", "data": [_card()]}
-
-    @app.post("/sessions/{session_id:path}/v1/chat/completions")
-    async def chat(session_id: str, req: ChatRequest, request: Request):
-        _authorise(session_id, request)
-        if req.n != 1:
-            raise RequestRefused(
-                f"n={req.n}: a session records one path per request, so n must be 1", "unsupported_parameter"
-            )
-        turn, parsed, prompt_ids, logprobs = await _serve(session_id, req, request, "call_")
-        body = _response(tokenizer, req, c.model_name, prompt_ids, turn, parsed, logprobs, c.truncation_ends_episode)
-        if req.stream:
-            usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(openai_chunks(body, usage), media_type="text/event-stream")
-        return body
-
-    @app.post("/sessions/{session_id:path}/v1/messages")
-    async def messages(session_id: str, req: MessagesRequest, request: Request):
-        _authorise(session_id, request)
-        turn, parsed, prompt_ids, _ = await _serve(session_id, req.chat(), request, "toolu_")
-        finish = _reported_finish(turn, c.truncation_ends_episode)
-        body = anthropic_message(
-            parsed,
-            anthropic_stop_reason(parsed, finish),
-            req.model or c.model_name,
-            len(prompt_ids),
-            len(turn.output_ids),
-        )
-        if req.stream:
-            return StreamingResponse(anthropic_events(body), media_type="text/event-stream")
-        return body
-
-    @app.post("/sessions/{session_id:path}/v1/messages/count_tokens")
-    async def count_tokens(session_id: str, req: CountTokensRequest, request: Request) -> dict:
-        """The prompt's length as the policy would see it (a fresh rendering; claude-code asks before compacting)."""
-        _authorise(session_id, request)
-        chat = req.chat()
-        session = store.get(session_id)
-        messages = [_template_message(m, session.replies) for m in chat.messages]
-        ids = await asyncio.get_running_loop().run_in_executor(
-            tok_pool, lambda: encode(tokenizer, render(tokenizer, messages, chat.tools, generation_prompt=True))
-        )
-        return {"input_tokens": len(ids)}
-
-    async def _serve(
-        session_id: str, req: ChatRequest, request: Request, id_prefix: str
+    async def serve(
+        self, session_id: str, req: ChatRequest, request: Request, id_prefix: str
     ) -> tuple[Turn, ParsedReply, list[int], list[float]]:
-        session = store.get(session_id)
+        """One turn of session `session_id`: generated, recorded in its tree, its reply parsed."""
+        session = self.store.get(session_id)
         if session.lock is None:
             session.lock = asyncio.Lock()
         async with session.lock:  # a session's requests are sequential; keep them so if a harness misbehaves
-            turn, prompt_ids, logprobs = await _turn(session, req)
+            turn, prompt_ids, logprobs = await self._turn(session, req)
             # A cut reply is never parsed: its last call may be cut, and the cut action must not run. A request
             # without tools (terminus-2) gets the text as written.
-            parser = c.tool_call_parser if req.tools and not turn.truncated else None
+            parser = self.settings.tool_call_parser if req.tools and not turn.truncated else None
             parsed = parse_reply(turn.reply, parser, id_prefix=id_prefix)
             session.replies[parsed_key(parsed)] = turn.reply
             if await request.is_disconnected():  # the harness gave up on this request: it never sees the reply
                 session.tree.abandon(turn)
             return turn, parsed, prompt_ids, logprobs
 
-    async def _turn(session: _Session, req: ChatRequest) -> tuple[Turn, list[int], list[float]]:
-        tree = session.tree
+    async def _turn(self, session: _Session, req: ChatRequest) -> tuple[Turn, list[int], list[float]]:
+        c, tree, stop = self.settings, session.tree, self.stop
         loop = asyncio.get_running_loop()
         messages = [_template_message(m, session.replies) for m in req.messages]
         prev = tree.extended_turn(messages, req.tools)
         if prev is not None and prev.truncated:
             tree.refused += 1
             raise _closed(tree.session_id, prev.index)
-        plan = await loop.run_in_executor(tok_pool, _prompt_plan, tokenizer, tree, messages, req.tools, prev)
+        plan = await loop.run_in_executor(self.tok_pool, _prompt_plan, self.tokenizer, tree, messages, req.tools, prev)
         prompt_ids, full_ids, extends = plan
         closed = tree.closed_prefix(prompt_ids)
         if closed is not None:
             tree.refused += 1
             raise _closed(tree.session_id, closed.index)
         params = _sampling(
-            req, len(prompt_ids), c.max_new_tokens, await _context_length(), session, len(tree.turns), c.sampling or {}
+            req,
+            len(prompt_ids),
+            c.max_new_tokens,
+            await self.context_length(),
+            session,
+            len(tree.turns),
+            c.sampling or {},
         )
         params.stop_token_ids = sorted({*(params.stop_token_ids or []), *stop})  # the turn end too
         t0 = time.perf_counter()
         try:
-            resp = await engine.agenerate(
+            resp = await self.engine.agenerate(
                 prompt_ids, params, return_logprob=True, on_fault=lambda why: setattr(tree, "engine_outage", why)
             )
         except EngineUnavailableError:
@@ -412,7 +360,104 @@ def create_app(settings: SessionSettings, store: SessionStore, secret: bytes) ->
         )
         return turn, prompt_ids, logprobs
 
+
+def create_app(settings: SessionSettings, store: SessionStore, secret: bytes) -> FastAPI:
+    """The session server app; `secret`: the key of the per-session tokens (`session_token`)."""
+    service = SessionService(settings, store, secret)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        try:
+            yield
+        finally:
+            await service.aclose()
+
+    app = FastAPI(title="grpoflow session server", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.service = service
+    _install_error_handlers(app)
+    app.include_router(router)
     return app
+
+
+router = APIRouter()
+
+
+def _service(request: Request) -> SessionService:
+    return request.app.state.service
+
+
+Service = Annotated[SessionService, Depends(_service)]
+
+
+@router.get("/health")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/stats")
+async def stats(service: Service) -> dict:
+    return service.store.stats()
+
+
+@router.get("/v1/models")
+async def models(service: Service) -> dict:
+    return {"object": "list", "data": [service.card()]}
+
+
+@router.get("/sessions/{session_id:path}/v1/models")
+async def session_models(session_id: str, request: Request, service: Service) -> dict:
+    service.authorise(session_id, request)
+    return {"object": "list", "data": [service.card()]}
+
+
+@router.post("/sessions/{session_id:path}/v1/chat/completions")
+async def chat(session_id: str, req: ChatRequest, request: Request, service: Service):
+    service.authorise(session_id, request)
+    if req.n != 1:
+        raise RequestRefused(
+            f"n={req.n}: a session records one path per request, so n must be 1", "unsupported_parameter"
+        )
+    c = service.settings
+    turn, parsed, prompt_ids, logprobs = await service.serve(session_id, req, request, "call_")
+    body = _response(
+        service.tokenizer, req, c.model_name, prompt_ids, turn, parsed, logprobs, c.truncation_ends_episode
+    )
+    if req.stream:
+        usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(openai_chunks(body, usage), media_type="text/event-stream")
+    return body
+
+
+@router.post("/sessions/{session_id:path}/v1/messages")
+async def messages(session_id: str, req: MessagesRequest, request: Request, service: Service):
+    service.authorise(session_id, request)
+    c = service.settings
+    turn, parsed, prompt_ids, _ = await service.serve(session_id, req.chat(), request, "toolu_")
+    finish = _reported_finish(turn, c.truncation_ends_episode)
+    body = anthropic_message(
+        parsed,
+        anthropic_stop_reason(parsed, finish),
+        req.model or c.model_name,
+        len(prompt_ids),
+        len(turn.output_ids),
+    )
+    if req.stream:
+        return StreamingResponse(anthropic_events(body), media_type="text/event-stream")
+    return body
+
+
+@router.post("/sessions/{session_id:path}/v1/messages/count_tokens")
+async def count_tokens(session_id: str, req: CountTokensRequest, request: Request, service: Service) -> dict:
+    """The prompt's length as the policy would see it (a fresh rendering; claude-code asks before compacting)."""
+    service.authorise(session_id, request)
+    chat = req.chat()
+    session = service.store.get(session_id)
+    messages = [_template_message(m, session.replies) for m in chat.messages]
+    tokenizer = service.tokenizer
+    ids = await asyncio.get_running_loop().run_in_executor(
+        service.tok_pool, lambda: encode(tokenizer, render(tokenizer, messages, chat.tools, generation_prompt=True))
+    )
+    return {"input_tokens": len(ids)}
 
 
 def session_token(secret: bytes, session_id: str) -> str:

@@ -78,9 +78,9 @@ def one_step(engine_url: str, model_path: str, prompts, outage_s: float, work: P
     lengths = sorted(s.n_generated for s in trainable)
     return {
         "wall_s": wall,
-        "scored": int(res.metrics["scored"]),
+        "scored": int(res.figures.computed["scored"]),
         "trials": len(res.samples),
-        "retries": int(res.metrics["retries"]),
+        "retries": int(res.figures.computed["retries"]),
         "dropped_groups": dropped,
         "discards": rollout_discards(res.samples, res.samples, trainable),
         "lengths": lengths,

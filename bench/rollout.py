@@ -53,7 +53,7 @@ def run(engine, model_path, prompts, work: Path, tag: str, **rollout) -> dict:
         )
     )
     wall = time.perf_counter() - t0
-    m = res.metrics
+    m = res.figures.computed
     return {
         "trials": len(res.samples),
         "wall_s": wall,
@@ -63,7 +63,7 @@ def run(engine, model_path, prompts, work: Path, tag: str, **rollout) -> dict:
         "after_trunc": m["tokens_after_truncation"],
         "truncated": m["truncated_ratio"],
         "reward": m["reward_mean"],
-        "tool_s": m["tool_time_s"],
+        "tool_s": res.figures.seconds["tool_time_s"],
     }
 
 

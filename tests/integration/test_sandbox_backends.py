@@ -288,7 +288,7 @@ def test_rate_limited_starts_are_retried_and_the_key_goes_only_to_the_provider(
     for s in res.samples:
         assert (s.status, s.exit_status, s.reward) == ("FAILED", "SandboxError", None)
         assert "RateLimitException" in s.exit_reason and "after 1 retries" in s.exit_reason
-    assert res.metrics["retries"] == 2  # each of the 2 trials ran again in a fresh sandbox
+    assert res.figures.computed["retries"] == 2  # each of the 2 trials ran again in a fresh sandbox
     assert len(list((tmp_path / "run" / "trials").iterdir())) == 4
     # The key reached the provider (through the process environment, where e2b's SDK reads it) ...
     assert e2b_stand_in.requests and all(h.get("x-api-key") == KEY for _, _, h in e2b_stand_in.requests)
@@ -306,7 +306,7 @@ def test_refused_credentials_are_final_not_retried(tmp_path, key_file, e2b_stand
     res = _collect(tmp_path, _e2b_rollout(tmp_path, key_file, retries=3, n=1))
     [s] = res.samples
     assert s.status == "FAILED" and s.exit_reason.startswith("AuthenticationException")
-    assert res.metrics["retries"] == 0 and len(e2b_stand_in.requests) == 1
+    assert res.figures.computed["retries"] == 0 and len(e2b_stand_in.requests) == 1
 
 
 # ---- the sandbox-creation gate ---------------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ def test_a_failing_gate_fails_the_trial_without_retry(tmp_path):
     )
     [s] = res.samples
     assert s.status == "FAILED" and "RuntimeError: concurrency service down" in s.exit_reason
-    assert res.metrics["retries"] == 0
+    assert res.figures.computed["retries"] == 0
 
 
 # ---- Prefect: the global concurrency limit, and the flows end to end ------------------------------------------------

@@ -123,7 +123,8 @@ def test_healthy_engine_trial_is_scored_and_faulty_groups_dropped(agent_trials):
     kept, dropped = select_trainable(list(samples.values()), "drop_group")
     assert [s.instance_id for s in kept] == ["healthy"] and dropped == len(FAULTS)
     assert (
-        res.metrics["exit/AgentError"] + res.metrics["exit/EngineError"] == len(FAULTS) and res.metrics["scored"] == 1
+        res.figures.computed["exit/AgentError"] + res.figures.computed["exit/EngineError"] == len(FAULTS)
+        and res.figures.computed["scored"] == 1
     )
 
 

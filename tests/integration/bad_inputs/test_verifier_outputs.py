@@ -100,4 +100,4 @@ def test_failed_groups_are_dropped_and_samples_jsonl_records_them(outcome):
     rows = [json.loads(line) for line in res.details_path.read_text().splitlines()]
     by_id = {r["instance_id"]: r for r in rows}
     assert by_id["crash-no-reward"]["reward"] is None and by_id["crash-no-reward"]["exit_status"] == "VerifierError"
-    assert res.metrics["exit/VerifierError"] == len(VERIFIERS) and res.metrics["scored"] == 2
+    assert res.figures.computed["exit/VerifierError"] == len(VERIFIERS) and res.figures.computed["scored"] == 2

@@ -125,7 +125,7 @@ def test_persistent_engine_fault_fails_samples_as_infrastructure_not_the_step(
         assert (s.status, s.exit_status, s.reward) == ("FAILED", "EngineError", None)  # never a silent 0
         assert "EngineUnavailableError" in s.exit_reason and "failed after 2 attempts" in s.exit_reason
         assert s.metrics["retries"] == 1  # run again in a fresh sandbox, as infrastructure
-    assert len(retried) == 2 and res.metrics["scored"] == 0 and res.metrics["exit/EngineError"] == 2
+    assert len(retried) == 2 and res.figures.computed["scored"] == 0 and res.figures.computed["exit/EngineError"] == 2
     assert select_trainable(res.samples, "drop_group") == ([], 2)
 
 
@@ -160,7 +160,7 @@ def test_an_engine_outage_mid_step_is_waited_out_and_drops_nothing(tmp_path, tin
         )
         down.join()
     accounted(res, 6)
-    assert retried == [] and res.metrics["scored"] == 6
+    assert retried == [] and res.figures.computed["scored"] == 6
     assert select_trainable(res.samples, "drop_group")[1] == 0
 
 

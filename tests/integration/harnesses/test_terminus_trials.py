@@ -79,7 +79,7 @@ def test_terminus_2_solves_the_task_through_tmux_and_reports_tool_time(tmp_path)
     [s] = res.samples
     assert (s.reward, s.exit_status, s.status) == (1.0, "Submitted", "COMPLETED")
     assert s.metrics["commands_run"] == 1 and s.metrics["policy_calls"] == len(server.requests) == 3
-    assert s.metrics["tool_time_s"] > 0 and res.metrics["tool_time_s"] == s.metrics["tool_time_s"]
+    assert s.metrics["tool_time_s"] > 0 and res.figures.seconds["tool_time_s"] == s.metrics["tool_time_s"]
     assert s.metrics["generation_time_s"] > 0
     body = server.requests[0]["body"]
     # The sampling params of the config reach every policy call; the trial's seed too.

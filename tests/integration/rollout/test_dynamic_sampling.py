@@ -60,11 +60,11 @@ def test_flat_groups_are_refilled_from_new_prompts_until_the_step_has_its_inform
     pool = builtin_prompts("hello-file", "answer-42", "make-dir", "count-lines", "sort-lines")
     res, refill = _collect(tmp_path, step_prompts, pool, rounds=4)
     groups = {s.group_id for s in res.samples}
-    assert informative_groups(res.samples, "drop_group") and res.metrics["informative_groups"] == 2.0
+    assert informative_groups(res.samples, "drop_group") and res.figures.computed["informative_groups"] == 2.0
     # one prompt was missing: each round asks for exactly the missing number, so a flat draw (make-dir) takes
     # another round; the step never trains more groups than it asked for
-    assert res.metrics["refill_groups"] == res.metrics["refill_rounds"] == len(groups) - 2 >= 1
-    assert len(res.samples) == 2 * len(groups) and res.metrics["trials"] == len(res.samples)
+    assert res.figures.computed["refill_groups"] == res.figures.computed["refill_rounds"] == len(groups) - 2 >= 1
+    assert len(res.samples) == 2 * len(groups) and res.figures.computed["trials"] == len(res.samples)
     assert len({s.rollout_id for s in res.samples}) == len(res.samples)  # no refill trial collides
 
     # the same step again (a resume): the journal gives back every trial, none runs again
@@ -78,10 +78,18 @@ def test_flat_groups_are_refilled_from_new_prompts_until_the_step_has_its_inform
 def test_refill_stops_after_its_rounds_and_when_the_pool_runs_out(tmp_path):
     step_prompts = builtin_prompts("hello-file")
     res, refill = _collect(tmp_path / "a", step_prompts, builtin_prompts(*sorted(FLAT)), rounds=2)
-    assert (res.metrics["refill_rounds"], res.metrics["informative_groups"], len(res.samples)) == (2.0, 0.0, 6)
+    assert (res.figures.computed["refill_rounds"], res.figures.computed["informative_groups"], len(res.samples)) == (
+        2.0,
+        0.0,
+        6,
+    )
 
     res, _ = _collect(tmp_path / "b", step_prompts, builtin_prompts("hello-file", "make-dir"), rounds=5)
-    assert (res.metrics["refill_rounds"], res.metrics["refill_groups"], len(res.samples)) == (1.0, 1.0, 4)
+    assert (res.figures.computed["refill_rounds"], res.figures.computed["refill_groups"], len(res.samples)) == (
+        1.0,
+        1.0,
+        4,
+    )
 
 
 def _sample(group, k, reward, status="COMPLETED"):

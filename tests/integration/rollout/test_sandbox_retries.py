@@ -58,8 +58,8 @@ def test_flaky_sandbox_start_is_retried_until_every_trial_finishes(tmp_path):
     )
     assert len(res.samples) == 16
     assert all(s.status == "COMPLETED" and s.reward == 1.0 for s in res.samples)
-    assert res.metrics["retries"] == len(retried) > 0  # 30 % of starts fail: some trials needed retries
-    assert res.metrics["trials_retried"] >= 1 and res.metrics["exit/Submitted"] == 16
+    assert res.figures.computed["retries"] == len(retried) > 0  # 30 % of starts fail: some trials needed retries
+    assert res.figures.computed["trials_retried"] >= 1 and res.figures.computed["exit/Submitted"] == 16
     # Each failed attempt left its own trial dir; the retry ran in a fresh one.
     assert len(list((tmp_path / "trials").iterdir())) == 16 + len(retried)
 
@@ -73,4 +73,4 @@ def test_permanent_sandbox_failure_is_recorded_and_its_group_dropped(tmp_path):
         assert "SandboxStartError" in s.exit_reason and "after 2 retries" in s.exit_reason
     kept, dropped = select_trainable(res.samples, "drop_group")
     assert kept == [] and dropped == 1
-    assert res.metrics["scored"] == 0 and res.metrics["exit/SandboxError"] == 4
+    assert res.figures.computed["scored"] == 0 and res.figures.computed["exit/SandboxError"] == 4

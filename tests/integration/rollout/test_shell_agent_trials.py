@@ -99,7 +99,7 @@ def test_truncated_turn_ends_episode_without_running_the_cut_command(tmp_path, t
         assert s.reward == 0.0  # the verifier ran: the file was never written
         assert s.metrics["commands_run"] == 0 and s.metrics["tokens_after_truncation"] == 0
         assert s.messages[-1]["role"] == "assistant" and s.messages[-1]["content"] == cut  # the turn stays
-    assert res.metrics["tokens_after_truncation"] == 0 and res.metrics["truncated_ratio"] == 1.0
+    assert res.figures.computed["tokens_after_truncation"] == 0 and res.figures.computed["truncated_ratio"] == 1.0
     verifier_out = list((tmp_path / "trials").glob("*/verifier/reward.txt"))
     assert len(verifier_out) == 3
 

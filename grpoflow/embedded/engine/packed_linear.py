@@ -41,10 +41,16 @@ class PackedLinear(nn.Linear):
     """
 
     packed: torch.Tensor
+    packed_at: int  # the weight's version counter (torch bumps it on every in-place write) when it was packed
 
     def repack(self) -> None:
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _BATCH_HINT)
+        self.packed_at = self.weight._version
+
+    @property
+    def stale(self) -> bool:
+        return self.weight._version != self.packed_at
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # (..., in_features)
@@ -67,11 +73,13 @@ def pack_linears(model: nn.Module) -> int:
     return len(linears)
 
 
-def repack_linears(model: nn.Module) -> None:
-    """Refresh the packed copies after the model's weights were written in place."""
-    for m in model.modules():
-        if isinstance(m, PackedLinear):
-            m.repack()
+def repack_linears(model: nn.Module) -> int:
+    """Refresh the packed copies whose weights were written in place since they were packed (an update may load
+    a part of the model: a bucket of a weight sync); returns how many."""
+    stale = [m for m in model.modules() if isinstance(m, PackedLinear) and m.stale]
+    for m in stale:
+        m.repack()
+    return len(stale)
 
 
 def _supported(probe: nn.Linear) -> bool:

@@ -234,17 +234,24 @@ class Scheduler:
         return self.submit(input_ids, params, **kw).result()
 
     def update_weights(
-        self, load: Callable[[], dict[str, torch.Tensor]], source: str, weight_version: str | None = None
+        self,
+        load: Callable[[], dict[str, torch.Tensor]],
+        source: str,
+        weight_version: str | None = None,
+        whole: bool = True,
     ) -> Future:
         """Queue a weight update: once earlier requests finished, `load()` (in the scheduler's thread) gives the
-        new tensors by name and they replace the model's; the future resolves to a `WeightUpdateResult`."""
+        new tensors by name and they replace the model's; the future resolves to a `WeightUpdateResult`.
+        `whole`: a checkpoint, every tensor, and a new version (`weight_version`, else the next number). Else a
+        part of the model, as SGLang's in-memory updates take it (a bucket of a sync): the version changes only
+        when one is given (the sync's last bucket gives it)."""
 
         def apply() -> str:
             if self.adapter.name is not None:  # the merged adapter would be lost under new base weights
                 raise ModelError(f"adapter {self.adapter.name!r} is loaded: unload it before new base weights")
-            return f"loaded {load_named_tensors(self.model, load(), source)} tensors from {source}"
+            return f"loaded {load_named_tensors(self.model, load(), source, whole)} tensors from {source}"
 
-        return self._queue(_Update(apply, source, weight_version, Future()))
+        return self._queue(_Update(apply, source, weight_version, Future(), bump=whole or weight_version is not None))
 
     def load_lora_adapter(self, name: str, path: str) -> Future:
         """Merge PEFT's adapter at `path` into the served weights as `name` (`grpoflow.embedded.engine.lora`)."""
@@ -340,7 +347,7 @@ class Scheduler:
             except ValueError as e:  # refused before anything is received
                 raise InvalidRequest(f"dtypes: {e}") from e
         return self.update_weights(
-            lambda: receive_tensors(group, names, dtypes, shapes), f"group {group_name}", weight_version
+            lambda: receive_tensors(group, names, dtypes, shapes), f"group {group_name}", weight_version, whole=False
         )
 
     def update_weights_from_tensor(
@@ -366,7 +373,7 @@ class Scheduler:
             self._shared_tensors = named
             return named
 
-        return self.update_weights(load, "shared tensors", weight_version)
+        return self.update_weights(load, "shared tensors", weight_version, whole=False)
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (at the scheduler's next step; it owns the cache)."""
@@ -731,7 +738,7 @@ class Scheduler:
         try:
             done = upd.apply()
             if upd.touches_weights:
-                repack_linears(self.model)  # the packed copies are snapshots of the weights
+                repack_linears(self.model)  # the packed copies of the weights written are stale snapshots
         except GrpoflowError as e:  # raised before anything was written
             upd.future.set_result(WeightUpdateResult(False, f"weights not updated: {e}", self.weight_version))
             return

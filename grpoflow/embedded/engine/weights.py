@@ -34,16 +34,18 @@ def read_safetensors_dir(model_path: str | Path) -> dict[str, torch.Tensor]:
     return loaded
 
 
-def load_named_tensors(model: torch.nn.Module, loaded: dict[str, torch.Tensor], source: str) -> int:
+def load_named_tensors(model: torch.nn.Module, loaded: dict[str, torch.Tensor], source: str, whole: bool = True) -> int:
     """Copy `loaded` into `model` (cast to each parameter's dtype) after checking every name and shape, so a bad
-    set leaves the model untouched; `source` names where they came from in errors. Returns how many were copied."""
+    set leaves the model untouched; `source` names where they came from in errors. `whole`: every tensor of the
+    model must be there (a checkpoint); else any part of them (a bucket of an in-memory sync, as SGLang takes
+    one). Returns how many were copied."""
     target = model.state_dict()
     unexpected = sorted(loaded.keys() - target.keys())
     if unexpected:
         raise ModelError(f"{source}: {len(unexpected)} tensors the model does not have, e.g. {unexpected[:3]}")
     loaded_ptrs = {target[name].data_ptr() for name in loaded}
     missing = sorted(n for n in target.keys() - loaded.keys() if target[n].data_ptr() not in loaded_ptrs)
-    if missing:
+    if whole and missing:
         raise ModelError(f"{source}: {len(missing)} model tensors missing, e.g. {missing[:3]}")
     for name, tensor in loaded.items():
         if tuple(tensor.shape) != tuple(target[name].shape):

@@ -60,3 +60,20 @@ def test_repack_follows_in_place_weight_writes(models):
         want = plain(ids).logits
     assert not torch.allclose(stale, want, atol=1e-3)  # the packed copy is a snapshot...
     assert torch.allclose(fresh, want, atol=1e-5)  # ...until repacked
+
+
+def test_repack_refreshes_only_the_linears_written_since_they_were_packed(models):
+    """A bucket of a weight sync writes a part of the model: only the linears it wrote are repacked (by the
+    weight's version counter, which a tied weight shares), and the model then serves them all."""
+    plain, packed = models
+    assert repack_linears(packed) == 0  # nothing written since packing
+    linears = [name for name, m in packed.named_modules() if isinstance(m, PackedLinear)]
+    written = linears[0]
+    with torch.no_grad():
+        for model in (plain, packed):
+            model.get_submodule(written).weight.mul_(1.5)
+    assert repack_linears(packed) == 1
+    assert repack_linears(packed) == 0
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.inference_mode():
+        assert torch.allclose(packed(ids).logits, plain(ids).logits, atol=1e-5)

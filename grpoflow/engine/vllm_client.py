@@ -93,11 +93,14 @@ class VllmClient(EngineClient):
         return self._worker_call("grpoflow_join_update_group", kwargs, "/init_weights_update_group")
 
     def begin_weight_update(self) -> WeightsUpdateGroupResponse:
-        """`/pause?mode=wait`: requests in flight finish on the old weights, new ones wait."""
+        """`/pause?mode=wait` (requests in flight finish on the old weights, new ones wait), then each worker
+        opens its in-place reload for the buckets to come."""
         self._call("POST", "/pause?mode=wait", None, dict, retries=0)
-        return WeightsUpdateGroupResponse(success=True, message="paused")
+        return self._worker_call("grpoflow_begin_weights", {}, "/begin_weight_update")
 
     def end_weight_update(self) -> WeightsUpdateGroupResponse:
+        """Each worker serves what it received; then `/resume`."""
+        self._worker_call("grpoflow_end_weights", {}, "/end_weight_update")
         self._call("POST", "/resume", None, dict)
         return WeightsUpdateGroupResponse(success=True, message="resumed")
 

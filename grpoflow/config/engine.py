@@ -31,6 +31,13 @@ class WeightSyncConfig(Section):
         min_length=1,
         description="The address the engine reaches the trainer's weight-update group at (`distributed`).",
     )
+    bucket_mb: float = Field(
+        512.0,
+        gt=0,
+        description="The most a `distributed` sync sends in one update request, in MiB of the engine's dtype: the "
+        "engine allocates a request's tensors on its device before loading them, so this bounds what a sync adds to "
+        "its memory. A tensor larger than this goes alone.",
+    )
 
 
 class EmbeddedEngineConfig(Section):

@@ -66,15 +66,35 @@ def broadcast_tensors(group: dist.ProcessGroup, tensors: Iterable[torch.Tensor])
 
 
 def receive_tensors(
-    group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    group: dist.ProcessGroup,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Receive the tensors rank 0 broadcasts, named as announced (on the CPU: gloo)."""
+    """Receive the tensors rank 0 broadcasts, named as announced, into tensors on `device` (the receiver's own
+    accelerator over NCCL, which refuses CPU tensors; the CPU over gloo)."""
     out = {}
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        t = torch.empty(tuple(shape), dtype=torch_dtype(dtype))
+        t = torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=device)
         dist.broadcast(t, src=0, group=group)
         out[name] = t
     return out
+
+
+def plan_buckets(sizes: Sequence[int], limit: int) -> list[range]:
+    """Consecutive runs of tensors (by index) of at most `limit` bytes each, in order: one update request each.
+    A tensor larger than `limit` goes alone, so no run is empty."""
+    buckets: list[range] = []
+    start, filled = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and filled + size > limit:
+            buckets.append(range(start, i))
+            start, filled = i, 0
+        filled += size
+    if start < len(sizes):
+        buckets.append(range(start, len(sizes)))
+    return buckets
 
 
 def torch_dtype(name: str) -> torch.dtype:

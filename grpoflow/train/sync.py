@@ -4,17 +4,22 @@
   `/update_weights_from_disk`.
 - `adapter` (LoRA runs): the adapter alone, loaded with `/load_lora_adapter` (`AdapterSync`).
 - `distributed`: in memory. At the start the trainer hosts a process group (rank 0) that the engine joins
-  (`/init_weights_update_group`); each sync announces every tensor (name, dtype, shape) with
-  `/update_weights_from_distributed` and broadcasts them in that order, in the engine's dtype. Nothing is written
-  for the sync; full checkpoints are still written every `train.checkpoint.interval` steps.
+  (`/init_weights_update_group`); each sync sends the weights in buckets of at most `engine.weight_sync.bucket_mb`:
+  one `/update_weights_from_distributed` per bucket announces its tensors (name, dtype, shape), and the trainer
+  broadcasts them in that order, in the engine's dtype; the engine receives a bucket on its device and loads it
+  before the next, so neither side holds a second copy of the model. The last bucket carries the weight version.
+  No generation runs while a sync does (the loop syncs between rollouts), so none sees half-loaded weights.
+  Nothing is written for the sync; full checkpoints are still written every `train.checkpoint.interval` steps.
 - `tensor`: in memory, for an engine on the same host (on the same GPU with SGLang). Each sync copies the weights,
-  in the engine's dtype, into one flat buffer the engine can map (shared memory on the CPU; CUDA IPC on a GPU) and
-  `/update_weights_from_tensor` tells the engine where each tensor lies (`grpoflow.engine.shared_tensors`); the
-  engine copies them into its own. Nothing is written for the sync.
+  in the engine's dtype, bucket by bucket (as `distributed`) into one flat buffer the engine can map (shared memory
+  on the CPU; CUDA IPC on a GPU), the size of the largest bucket, and one `/update_weights_from_tensor` per bucket
+  tells the engine where each tensor lies (`grpoflow.engine.shared_tensors`); the engine copies them into its own
+  before it answers, so the buffer takes the next bucket. Nothing is written for the sync.
 
 SGLang takes the two in-memory updates only inside its weight-update session (`/begin_weight_update` ...
-`/end_weight_update`, `update_session`). Every sync says what it moved (`bytes`), so the step's record shows the
-cost of the sync, and ends by reading the engine's weight version back (`check_served_version`).
+`/end_weight_update`, `update_session`). Every sync says what it moved (`bytes`; in memory, in how many
+`buckets`), so the step's record shows the cost of the sync, and ends by reading the engine's weight version back
+(`check_served_version`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,6 +54,7 @@ from grpoflow.engine.update_group import (
     host_update_store,
     join_update_group,
     leave_update_group,
+    plan_buckets,
 )
 from grpoflow.errors import EngineError
 from grpoflow.fileio import publish_dir
@@ -86,6 +94,7 @@ class DistributedSync:
     def __init__(self, client: EngineClient, cfg: Engine, device: torch.device):
         self.client = client
         self.dtype = sync_dtype(cfg)
+        self.bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.device = device if self.backend == "nccl" else torch.device("cpu")
         # A name of its own: torch keeps group names per process, and an engine may outlive one run's sync.
@@ -103,20 +112,34 @@ class DistributedSync:
         if self.broken:
             raise EngineError("the weight update group is unusable after an earlier failed update")
         names, shapes, tensors = served(trainer)  # a sharded model's gathered one at a time, as they are sent
+        size = torch.empty((), dtype=self.dtype).element_size()
+        buckets = plan_buckets([math.prod(s) * size for s in shapes], self.bucket_bytes)
+        dtype = dtype_name(self.dtype)
 
-        def send() -> int:
+        def send(n: int) -> int:
             with torch.no_grad():
-                return broadcast_tensors(self.group, (t.to(self.device, self.dtype) for t in tensors))
+                return broadcast_tensors(self.group, (t.to(self.device, self.dtype) for t in islice(tensors, n)))
 
-        with update_session(self.client):
-            sent = self._paired(
-                send,
-                lambda: self.client.update_weights_from_distributed(
-                    names, [dtype_name(self.dtype)] * len(names), shapes, self.group_name, version
-                ),
+        def announce(b: range, last: bool) -> object:
+            # The version and the cache flush with the last bucket: the engine serves the new weights from then on.
+            return self.client.update_weights_from_distributed(
+                names[b.start : b.stop],
+                [dtype] * len(b),
+                shapes[b.start : b.stop],
+                self.group_name,
+                version if last else None,
+                flush_cache=last,
             )
+
+        sent = 0
+        with update_session(self.client):
+            for i, b in enumerate(buckets):
+                last = i + 1 == len(buckets)
+                sent += self._paired(partial(send, len(b)), partial(announce, b, last))
+        if next(tensors, None) is not None:  # also ends a sharded model's gathers on the other ranks
+            raise EngineError(f"the trainer served more tensors than the {len(names)} it announced")
         check_served_version(self.client, version)
-        return {"bytes": float(sent)}
+        return {"bytes": float(sent), "buckets": float(len(buckets))}
 
     def _paired(self, ours: Callable[[], T], engines: Callable[[], object]) -> T:
         """Our side of a collective and the engine's request (behind which it does its side, answering once
@@ -155,28 +178,38 @@ class TensorSync:
 
     def __init__(self, client: SglangClient, cfg: Engine, device: torch.device):
         self.client, self.dtype, self.device = client, sync_dtype(cfg), device
+        self.bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
         self.ranks = cfg.tp_size  # SGLang reads entry i on tensor-parallel rank i; each takes its shard itself
-        self._flat: torch.Tensor | None = None  # (sum of numels,) in self.dtype; kept across syncs
+        self._flat: torch.Tensor | None = None  # (the largest bucket's numel,) in self.dtype; kept across syncs
 
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
         names, shapes, tensors = served(trainer)  # a sharded model's gathered one at a time
-        total = sum(math.prod(s) for s in shapes)
-        if self._flat is None or self._flat.numel() != total:
-            self._flat = shared_buffer(total, self.dtype, self.device)
-        views, at = [], 0
-        with torch.no_grad():
-            for name, t in zip(names, tensors, strict=True):
-                view = self._flat[at : at + t.numel()].view(t.shape)
-                view.copy_(t)
-                views.append((name, view))
-                at += t.numel()
-        # The engine answers once it copied every tensor: the buffer is free for the next sync after this call.
-        # One dump per rank: torch counts each dump's handles as one reference that one reader gives back.
-        entries = [serialize_named_tensors(views) for _ in range(self.ranks)]
+        numels = [math.prod(s) for s in shapes]
+        size = torch.empty((), dtype=self.dtype).element_size()
+        buckets = plan_buckets([n * size for n in numels], self.bucket_bytes)
+        largest = max((sum(numels[i] for i in b) for b in buckets), default=0)
+        if self._flat is None or self._flat.numel() != largest:
+            self._flat = shared_buffer(largest, self.dtype, self.device)
+        moved = 0
         with update_session(self.client):
-            self.client.update_weights_from_tensor(entries, weight_version=version)
+            for i, b in enumerate(buckets):
+                views, at = [], 0
+                with torch.no_grad():
+                    for name, t in zip(names[b.start : b.stop], islice(tensors, len(b)), strict=True):
+                        view = self._flat[at : at + t.numel()].view(t.shape)
+                        view.copy_(t)
+                        views.append((name, view))
+                        at += t.numel()
+                # The engine answers once it copied every tensor: the buffer is free for the next bucket then.
+                # One dump per rank: torch counts each dump's handles as one reference that one reader gives back.
+                entries = [serialize_named_tensors(views) for _ in range(self.ranks)]
+                last = i + 1 == len(buckets)
+                self.client.update_weights_from_tensor(entries, version if last else None, flush_cache=last)
+                moved += at * size
+        if next(tensors, None) is not None:  # also ends a sharded model's gathers on the other ranks
+            raise EngineError(f"the trainer served more tensors than the {len(names)} it announced")
         check_served_version(self.client, version)
-        return {"bytes": float(self._flat.numel() * self._flat.element_size())}
+        return {"bytes": float(moved), "buckets": float(len(buckets))}
 
     def close(self) -> None:
         self._flat = None
@@ -253,12 +286,14 @@ class ReplicaSyncs:
             )
         if not self.syncs:
             raise EngineError(f"no engine replica answers /health (lost: {', '.join(self.lost)})")
-        moved = 0.0
+        moved: dict[str, float] = {}
         for s in self.syncs:  # each reads its replica's weight version back
-            moved += s.push(trainer, version, ckpt)["bytes"]
+            for key, value in s.push(trainer, version, ckpt).items():
+                # bytes over every replica; the bucket count is each replica's
+                moved[key] = moved.get(key, 0.0) + value if key == "bytes" else value
         if len(self.syncs) + len(self.lost) == 1:  # one engine: nothing to count
-            return {"bytes": moved}
-        return {"bytes": moved, "replicas": float(len(self.syncs)), "replicas_lost": float(len(self.lost))}
+            return moved
+        return moved | {"replicas": float(len(self.syncs)), "replicas_lost": float(len(self.lost))}
 
     def label(self, version: str) -> None:
         """Every engine reports `version` for the weights it serves now (SGLang's /update_weight_version)."""

@@ -153,6 +153,11 @@ def move_weights(trainer, seed: int) -> None:
     trainer.optimizer_steps += 1
 
 
+# A weight sync's bucket in the lanes: a fraction of the tiny model (about 1 MiB in bfloat16), so that every
+# `distributed` sync goes in several update requests, as a large model's would.
+BUCKET_MB = 0.25
+
+
 def sync_twice_and_probe(live: LiveEngine, cfg, tmp_path: Path) -> None:
     """Two syncs into `live` by `cfg`'s weight sync (the second reuses its group or buffer), as a run makes them,
     each of new weights: the version reads back (the push checks it, and so does every reply after it), and the
@@ -174,6 +179,8 @@ def sync_twice_and_probe(live: LiveEngine, cfg, tmp_path: Path) -> None:
                 trainer.model.save_pretrained(ckpt)
             moved = sync.push(trainer, version, ckpt)  # reads the served version back, or raises
             assert moved["bytes"] > 0 and live.client.model_info().weight_version == version
+            if cfg.weight_sync_mode() == "distributed":  # several requests, each loaded before the next
+                assert moved["buckets"] >= 3
             assert probe.check(sync.client, trainer, version)["probe_gap"] < 0.1
             assert live.client.generate([1, 2, 3]).meta_info.weight_version == version
 

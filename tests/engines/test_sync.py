@@ -12,13 +12,15 @@ import pytest
 from grpoflow.config import TrainConfig, parse_run_config
 from grpoflow.train.probe import check_logprob_agreement
 from grpoflow.train.trainer import load_trainer
-from tests.engines.conftest import sync_twice_and_probe
+from tests.engines.conftest import BUCKET_MB, sync_twice_and_probe
 
 pytestmark = pytest.mark.sglang
 
 
 def _cfg(sglang, mode: str):
-    return parse_run_config({"engine": {"backend": "sglang", "url": sglang.url, "weight_sync": {"mode": mode}}})
+    return parse_run_config(
+        {"engine": {"backend": "sglang", "url": sglang.url, "weight_sync": {"mode": mode, "bucket_mb": BUCKET_MB}}}
+    )
 
 
 def test_engine_and_trainer_score_a_probe_reply_alike(sglang):

@@ -24,7 +24,7 @@ from grpoflow.config import SglangLaunch, parse_run_config
 from grpoflow.engine.router import start_router
 from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server
 from grpoflow.run.metrics import read_metrics
-from tests.engines.conftest import CONTEXT_LENGTH, TRIALS_PER_PROMPT, train_config
+from tests.engines.conftest import BUCKET_MB, CONTEXT_LENGTH, TRIALS_PER_PROMPT, train_config
 from tests.integration.faults.policy import fence_policy
 
 pytestmark = [
@@ -38,7 +38,13 @@ pytestmark = [
 def _run(tmp_path, sglang, run_id: str, url: str, mode: str, steps: int = 2) -> list[dict]:
     policy = fence_policy(sglang.model_dir, tmp_path / "policy")
     sglang.client.update_weights_from_disk(str(policy), weight_version="policy")
-    cfg = train_config(tmp_path, policy, run_id, {"backend": "sglang", "url": url, "weight_sync": mode}, steps)
+    cfg = train_config(
+        tmp_path,
+        policy,
+        run_id,
+        {"backend": "sglang", "url": url, "weight_sync": {"mode": mode, "bucket_mb": BUCKET_MB}},
+        steps,
+    )
     train_flow(parse_run_config(cfg))
     return read_metrics(tmp_path / "runs" / run_id / "metrics.jsonl")
 
@@ -50,6 +56,7 @@ def test_two_steps_sync_and_probe_the_served_weights(sglang, mode, tmp_path, res
     assert sum(r["train/optimizer_steps"] for r in rows) >= 1  # the weights moved: the probes had work to do
     for r in rows:  # every step's sync reached SGLang and the probe found the trainer's weights there
         assert r["sync/bytes"] > 0 and 0 <= r["sync/probe_gap"] < 0.1 and r["rollout/scored"] == 2 * TRIALS_PER_PROMPT
+        assert r.get("sync/buckets", 3) >= 3  # `distributed`: in several requests (disk: none)
     assert sglang.client.model_info().weight_version == "2"
     details = tmp_path / "runs" / f"sglang-{mode}" / "details" / "step_1" / "samples.jsonl"
     assert {json.loads(x)["weight_version"] for x in details.open()} == {"1"}  # generated after step 0's sync

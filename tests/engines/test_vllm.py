@@ -18,13 +18,15 @@ from grpoflow.errors import ConfigError, EngineError
 from grpoflow.run.metrics import read_metrics
 from grpoflow.train.probe import check_logprob_agreement
 from grpoflow.train.trainer import load_trainer
-from tests.engines.conftest import TRIALS_PER_PROMPT, sync_twice_and_probe, train_config, vllm_engine_config
+from tests.engines.conftest import BUCKET_MB, TRIALS_PER_PROMPT, sync_twice_and_probe, train_config, vllm_engine_config
 
 pytestmark = pytest.mark.vllm
 
 
 def _cfg(vllm, mode: str = "disk"):
-    return parse_run_config({"engine": {"backend": "vllm", "url": vllm.url, "weight_sync": {"mode": mode}}})
+    return parse_run_config(
+        {"engine": {"backend": "vllm", "url": vllm.url, "weight_sync": {"mode": mode, "bucket_mb": BUCKET_MB}}}
+    )
 
 
 def test_the_server_serves_through_vllm_launch(vllm):
@@ -70,12 +72,13 @@ def test_what_vllm_does_not_take_is_refused_at_validation(engine, field):
 @pytest.mark.flow
 @pytest.mark.usefixtures("prefect_server")
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")
-def test_two_steps_on_a_launched_vllm_sync_and_probe_the_served_weights(vllm_python, vllm_model, tmp_path):
+def test_two_steps_on_a_launched_vllm_sync_in_buckets_and_probe_the_served_weights(vllm_python, vllm_model, tmp_path):
     from flows.train import train_flow
     from tests.integration.faults.policy import fence_policy
 
     policy = fence_policy(vllm_model, tmp_path / "policy")
-    engine = vllm_engine_config(vllm_python).model_dump(exclude_defaults=True)
+    sync = {"mode": "distributed", "bucket_mb": BUCKET_MB}  # into the worker extension, in several requests
+    engine = vllm_engine_config(vllm_python, weight_sync=sync).model_dump(exclude_defaults=True)
     cfg = train_config(tmp_path, policy, "vllm-launch", engine)
     train_flow(parse_run_config(cfg))
     rows = read_metrics(tmp_path / "runs" / "vllm-launch" / "metrics.jsonl")
@@ -83,5 +86,6 @@ def test_two_steps_on_a_launched_vllm_sync_and_probe_the_served_weights(vllm_pyt
     assert sum(r["train/optimizer_steps"] for r in rows) >= 1  # the weights moved: the probes had work to do
     for r in rows:  # every step's sync reached vLLM and the probe found the trainer's weights there
         assert r["sync/bytes"] > 0 and 0 <= r["sync/probe_gap"] < 0.1 and r["rollout/scored"] == 2 * TRIALS_PER_PROMPT
+        assert r["sync/buckets"] >= 3
     details = tmp_path / "runs" / "vllm-launch" / "details" / "step_1" / "samples.jsonl"
     assert {json.loads(x)["weight_version"] for x in details.open()} == {"1"}  # generated after step 0's sync

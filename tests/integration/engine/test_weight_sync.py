@@ -82,15 +82,20 @@ def _trainer_logprobs(trainer, ids: list[int]) -> list[float]:
     return lp[0, len(PROMPT) - 1 :].tolist()
 
 
-@pytest.mark.parametrize("mode, kind", [("distributed", DistributedSync), ("tensor", TensorSync)])
-def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, tiny_model_dir, mode, kind):
+@pytest.mark.parametrize(
+    "mode, kind, bucket_mb",
+    [("distributed", DistributedSync, 512.0), ("distributed", DistributedSync, 0.2), ("tensor", TensorSync, 512.0)],
+)
+def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, tiny_model_dir, mode, kind, bucket_mb):
+    """`bucket_mb` 0.2: the tiny model's weights go in several update requests, each loaded as it arrives."""
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     with torch.no_grad():  # new weights the engine cannot have: every parameter moved
         for p in trainer.model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     client = engine.client
     before = _engine_logprobs(client)
-    cfg = parse_run_config({"engine": {"weight_sync": {"mode": mode}}})
+    cfg = parse_run_config({"engine": {"weight_sync": {"mode": mode, "bucket_mb": bucket_mb}}})
+    n_bytes = sum(t.numel() * 4 for t in serving_tensors(trainer.model).values())
     with open_weight_sync(cfg, engine.url, trainer) as sync:
         sync = sync.syncs[0]  # the one engine's own sync
         assert isinstance(sync, kind) and not sync.needs_dir
@@ -100,8 +105,9 @@ def test_the_engine_serves_the_trainers_weights_after_an_in_memory_sync(engine, 
         # fp32 both sides: the engine's logprobs of its own greedy reply are the trainer's, to rounding
         assert lps != before[1]
         assert max(abs(a - b) for a, b in zip(lps, _trainer_logprobs(trainer, ids), strict=True)) < 1e-4
-        n_bytes = sum(t.numel() * 4 for t in serving_tensors(trainer.model).values())
         assert moved["bytes"] == n_bytes
+        if mode == "distributed":  # the tiny model is over 3 x 0.2 MiB and under 512 MiB
+            assert moved["buckets"] >= 3 if bucket_mb < 1 else moved["buckets"] == 1
         with torch.no_grad():  # a second sync over the same group
             for p in trainer.model.parameters():
                 p.mul_(0.9)

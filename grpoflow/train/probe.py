@@ -60,6 +60,9 @@ def logprob_gap(client: EngineClient, state: TrainerState, cfg: RunConfig, seed:
 
 
 SYNC_PROBE_TOKENS = 16
+# How many times the engine's own gap to the trainer a step must move the trainer's logprobs by before the probe
+# can tell new weights from old ones (see `SyncProbe`).
+NOISE_FACTOR = 4.0
 
 
 @dataclass
@@ -70,15 +73,18 @@ class SyncProbe:
     engine must be within `limit` nats (mean) of the trainer's current weights; and when the trainer has moved
     since the last sync and the reply is the same tokens as then, the engine must not be clearly closer (half
     the distance or less) to the trainer's previous logprobs than to its current ones: that is an engine still
-    serving the old weights (a sync it acknowledged but ignored). An engine whose own noise hides one step's
-    change passes the second test either way; the first still bounds it.
+    serving the old weights (a sync it acknowledged but ignored). The second test asks only about a step that
+    moved the trainer's logprobs by more than `NOISE_FACTOR` times the engine's gap at the last check: an engine
+    serving in bfloat16 rounds a smaller update of the weights away, so it rightly still looks like the old ones.
+    The first test bounds such an engine.
     """
 
     limit: float
     # per engine (base URL; replicas are checked one by one): (reply ids, the trainer's logprobs of them then),
-    # and the trainer's optimizer steps at the last check
+    # the trainer's optimizer steps and the engine's gap to the trainer at the last check
     _last: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
     _last_steps: dict[str, int] = field(default_factory=dict)
+    _last_gap: dict[str, float] = field(default_factory=dict)
 
     def check(self, client: EngineClient, state: TrainerState, version: str) -> dict[str, float]:
         # ignore_eos: always SYNC_PROBE_TOKENS tokens to compare (an empty reply would prove nothing)
@@ -90,7 +96,8 @@ class SyncProbe:
         moved = key in self._last_steps and state.optimizer_steps != self._last_steps[key]
         if moved and last is not None and last[0] == ids and ids:
             to_old = (engine - last[1]).abs().mean().item()
-            if to_old * 2 < gap:
+            step = (trainer - last[1]).abs().mean().item()  # how far the trainer's own logprobs moved
+            if step > NOISE_FACTOR * self._last_gap[key] and to_old * 2 < gap:
                 raise EngineError(
                     f"the engine still serves the old weights after the sync to version {version}: its logprobs "
                     f"of a probe reply are {to_old:.2e} nats from the trainer's before the update and {gap:.2e} "
@@ -102,7 +109,7 @@ class SyncProbe:
                 f"from the trainer's on average (train.max_probe_logprob_gap={self.limit}): the engine does not "
                 "serve the trainer's weights"
             )
-        self._last[key], self._last_steps[key] = (ids, trainer), state.optimizer_steps
+        self._last[key], self._last_steps[key], self._last_gap[key] = (ids, trainer), state.optimizer_steps, gap
         return {"probe_gap": gap}
 
 

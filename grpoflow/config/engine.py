@@ -200,7 +200,7 @@ class Engine(Section):
         ge=1,
         le=64,
         description="GPUs one server shards the model over (SGLang `--tp-size`, vLLM `--tensor-parallel-size`): "
-        "what a launched server is started with, and how many ranks an in-memory weight sync reaches.",
+        "what a launched server is started with, and what the GPU plan gives it.",
     )
     deterministic: bool = Field(
         False,

@@ -158,6 +158,11 @@ class EngineClient(ABC):
     def replicas(self, timeout: float = 10.0) -> list[str]:
         """The engines behind `base_url` (weight syncs and probes go to each): a router's workers, or the one."""
 
+    @abstractmethod
+    def weight_update_ranks(self) -> int:
+        """How many of the engine's workers join a weight-update group (each receives every broadcast): the
+        server's own layout, not the run's config, since an attached server may run another."""
+
     # --- what every engine answers alike -------------------------------------------------------------------
 
     def server_info(self) -> dict[str, Any]:
@@ -378,6 +383,20 @@ class SglangClient(EngineClient):
 
     def replicas(self, timeout: float = 10.0) -> list[str]:
         return replica_urls(self.base_url, timeout)
+
+    def weight_update_ranks(self) -> int:
+        """`tp_size` of /get_server_info: SGLang's workers join as rank_offset + their tensor-parallel rank, so
+        pipeline or data parallelism inside one server would give two workers one rank."""
+        info = self.server_info()
+        layout = {k: info.get(k, 1) for k in ("tp_size", "pp_size", "dp_size")}
+        if not all(isinstance(v, int) and v >= 1 for v in layout.values()):
+            raise EngineError(f"/get_server_info: malformed response: {layout}")
+        if layout["pp_size"] > 1 or layout["dp_size"] > 1:
+            raise EngineError(
+                f"engine {self.base_url} runs pp_size {layout['pp_size']} and dp_size {layout['dp_size']}: an "
+                "in-memory weight sync reaches tensor-parallel workers only; set engine.weight_sync.mode=disk"
+            )
+        return layout["tp_size"]
 
     def _unretried_update(self, path: str, body: dict) -> WeightsUpdateGroupResponse:
         return _checked_update(self._call("POST", path, body, WeightsUpdateGroupResponse, retries=0), path)

@@ -139,6 +139,10 @@ class VllmClient(EngineClient):
     def replicas(self, timeout: float = 10.0) -> list[str]:
         return [self.base_url]  # no router in front of vLLM here
 
+    def weight_update_ranks(self) -> int:
+        """The workers that answer a `/collective_rpc` (every rank of vLLM's tensor and pipeline parallel world)."""
+        return len(json.loads(self._worker_call("grpoflow_rank", {}, "/get_server_info").message))
+
     def _worker_call(self, method: str, kwargs: dict[str, str], what: str) -> WeightsUpdateGroupResponse:
         """`method` of grpoflow's worker extension on every vLLM worker (`/collective_rpc`), not retried (each is one
         end of a collective); EngineError naming `what` (the SGLang route it stands for) with vLLM's reason."""

@@ -27,6 +27,10 @@ class WeightUpdateExtension:
     """Mixed into vLLM's worker class: `self.rank` (its tensor-parallel rank), `self.device` and
     `self.model_runner` are the worker's."""
 
+    def grpoflow_rank(self) -> int:
+        """Its rank in vLLM's world (one answer per worker: the caller counts them)."""
+        return int(getattr(self, "rank", 0))
+
     def grpoflow_join_update_group(
         self, master_address: str, master_port: str, rank_offset: str, world_size: str, group_name: str, backend: str
     ) -> None:

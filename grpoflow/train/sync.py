@@ -101,7 +101,10 @@ class DistributedSync:
         self.group_name = f"grpoflow-{uuid.uuid4().hex[:12]}"
         self.broken = False  # a failed update left one side of a collective waiting: the group is unusable
         address, timeout = cfg.weight_sync.address, UPDATE_GROUP_TIMEOUT_S
-        world = 1 + cfg.tp_size  # the trainer (rank 0), then the engine's workers (ranks 1 .. tp_size)
+        # the trainer (rank 0), then the engine's workers as the server counts them (an attached server may
+        # run another layout than engine.tp_size says; a group sized from the config would wait for ranks never
+        # coming, or refuse one)
+        world = 1 + client.weight_update_ranks()
         store = host_update_store(address, world, timeout)
         self.group = self._paired(
             lambda: join_update_group(address, store.port, 0, world, self.group_name, self.backend, timeout, store),
@@ -179,7 +182,8 @@ class TensorSync:
     def __init__(self, client: SglangClient, cfg: Engine, device: torch.device):
         self.client, self.dtype, self.device = client, sync_dtype(cfg), device
         self.bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
-        self.ranks = cfg.tp_size  # SGLang reads entry i on tensor-parallel rank i; each takes its shard itself
+        # SGLang reads entry i on tensor-parallel rank i; each takes its shard itself
+        self.ranks = client.weight_update_ranks()
         self._flat: torch.Tensor | None = None  # (the largest bucket's numel,) in self.dtype; kept across syncs
 
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:

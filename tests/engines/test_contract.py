@@ -178,3 +178,9 @@ def test_the_context_length_is_read_from_the_engine(engine):
     import asyncio
 
     assert asyncio.run(engine.client.acontext_length()) == CONTEXT_LENGTH
+
+
+def test_the_engine_says_how_many_workers_join_a_weight_update_group(engine):
+    """The weight sync sizes its group from the server, not from `engine.tp_size`: one worker each here (SGLang's
+    `tp_size`, vLLM's workers answering a collective_rpc, the embedded engine's one process)."""
+    assert engine.client.weight_update_ranks() == 1

@@ -11,6 +11,7 @@ import grpoflow
 from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.engine.clients import CLIENTS, engine_client
 from grpoflow.engine.vllm_client import VllmClient
+from grpoflow.errors import EngineError
 
 CORE = Path(grpoflow.__file__).parent
 CHOOSER = CORE / "engine" / "clients.py"
@@ -88,3 +89,21 @@ def test_an_attached_engine_alone_is_no_router_however_its_url_is_spelled(api, m
     cfg = parse_run_config({"engine": {"backend": api, "url": "http://127.0.0.1:9/"}}).engine
     with open_engine(cfg, "m", 0, Path("/nonexistent/engine.log")) as handle:
         assert handle.router is None and handle.replica_urls == ["http://127.0.0.1:9"]
+
+
+@pytest.mark.parametrize(
+    "server_args, ranks",
+    [({"tp_size": 4}, 4), ({}, 1), ({"tp_size": 2, "pp_size": 2}, None), ({"dp_size": 2}, None)],
+)
+def test_sglangs_weight_update_ranks_are_its_tensor_parallel_workers(server_args, ranks):
+    """SGLang's workers join a weight-update group as rank_offset + their tensor-parallel rank: a server with
+    pipeline or data parallelism would give two of them one rank, so the in-memory sync refuses it, naming both
+    sizes and the way out."""
+    from tests.fakes.sglang_standin import StandinServer
+
+    with StandinServer(server_args=server_args) as server, SglangClient(server.url) as client:
+        if ranks is not None:
+            assert client.weight_update_ranks() == ranks
+        else:
+            with pytest.raises(EngineError, match=r"pp_size \d and dp_size \d: .*engine.weight_sync.mode=disk"):
+                client.weight_update_ranks()

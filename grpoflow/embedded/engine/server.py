@@ -130,6 +130,7 @@ async def get_server_info(scheduler: Engine, model_name: ModelName) -> dict:
         "max_running_requests": scheduler.max_batch_size,
         "context_length": scheduler.context_length,
         "weight_version": scheduler.weight_version,
+        "tp_size": 1,  # one process: it joins a weight-update group as one worker
         "internal_states": [scheduler.internal_state()],
     }
 

@@ -295,3 +295,19 @@ def test_a_failure_on_the_trainers_side_raises_at_once(tiny_model_dir, tmp_path,
             assert time.monotonic() - t0 < 30 and s.broken
             with pytest.raises(EngineError, match="unusable after an earlier failed update"):
                 s.push(trainer, "51")
+
+
+def test_the_group_is_sized_by_the_server_not_by_the_config(engine, tiny_model_dir, monkeypatch):
+    """An attached server whose layout differs from `engine.tp_size` (here: the config says 2, the server runs
+    1): sized from the config, the group would wait for a rank that never comes (here for the shortened timeout
+    of the group's rendezvous, instead of half an hour)."""
+    import grpoflow.train.sync as sync_module
+
+    monkeypatch.setattr(sync_module, "UPDATE_GROUP_TIMEOUT_S", 20.0)
+    trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    cfg = parse_run_config(
+        {"engine": {"backend": "sglang", "url": engine.url, "tp_size": 2, "weight_sync": {"mode": "distributed"}}}
+    )
+    with open_weight_sync(cfg, engine.url, trainer) as syncs:
+        moved = syncs.push(trainer, "60")
+    assert moved["bytes"] > 0 and engine.client.model_info().weight_version == "60"

@@ -141,16 +141,24 @@ class VllmClient(EngineClient):
 
     def weight_update_ranks(self) -> int:
         """The workers that answer a `/collective_rpc` (every rank of vLLM's tensor and pipeline parallel world)."""
-        return len(json.loads(self._worker_call("grpoflow_rank", {}, "/get_server_info").message))
+        return len(self._worker_results("grpoflow_rank", {}, "/get_server_info"))
 
     def _worker_call(self, method: str, kwargs: dict[str, str], what: str) -> WeightsUpdateGroupResponse:
+        """`_worker_results` as SGLang's answer to the route it stands for."""
+        return WeightsUpdateGroupResponse(success=True, message=json.dumps(self._worker_results(method, kwargs, what)))
+
+    def _worker_results(self, method: str, kwargs: dict[str, str], what: str) -> list[Any]:
         """`method` of grpoflow's worker extension on every vLLM worker (`/collective_rpc`), not retried (each is one
-        end of a collective); EngineError naming `what` (the SGLang route it stands for) with vLLM's reason."""
+        end of a collective): one result per worker. EngineError naming `what` (the SGLang route it stands for)
+        with vLLM's reason."""
         try:
             out = self._call("POST", "/collective_rpc", {"method": method, "kwargs": kwargs}, dict, retries=0)
         except EngineError as e:
             raise EngineError(f"{what}: failed: vLLM worker extension {method}: {e}") from e
-        return WeightsUpdateGroupResponse(success=True, message=json.dumps(out.get("results")))
+        results = out.get("results")
+        if not isinstance(results, list):
+            raise EngineError(f"{what}: malformed response of /collective_rpc {method}: results {results!r}")
+        return results
 
 
 def _completion_body(input_ids: list[int], params: SamplingParams | None, return_logprob: bool) -> dict:

@@ -115,8 +115,7 @@ class DistributedSync:
         if self.broken:
             raise EngineError("the weight update group is unusable after an earlier failed update")
         names, shapes, tensors = served(trainer)  # a sharded model's gathered one at a time, as they are sent
-        size = torch.empty((), dtype=self.dtype).element_size()
-        buckets = plan_buckets([math.prod(s) * size for s in shapes], self.bucket_bytes)
+        buckets = _buckets(shapes, self.dtype, self.bucket_bytes)
         dtype = dtype_name(self.dtype)
 
         def send(n: int) -> int:
@@ -139,8 +138,7 @@ class DistributedSync:
             for i, b in enumerate(buckets):
                 last = i + 1 == len(buckets)
                 sent += self._paired(partial(send, len(b)), partial(announce, b, last))
-        if next(tensors, None) is not None:  # also ends a sharded model's gathers on the other ranks
-            raise EngineError(f"the trainer served more tensors than the {len(names)} it announced")
+        _all_sent(tensors, len(names))
         check_served_version(self.client, version)
         return {"bytes": float(sent), "buckets": float(len(buckets))}
 
@@ -189,8 +187,7 @@ class TensorSync:
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
         names, shapes, tensors = served(trainer)  # a sharded model's gathered one at a time
         numels = [math.prod(s) for s in shapes]
-        size = torch.empty((), dtype=self.dtype).element_size()
-        buckets = plan_buckets([n * size for n in numels], self.bucket_bytes)
+        buckets = _buckets(shapes, self.dtype, self.bucket_bytes)
         largest = max((sum(numels[i] for i in b) for b in buckets), default=0)
         if self._flat is None or self._flat.numel() != largest:
             self._flat = shared_buffer(largest, self.dtype, self.device)
@@ -209,14 +206,25 @@ class TensorSync:
                 entries = [serialize_named_tensors(views) for _ in range(self.ranks)]
                 last = i + 1 == len(buckets)
                 self.client.update_weights_from_tensor(entries, version if last else None, flush_cache=last)
-                moved += at * size
-        if next(tensors, None) is not None:  # also ends a sharded model's gathers on the other ranks
-            raise EngineError(f"the trainer served more tensors than the {len(names)} it announced")
+                moved += at * self.dtype.itemsize
+        _all_sent(tensors, len(names))
         check_served_version(self.client, version)
         return {"bytes": float(moved), "buckets": float(len(buckets))}
 
     def close(self) -> None:
         self._flat = None
+
+
+def _buckets(shapes: list[list[int]], dtype: torch.dtype, limit_bytes: int) -> list[range]:
+    """The in-memory syncs' update requests: runs of the served tensors of at most `limit_bytes` in `dtype`."""
+    return plan_buckets([math.prod(s) * dtype.itemsize for s in shapes], limit_bytes)
+
+
+def _all_sent(tensors: Iterator[torch.Tensor], announced: int) -> None:
+    """The served tensors are spent once the buckets took theirs; stepping past the last also ends a sharded
+    model's gathers on the other ranks."""
+    if next(tensors, None) is not None:
+        raise EngineError(f"the trainer served more tensors than the {announced} it announced")
 
 
 def sync_dtype(cfg: Engine) -> torch.dtype:

@@ -208,7 +208,19 @@ class Engine(Section):
         "cost of batching. The embedded engine decodes each request alone with the prefix cache off; a launched "
         "SGLang gets `--enable-deterministic-inference`, an attached one must have been started with it.",
     )
-    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one engine request, in seconds.")
+    request_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Timeout of one engine request, in seconds; a generation gets this for the engine to take it "
+        "up, plus its tokens at `min_decode_tok_s`.",
+    )
+    min_decode_tok_s: float = Field(
+        2.0,
+        ge=0,
+        description="The slowest decode of one generation, in new tokens a second, that still counts as "
+        "progress: a generation asking for N tokens times out after `request_timeout_s` + N / this, and one that "
+        "does is failed as an infrastructure fault, never re-sent. 0: `request_timeout_s` alone.",
+    )
     retries: int = Field(
         3,
         ge=0,

@@ -10,6 +10,10 @@ exponential backoff, at least `retries` times after the first try and for as lon
 engine restarting or overloaded is waited out), then raise `EngineUnavailableError` naming the URL. A 4xx is the
 caller's fault and is never retried. An aborted generation (`finish_reason.type == "abort"`, which SGLang sends
 when a request is cancelled) raises too: its output is incomplete and must not be scored.
+
+A generation's read timeout grows with the tokens it asks for (`generation_timeout`), so a long generation is never
+cut off for its length. One that still gets no answer in that time is not re-sent: the engine held it all along,
+and a re-sent request would decode it again from its first token; it fails at once as an infrastructure fault.
 """
 
 from __future__ import annotations
@@ -80,9 +84,12 @@ class EngineClient(ABC):
         backoff_s: float = 0.5,
         lora_path: str | None = None,
         outage_s: float = 0.0,
+        min_decode_tok_s: float = 0.0,
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        # The slowest decode of one generation that is still progress (0: a generation gets `timeout` alone)
+        self.min_decode_tok_s = min_decode_tok_s
         self.retries = retries
         self.outage_s = outage_s  # how long a request keeps retrying an engine that does not answer
         self.backoff_s = backoff_s
@@ -213,6 +220,13 @@ class EngineClient(ABC):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def generation_timeout(self, max_new_tokens: int) -> float:
+        """How long a generation of up to `max_new_tokens` may take before it counts as stuck: `timeout` for the
+        engine to take it up (queue, prefill), plus its tokens at `min_decode_tok_s`."""
+        if self.min_decode_tok_s <= 0:
+            return self.timeout
+        return self.timeout + max_new_tokens / self.min_decode_tok_s
+
     # --- transport ----------------------------------------------------------------------------------------
 
     def _sync_client(self) -> httpx.Client:
@@ -230,17 +244,26 @@ class EngineClient(ABC):
         return self._aclient
 
     def _call(
-        self, method: str, path: str, body: dict | None, model: type[M] | type[dict], retries: int | None = None
+        self,
+        method: str,
+        path: str,
+        body: dict | None,
+        model: type[M] | type[dict],
+        retries: int | None = None,
+        generation_s: float | None = None,
     ) -> M:
+        """`generation_s`: the request is a generation with this read timeout, never re-sent once it ran out."""
         url = self.base_url + path
         retries = self.retries if retries is None else retries
+        timeout = self._timeout(generation_s)
         last: BaseException | None = None
         start, attempt = time.monotonic(), 0
         while True:
             try:
-                resp = self._sync_client().request(method, url, json=body)
+                resp = self._sync_client().request(method, url, json=body, timeout=timeout)
                 return _parse(resp, path, model)
             except (_Retryable, httpx.TransportError) as e:
+                _not_resent(e, method, url, generation_s)
                 last = e
             if not self._again(attempt, retries, start):
                 raise EngineUnavailableError(f"{method} {url} failed after {attempt + 1} attempts: {_describe(last)}")
@@ -254,17 +277,20 @@ class EngineClient(ABC):
         body: dict | None,
         model: type[M] | type[dict],
         on_fault: Callable[[str], None] | None = None,
+        generation_s: float | None = None,
     ) -> M:
         url = self.base_url + path
+        timeout = self._timeout(generation_s)
         last: BaseException | None = None
         start, attempt = time.monotonic(), 0
         while True:
             try:
-                resp = await self._async_client().request(method, url, json=body)
+                resp = await self._async_client().request(method, url, json=body, timeout=timeout)
                 parsed = _parse(resp, path, model)
                 self.outage = None
                 return parsed
             except (_Retryable, httpx.TransportError) as e:
+                _not_resent(e, method, url, generation_s)
                 last = e
                 self.outage = f"{method} {url}: {_describe(e)}"
                 if on_fault is not None:
@@ -273,6 +299,10 @@ class EngineClient(ABC):
                 raise EngineUnavailableError(f"{method} {url} failed after {attempt + 1} attempts: {_describe(last)}")
             await asyncio.sleep(self._delay(attempt))
             attempt += 1
+
+    def _timeout(self, generation_s: float | None) -> httpx.Timeout:
+        """Every phase of a request gets `timeout`; a generation's answer (the read) `generation_s`."""
+        return httpx.Timeout(self.timeout, read=generation_s or self.timeout)
 
     def _again(self, attempt: int, retries: int, start: float) -> bool:
         """Another try after `attempt` failed ones (from 0): within `retries`, or within the outage budget."""
@@ -294,7 +324,8 @@ class SglangClient(EngineClient):
         self, input_ids: list[int], sampling_params: SamplingParams | None = None, *, return_logprob: bool = True
     ) -> GenerateResponse:
         body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
-        return checked_generate(self._call("POST", "/generate", body, GenerateResponse))
+        wait = self.generation_timeout(body["sampling_params"]["max_new_tokens"])
+        return checked_generate(self._call("POST", "/generate", body, GenerateResponse, generation_s=wait))
 
     async def agenerate(
         self,
@@ -305,7 +336,9 @@ class SglangClient(EngineClient):
         on_fault: Callable[[str], None] | None = None,
     ) -> GenerateResponse:
         body = _generate_body(input_ids, sampling_params, return_logprob, self.lora_path)
-        return checked_generate(await self._acall("POST", "/generate", body, GenerateResponse, on_fault))
+        wait = self.generation_timeout(body["sampling_params"]["max_new_tokens"])
+        resp = await self._acall("POST", "/generate", body, GenerateResponse, on_fault, generation_s=wait)
+        return checked_generate(resp)
 
     def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
@@ -497,6 +530,16 @@ def _error_text(resp: httpx.Response) -> str:
         if msg:
             return one_line(msg)
     return one_line(json.dumps(data))
+
+
+def _not_resent(e: BaseException, method: str, url: str, generation_s: float | None) -> None:
+    """Raise for a generation that got no answer within its timeout (`generation_s`): the engine took it and
+    decoded all that time, so another try would decode it again from scratch."""
+    if generation_s is not None and isinstance(e, httpx.ReadTimeout):
+        raise EngineUnavailableError(
+            f"{method} {url}: a generation got no answer within its {generation_s:.0f} s ({_describe(e)}); not "
+            "re-sent, since the engine would decode it again from its first token"
+        ) from e
 
 
 def _describe(e: BaseException) -> str:

@@ -18,13 +18,14 @@ def engine_client(api: EngineApi, base_url: str, **settings) -> EngineClient:
 def client_of(
     engine: Engine, base_url: str, *, lora_path: str | None = None, waits_out_outages: bool = False
 ) -> EngineClient:
-    """A client of `engine` (its API, request timeout and retries) for the server at `base_url`. `lora_path`: the
+    """A client of `engine` (its API, request and generation timeouts, retries) for the server at `base_url`. `lora_path`: the
     adapter every generation names; `waits_out_outages`: a trial's client, which keeps retrying an engine that does
     not answer for `engine.outage_wait_s` (the run's own calls fail after their retries)."""
     return engine_client(
         engine.api,
         base_url,
         timeout=engine.request_timeout_s,
+        min_decode_tok_s=engine.min_decode_tok_s,
         retries=engine.retries,
         lora_path=lora_path,
         outage_s=engine.outage_wait_s if waits_out_outages else 0.0,

@@ -38,7 +38,8 @@ class VllmClient(EngineClient):
     ) -> GenerateResponse:
         version = self._call("GET", "/weight_info", None, VLLMWeightInfo).weight_version
         body = _completion_body(input_ids, sampling_params, return_logprob)
-        resp = self._call("POST", "/v1/completions", body, VLLMCompletionResponse)
+        wait = self.generation_timeout(body["max_tokens"])
+        resp = self._call("POST", "/v1/completions", body, VLLMCompletionResponse, generation_s=wait)
         return checked_generate(_as_generate(resp, version, return_logprob))
 
     async def agenerate(
@@ -51,7 +52,8 @@ class VllmClient(EngineClient):
     ) -> GenerateResponse:
         info = await self._acall("GET", "/weight_info", None, VLLMWeightInfo, on_fault)
         body = _completion_body(input_ids, sampling_params, return_logprob)
-        resp = await self._acall("POST", "/v1/completions", body, VLLMCompletionResponse, on_fault)
+        wait = self.generation_timeout(body["max_tokens"])
+        resp = await self._acall("POST", "/v1/completions", body, VLLMCompletionResponse, on_fault, generation_s=wait)
         return checked_generate(_as_generate(resp, info.weight_version, return_logprob))
 
     def update_weights_from_disk(

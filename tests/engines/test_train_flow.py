@@ -101,3 +101,28 @@ def test_a_server_killed_behind_the_router_is_left_out_and_the_run_goes_on(
     assert all(r["rollout/scored"] == 2 * TRIALS_PER_PROMPT for r in rows)  # no trial failed for the lost server
     assert rows[0]["sync/replicas"] == 2
     assert rows[-1]["sync/replicas"] == 1 and rows[-1]["sync/replicas_lost"] == 1
+
+
+def test_generations_longer_than_the_request_timeout_are_answered_and_reach_the_step(sglang, tmp_path, restore_base):
+    """The base (random) model's turns run up to `max_new_tokens` (a length-truncated one ends its trial), which
+    takes SGLang on the CPU longer than `request_timeout_s`: each generation gets time for its tokens
+    (`engine.min_decode_tok_s`), so every trial is scored and goes to the train step (where its group's reward
+    spread decides its weight); none is cut off, re-sent, or failed as infrastructure."""
+    timeout_s, long = 2.0, 1024
+    sglang.client.update_weights_from_disk(str(sglang.model_dir), weight_version="base")
+    engine = {"backend": "sglang", "url": sglang.url, "request_timeout_s": timeout_s, "min_decode_tok_s": 8.0}
+    cfg = train_config(tmp_path, sglang.model_dir, "long-turns", engine, steps=1)
+    cfg["rollout"] |= {"n_samples_per_prompt": 2, "concurrency": 4, "episode": {"max_turns": 1}}
+    cfg["rollout"]["sampling"]["max_new_tokens"] = long
+    cfg["train"]["max_probe_logprob_gap"] = None  # the base model's probe is not what this tests
+    train_flow(parse_run_config(cfg))
+    [row] = read_metrics(tmp_path / "runs" / "long-turns" / "metrics.jsonl")
+    assert row["rollout/scored"] == row["rollout/trials"] == 4 and row["rollout/dropped_groups"] == 0
+    assert row["train/n_groups"] == 2 and row["train/n_samples"] + row["train/filtered_samples"] == 4
+    details = tmp_path / "runs" / "long-turns" / "details" / "step_0" / "samples.jsonl"
+    samples = [json.loads(x) for x in details.open()]
+    for s in samples:
+        assert s["status"] != "FAILED" and s["metrics"]["retries"] == 0, (s["status"], s["exit_reason"])
+    longest = max(samples, key=lambda s: s["metrics"]["generation_time_s"])
+    assert longest["metrics"]["generation_time_s"] > timeout_s  # one request, longer than the request timeout
+    assert sum(longest["loss_mask"]) > 0 and longest["metrics"]["policy_calls"] == 1

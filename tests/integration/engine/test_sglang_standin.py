@@ -41,10 +41,11 @@ class Target:
     direct_url: str  # the backend itself (== front.url for the stand-in)
     model_dir: Path
 
-    def client(self, *, direct: bool = False, retries: int = 2, timeout: float = 30.0) -> ChatClient:
-        return ChatClient(
-            self.direct_url if direct else self.front.url, timeout=timeout, retries=retries, backoff_s=0.01
-        )
+    def client(
+        self, *, direct: bool = False, retries: int = 2, timeout: float = 30.0, min_decode_tok_s: float = 0.0
+    ) -> ChatClient:
+        url = self.direct_url if direct else self.front.url
+        return ChatClient(url, timeout=timeout, retries=retries, backoff_s=0.01, min_decode_tok_s=min_decode_tok_s)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_bad_request_is_a_4xx_and_not_retried(target: Target):
 # --- faults -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["5xx", "slow", "drop"])
+@pytest.mark.parametrize("kind", ["5xx", "drop"])
 def test_transient_fault_is_retried_then_succeeds(target: Target, kind: str):
     target.front.faults.inject(kind, times=2, delay_s=2 * TIMEOUT_S)
     with target.client(retries=2, timeout=TIMEOUT_S) as c:
@@ -156,9 +157,7 @@ def test_transient_fault_is_retried_then_succeeds(target: Target, kind: str):
     assert target.front.count("/generate") == 3  # two faulted attempts, then the answer
 
 
-@pytest.mark.parametrize(
-    "kind, error", [("5xx", r"_Retryable: HTTP 503"), ("slow", "ReadTimeout"), ("drop", "RemoteProtocolError")]
-)
+@pytest.mark.parametrize("kind, error", [("5xx", r"_Retryable: HTTP 503"), ("drop", "RemoteProtocolError")])
 def test_persistent_fault_fails_naming_url_attempts_and_cause(target: Target, kind: str, error: str):
     target.front.faults.inject(kind, times=None, delay_s=2 * TIMEOUT_S)
     url = target.front.url
@@ -166,6 +165,37 @@ def test_persistent_fault_fails_naming_url_attempts_and_cause(target: Target, ki
         with pytest.raises(EngineError, match=rf"^POST {url}/generate failed after 3 attempts: {error}"):
             c.generate([1, 2, 3], GREEDY)
     assert target.front.count("/generate") == 3
+
+
+def test_a_generation_slower_than_the_request_timeout_gets_time_for_its_tokens(target: Target):
+    """The answer comes after twice `request_timeout_s`, within the allowance for its 6 tokens: one request."""
+    target.front.faults.inject("slow", times=1, delay_s=2 * TIMEOUT_S)
+    with target.client(retries=2, timeout=TIMEOUT_S, min_decode_tok_s=6 / (2 * TIMEOUT_S)) as c:
+        assert c.generation_timeout(6) == 3 * TIMEOUT_S
+        resp = c.generate([1, 2, 3], GREEDY)
+    assert len(resp.output_ids) == 6 and target.front.count("/generate") == 1
+
+
+def test_a_generation_past_its_timeout_is_not_re_sent(target: Target):
+    """The engine held it the whole time: another try would decode it again, so it fails at once (a trial
+    records it as an infrastructure fault)."""
+    target.front.faults.inject("slow", times=None, delay_s=2 * TIMEOUT_S)
+    with target.client(retries=2, timeout=TIMEOUT_S) as c, pytest.raises(EngineError) as raised:
+        c.generate([1, 2, 3], GREEDY)
+    assert type(raised.value).__name__ == "EngineUnavailableError"
+    assert "/generate: a generation got no answer within its 2 s (ReadTimeout" in str(raised.value)
+    assert "not re-sent" in str(raised.value) and target.front.count("/generate") == 1
+
+    async def run():  # a trial's async request, which otherwise waits an outage out
+        client = ChatClient(target.front.url, timeout=TIMEOUT_S, retries=2, backoff_s=0.01, outage_s=60)
+        try:
+            return await client.agenerate([1, 2, 3], GREEDY)
+        finally:
+            await client.aclose()
+
+    with pytest.raises(EngineError, match="not re-sent"):
+        asyncio.run(run())
+    assert target.front.count("/generate") == 2
 
 
 def test_malformed_json_fails_at_once_naming_the_endpoint(target: Target):

@@ -37,29 +37,39 @@ class ModelShape:
     num_key_value_heads: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2's q/k/v projections have biases; Llama's do not
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads (Qwen3-32B's is wider)
+    qk_norm: bool = False  # Qwen3 normalizes each head's queries and keys (a head_dim RMSNorm weight each)
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
         names = cls.__dataclass_fields__
-        given = {k: config[k] for k in names if k in config}
-        return cls(**given, qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias")))
+        given = {k: config[k] for k in names if k in config and k not in ("qkv_bias", "qk_norm")}
+        return cls(
+            **given,
+            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias")),
+            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe"),
+        )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelShape:
         return cls.from_config(json.loads((Path(path) / "config.json").read_text()))
 
     @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
     def kv_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads * self.num_key_value_heads
+        return self.head_size * self.num_key_value_heads
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear layer in one decoder layer, by its module name."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
+        h, i, kv, q = self.hidden_size, self.intermediate_size, self.kv_dim, self.head_size * self.num_attention_heads
         return {
-            "q_proj": (h, h),
+            "q_proj": (h, q),
             "k_proj": (h, kv),
             "v_proj": (h, kv),
-            "o_proj": (h, h),
+            "o_proj": (q, h),
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
@@ -67,8 +77,10 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        biases = self.hidden_size + 2 * self.kv_dim if self.qkv_bias else 0
-        return sum(a * b for a, b in self.linear_shapes().values()) + biases + 2 * self.hidden_size  # + two RMSNorms
+        q = self.head_size * self.num_attention_heads
+        biases = q + 2 * self.kv_dim if self.qkv_bias else 0
+        norms = 2 * self.hidden_size + 2 * self.head_size * self.qk_norm  # two RMSNorms (+ q_norm, k_norm)
+        return sum(a * b for a, b in self.linear_shapes().values()) + biases + norms
 
     @property
     def root_params(self) -> int:
@@ -90,6 +102,9 @@ KNOWN_SHAPES = {
     "qwen2.5-7b": ModelShape(152064, 3584, 18944, 28, 28, 4, qkv_bias=True),
     "qwen2.5-14b": ModelShape(152064, 5120, 13824, 48, 40, 8, qkv_bias=True),
     "qwen2.5-32b": ModelShape(152064, 5120, 27648, 64, 40, 8, qkv_bias=True),
+    "qwen3-8b": ModelShape(151936, 4096, 12288, 36, 32, 8, head_dim=128, qk_norm=True),
+    "qwen3-14b": ModelShape(151936, 5120, 17408, 40, 40, 8, head_dim=128, qk_norm=True),
+    "qwen3-32b": ModelShape(151936, 5120, 25600, 64, 64, 8, head_dim=128, qk_norm=True),
     "smollm2-360m": ModelShape(49152, 960, 2560, 32, 15, 5, tie_word_embeddings=True),
 }
 

@@ -21,6 +21,28 @@ def test_the_shape_counts_the_parameters_transformers_builds(tiny_model_dir):
     assert KNOWN_SHAPES["qwen2.5-7b"].params == 7_615_616_512
 
 
+def test_a_qwen3_shape_with_its_wider_heads_counts_what_transformers_builds():
+    """Qwen3-32B's heads (64 x 128) are wider than its hidden size (5120), and every Qwen3 normalizes queries and
+    keys: the shape read from a config.json of that kind counts what transformers builds from it."""
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=1000,
+        hidden_size=80,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config.to_dict())
+    assert shape.head_size == 16 and shape.qk_norm
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert round(KNOWN_SHAPES["qwen3-32b"].params / 1e9, 1) == 32.8  # the model card's 32.8B
+
+
 def test_sharding_splits_weights_gradients_and_adam_and_replicating_adds_the_flat_gradient_copy():
     shape = KNOWN_SHAPES["qwen2.5-7b"]
     one = plan_memory(shape, TrainSetup(ranks=1)).rows

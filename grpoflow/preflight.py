@@ -55,6 +55,8 @@ def check_run(
     problems += harness_problems(cfg.rollout) + policy_key_problems(cfg.rollout.harness.policy_key_file())
     if stage in ("train", "resume"):
         problems += sampling_problems(cfg.rollout)
+    if notice := toy_values_notice(cfg):
+        log.warning(notice)
     problems += check_sandbox(cfg.rollout, env, timeout_s) + gpu_problems(cfg) + nccl_problems(cfg)
     if isinstance(cfg.engine, AttachedEngine):
         # each server behind a router (which has no /model_info of its own), or the one server
@@ -119,6 +121,43 @@ def sampling_problems(rollout: RolloutConfig) -> list[str]:
         "(the unfiltered softmax at rollout.sampling.temperature); leave top_p at 1 and top_k at -1 (an evaluate run may "
         "filter)"
     ]
+
+
+# The embedded recipe's values, which are every run's defaults: sized for a 135M model on a CPU.
+_TOY_VALUES = {
+    "rollout.sampling.max_new_tokens": lambda c: c.rollout.sampling.max_new_tokens,
+    "rollout.sampling.temperature": lambda c: c.rollout.sampling.temperature,
+    "rollout.episode.max_context_tokens": lambda c: c.rollout.episode.max_context_tokens,
+}
+
+
+def toy_values_notice(cfg: RunConfig) -> str | None:
+    """One line when a run on a GPU engine (launched on CUDA, or attached) leaves sampling at the defaults, which
+    are the embedded CPU recipe's; None otherwise. A value the config sets, even to the default, is not named."""
+    e = cfg.engine
+    on_gpu = isinstance(e, AttachedEngine) or (isinstance(e, LaunchedEngine) and e.launch.device == "cuda")
+    defaults = RunConfig.model_validate({})
+    kept = [
+        f"{name}={read(cfg)}"
+        for name, read in _TOY_VALUES.items()
+        if read(cfg) == read(defaults) and not _set(cfg, name)
+    ]
+    if not on_gpu or not kept:
+        return None
+    return (
+        f"engine.backend={e.backend} keeps the embedded CPU recipe's {', '.join(kept)}, sized for a 135M model; "
+        "the preset tb2-qwen3-8b-8xh100 shows production values"
+    )
+
+
+def _set(cfg: RunConfig, dotted: str) -> bool:
+    """Whether the config gave `dotted` (rollout.sampling.temperature) itself, rather than taking the default."""
+    node: object = cfg
+    for part in dotted.split("."):
+        if part not in getattr(node, "model_fields_set", ()):
+            return False
+        node = getattr(node, part)
+    return True
 
 
 def check_run_dir(cfg: RunConfig) -> list[str]:

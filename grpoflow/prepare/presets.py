@@ -28,6 +28,38 @@ class Preset:
     config: Mapping[str, Any]  # partial RunConfig data
 
 
+def merge_config(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested dicts merge key by key; any other value in `top` (lists too) replaces the one in `base`."""
+    out = copy.deepcopy(dict(base))
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_config(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+# terminus-2 with context compaction, as in the seed recipe: SGLang started for the run from its own environment
+# (the path is the usual install location); terminus-2 summarises long episodes and keeps each context a linear
+# history, the unit that trains as one segment, in its XML reply format; kl_coef weighs the k3 estimator, the
+# recipe's "low-variance KL".
+_COMPACTION = {
+    "engine": {"backend": "sglang-launch", "sglang": {"python": "/opt/sglang-venv/bin/python"}},
+    "rollout": {
+        "harness": {"name": "terminus-2", "parser": "xml", "summarize": True, "linear_history": True},
+        "prompts_per_step": 4,
+        "n_samples_per_prompt": 8,
+        "sampling": {"max_new_tokens": 8192},
+        "episode": {"max_context_tokens": 32768},
+    },
+    "train": {
+        "steps": 100,
+        "batch": {"global_batch_size": 32},
+        "loss": {"eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.01},
+    },
+}
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
@@ -57,25 +89,39 @@ PRESETS: dict[str, Preset] = {
             "terminus-2-compaction",
             "Terminus-2 with context compaction on SGLang: 4 prompts x 8 samples, one optimizer step of 32 per "
             "rollout step, 100 steps, 32k-token episodes, 8k-token turns, clip 0.2/0.28, k3 KL 0.01.",
-            {
-                # SGLang started for the run from its own environment; the path is the usual install location.
-                "engine": {"backend": "sglang-launch", "sglang": {"python": "/opt/sglang-venv/bin/python"}},
-                # terminus-2 summarises long episodes (compaction) and keeps each context a linear history, the
-                # unit that trains as one segment; its XML reply format as in the recipe.
-                "rollout": {
-                    "harness": {"name": "terminus-2", "parser": "xml", "summarize": True, "linear_history": True},
-                    "prompts_per_step": 4,
-                    "n_samples_per_prompt": 8,
-                    "sampling": {"max_new_tokens": 8192},
-                    "episode": {"max_context_tokens": 32768},
+            _COMPACTION,
+        ),
+        Preset(
+            "tb2-qwen3-8b-8xh100",
+            "Production: Qwen3-8B (its Hugging Face folder at /models/Qwen3-8B; set model.source for another) on "
+            "Terminal-Bench 2 tasks (give --dataset) in Docker, on one 8xH100 machine: terminus-2 with compaction "
+            "as terminus-2-compaction, sampled at temperature 1; SGLang on GPUs 4-7 (TP 4), four trainer ranks on "
+            "GPUs 0-3 sharding the model (FSDP2, bf16 compute), weights sent in 512 MB buckets over NCCL, old "
+            "logprobs recomputed by the trainer with truncated importance sampling. `grpoflow plan --preset "
+            "tb2-qwen3-8b-8xh100 --gpus 8 --gpu-gb 80 --shape qwen3-8b` shows what a rank holds.",
+            merge_config(
+                _COMPACTION,
+                {
+                    "model": {"source": "/models/Qwen3-8B"},
+                    "engine": {
+                        "tp_size": 4,
+                        "launch": {"device": "cuda"},
+                        "weight_sync": {"mode": "distributed", "bucket_mb": 512},
+                    },
+                    "rollout": {
+                        "sandbox": {"backend": "docker"},
+                        "sampling": {"temperature": 1.0},
+                        "concurrency": 32,
+                    },
+                    "cluster": {"train_ranks": 4},
+                    "train": {
+                        "sharding": "fsdp",
+                        "precision": "bf16",
+                        "loss": {"old_logprobs": "recompute", "tis_cap": 2.0},
+                        "batch": {"micro_batch_tokens": 32768},
+                    },
                 },
-                # kl_coef weighs the k3 estimator, the "low-variance KL" of the recipe.
-                "train": {
-                    "steps": 100,
-                    "batch": {"global_batch_size": 32},
-                    "loss": {"eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.01},
-                },
-            },
+            ),
         ),
         Preset(
             "sglang-e2b",
@@ -115,14 +161,3 @@ def layered_run_config(preset: str, config_file: Path | None, overrides: dict[st
         data = merge_config(data, read_config_file(Path(config_file)))
         source += f" + {config_file}"
     return parse_run_config(apply_overrides(data, overrides), source=source)
-
-
-def merge_config(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    """Nested dicts merge key by key; any other value in `top` (lists too) replaces the one in `base`."""
-    out = copy.deepcopy(dict(base))
-    for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge_config(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out

@@ -7,6 +7,8 @@ import pytest
 from flows.cli import _config_from_args, build_parser, main
 from grpoflow.config import parse_run_config
 from grpoflow.errors import ConfigError
+from grpoflow.placement import plan_gpus
+from grpoflow.preflight import toy_values_notice
 from grpoflow.prepare.presets import (
     PRESETS,
     layered_run_config,
@@ -14,6 +16,7 @@ from grpoflow.prepare.presets import (
     merge_config,
     preset_config,
 )
+from grpoflow.train.memory import KNOWN_SHAPES, plan_memory, train_setup
 
 
 def _dump(cfg) -> dict:
@@ -32,7 +35,7 @@ def _leaves(data: dict, prefix: str = "") -> dict:
 
 
 def test_the_presets():
-    assert list(PRESETS) == ["embedded-default", "terminus-2-compaction", "sglang-e2b"]
+    assert list(PRESETS) == ["embedded-default", "terminus-2-compaction", "tb2-qwen3-8b-8xh100", "sglang-e2b"]
 
 
 def test_embedded_default_is_the_main_job_recipe_over_the_defaults():
@@ -90,6 +93,35 @@ def test_terminus_2_compaction_is_runnable_and_layers_like_any_preset():
     assert cfg.rollout.harness.name == "terminus-2" and cfg.rollout.harness.summarize is False
 
 
+def test_tb2_qwen3_8b_is_the_compaction_recipe_placed_on_8_gpus_and_its_plan_fits_an_h100():
+    cfg, recipe = load_preset("tb2-qwen3-8b-8xh100"), load_preset("terminus-2-compaction")
+    r, t, e = cfg.rollout, cfg.train, cfg.engine
+    assert r.harness == recipe.rollout.harness and t.loss.kl_coef == recipe.train.loss.kl_coef
+    assert (r.sampling.max_new_tokens, r.episode.max_context_tokens, r.sampling.temperature) == (8192, 32768, 1.0)
+    assert (t.loss.old_logprobs, t.loss.tis_cap, t.sharding, t.precision) == ("recompute", 2.0, "fsdp", "bf16")
+    assert (e.weight_sync.mode, e.weight_sync.bucket_mb, e.launch.device) == ("distributed", 512, "cuda")
+    plan = plan_gpus(cfg, 8)
+    assert plan.trainer == (0, 1, 2, 3) and plan.engine == (4, 5, 6, 7)  # TP 4, each part on GPUs of its own
+    # a rank's share with the longest episode in one micro-batch, under an H100's 80 GB
+    assert t.batch.micro_batch_tokens >= r.episode.max_context_tokens
+    rank = plan_memory(KNOWN_SHAPES["qwen3-8b"], train_setup(cfg, len(plan.trainer), on_gpu=True))
+    assert rank.fits(80 * 10**9)
+    assert toy_values_notice(cfg) is None
+
+
+def test_a_gpu_engine_left_at_the_toy_defaults_is_told_in_one_line():
+    attached = {"engine": {"backend": "sglang", "url": "http://127.0.0.1:30000"}}
+    notice = toy_values_notice(parse_run_config(attached))
+    assert notice.startswith("engine.backend=sglang keeps the embedded CPU recipe's rollout.sampling.max_new_tokens=64")
+    assert "\n" not in notice and "rollout.sampling.temperature=0.5" in notice
+    # a value the config gives, even the default's, is the user's choice
+    chosen = parse_run_config(merge_config(attached, {"rollout": {"sampling": {"temperature": 0.5}}}))
+    assert "temperature" not in toy_values_notice(chosen)
+    assert toy_values_notice(parse_run_config({})) is None  # the embedded engine: the values are its own
+    on_cpu = {"engine": {"backend": "sglang-launch", "launch": {"device": "cpu"}, "sglang": {"python": "/py"}}}
+    assert toy_values_notice(parse_run_config(on_cpu)) is None
+
+
 def test_sglang_e2b_attaches_to_sglang_and_runs_trials_in_e2b():
     cfg = load_preset("sglang-e2b")
     assert (cfg.engine.backend, cfg.engine.url) == ("sglang", "http://127.0.0.1:30000")
@@ -143,7 +175,8 @@ def test_cli_layers_preset_then_config_file_then_flags_then_set(tmp_path):
 def test_cli_preset_errors_are_one_line_and_exit_2(tmp_path, capfd):
     assert main(["prepare", "--preset", "nope", "--output-dir", str(tmp_path)]) == 2
     assert capfd.readouterr().err.strip() == (
-        "grpoflow: error: preset `nope`: unknown; known presets: embedded-default, terminus-2-compaction, sglang-e2b"
+        "grpoflow: error: preset `nope`: unknown; known presets: embedded-default, terminus-2-compaction, "
+        "tb2-qwen3-8b-8xh100, sglang-e2b"
     )
     assert main(["prepare", "--preset", "sglang-e2b", "--set", "engine.url=null", "--output-dir", str(tmp_path)]) == 2
     assert "preset sglang-e2b: field `engine.url`: required" in capfd.readouterr().err

@@ -215,8 +215,9 @@ def _plan(args: argparse.Namespace) -> int:
         what = f"LoRA r={first.lora_rank}" if first.lora_rank else "full fine-tuning"
         print(
             f"model {name} ({shape.params / 1e9:.2f}B parameters), {what}, {first.precision} compute, "
-            f"sharding {first.sharding}, micro-batches of {first.micro_batch_tokens} tokens, activation "
-            f"checkpointing {'on' if first.checkpointing else 'off'}, KL reference {'on' if first.kl else 'off'}"
+            f"sharding {first.sharding}, micro-batches of {first.micro_batch_tokens} tokens, samples up to "
+            f"{first.longest_sample_tokens} tokens, activation checkpointing {_recomputed(first)}, KL reference "
+            f"{'on' if first.kl else 'off'}"
         )
         for line in plan_table(shape, setups, args.gpu_gb if gpus > 0 or args.gpus is not None else None):
             print(line)
@@ -225,6 +226,13 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"grpoflow: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _recomputed(setup) -> str:
+    if setup.checkpointing:
+        return "on"
+    above = setup.checkpoint_above_tokens
+    return f"above {above} tokens" if above is not None else "off"
 
 
 def _resume_or_rerun(args: argparse.Namespace) -> int:

@@ -118,7 +118,14 @@ class TrainSetup:
     lora_targets: list[str] = field(default_factory=list)
     kl: bool = False  # kl_coef > 0
     micro_batch_tokens: int = 4096
-    checkpointing: bool = False
+    checkpointing: bool = False  # every micro-batch recomputes its activations (`gradient_checkpointing`)
+    checkpoint_above_tokens: int | None = None  # and every one whose longest sample is longer than this
+    longest_sample_tokens: int = 0  # the longest sample a step may hold; one longer than a micro-batch runs alone
+
+    def checkpointed(self, longest: int) -> bool:
+        """Whether a micro-batch whose longest sample has `longest` tokens recomputes its activations."""
+        above = self.checkpoint_above_tokens
+        return self.checkpointing or (above is not None and longest > above)
 
 
 @dataclass(frozen=True)
@@ -139,13 +146,14 @@ def plan_memory(shape: ModelShape, setup: TrainSetup) -> MemoryPlan:
     params = shape.params
     trained = shape.lora_params(setup.lora_rank, setup.lora_targets) if setup.lora_rank else params
     compute = 2 if setup.precision == "bf16" else 4
-    h, t = shape.hidden_size, setup.micro_batch_tokens
-    per_token_layer = compute * (4 * h + 2 * shape.kv_dim + 3 * shape.intermediate_size)
-    layers = shape.num_hidden_layers
-    if setup.checkpointing:
-        activations = t * (layers * h * compute + per_token_layer)
-    else:
-        activations = t * layers * per_token_layer
+    # The largest micro-batch: a full one of samples short enough not to be checkpointed, or the longest sample
+    # alone (checkpointed or not by its own length), whichever keeps more
+    t = max(setup.micro_batch_tokens, setup.longest_sample_tokens)
+    short = min(setup.micro_batch_tokens, setup.checkpoint_above_tokens or setup.micro_batch_tokens)
+    activations = max(
+        _activations(shape, setup.micro_batch_tokens, setup.checkpointed(short), compute),
+        _activations(shape, t, setup.checkpointed(t), compute),
+    )
     rows = {
         "parameters": 4 * params // n,
         "gradients": 4 * trained // n,
@@ -165,13 +173,19 @@ def plan_memory(shape: ModelShape, setup: TrainSetup) -> MemoryPlan:
     return MemoryPlan(rows)
 
 
+def _activations(shape: ModelShape, tokens: int, checkpointed: bool, compute: int) -> int:
+    """What autograd keeps for a micro-batch of `tokens` (see the module doc)."""
+    h = shape.hidden_size
+    per_token_layer = compute * (4 * h + 2 * shape.kv_dim + 3 * shape.intermediate_size)
+    if checkpointed:  # each layer's input, and one layer recomputed at a time
+        return tokens * (shape.num_hidden_layers * h * compute + per_token_layer)
+    return tokens * shape.num_hidden_layers * per_token_layer
+
+
 def train_setup(cfg: RunConfig, ranks: int, on_gpu: bool) -> TrainSetup:
     """The run's trainer settings with `ranks` ranks, `auto`s resolved as the trainer resolves them."""
     t = cfg.train
     precision = t.precision if t.precision != "auto" else ("bf16" if on_gpu else "fp32")
-    long_batches = (
-        t.batch.checkpoint_above_tokens is not None and t.batch.micro_batch_tokens > t.batch.checkpoint_above_tokens
-    )
     return TrainSetup(
         ranks=ranks,
         sharding=cfg.sharding_mode(ranks),
@@ -180,7 +194,10 @@ def train_setup(cfg: RunConfig, ranks: int, on_gpu: bool) -> TrainSetup:
         lora_targets=list(t.lora.target_modules) if t.lora else [],
         kl=t.loss.kl_coef > 0,
         micro_batch_tokens=t.batch.micro_batch_tokens,
-        checkpointing=t.batch.gradient_checkpointing or long_batches,
+        checkpointing=t.batch.gradient_checkpointing,
+        checkpoint_above_tokens=t.batch.checkpoint_above_tokens,
+        # a trained sample (a segment of a compacted trial) holds at most an episode's context
+        longest_sample_tokens=cfg.rollout.episode.max_context_tokens,
     )
 
 

@@ -2,6 +2,8 @@
 across sharded ranks, and what the trainer does not keep (a second reference for LoRA, a flat gradient copy when
 sharded) is not counted."""
 
+from dataclasses import replace
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -56,6 +58,23 @@ def test_sharding_splits_weights_gradients_and_adam_and_replicating_adds_the_fla
     assert shape.root_params * 4 < sharded["communication"] < one["parameters"] / 4
 
 
+def test_a_sample_longer_than_a_micro_batch_is_planned_alone_and_by_its_own_checkpointing():
+    """The step runs a sample longer than `micro_batch_tokens` alone; it recomputes activations when longer than
+    `checkpoint_above_tokens`, while a full micro-batch of shorter samples does not."""
+    shape = KNOWN_SHAPES["qwen3-14b"]
+    base = TrainSetup(ranks=8, sharding="fsdp", precision="bf16", micro_batch_tokens=4096)
+    acts = lambda **kw: plan_memory(shape, replace(base, **kw)).rows["activations"]  # noqa: E731
+    short = acts()
+    assert acts(longest_sample_tokens=32768) == 8 * short  # alone, nothing recomputed: 8x the tokens
+    small = acts(micro_batch_tokens=1024)  # beside micro-batches small enough that the long sample is the peak
+    recomputed = acts(micro_batch_tokens=1024, longest_sample_tokens=32768, checkpoint_above_tokens=4096)
+    assert small < recomputed < 32 * small  # the long one recomputes
+    # a full micro-batch of samples under the threshold does not recompute, whatever its size
+    assert acts(micro_batch_tokens=16384, checkpoint_above_tokens=4096) == 4 * short
+    cfg = parse_run_config({"rollout": {"episode": {"max_context_tokens": 32768}}})
+    assert train_setup(cfg, 8, on_gpu=True).longest_sample_tokens == 32768
+
+
 def test_lora_trains_adapters_only_and_its_reference_is_the_base():
     shape = KNOWN_SHAPES["qwen2.5-32b"]
     full = plan_memory(shape, TrainSetup(kl=True)).rows
@@ -76,7 +95,8 @@ def test_activation_checkpointing_keeps_each_layer_s_input_only():
 def test_the_run_s_settings_resolve_as_the_trainer_resolves_them():
     cfg = parse_run_config({"run_id": "p", "train": {"loss": {"kl_coef": 0.1}, "batch": {"micro_batch_tokens": 8192}}})
     gpu, cpu = train_setup(cfg, 4, on_gpu=True), train_setup(cfg, 1, on_gpu=False)
-    assert (gpu.sharding, gpu.precision, gpu.kl, gpu.checkpointing) == ("fsdp", "bf16", True, True)
+    assert (gpu.sharding, gpu.precision, gpu.kl, gpu.checkpointing) == ("fsdp", "bf16", True, False)
+    assert gpu.checkpointed(8192) and not gpu.checkpointed(4096)  # above train.batch.checkpoint_above_tokens
     assert (cpu.sharding, cpu.precision) == ("replicate", "fp32")
 
 

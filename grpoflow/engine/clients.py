@@ -18,9 +18,9 @@ def engine_client(api: EngineApi, base_url: str, **settings) -> EngineClient:
 def client_of(
     engine: Engine, base_url: str, *, lora_path: str | None = None, waits_out_outages: bool = False
 ) -> EngineClient:
-    """A client of `engine` (its API, request and generation timeouts, retries) for the server at `base_url`. `lora_path`: the
-    adapter every generation names; `waits_out_outages`: a trial's client, which keeps retrying an engine that does
-    not answer for `engine.outage_wait_s` (the run's own calls fail after their retries)."""
+    """A client of `engine` (its API, request and generation timeouts, retries) for the server at `base_url`.
+    `lora_path`: the adapter every generation names; `waits_out_outages`: a trial's client, which keeps retrying an
+    engine that does not answer for `engine.outage_wait_s` (the run's own calls fail after their retries)."""
     return engine_client(
         engine.api,
         base_url,

@@ -96,9 +96,10 @@ PRESETS: dict[str, Preset] = {
             "Production: Qwen3-8B (its Hugging Face folder at /models/Qwen3-8B; set model.source for another) on "
             "Terminal-Bench 2 tasks (give --dataset) in Docker, on one 8xH100 machine: terminus-2 with compaction "
             "as terminus-2-compaction, sampled at temperature 1; SGLang on GPUs 4-7 (TP 4), four trainer ranks on "
-            "GPUs 0-3 sharding the model (FSDP2, bf16 compute; a 32k-token episode trains alone, recomputing), weights sent in 512 MB buckets over NCCL, old "
-            "logprobs recomputed by the trainer with truncated importance sampling. `grpoflow plan --preset "
-            "tb2-qwen3-8b-8xh100 --gpus 8 --gpu-gb 80 --shape qwen3-8b` shows what a rank holds.",
+            "GPUs 0-3 sharding the model (FSDP2, bf16 compute; a 32k-token episode trains alone, recomputing), "
+            "weights sent in 512 MB buckets over NCCL, old logprobs recomputed by the trainer with truncated "
+            "importance sampling. `grpoflow plan --preset tb2-qwen3-8b-8xh100 --gpus 8 --gpu-gb 80 --shape "
+            "qwen3-8b` shows what a rank holds.",
             merge_config(
                 _COMPACTION,
                 {

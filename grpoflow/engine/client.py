@@ -23,7 +23,7 @@ import json
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
 import httpx
@@ -285,20 +285,45 @@ class EngineClient(ABC):
         start, attempt = time.monotonic(), 0
         while True:
             try:
-                resp = await self._async_client().request(method, url, json=body, timeout=timeout)
+                request = self._async_client().request(method, url, json=body, timeout=timeout)
+                resp = await self._watched(request, f"{method} {url}", generation_s, on_fault)
                 parsed = _parse(resp, path, model)
                 self.outage = None
                 return parsed
             except (_Retryable, httpx.TransportError) as e:
-                _not_resent(e, method, url, generation_s)
                 last = e
-                self.outage = f"{method} {url}: {_describe(e)}"
-                if on_fault is not None:
-                    on_fault(self.outage)
+                self._fault(f"{method} {url}: {_describe(e)}", on_fault)
+                _not_resent(e, method, url, generation_s)
             if not self._again(attempt, self.retries, start):
                 raise EngineUnavailableError(f"{method} {url} failed after {attempt + 1} attempts: {_describe(last)}")
             await asyncio.sleep(self._delay(attempt))
             attempt += 1
+
+    def _fault(self, what: str, on_fault: Callable[[str], None] | None) -> None:
+        self.outage = what
+        if on_fault is not None:
+            on_fault(what)
+
+    async def _watched(
+        self,
+        request: Coroutine[Any, Any, httpx.Response],
+        what: str,
+        generation_s: float | None,
+        on_fault: Callable[[str], None] | None,
+    ) -> httpx.Response:
+        """`request`'s answer. A generation without one after `timeout` is told as a fault while it goes on
+        waiting (up to `generation_s`): an agent whose time runs out meanwhile ran out on a slow or hung engine,
+        not on its policy."""
+        if generation_s is None or generation_s <= self.timeout:
+            return await request
+        task = asyncio.ensure_future(request)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.timeout)
+            if not done:
+                self._fault(f"{what}: no answer after {self.timeout:.0f} s (still waiting)", on_fault)
+            return await task
+        finally:
+            task.cancel()  # a caller cancelled (its time ran out) takes its request with it
 
     def _timeout(self, generation_s: float | None) -> httpx.Timeout:
         """Every phase of a request gets `timeout`; a generation's answer (the read) `generation_s`."""

@@ -175,6 +175,22 @@ def test_a_generation_slower_than_the_request_timeout_gets_time_for_its_tokens(t
         resp = c.generate([1, 2, 3], GREEDY)
     assert len(resp.output_ids) == 6 and target.front.count("/generate") == 1
 
+    # a trial's async request tells its caller, while it waits, that the engine is slow (an agent whose time ran
+    # out meanwhile ran out on the engine), and that it answered in the end
+    target.front.faults.inject("slow", times=1, delay_s=2 * TIMEOUT_S)
+    faults: list[str] = []
+
+    async def run():
+        client = target.client(retries=2, timeout=TIMEOUT_S, min_decode_tok_s=6 / (2 * TIMEOUT_S))
+        try:
+            return await client.agenerate([1, 2, 3], GREEDY, on_fault=faults.append), client.outage
+        finally:
+            await client.aclose()
+
+    resp, outage = asyncio.run(run())
+    assert len(resp.output_ids) == 6 and target.front.count("/generate") == 2 and outage is None
+    assert faults == [f"POST {target.front.url}/generate: no answer after 2 s (still waiting)"]
+
 
 def test_a_generation_past_its_timeout_is_not_re_sent(target: Target):
     """The engine held it the whole time: another try would decode it again, so it fails at once (a trial

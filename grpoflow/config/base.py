@@ -15,6 +15,9 @@ class Section(BaseModel):
 
 
 # Name parts that mark a kwarg or field as a credential: kwargs are written to every trial's config.json.
+# The most new tokens one turn may ask for (`rollout.sampling.max_new_tokens`), which bounds how long any
+# generation may take (`Engine.longest_generation_s`)
+MOST_NEW_TOKENS = 131072
 _CREDENTIAL_WORDS = frozenset(
     {"key", "apikey", "token", "secret", "secrets", "password", "passwd", "credential", "credentials"}
 )

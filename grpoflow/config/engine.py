@@ -6,7 +6,7 @@ from typing import Annotated, ClassVar, Literal, get_args
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from grpoflow.config.base import Section
+from grpoflow.config.base import MOST_NEW_TOKENS, Section
 
 
 class WeightSyncConfig(Section):
@@ -238,6 +238,12 @@ class Engine(Section):
         default_factory=WeightSyncConfig,
         description="How each step's weights reach the engine: the mode, dtype, address.",
     )
+
+    def longest_generation_s(self) -> float:
+        """How long the longest generation any run may ask for (`MOST_NEW_TOKENS`) may take: what a router in front
+        of the engine must let a request run, so that the client times each generation by its own length."""
+        per_token = 1 / self.min_decode_tok_s if self.min_decode_tok_s > 0 else 0.0
+        return self.request_timeout_s + MOST_NEW_TOKENS * per_token
 
     @model_validator(mode="after")
     def _what_it_takes(self) -> Engine:

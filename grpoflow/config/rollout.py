@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 from harbor.models.environment_type import EnvironmentType
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from grpoflow.config.base import Section, any_of_schema, looks_like_credential, refuse_credentials
+from grpoflow.config.base import MOST_NEW_TOKENS, Section, any_of_schema, looks_like_credential, refuse_credentials
 from grpoflow.credentials import sandbox_key_var
 from grpoflow.sandbox_settings import sandbox_kwargs_problem
 
@@ -24,7 +24,10 @@ class SamplingConfig(Section):
     """How the engine samples each turn."""
 
     max_new_tokens: int = Field(
-        64, ge=1, le=131072, description="Response length limit of one turn; a turn that hits it ends the episode."
+        64,
+        ge=1,
+        le=MOST_NEW_TOKENS,
+        description="Response length limit of one turn; a turn that hits it ends the episode.",
     )
     temperature: float = Field(
         0.5,

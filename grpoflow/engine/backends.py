@@ -83,6 +83,7 @@ def open_engine(
                     client_timeout=cfg.request_timeout_s,
                     client_retries=cfg.retries,
                     host=host,
+                    request_timeout=cfg.longest_generation_s(),
                 )
             )
             yield EngineHandle(router.url, router.client, tuple(urls), host_threads=threads)

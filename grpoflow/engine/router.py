@@ -38,9 +38,12 @@ def start_router(
     client_timeout: float = 600.0,
     client_retries: int = 3,
     host: str = "127.0.0.1",
+    request_timeout: float | None = None,
 ) -> EngineProcess:
     """`python -m sglang_router.launch_router` on a free port of `host` in front of `worker_urls`; returns once
-    it answers /health and lists every worker as healthy."""
+    it answers /health and lists every worker as healthy. `request_timeout`: how long the router lets a request
+    run (default `client_timeout`); a run's is its longest generation's, so that the client, which knows each
+    generation's length, is the one that times it out."""
     port = free_port(host)
     cmd = [
         sys.executable,
@@ -59,7 +62,7 @@ def start_router(
         "--health-failure-threshold",
         str(HEALTH_FAILURES),
         "--request-timeout-secs",
-        str(int(client_timeout)),
+        str(int(request_timeout or client_timeout)),
         "--log-level",
         "warn",
         # its metrics exporter takes a fixed port by default: two routers on one machine (two runs) would collide

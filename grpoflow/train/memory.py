@@ -123,7 +123,8 @@ class TrainSetup:
     longest_sample_tokens: int = 0  # the longest sample a step may hold; one longer than a micro-batch runs alone
 
     def checkpointed(self, longest: int) -> bool:
-        """Whether a micro-batch whose longest sample has `longest` tokens recomputes its activations."""
+        """Whether a micro-batch whose longest sample has `longest` tokens recomputes its activations (as
+        `trainer.use_activation_checkpointing` decides)."""
         above = self.checkpoint_above_tokens
         return self.checkpointing or (above is not None and longest > above)
 
@@ -146,14 +147,8 @@ def plan_memory(shape: ModelShape, setup: TrainSetup) -> MemoryPlan:
     params = shape.params
     trained = shape.lora_params(setup.lora_rank, setup.lora_targets) if setup.lora_rank else params
     compute = 2 if setup.precision == "bf16" else 4
-    # The largest micro-batch: a full one of samples short enough not to be checkpointed, or the longest sample
-    # alone (checkpointed or not by its own length), whichever keeps more
-    t = max(setup.micro_batch_tokens, setup.longest_sample_tokens)
-    short = min(setup.micro_batch_tokens, setup.checkpoint_above_tokens or setup.micro_batch_tokens)
-    activations = max(
-        _activations(shape, setup.micro_batch_tokens, setup.checkpointed(short), compute),
-        _activations(shape, t, setup.checkpointed(t), compute),
-    )
+    t = max(setup.micro_batch_tokens, setup.longest_sample_tokens)  # the most tokens one micro-batch holds
+    activations = _peak_activations(shape, setup, compute)
     rows = {
         "parameters": 4 * params // n,
         "gradients": 4 * trained // n,
@@ -173,10 +168,25 @@ def plan_memory(shape: ModelShape, setup: TrainSetup) -> MemoryPlan:
     return MemoryPlan(rows)
 
 
+def _peak_activations(shape: ModelShape, setup: TrainSetup, compute: int) -> int:
+    """The most activations one micro-batch keeps: a full one, or a sample longer than a micro-batch alone, each
+    recomputed (checkpointed) or not as the trainer decides by its longest sample."""
+    full, longest = setup.micro_batch_tokens, setup.longest_sample_tokens
+    biggest = max(full, longest)
+    above = setup.checkpoint_above_tokens
+    if setup.checkpointing or above is None:
+        return _activations(shape, biggest, setup.checkpointing, compute)
+    # samples of at most `above` tokens are not recomputed: a full micro-batch of them, or one alone
+    kept = _activations(shape, max(full, min(above, longest)), False, compute)
+    return max(kept, _activations(shape, biggest, True, compute)) if longest > above else kept
+
+
 def _activations(shape: ModelShape, tokens: int, checkpointed: bool, compute: int) -> int:
     """What autograd keeps for a micro-batch of `tokens` (see the module doc)."""
-    h = shape.hidden_size
-    per_token_layer = compute * (4 * h + 2 * shape.kv_dim + 3 * shape.intermediate_size)
+    h, q = shape.hidden_size, shape.head_size * shape.num_attention_heads
+    # per token and layer: the input and its norm (h each), q and the attention output (q each), k and v, and the
+    # MLP's gate, up and their product (intermediate each)
+    per_token_layer = compute * (2 * h + 2 * q + 2 * shape.kv_dim + 3 * shape.intermediate_size)
     if checkpointed:  # each layer's input, and one layer recomputed at a time
         return tokens * (shape.num_hidden_layers * h * compute + per_token_layer)
     return tokens * shape.num_hidden_layers * per_token_layer

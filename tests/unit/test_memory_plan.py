@@ -71,6 +71,8 @@ def test_a_sample_longer_than_a_micro_batch_is_planned_alone_and_by_its_own_chec
     assert small < recomputed < 32 * small  # the long one recomputes
     # a full micro-batch of samples under the threshold does not recompute, whatever its size
     assert acts(micro_batch_tokens=16384, checkpoint_above_tokens=4096) == 4 * short
+    # nor does a sample longer than a micro-batch but under the threshold, alone
+    assert acts(longest_sample_tokens=32768, checkpoint_above_tokens=16384) == 4 * short
     cfg = parse_run_config({"rollout": {"episode": {"max_context_tokens": 32768}}})
     assert train_setup(cfg, 8, on_gpu=True).longest_sample_tokens == 32768
 

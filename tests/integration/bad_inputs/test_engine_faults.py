@@ -128,10 +128,14 @@ def test_healthy_engine_trial_is_scored_and_faulty_groups_dropped(agent_trials):
     )
 
 
-def test_an_outage_outlasting_the_agent_time_limit_is_the_engine_s_not_a_scored_episode(tmp_path, tiny_model_dir):
-    """The engine is down for longer than the task gives its agent: Harbor cuts the agent off (AgentTimeoutError)
-    and still verifies, but that reward would score an episode the policy never played. It is an engine outage:
-    FAILED EngineError, no reward, run again in a fresh sandbox."""
+@pytest.mark.parametrize("fault", ["5xx", "slow"])
+def test_an_outage_outlasting_the_agent_time_limit_is_the_engine_s_not_a_scored_episode(
+    tmp_path, tiny_model_dir, fault
+):
+    """The engine is down (5xx), or hung with its connections open (`slow`: no answer within the task's time,
+    though the generation's own timeout is longer), for longer than the task gives its agent: Harbor cuts the
+    agent off (AgentTimeoutError) and still verifies, but that reward would score an episode the policy never
+    played. It is an engine outage: FAILED EngineError, no reward, run again in a fresh sandbox."""
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
     task_dir = tmp_path / "tasks" / "hello-file"
@@ -142,7 +146,7 @@ def test_an_outage_outlasting_the_agent_time_limit_is_the_engine_s_not_a_scored_
     assert task.agent_timeout_sec == 3.0
     cfg = parse_run_config(
         {
-            "engine": {"retries": 1, "request_timeout_s": 10, "outage_wait_s": 600},
+            "engine": {"retries": 1, "request_timeout_s": 1 if fault == "slow" else 10, "outage_wait_s": 600},
             "rollout": {
                 "n_samples_per_prompt": 1,
                 "episode": {"max_turns": 2},
@@ -152,7 +156,7 @@ def test_an_outage_outlasting_the_agent_time_limit_is_the_engine_s_not_a_scored_
     )
     prompt = PromptRecord(instance_id="down", task_path=str(task.path), instruction=task.instruction)
     with StandinServer(str(tiny_model_dir)) as server:
-        server.faults.inject("5xx", times=None)
+        server.faults.inject(fault, times=None, delay_s=30.0)
         factory = agent_factory(cfg.rollout, cfg.engine, server.url, str(tiny_model_dir))
         res = asyncio.run(
             collect_step(

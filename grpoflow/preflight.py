@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
@@ -123,12 +123,12 @@ def sampling_problems(rollout: RolloutConfig) -> list[str]:
     ]
 
 
-# The embedded recipe's values, which are every run's defaults: sized for a 135M model on a CPU.
-_TOY_VALUES = {
-    "rollout.sampling.max_new_tokens": lambda c: c.rollout.sampling.max_new_tokens,
-    "rollout.sampling.temperature": lambda c: c.rollout.sampling.temperature,
-    "rollout.episode.max_context_tokens": lambda c: c.rollout.episode.max_context_tokens,
-}
+# Settings whose defaults are the embedded recipe's, sized for a 135M model on a CPU.
+_TOY_SETTINGS = (
+    "rollout.sampling.max_new_tokens",
+    "rollout.sampling.temperature",
+    "rollout.episode.max_context_tokens",
+)
 
 
 def toy_values_notice(cfg: RunConfig) -> str | None:
@@ -136,12 +136,7 @@ def toy_values_notice(cfg: RunConfig) -> str | None:
     are the embedded CPU recipe's; None otherwise. A value the config sets, even to the default, is not named."""
     e = cfg.engine
     on_gpu = isinstance(e, AttachedEngine) or (isinstance(e, LaunchedEngine) and e.launch.device == "cuda")
-    defaults = RunConfig.model_validate({})
-    kept = [
-        f"{name}={read(cfg)}"
-        for name, read in _TOY_VALUES.items()
-        if read(cfg) == read(defaults) and not _set(cfg, name)
-    ]
+    kept = [f"{name}={value}" for name in _TOY_SETTINGS if (value := _default_kept(cfg, name)) is not None]
     if not on_gpu or not kept:
         return None
     return (
@@ -150,14 +145,15 @@ def toy_values_notice(cfg: RunConfig) -> str | None:
     )
 
 
-def _set(cfg: RunConfig, dotted: str) -> bool:
-    """Whether the config gave `dotted` (rollout.sampling.temperature) itself, rather than taking the default."""
-    node: object = cfg
+def _default_kept(cfg: RunConfig, dotted: str) -> object | None:
+    """The value of `dotted` (rollout.sampling.temperature) when the config did not give it (its default), else
+    None."""
+    node: Any = cfg
+    given = True
     for part in dotted.split("."):
-        if part not in getattr(node, "model_fields_set", ()):
-            return False
+        given = given and part in node.model_fields_set
         node = getattr(node, part)
-    return True
+    return None if given else node
 
 
 def check_run_dir(cfg: RunConfig) -> list[str]:

@@ -39,6 +39,18 @@ class WeightSyncConfig(Section):
         "its memory. A tensor larger than this goes alone.",
     )
 
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+
+def generation_timeout_s(request_timeout_s: float, min_decode_tok_s: float, max_new_tokens: int) -> float:
+    """How long a generation of up to `max_new_tokens` may take before it counts as stuck: `request_timeout_s` for
+    the engine to take it up (queue, prefill), plus its tokens at `min_decode_tok_s` (0: nothing more)."""
+    if min_decode_tok_s <= 0:
+        return request_timeout_s
+    return request_timeout_s + max_new_tokens / min_decode_tok_s
+
 
 class EmbeddedEngineConfig(Section):
     """grpoflow's CPU engine: its threads, batch and replicas."""
@@ -242,8 +254,7 @@ class Engine(Section):
     def longest_generation_s(self) -> float:
         """How long the longest generation any run may ask for (`MOST_NEW_TOKENS`) may take: what a router in front
         of the engine must let a request run, so that the client times each generation by its own length."""
-        per_token = 1 / self.min_decode_tok_s if self.min_decode_tok_s > 0 else 0.0
-        return self.request_timeout_s + MOST_NEW_TOKENS * per_token
+        return generation_timeout_s(self.request_timeout_s, self.min_decode_tok_s, MOST_NEW_TOKENS)
 
     @model_validator(mode="after")
     def _what_it_takes(self) -> Engine:

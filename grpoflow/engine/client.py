@@ -29,6 +29,7 @@ from typing import Any, ClassVar, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from grpoflow.config.engine import generation_timeout_s
 from grpoflow.engine.protocol import (
     BeginWeightUpdateRequest,
     EndWeightUpdateRequest,
@@ -221,11 +222,8 @@ class EngineClient(ABC):
         self.close()
 
     def generation_timeout(self, max_new_tokens: int) -> float:
-        """How long a generation of up to `max_new_tokens` may take before it counts as stuck: `timeout` for the
-        engine to take it up (queue, prefill), plus its tokens at `min_decode_tok_s`."""
-        if self.min_decode_tok_s <= 0:
-            return self.timeout
-        return self.timeout + max_new_tokens / self.min_decode_tok_s
+        """How long a generation of up to `max_new_tokens` may take (`generation_timeout_s` of this client's)."""
+        return generation_timeout_s(self.timeout, self.min_decode_tok_s, max_new_tokens)
 
     # --- transport ----------------------------------------------------------------------------------------
 

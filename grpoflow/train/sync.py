@@ -94,7 +94,7 @@ class DistributedSync:
     def __init__(self, client: EngineClient, cfg: Engine, device: torch.device):
         self.client = client
         self.dtype = sync_dtype(cfg)
-        self.bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
+        self.bucket_bytes = cfg.weight_sync.bucket_bytes
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.device = device if self.backend == "nccl" else torch.device("cpu")
         # A name of its own: torch keeps group names per process, and an engine may outlive one run's sync.
@@ -179,7 +179,7 @@ class TensorSync:
 
     def __init__(self, client: SglangClient, cfg: Engine, device: torch.device):
         self.client, self.dtype, self.device = client, sync_dtype(cfg), device
-        self.bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
+        self.bucket_bytes = cfg.weight_sync.bucket_bytes
         # SGLang reads entry i on tensor-parallel rank i; each takes its shard itself
         self.ranks = client.weight_update_ranks()
         self._flat: torch.Tensor | None = None  # (the largest bucket's numel,) in self.dtype; kept across syncs

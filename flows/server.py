@@ -27,11 +27,11 @@ from prefect.logging.handlers import APILogWorker
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
 
-from grpoflow.lifeline import die_with_parent
+from grpoflow.lifeline import GroupPopen, die_with_parent
 
 
 class LifelineServer(SubprocessASGIServer):
-    """Prefect's temporary server, whose process is SIGKILLed when this one dies."""
+    """Prefect's temporary server, stopped when this process dies (SIGKILL included)."""
 
     def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
         # Prefect 3's SubprocessASGIServer._run_uvicorn_command, behind the lifeline (a test compares the two).
@@ -54,14 +54,13 @@ class LifelineServer(SubprocessASGIServer):
             "on",
         ]
         env = {**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)}
-        return subprocess.Popen(args=die_with_parent(argv), env=env)
+        return GroupPopen(args=die_with_parent(argv), env=env)  # Prefect's stop() signals the group
 
 
 @contextmanager
 def command_server() -> Iterator[None]:
     """Prefect's temporary server for the block, when Prefect would start one (no API URL set, temporary servers
-    allowed): started here, on this thread (the lifeline's parent; call it from the main thread), and stopped when
-    the block ends. With a server configured, or one already started in this process, nothing is done."""
+    allowed): started here, and stopped when the block ends. With a server configured, or one already started in this process, nothing is done."""
     settings = get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
         yield

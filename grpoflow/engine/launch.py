@@ -1,8 +1,9 @@
 """Start the embedded engine as a subprocess and wait until it serves; and the same for an engine server from its
 own Python environment (`start_server`: SGLang's, vLLM's).
 
-The server runs in its own process group (so `stop()` also ends anything it spawned) with stdout/stderr in a
-log file; if it dies during startup the raised `EngineError` carries the log's tail. It reports its port through
+The server runs in its own process group behind `grpoflow.lifeline` (so `stop()` also ends anything it spawned,
+and a flow killed with SIGKILL does not leave it holding its GPUs) with stdout/stderr in a log file; if it dies
+during startup the raised `EngineError` carries the log's tail. It reports its port through
 a file in a private temporary folder, removed once startup is over (the log's folder is often a user's run dir).
 """
 
@@ -19,8 +20,11 @@ from pathlib import Path
 
 from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.errors import EngineError
+from grpoflow.lifeline import die_with_parent
 
 _LOG_TAIL_LINES = 30
+EMBEDDED_STOP_S = 10.0  # how long a stopped server has before SIGKILL: the embedded engine's, and
+LAUNCHED_STOP_S = 30.0  # SGLang's and vLLM's, which free GPU memory on the way out
 _POLL_S = 0.5
 # Dropped from a launched server's environment, so grpoflow's packages cannot leak into its interpreter.
 _ENV_DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
@@ -106,8 +110,6 @@ def start_embedded_engine(
         str(max_batch_size),
         "--port-file",
         str(port_file),
-        "--parent-pid",
-        str(os.getpid()),
     ]
     if threads:
         cmd += ["--threads", str(threads)]
@@ -117,18 +119,16 @@ def start_embedded_engine(
         cmd += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
     try:
         with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
+            proc = start_group(cmd, log_file, grace_s=EMBEDDED_STOP_S)
         try:
             url = _wait_until_serving(proc, port_file, log_path, startup_timeout, host)
         except BaseException:
-            stop_process_group(proc, timeout=5.0)
+            stop_process_group(proc, timeout=EMBEDDED_STOP_S)
             raise
     finally:
         shutil.rmtree(port_dir, ignore_errors=True)
     client = SglangClient(url, timeout=client_timeout, retries=client_retries)
-    return EngineProcess(proc, url, log_path, client)
+    return EngineProcess(proc, url, log_path, client, stop_timeout=EMBEDDED_STOP_S)
 
 
 def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path, timeout: float, host: str) -> str:
@@ -201,23 +201,15 @@ def start_server(
     with open(log_path, "ab") as log_file:
         log_file.write(f"grpoflow: starting {' '.join(cmd)}\n".encode())
         log_file.flush()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=child_env,
-            start_new_session=True,
-        )
+        proc = start_group(cmd, log_file, env=child_env, grace_s=LAUNCHED_STOP_S)
     url = f"http://{host}:{port}"
     try:
         _wait_until_healthy(client_class, proc, url, log_path, startup_timeout, health_timeout)
     except BaseException:
-        stop_process_group(proc, timeout=10.0)
+        stop_process_group(proc, timeout=LAUNCHED_STOP_S)
         raise
     client = client_class(url, timeout=client_timeout, retries=client_retries)
-    # an engine frees GPU memory on the way out: give it 30 s before SIGKILL
-    return EngineProcess(proc, url, log_path, client, stop_timeout=30.0, command=cmd)
+    return EngineProcess(proc, url, log_path, client, stop_timeout=LAUNCHED_STOP_S, command=cmd)
 
 
 def _wait_until_healthy(
@@ -242,6 +234,19 @@ def _wait_until_healthy(
             time.sleep(_POLL_S)
     raise EngineError(
         f"{name} server at {url} not healthy after {timeout:.0f}s; log {log_path}:\n" + log_tail(log_path)
+    )
+
+
+def start_group(cmd: list[str], log_file, *, grace_s: float, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`cmd` in a process group of its own behind the lifeline (stopped when this process dies, after `grace_s`
+    seconds of SIGTERM), its output appended to `log_file`."""
+    return subprocess.Popen(
+        die_with_parent(cmd, grace_s=grace_s),
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
     )
 
 

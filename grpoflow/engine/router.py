@@ -19,9 +19,11 @@ from pathlib import Path
 import httpx
 
 from grpoflow.engine.client import SglangClient
-from grpoflow.engine.launch import EngineProcess, log_tail, stop_process_group
+from grpoflow.engine.launch import EngineProcess, log_tail, start_group, stop_process_group
 from grpoflow.errors import EngineError
 from grpoflow.sockets import free_port
+
+ROUTER_STOP_S = 10.0  # how long a stopped router has before SIGKILL
 
 # How often the router probes each replica's /health, and after how many failures in a row it stops routing
 # there: a dead replica leaves within a few seconds.
@@ -73,16 +75,15 @@ def start_router(
     ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+        proc = start_group(cmd, log, grace_s=ROUTER_STOP_S)
     url = f"http://{host}:{port}"
     try:
         _wait_for_workers(proc, url, len(worker_urls), log_path, startup_timeout)
     except BaseException:
-        stop_process_group(proc, timeout=5.0)
+        stop_process_group(proc, timeout=ROUTER_STOP_S)
         raise
-    return EngineProcess(proc, url, log_path, SglangClient(url, timeout=client_timeout, retries=client_retries))
+    client = SglangClient(url, timeout=client_timeout, retries=client_retries)
+    return EngineProcess(proc, url, log_path, client, stop_timeout=ROUTER_STOP_S)
 
 
 def remove_worker(router_url: str, worker_url: str, timeout: float = 10.0) -> bool:

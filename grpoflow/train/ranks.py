@@ -19,7 +19,6 @@ import importlib
 import json
 import os
 import pickle
-import subprocess
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from grpoflow.engine.update_group import (
 )
 from grpoflow.errors import one_line
 from grpoflow.figures import Figures
+from grpoflow.lifeline import GroupPopen, die_with_parent, exit_status
 from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.train.checkpoint import restore_training_state
 from grpoflow.train.parallel import DataParallel, RankError
@@ -57,7 +57,7 @@ class RankWorkers:
     """Ranks 1 .. world-1 (processes here, or Ray actors), and the store their jobs go through."""
 
     store: dist.TCPStore
-    procs: list  # subprocess.Popen, or RayRank: poll(), wait(), kill(), returncode
+    procs: list  # GroupPopen, or RayRank: poll(), wait(), kill(), returncode
     timeout_s: float  # the group's bound on one collective (`cluster.collective_timeout_s`)
     jobs: int = 0
 
@@ -117,7 +117,7 @@ class RankWorkers:
             exited = [(r, p) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
             if exited and time.monotonic() >= deadline:
                 rank, proc = exited[0]
-                return f"trainer rank {rank} exited with status {proc.returncode}"
+                return f"trainer rank {rank} {exit_status(proc.returncode)}"
             if not exited and time.monotonic() >= deadline:
                 return None
             time.sleep(0.1)
@@ -299,10 +299,11 @@ def _stop(procs: list) -> None:
             p.wait()
 
 
-def _start_here(spec: dict, world: int) -> list[subprocess.Popen]:
+def _start_here(spec: dict, world: int) -> list[GroupPopen]:
     """Ranks 1.. as processes of this machine, each on its device of the run's GPU plan (`spec["devices"]`)."""
+    # behind the lifeline: a flow killed with SIGKILL does not leave its ranks holding their GPUs
     return [
-        subprocess.Popen([sys.executable, "-m", "grpoflow.train.ranks", json.dumps(spec), str(rank)])
+        GroupPopen(die_with_parent([sys.executable, "-m", "grpoflow.train.ranks", json.dumps(spec), str(rank)]))
         for rank in range(1, world)
     ]
 

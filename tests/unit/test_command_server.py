@@ -7,6 +7,7 @@ import subprocess
 
 from prefect.server.api.server import SubprocessASGIServer
 
+import flows.server
 from flows.server import LifelineServer
 from grpoflow.lifeline import die_with_parent
 
@@ -19,7 +20,8 @@ class _Recorded:
 
 
 def test_the_command_is_prefect_s_own_behind_the_lifeline(monkeypatch):
-    monkeypatch.setattr(subprocess, "Popen", _Recorded)  # the module object both call through
+    monkeypatch.setattr(subprocess, "Popen", _Recorded)  # Prefect's
+    monkeypatch.setattr(flows.server, "GroupPopen", _Recorded)  # ours: a Popen signalling the lifeline's group
     server = object.__new__(LifelineServer)  # not through __new__: that registers it as Prefect's default server
     server.port = 8765
     SubprocessASGIServer._run_uvicorn_command(server)

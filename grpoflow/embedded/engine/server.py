@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Annotated
@@ -317,31 +315,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-pack-weights", action="store_true", help="Plain F.linear (MKL) instead of oneDNN-packed linears."
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument(
-        "--parent-pid",
-        type=int,
-        default=None,
-        help="Exit when this process is gone (the run that started the engine was killed).",
-    )
     return p.parse_args(argv)
-
-
-def exit_with_parent(server, parent_pid: int, poll_s: float = 1.0) -> threading.Thread:
-    """Stop `server` (a uvicorn.Server) once `parent_pid` is no longer our parent. A run killed with SIGKILL
-    cannot stop the engine it started (its own session, so no terminal signal reaches it either); without this
-    it would hold a core and gigabytes until someone finds it, and a resumed run would start a second one."""
-
-    def watch() -> None:
-        while not server.should_exit:
-            if os.getppid() != parent_pid:
-                log.warning("the process that started this engine (pid %d) is gone: shutting down", parent_pid)
-                server.should_exit = True
-                return
-            time.sleep(poll_s)
-
-    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
-    thread.start()
-    return thread
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -370,8 +344,6 @@ def main(argv: list[str] | None = None) -> None:
         create_app(scheduler, args.served_model_name), log_level=args.log_level, access_log=False, timeout_keep_alive=30
     )
     server = uvicorn.Server(config)
-    if args.parent_pid is not None:
-        exit_with_parent(server, args.parent_pid)
     try:
         server.run(sockets=[sock])
     finally:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -51,36 +56,69 @@ def test_start_generate_stop(tiny_model_dir, tmp_path, monkeypatch):
     assert f"grpoflow-engine listening on {engine.url}" in log_path.read_text()
 
 
-def test_engine_exits_when_the_run_that_started_it_is_killed(tiny_model_dir, tmp_path):
-    """A run killed with SIGKILL cannot stop its engine; the engine notices its parent is gone and exits."""
-    import signal
-    import subprocess
-    import sys
-    import time
+# A server as SGLang's is launched: an HTTP server answering /health, with a child process of its own (its
+# scheduler), in its own interpreter (`start_server` drops PYTHONPATH from a launched server's environment).
+SERVER = """
+import http.server, subprocess, sys
+child = subprocess.Popen(["sleep", "600"])
+print("scheduler pid:", child.pid, flush=True)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+RUNS = {
+    "embedded": "from grpoflow.engine.launch import start_embedded_engine\n"
+    "e = start_embedded_engine({model!r}, seed=0, log_path={log!r})\n",
+    "launched": "from grpoflow.engine.client import SglangClient\n"
+    "from grpoflow.engine.launch import start_server\n"
+    "from grpoflow.sockets import free_port\n"
+    "port = free_port()\n"
+    "e = start_server(SglangClient, [sys.executable, '-c', {server!r}, str(port)], port, log_path={log!r})\n",
+}
 
+
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_an_engine_and_its_children_exit_when_the_run_that_started_it_is_killed(kind, tiny_model_dir, tmp_path):
+    """A run killed with SIGKILL cannot stop its engine: the lifeline it runs behind stops the engine's whole
+    process group (the server, and what it started) once the run is gone."""
+    log = tmp_path / "engine.log"
     script = (
         "import sys, time\n"
-        "from grpoflow.engine.launch import start_embedded_engine\n"
-        f"e = start_embedded_engine({str(tiny_model_dir)!r}, seed=0, log_path={str(tmp_path / 'engine.log')!r})\n"
-        "print(e.pid, flush=True)\n"
+        + RUNS[kind].format(model=str(tiny_model_dir), log=str(log), server=SERVER)
+        + "print(e.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         engine_pid = int(run.stdout.readline())
-        os.kill(engine_pid, 0)  # serving
+        members = _group(engine_pid)
+        assert engine_pid in members and len(members) >= 2  # the lifeline, the server (and what it started)
+        if kind == "launched":
+            assert int(log.read_text().rsplit("scheduler pid: ")[1].split()[0]) in members
         run.send_signal(signal.SIGKILL)
         run.wait(10)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                os.kill(engine_pid, 0)
-            except ProcessLookupError:
-                break
+        while _group(engine_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        else:
+        left = _group(engine_pid)
+        if left:
             os.killpg(engine_pid, signal.SIGKILL)
-            pytest.fail("the engine outlived the run that started it")
+        assert not left, f"{left} of the engine's group outlived the run that started it"
     finally:
         run.kill()
-    assert "is gone: shutting down" in (tmp_path / "engine.log").read_text()
+    assert "is gone: stopping it" in log.read_text()

@@ -313,7 +313,9 @@ def test_launch_health_generate_stop(fake_sglang_python, tiny_model_dir, tmp_pat
         assert (info["tp_size"], info["mem_fraction_static"], info["context_length"]) == (2, 0.55, 1024)
         assert info["host"] == "127.0.0.1" and engine.url.endswith(f":{info['port']}")
         pid, child = info["standin_pid"], info["standin_child_pid"]
-        assert os.getpgid(pid) == pid and os.getpgid(child) == pid  # its own group, the "scheduler" in it
+        # one group, led by the lifeline the server runs behind, the "scheduler" in it
+        lead = os.getpgid(pid)
+        assert os.getpgid(child) == lead != pid and b"lifeline.py" in Path(f"/proc/{lead}/cmdline").read_bytes()
     # Zombies count as gone: the orphaned child is reaped by whoever is init here, maybe not at once.
     assert _wait_gone(pid) and _wait_gone(child), "the server or its child outlived the block"
     text = log.read_text()

@@ -78,6 +78,13 @@ class ClusterConfig(Section):
         description="How long a trainer rank waits in a collective (a gradient sum, a sharded gather) for the "
         "others before the step fails: what a hung, stopped or lost rank costs at most.",
     )
+    failure_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a trainer rank of another process may go without a heartbeat before the step fails "
+        "with its cause: a rank stopped, frozen or gone with its node is found this soon, not at the collective "
+        "timeout.",
+    )
 
 
 class RunConfig(Section):

@@ -60,6 +60,43 @@ class RankWorkers:
     procs: list  # GroupPopen, or RayRank: poll(), wait(), kill(), returncode
     timeout_s: float  # the group's bound on one collective (`cluster.collective_timeout_s`)
     jobs: int = 0
+    lost: str | None = None  # why a rank was given up for lost (its heartbeat stopped), once it was
+
+    def watch_heartbeats(self, address: str, failure_timeout_s: float) -> threading.Event:
+        """Watch every worker rank's heartbeat (`beat/<rank>`, a counter it raises every `beat_interval`
+        seconds) from a thread; returns the event that stops it. A rank whose counter stays still for
+        `failure_timeout_s` after its first beat is killed, which breaks any collective rank 0 waits in with it,
+        and `lost` says why: the step fails in `failure_timeout_s`, not at the collective's bound. Counted on
+        this clock, so ranks on other nodes need no common time."""
+        stop = threading.Event()
+        # a connection of its own: the store's client is not shared across threads
+        store = dist.TCPStore(address, self.store.port, is_master=False, timeout=POLL * 10)
+        seen: dict[int, tuple[int, float]] = {}
+
+        def watch() -> None:
+            while not stop.wait(POLL.total_seconds()):
+                now = time.monotonic()
+                for rank, proc in enumerate(self.procs, start=1):
+                    try:
+                        beats = store.add(f"beat/{rank}", 0)
+                    except RuntimeError:  # the store went with the group: only once the block has ended
+                        if stop.is_set():
+                            return
+                        raise
+                    if beats == 0 or proc.poll() is not None:
+                        continue  # not started yet (the join watches that), or gone (its exit says why)
+                    if seen.get(rank, (None,))[0] != beats:
+                        seen[rank] = (beats, now)
+                    elif now - seen[rank][1] >= failure_timeout_s:
+                        self.lost = (
+                            f"trainer rank {rank} sent no heartbeat for cluster.failure_timeout_s="
+                            f"{failure_timeout_s:g} s (stopped, frozen or lost with its node): killed"
+                        )
+                        proc.kill()
+                        return
+
+        threading.Thread(target=watch, name="trainer-ranks-heartbeats", daemon=True).start()
+        return stop
 
     def send(self, kind: str, payload: object = None) -> int:
         """Hand every worker rank the next job; returns its number."""
@@ -111,6 +148,8 @@ class RankWorkers:
         gives that traceback time to arrive."""
         deadline = time.monotonic() + grace_s
         while True:
+            if self.lost is not None:
+                return self.lost
             for rank in range(1, len(self.procs) + 1):
                 if self.store.check([f"error/{rank}"]):
                     return f"trainer rank {rank} failed:\n{self.store.get(f'error/{rank}').decode(errors='replace')}"
@@ -173,14 +212,17 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "threads": torch.get_num_threads(),
         "sharded": sharded,
+        "beat_interval_s": min(cfg.cluster.failure_timeout_s / 4, 5.0),  # a few beats within the allowance
         # ranks started here: each on its GPU of the run's plan (the one the engine's GPUs were placed beside)
         "devices": [] if on_ray else [plan_gpus(cfg, machine_gpus()).rank_device(r) for r in range(world)],
     }
     procs = _start_on_ray(spec, world, backend) if on_ray else _start_here(spec, world)
     workers = RankWorkers(store, procs, cfg.cluster.collective_timeout_s)
+    watching = workers.watch_heartbeats(address, cfg.cluster.failure_timeout_s)
     try:
         group = _join_watching(workers, address, store, world, group_name, backend, sharded)
     except BaseException:
+        watching.set()
         _stop(procs)
         raise
     bound_collectives(group, cfg.cluster.collective_timeout_s)
@@ -196,6 +238,7 @@ def trainer_ranks(state, model_path: str | Path, cfg, checkpoint: Path | None = 
         for p in procs:
             p.wait(timeout=60)
     finally:
+        watching.set()
         state.dp = None
         _stop(procs)
         leave_trainer_group(group)
@@ -382,6 +425,7 @@ def _worker(spec: dict, rank: int, device: str | None) -> None:
     dev = trainer_device(device)
     address = spec["address"]
     store = dist.TCPStore(address, spec["port"], spec["world"], is_master=False, timeout=IDLE_TIMEOUT)
+    _beat(address, spec["port"], rank, spec["beat_interval_s"])
     n = 0
     try:
         sharded = spec["sharded"]
@@ -428,6 +472,22 @@ def _worker(spec: dict, rank: int, device: str | None) -> None:
         # Leave at once, whatever holds the group open (a Ray actor's process lives on after its method): the
         # closed sockets fail the collective rank 0 waits in.
         os._exit(1)
+
+
+def _beat(address: str, port: int, rank: int, interval_s: float) -> None:
+    """Raise this rank's heartbeat counter every `interval_s` seconds, from a daemon thread on a connection of
+    its own, for as long as the process runs: rank 0 gives up a rank whose counter stops."""
+    store = dist.TCPStore(address, port, is_master=False, timeout=POLL * 10)
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(f"beat/{rank}", 1)
+            except RuntimeError:  # rank 0 and its store are gone: the rank's own wait for work fails with it
+                return
+            time.sleep(interval_s)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,19 +93,28 @@ def test_a_rank_that_dies_fails_the_step_with_its_cause(tiny_model_dir):
     assert state.dp is None
 
 
-def test_a_stopped_rank_fails_the_step_within_the_collective_bound(tiny_model_dir):
-    # SIGSTOP: the rank neither answers nor exits, as when its node is lost; only the bound ends the wait
+# SIGSTOP: the rank neither answers nor exits, and its heartbeat stops with it. Whichever bound is shorter ends the
+# wait: the heartbeat's allowance (the rank is killed, which breaks the collective), or the collective's own (as for
+# a rank whose heartbeat goes on while its work hangs). Either well before the other's 60 s / 600 s default.
+STOPPED = {
+    "failure_timeout_s": r"rank 1 sent no heartbeat for cluster.failure_timeout_s=3 s \(stopped.*: killed",
+    "collective_timeout_s": r"no answer within cluster.collective_timeout_s=3 s, every rank still running",
+}
+
+
+@pytest.mark.parametrize("bound", sorted(STOPPED))
+def test_a_stopped_rank_fails_the_step_within_the_shorter_bound(bound, tiny_model_dir):
     cfg = _config(tiny_model_dir, 2)
-    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"collective_timeout_s": 3.0})})
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={bound: 3.0})})
     state = load_trainer(tiny_model_dir, cfg.train, seed=0)
     samples = agentic_samples(state.model)
-    with pytest.raises(RankError, match=r"no answer within cluster.collective_timeout_s=3 s, every rank still running"):
+    with pytest.raises(RankError, match=STOPPED[bound]):
         with trainer_ranks(state, tiny_model_dir, cfg):
             [worker] = state.dp.workers.procs
             worker.send_signal(signal.SIGSTOP)  # the rank's group: the rank, not only its lifeline
             started = time.monotonic()
             run_update(state, samples, cfg, step=0)
-    assert time.monotonic() - started < 30  # the bound and the 5 s grace for a traceback, not the 30 min default
+    assert time.monotonic() - started < 30  # the bound, a poll and the 5 s grace for a traceback
     assert worker.poll() is not None  # killed with the block, stopped or not
     assert state.dp is None
 

@@ -8,7 +8,8 @@ Ray for a GPU). They meet rank 0 in a process group built like the weight-update
 hosts, at this node's address for Ray ranks; gloo on the CPU, NCCL on GPUs), and take their jobs from that
 store: the step's samples, pickled. A rank that fails writes its
 traceback there and exits, which breaks the collective rank 0 waits in, so the step fails at once with that
-traceback, not at the group's timeout.
+traceback, not at the group's timeout. A rank that goes quiet without failing (stopped, frozen, lost with its
+node) stops raising its heartbeat counter there: rank 0 kills it after `cluster.failure_timeout_s`.
 """
 
 from __future__ import annotations

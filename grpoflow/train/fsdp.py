@@ -271,30 +271,36 @@ def serving_specs(model: torch.nn.Module) -> list[tuple[str, list[int]]]:
 
 
 @torch.no_grad()
-def serving_stream(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def serving_stream(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors an engine loads, whole, one at a time: a sharded model's are gathered as they are yielded
-    (every rank must iterate them alike), so no rank holds more than one beyond its shards. A LoRA model's are
-    merged: base + scaling x B @ A, as PEFT's `get_delta_weight` for a linear."""
+    (every rank must iterate them alike), so no rank holds more than one beyond its shards. `dtype`: the engine's,
+    each shard cast to it before its gather (the same bits as casting the whole after; half the bytes moved and
+    held for bf16). A LoRA model's are merged in the weights' own dtype, then cast: base + scaling x B @ A, as
+    PEFT's `get_delta_weight` for a linear."""
     for name, t, lora in _serving_entries(model):
-        whole = full(t)
-        if lora is not None:
-            if getattr(lora, "fan_in_fan_out", False) or lora.use_dora.get("default", False):
-                raise NotImplementedError(f"{name}: merging a fan-in-fan-out or DoRA adapter is not supported")
-            a, b = full(lora.lora_A["default"].weight), full(lora.lora_B["default"].weight)
-            whole = whole + ((b @ a) * lora.scaling["default"]).to(whole.dtype)
-        yield name, whole
+        if lora is None:
+            yield name, full(t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+            continue
+        if getattr(lora, "fan_in_fan_out", False) or lora.use_dora.get("default", False):
+            raise NotImplementedError(f"{name}: merging a fan-in-fan-out or DoRA adapter is not supported")
+        a, b = full(lora.lora_A["default"].weight), full(lora.lora_B["default"].weight)
+        whole = full(t) + ((b @ a) * lora.scaling["default"]).to(t.dtype)
+        yield name, whole if dtype is None else whole.to(dtype)
 
 
-def drain_serving(state: TrainerState) -> None:
+def drain_serving(state: TrainerState, dtype: torch.dtype | None = None) -> None:
     """A worker rank's side of rank 0's `serving_stream`: the same gathers, the tensors dropped."""
-    for _ in serving_stream(state.model):
+    for _ in serving_stream(state.model, dtype):
         pass
 
 
-def served(state: TrainerState) -> tuple[list[str], list[list[int]], Iterator[torch.Tensor]]:
+def served(
+    state: TrainerState, dtype: torch.dtype | None = None
+) -> tuple[list[str], list[list[int]], Iterator[torch.Tensor]]:
     """What a weight sync sends: the engine's tensor names, their shapes, and the tensors in that order. A
     sharded trainer's are gathered one at a time as the iterator is consumed (the worker ranks join each gather,
-    as a job), so the whole model is never held twice on rank 0."""
+    as a job), so the whole model is never held twice on rank 0; in `dtype` (the engine's) when given, cast
+    before the gather. An unsharded trainer's come as they are: the sender casts them as it copies."""
     if not is_sharded(state.model):
         from grpoflow.train.lora import serving_tensors
 
@@ -305,8 +311,8 @@ def served(state: TrainerState) -> tuple[list[str], list[list[int]], Iterator[to
     def gathered() -> Iterator[torch.Tensor]:
         from grpoflow.train.parallel import on_other_ranks
 
-        with on_other_ranks(state, drain_serving):
-            for _, t in serving_stream(state.model):
+        with on_other_ranks(state, drain_serving, dtype):
+            for _, t in serving_stream(state.model, dtype):
                 yield t
 
     return [n for n, _ in specs], [s for _, s in specs], gathered()

@@ -114,7 +114,8 @@ class DistributedSync:
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
         if self.broken:
             raise EngineError("the weight update group is unusable after an earlier failed update")
-        names, shapes, tensors = served(trainer)  # a sharded model's gathered one at a time, as they are sent
+        # a sharded model's gathered one at a time in the engine's dtype, as they are sent
+        names, shapes, tensors = served(trainer, self.dtype)
         buckets = _buckets(shapes, self.dtype, self.bucket_bytes)
         dtype = dtype_name(self.dtype)
 
@@ -185,7 +186,7 @@ class TensorSync:
         self._flat: torch.Tensor | None = None  # (the largest bucket's numel,) in self.dtype; kept across syncs
 
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None = None) -> dict[str, float]:
-        names, shapes, tensors = served(trainer)  # a sharded model's gathered one at a time
+        names, shapes, tensors = served(trainer, self.dtype)  # a sharded model's gathered one at a time
         numels = [math.prod(s) for s in shapes]
         buckets = _buckets(shapes, self.dtype, self.bucket_bytes)
         largest = max((sum(numels[i] for i in b) for b in buckets), default=0)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from grpoflow.config import parse_run_config
-from grpoflow.train.fsdp import decoder_layers, full_parameters, is_sharded
+from grpoflow.train.fsdp import decoder_layers, full_parameters, is_sharded, served
 from grpoflow.train.ranks import leave_trainer_group, run_update, trainer_ranks
 from grpoflow.train.trainer import load_trainer
 from tests.fakes.samples import agentic_samples
@@ -118,6 +118,20 @@ def test_bf16_keeps_fp32_master_weights_and_two_ranks_take_one_ranks_step(tiny_m
     lr = _config(tiny_model_dir, 1, "fsdp", **train).train.optimizer.learning_rate
     diff = torch.cat([(w2[name] - p).abs().flatten() for name, p in w1.items()])
     assert (diff > 2e-6).float().mean().item() < 1e-2 and diff.max().item() <= 2 * lr * 1.01
+
+
+def test_a_sync_gathers_each_tensor_in_the_engine_s_dtype(tiny_model_dir):
+    """Each shard is cast to the engine's dtype before its gather: half the bytes on the wire and in memory for
+    bf16, and the bits of the fp32 whole cast after."""
+    cfg = _config(tiny_model_dir, 2, "fsdp")
+    state = load_trainer(tiny_model_dir, cfg.train, seed=0, sharded=True)
+    with trainer_ranks(state, tiny_model_dir, cfg):
+        whole = full_parameters(state)
+        names, shapes, tensors = served(state, torch.bfloat16)
+        sent = dict(zip(names, tensors, strict=True))
+    assert set(sent) == set(whole)  # the tiny model ties no tensor: every parameter is served under its name
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, whole[n].to(torch.bfloat16)) for n, t in sent.items())
+    assert [list(sent[n].shape) for n in names] == shapes
 
 
 def test_activation_checkpointing_changes_no_bit(tiny_model_dir):

@@ -120,6 +120,13 @@ class BatchConfig(Section):
         4096, ge=64, description="Token budget of one forward/backward micro-batch (gradients accumulate)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    reduce_gradients_once: bool = Field(
+        False,
+        description="Sharded ranks (`train.sharding` fsdp) reduce-scatter the gradients once per optimizer step, "
+        "after its last micro-batch, instead of after every micro-batch: fewer collectives, while every rank "
+        "holds the whole fp32 gradient until then (4 bytes per trained parameter, not 4 / ranks). Replicated "
+        "ranks always sum once per optimizer step.",
+    )
     checkpoint_above_tokens: int | None = Field(
         4096,
         ge=1,

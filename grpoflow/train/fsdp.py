@@ -216,6 +216,14 @@ def idle_passes(n: int, state: TrainerState) -> int:
     return int(most.item()) - n
 
 
+def reduce_gradients_after(state: TrainerState, cfg: TrainConfig, last: bool) -> None:
+    """Before a minibatch's backward pass: with `train.batch.reduce_gradients_once`, a sharded model keeps this
+    pass's gradients whole, added to the earlier passes', unless it is the `last` (every rank's last is its
+    same-numbered pass), whose backward reduce-scatters the sum into the shards. Otherwise every pass reduces."""
+    if cfg.batch.reduce_gradients_once and is_sharded(state.model):
+        state.model.set_requires_gradient_sync(last)
+
+
 def idle_pass(state: TrainerState, temperature: float, backward: bool) -> None:
     """One pass with the collectives of a micro-batch's and nothing else: the policy's forward over a 2-token
     dummy (and the reference's, in a backward pass), then a backward of 0 x its logprob, which adds exact zeros to

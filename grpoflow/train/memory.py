@@ -121,6 +121,7 @@ class TrainSetup:
     checkpointing: bool = False  # every micro-batch recomputes its activations (`gradient_checkpointing`)
     checkpoint_above_tokens: int | None = None  # and every one whose longest sample is longer than this
     longest_sample_tokens: int = 0  # the longest sample a step may hold; one longer than a micro-batch runs alone
+    reduce_once: bool = False  # sharded gradients accumulate whole until the optimizer step's last micro-batch
 
     def checkpointed(self, longest: int) -> bool:
         """Whether a micro-batch whose longest sample has `longest` tokens recomputes its activations (as
@@ -151,7 +152,7 @@ def plan_memory(shape: ModelShape, setup: TrainSetup) -> MemoryPlan:
     activations = _peak_activations(shape, setup, compute)
     rows = {
         "parameters": 4 * params // n,
-        "gradients": 4 * trained // n,
+        "gradients": 4 * trained // (1 if setup.reduce_once else n),
         "optimizer": 8 * trained // n,
         "reference": 4 * params // n if setup.kl and not setup.lora_rank else 0,
         # replicated ranks sum gradients through one flat fp32 copy; sharded ones gather a layer (and the next,
@@ -208,6 +209,7 @@ def train_setup(cfg: RunConfig, ranks: int, on_gpu: bool) -> TrainSetup:
         checkpoint_above_tokens=t.batch.checkpoint_above_tokens,
         # a trained sample (a segment of a compacted trial) holds at most an episode's context
         longest_sample_tokens=cfg.rollout.episode.max_context_tokens,
+        reduce_once=t.batch.reduce_gradients_once,
     )
 
 

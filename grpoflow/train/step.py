@@ -21,7 +21,7 @@ from grpoflow.config import RunConfig, TrainConfig
 from grpoflow.figures import Figures
 from grpoflow.samples import Sample
 from grpoflow.seeds import step_seed
-from grpoflow.train.fsdp import clip_gradients, idle_pass, idle_passes, is_sharded
+from grpoflow.train.fsdp import clip_gradients, idle_pass, idle_passes, is_sharded, reduce_gradients_after
 from grpoflow.train.grpo import LossInputs, group_advantages, policy_loss, zero_std_groups
 from grpoflow.train.logprobs import token_logprobs
 from grpoflow.train.parallel import all_reduce_grads, all_reduce_sums, local_rows
@@ -119,7 +119,8 @@ def backward_minibatch(
     mine = local_rows([s.rollout_id for s in samples], [len(s.tokens) for s in samples], state.dp)
     batches = pack_micro_batches([len(samples[i].tokens) for i in mine], cfg.batch.micro_batch_tokens)
     idle = idle_passes(len(batches), state)  # before any pass: its all-reduce must pair with the other ranks'
-    for packed in batches:
+    passes = len(batches) + idle  # the same on every rank
+    for k, packed in enumerate(batches):
         idx = [mine[j] for j in packed]
         ids, mask, behaviour, old_lp = _collate(
             [samples[i] for i in idx], state.device, [old[i] for i in idx] if old is not None else None
@@ -142,6 +143,7 @@ def backward_minibatch(
             denominator=denom,
         )
         loss, m = policy_loss(inputs, cfg.loss)
+        reduce_gradients_after(state, cfg, last=k == passes - 1)
         loss.backward()
         sums["loss"] += loss.item()
         sums["n_tokens"] += int(m.pop("n_tokens"))
@@ -153,7 +155,8 @@ def backward_minibatch(
             sums[k] += v.item() * n
         sums["n_forward_tokens"] += sum(len(samples[i].tokens) - 1 for i in idx)
         sums["n_micro_batches"] += 1
-    for _ in range(idle):  # a sharded model's collectives pair up across the ranks
+    for k in range(len(batches), passes):  # a sharded model's collectives pair up across the ranks
+        reduce_gradients_after(state, cfg, last=k == passes - 1)
         idle_pass(state, temperature, backward=True)
     sums = all_reduce_sums(sums, _MAX_KEYS, state.dp)
     for k in _MEAN_KEYS + ("kl", "entropy"):

@@ -27,6 +27,8 @@ CASES = {
         **OFF_POLICY,
     },
     "a-rank-idle": {"loss_aggregation": "sample", "global_batch_size": 1},
+    # gradients kept whole over a minibatch's micro-batches (and a rank's idle passes), reduced after the last
+    "reduce-once": {"global_batch_size": 4, "batch": {"micro_batch_tokens": 64, "reduce_gradients_once": True}},
     "lora-kl": {"lora": LORA, "kl_coef": 0.1, "learning_rate": 1e-3},
     "full-kl": {"kl_coef": 0.1},
 }

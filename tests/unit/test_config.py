@@ -488,7 +488,7 @@ def test_fields_per_group():
         "train": 12,
         "train.loss": 12,
         "train.optimizer": 3,
-        "train.batch": 4,
+        "train.batch": 5,
         "train.checkpoint": 1,
         "train.eval": 2,
         "train.lora": 3,

@@ -56,6 +56,9 @@ def test_sharding_splits_weights_gradients_and_adam_and_replicating_adds_the_fla
         assert sharded[row] == one[row] // 4 and replicated[row] == one[row]
     # a gathered layer (and the next) in bf16 plus the fp32 root unit, not the model
     assert shape.root_params * 4 < sharded["communication"] < one["parameters"] / 4
+    # reduced once per optimizer step, the gradients accumulate whole on every rank until then
+    once = plan_memory(shape, TrainSetup(ranks=4, sharding="fsdp", reduce_once=True)).rows
+    assert once["gradients"] == one["gradients"] and once["optimizer"] == sharded["optimizer"]
 
 
 def test_a_sample_longer_than_a_micro_batch_is_planned_alone_and_by_its_own_checkpointing():
@@ -95,9 +98,16 @@ def test_activation_checkpointing_keeps_each_layer_s_input_only():
 
 
 def test_the_run_s_settings_resolve_as_the_trainer_resolves_them():
-    cfg = parse_run_config({"run_id": "p", "train": {"loss": {"kl_coef": 0.1}, "batch": {"micro_batch_tokens": 8192}}})
+    batch = {"micro_batch_tokens": 8192, "reduce_gradients_once": True}
+    cfg = parse_run_config({"run_id": "p", "train": {"loss": {"kl_coef": 0.1}, "batch": batch}})
     gpu, cpu = train_setup(cfg, 4, on_gpu=True), train_setup(cfg, 1, on_gpu=False)
-    assert (gpu.sharding, gpu.precision, gpu.kl, gpu.checkpointing) == ("fsdp", "bf16", True, False)
+    assert (gpu.sharding, gpu.precision, gpu.kl, gpu.checkpointing, gpu.reduce_once) == (
+        "fsdp",
+        "bf16",
+        True,
+        False,
+        True,
+    )
     assert gpu.checkpointed(8192) and not gpu.checkpointed(4096)  # above train.batch.checkpoint_above_tokens
     assert (cpu.sharding, cpu.precision) == ("replicate", "fp32")
 

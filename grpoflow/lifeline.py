@@ -1,12 +1,12 @@
 """Run a command whose whole process group dies with the process that started it, even when that process is
 SIGKILLed.
 
-`die_with_parent(argv)` prefixes `argv` with `python -I .../grpoflow/lifeline.py <our pid> <grace> --`. That small process
-leads a process group of its own (it starts a session when the caller did not) and runs the command in it; an
-engine's server, its scheduler and detokenizer, a router's workers all land there. Stop the command by signalling
+`die_with_parent(argv)` prefixes `argv` with `python -I .../grpoflow/lifeline.py <our pid> <grace> --`. That small
+process leads a process group of its own (it starts a session when the caller did not) and runs the command in it;
+an engine's server, its scheduler and detokenizer, a router's workers all land there. Stop the command by signalling
 the group (`os.killpg(proc.pid, ...)`, or `GroupPopen`'s `terminate()`): the lifeline lets the signal pass, waits
-for the command and exits with its status. While it waits it watches its parent: once the parent is gone (a
-`kill -9` of the flow, an out-of-memory kill), it sends the group SIGTERM, and SIGKILL `grace` seconds later.
+for the command and exits with its status. While it waits it watches its parent: once the parent is gone
+(a `kill -9` of the flow, an out-of-memory kill), it sends the group SIGTERM, and SIGKILL `grace` seconds later.
 
 It watches the parent *process* (`getppid()` changes when it is gone), so any thread may start it, and it is a
 separate process rather than a `preexec_fn`: code run between fork and exec in a process with threads (Prefect's,

@@ -64,7 +64,7 @@ class RankWorkers:
     lost: str | None = None  # why a rank was given up for lost (its heartbeat stopped), once it was
 
     def watch_heartbeats(self, address: str, failure_timeout_s: float) -> threading.Event:
-        """Watch every worker rank's heartbeat (`beat/<rank>`, a counter it raises every `beat_interval`
+        """Watch every worker rank's heartbeat (`beat/<rank>`, a counter it raises every `beat_interval_s`
         seconds) from a thread; returns the event that stops it. A rank whose counter stays still for
         `failure_timeout_s` after its first beat is killed, which breaks any collective rank 0 waits in with it,
         and `lost` says why: the step fails in `failure_timeout_s`, not at the collective's bound. Counted on

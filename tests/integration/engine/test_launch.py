@@ -8,13 +8,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.errors import EngineError
+from tests.fakes.proc import group_members
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
@@ -79,19 +79,6 @@ RUNS = {
 }
 
 
-def _group(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group `pgid`."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
-
-
 @pytest.mark.parametrize("kind", sorted(RUNS))
 def test_an_engine_and_its_children_exit_when_the_run_that_started_it_is_killed(kind, tiny_model_dir, tmp_path):
     """A run killed with SIGKILL cannot stop its engine: the lifeline it runs behind stops the engine's whole
@@ -106,16 +93,16 @@ def test_an_engine_and_its_children_exit_when_the_run_that_started_it_is_killed(
     run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         engine_pid = int(run.stdout.readline())
-        members = _group(engine_pid)
+        members = group_members(engine_pid)
         assert engine_pid in members and len(members) >= 2  # the lifeline, the server (and what it started)
         if kind == "launched":
             assert int(log.read_text().rsplit("scheduler pid: ")[1].split()[0]) in members
         run.send_signal(signal.SIGKILL)
         run.wait(10)
         deadline = time.monotonic() + 30
-        while _group(engine_pid) and time.monotonic() < deadline:
+        while group_members(engine_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = _group(engine_pid)
+        left = group_members(engine_pid)
         if left:
             os.killpg(engine_pid, signal.SIGKILL)
         assert not left, f"{left} of the engine's group outlived the run that started it"

@@ -27,6 +27,7 @@ from grpoflow.engine.protocol import SamplingParams
 from grpoflow.engine.sglang_launch import launch_settings, sglang_command, start_sglang_server
 from grpoflow.errors import ConfigError, EngineError
 from tests.fakes.chat_client import ChatClient
+from tests.fakes.proc import alive
 from tests.fakes.sglang_standin import StandinServer
 
 STANDIN = Path(__file__).resolve().parents[2] / "fakes" / "sglang_standin.py"
@@ -270,21 +271,9 @@ def fake_sglang_python(tmp_path: Path) -> str:
     return str(py)
 
 
-def _gone(pid: int) -> bool:
-    """True when `pid` no longer runs (a zombie waiting for its reaper counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, IndexError):
-        return True
-
-
 def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
-    while not _gone(pid):
+    while alive(pid):  # a zombie waiting for its reaper counts as gone
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)

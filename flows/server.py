@@ -27,7 +27,7 @@ from prefect.logging.handlers import APILogWorker
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
 
-from grpoflow.lifeline import GroupPopen, die_with_parent
+from grpoflow.lifeline import Lifeline
 
 
 class LifelineServer(SubprocessASGIServer):
@@ -54,7 +54,7 @@ class LifelineServer(SubprocessASGIServer):
             "on",
         ]
         env = {**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)}
-        return GroupPopen(args=die_with_parent(argv), env=env)  # Prefect's stop() signals the group
+        return Lifeline(argv, env=env)  # Prefect's stop() signals the group
 
 
 @contextmanager

@@ -4,7 +4,7 @@ SIGKILLed.
 `die_with_parent(argv)` prefixes `argv` with `python -I .../grpoflow/lifeline.py <our pid> <grace> --`. That small
 process leads a process group of its own (it starts a session when the caller did not) and runs the command in it;
 an engine's server, its scheduler and detokenizer, a router's workers all land there. Stop the command by signalling
-the group (`os.killpg(proc.pid, ...)`, or `GroupPopen`'s `terminate()`): the lifeline lets the signal pass, waits
+the group (`os.killpg(proc.pid, ...)`, or `Lifeline`'s `terminate()`): the lifeline lets the signal pass, waits
 for the command and exits with its status. While it waits it watches its parent: once the parent is gone
 (a `kill -9` of the flow, an out-of-memory kill), it sends the group SIGTERM, and SIGKILL `grace` seconds later.
 
@@ -37,12 +37,14 @@ def die_with_parent(argv: list[str], grace_s: float = 10.0) -> list[str]:
     return [sys.executable, "-I", __file__, str(os.getpid()), f"{grace_s:g}", "--", *argv]
 
 
-class GroupPopen(subprocess.Popen):
-    """A Popen leading a process group of its own, whose signals (`terminate()`, `kill()`, `send_signal()`) go to
-    that group: how a command behind the lifeline is stopped by code that only knows Popen."""
+class Lifeline(subprocess.Popen):
+    """`argv` started behind the lifeline (`die_with_parent`), as a Popen leading the command's process group,
+    whose signals (`terminate()`, `kill()`, `send_signal()`) go to that group: how code that only knows Popen
+    stops the command and what it started. `kwargs`: Popen's (stdout, env, ...)."""
 
-    def __init__(self, args, **kwargs):
-        super().__init__(args, start_new_session=True, **kwargs)  # the group exists before a signal can be sent
+    def __init__(self, argv: list[str], *, grace_s: float = 10.0, **kwargs):
+        # a session from the fork on: the group exists before a signal can be sent to it
+        super().__init__(die_with_parent(argv, grace_s), start_new_session=True, **kwargs)
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

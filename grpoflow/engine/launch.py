@@ -20,7 +20,7 @@ from pathlib import Path
 
 from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.errors import EngineError
-from grpoflow.lifeline import die_with_parent
+from grpoflow.lifeline import Lifeline
 
 _LOG_TAIL_LINES = 30
 EMBEDDED_STOP_S = 10.0  # how long a stopped server has before SIGKILL: the embedded engine's, and
@@ -237,17 +237,10 @@ def _wait_until_healthy(
     )
 
 
-def start_group(cmd: list[str], log_file, *, grace_s: float, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_group(cmd: list[str], log_file, *, grace_s: float, env: dict[str, str] | None = None) -> Lifeline:
     """`cmd` in a process group of its own behind the lifeline (stopped when this process dies, after `grace_s`
     seconds of SIGTERM), its output appended to `log_file`."""
-    return subprocess.Popen(
-        die_with_parent(cmd, grace_s=grace_s),
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
+    return Lifeline(cmd, grace_s=grace_s, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
 def stop_process_group(proc: subprocess.Popen, timeout: float) -> None:

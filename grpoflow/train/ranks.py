@@ -41,7 +41,7 @@ from grpoflow.engine.update_group import (
 )
 from grpoflow.errors import one_line
 from grpoflow.figures import Figures
-from grpoflow.lifeline import GroupPopen, die_with_parent, exit_status
+from grpoflow.lifeline import Lifeline, exit_status
 from grpoflow.placement import machine_gpus, plan_gpus
 from grpoflow.train.checkpoint import restore_training_state
 from grpoflow.train.parallel import DataParallel, RankError
@@ -58,7 +58,7 @@ class RankWorkers:
     """Ranks 1 .. world-1 (processes here, or Ray actors), and the store their jobs go through."""
 
     store: dist.TCPStore
-    procs: list  # GroupPopen, or RayRank: poll(), wait(), kill(), returncode
+    procs: list  # Lifeline, or RayRank: poll(), wait(), kill(), returncode
     timeout_s: float  # the group's bound on one collective (`cluster.collective_timeout_s`)
     jobs: int = 0
     lost: str | None = None  # why a rank was given up for lost (its heartbeat stopped), once it was
@@ -343,11 +343,11 @@ def _stop(procs: list) -> None:
             p.wait()
 
 
-def _start_here(spec: dict, world: int) -> list[GroupPopen]:
+def _start_here(spec: dict, world: int) -> list[Lifeline]:
     """Ranks 1.. as processes of this machine, each on its device of the run's GPU plan (`spec["devices"]`)."""
     # behind the lifeline: a flow killed with SIGKILL does not leave its ranks holding their GPUs
     return [
-        GroupPopen(die_with_parent([sys.executable, "-m", "grpoflow.train.ranks", json.dumps(spec), str(rank)]))
+        Lifeline([sys.executable, "-m", "grpoflow.train.ranks", json.dumps(spec), str(rank)])
         for rank in range(1, world)
     ]
 

@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from grpoflow.lifeline import GroupPopen, die_with_parent
+from grpoflow.lifeline import Lifeline, die_with_parent
+from tests.fakes.proc import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 # A command with a child of its own (the `sleep 600 &`): as an engine's server with its scheduler. Both ignore
@@ -27,30 +28,11 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _within(seconds: float, check) -> bool:
     deadline = time.monotonic() + seconds
     while not check() and time.monotonic() < deadline:
         time.sleep(0.02)
     return check()
-
-
-def _command_pid(lifeline: int) -> int:
-    return int(next(p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == lifeline))
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
 
 
 def test_a_command_and_its_children_die_with_their_sigkilled_parent():
@@ -59,14 +41,14 @@ def test_a_command_and_its_children_die_with_their_sigkilled_parent():
         [sys.executable, "-c", PARENT % (COMMAND,)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     lifeline, grandchild, plain = map(int, parent.stdout.readline().split())
-    command = _command_pid(lifeline)
+    [command, *_] = descendants(lifeline)  # its child (children come first): the command
     try:
         assert os.getpgid(command) == os.getpgid(grandchild) == lifeline  # one group, which the lifeline leads
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         # SIGTERM, ignored; SIGKILL a second (grace_s) later; each check of the parent a quarter second apart
-        assert _within(5, lambda: not any(map(_alive, (lifeline, command, grandchild))))
-        assert _alive(plain)  # the control: nothing else ends a child its parent leaves behind
+        assert _within(5, lambda: not any(map(alive, (lifeline, command, grandchild))))
+        assert alive(plain)  # the control: nothing else ends a child its parent leaves behind
     finally:
         for pid in (lifeline, command, grandchild, plain):
             try:
@@ -76,11 +58,11 @@ def test_a_command_and_its_children_die_with_their_sigkilled_parent():
 
 
 def test_a_group_stopped_by_its_starter_reports_the_command_s_status_and_leaves_nothing():
-    proc = GroupPopen(die_with_parent(["sh", "-c", "sleep 600 & echo $!; sleep 601"]), stdout=subprocess.PIPE, cwd=REPO)
+    proc = Lifeline(["sh", "-c", "sleep 600 & echo $!; sleep 601"], stdout=subprocess.PIPE, cwd=REPO)
     grandchild = int(proc.stdout.readline())
     proc.terminate()  # SIGTERM to the group: the shell ends with it; the lifeline, waiting for it, passes it on
     assert proc.wait(10) == 128 + signal.SIGTERM
-    assert _within(5, lambda: not _alive(grandchild))
+    assert _within(5, lambda: not alive(grandchild))
     proc.stdout.close()
     done = subprocess.run(die_with_parent(["sh", "-c", "exit 3"]), cwd=REPO)
     assert done.returncode == 3

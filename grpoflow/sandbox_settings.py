@@ -1,13 +1,42 @@
 """The local sandbox's settings as `rollout.sandbox.kwargs` gives them, checked when the run config is, so a bad
 value is one line naming the key before anything is written (the sandbox's constructor would refuse it only once
 the first trial starts). `LocalSandbox.__init__` validates its keywords with this model, the one home of their
-defaults; grpoflow sets its other keywords (the session bridge, the CLI dir) itself."""
+defaults; grpoflow sets its other keywords (the session bridge, the CLI dir) itself. Also the forms of Harbor's
+`allowed_hosts` that the local sandbox enforces, read by prepare (which refuses the others) and by the sandbox
+(its capabilities)."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Literal
 
+from harbor.models.task.config import NetworkAllowlistEntryType, TaskConfig, classify_network_allowlist_entry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# What the local sandbox's allowlist enforces (by address, in its network namespace): names are resolved when the
+# policy is applied. A wildcard needs a proxy that reads each request's host name; IPv6 is not routed.
+ALLOWLIST_FORMS: frozenset[NetworkAllowlistEntryType] = frozenset(
+    {NetworkAllowlistEntryType.HOSTNAME, NetworkAllowlistEntryType.IPV4_ADDRESS, NetworkAllowlistEntryType.IPV4_CIDR}
+)
+
+
+def allowlist_problem(config: TaskConfig) -> str | None:
+    """The first `allowed_hosts` entry of task.toml (environment, agent or verifier) that the local sandbox does not
+    enforce, as one line naming the field; None when every one is enforced."""
+    for section in ("environment", "agent", "verifier"):
+        for entry in getattr(config, section).allowed_hosts or []:
+            form = classify_network_allowlist_entry(entry)
+            where = f"task.toml [{section}] allowed_hosts {entry!r}"
+            if form not in ALLOWLIST_FORMS:
+                return (
+                    f"{where}: a {form.value} entry; the local sandbox enforces host names, IPv4 addresses and IPv4 "
+                    "CIDR ranges"
+                )
+            if form != NetworkAllowlistEntryType.HOSTNAME:
+                net = ipaddress.IPv4Network(entry, strict=False)
+                if net.is_private and not net.is_loopback:
+                    return f"{where}: a private or link-local range, which no local sandbox reaches in any mode"
+    return None
 
 
 class LocalSandboxSettings(BaseModel):

@@ -34,6 +34,7 @@ from grpoflow.fileio import sha256_tree
 from grpoflow.paths import default_cache_dir
 from grpoflow.prepare.families import generate
 from grpoflow.prepare.task_files import check_task_times, check_task_tree
+from grpoflow.sandbox_settings import allowlist_problem
 
 BUILTIN = "builtin"  # the generated task families
 BUILTIN_FIXED = "builtin-fixed"  # the hand-written tasks of grpoflow/data/tasks
@@ -215,14 +216,17 @@ def load_task(
 
 
 def beyond_one_container(task_dir: Path, config: TaskConfig) -> str | None:
-    """What the task's environment asks beyond one sandbox that the local sandbox does not start: extra services
-    (a compose file), GPUs, MCP servers. Run anyway, its trials would fail or score 0 for want of them."""
+    """What the task's environment asks beyond one sandbox that the local sandbox does not give: extra services
+    (a compose file), GPUs, MCP servers, an allowlist entry it does not enforce. Run anyway, its trials would fail
+    or score 0 for want of them."""
     for name in ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml"):
         if (task_dir / "environment" / name).is_file():
             return (
                 f"environment/{name}: the local sandbox runs no extra services (rollout.sandbox.backend=docker runs them "
                 "with docker compose v2)"
             )
+    if problem := allowlist_problem(config):
+        return problem
     env = config.environment
     if env.gpus:
         return f"task.toml [environment] gpus = {env.gpus}: the local sandbox has no GPU"

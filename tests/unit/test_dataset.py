@@ -381,6 +381,22 @@ def test_the_builtin_tasks_pass_the_local_sandbox_check() -> None:
             lambda d: (d / "task.toml").open("a").write("\n[environment]\ngpus = 1\n"),
             "[environment] gpus = 1: the local sandbox has no GPU",
         ),
+        (
+            lambda d: (
+                (d / "task.toml")
+                .open("a")
+                .write('\n[verifier]\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org", "*.pythonhosted.org"]\n')
+            ),
+            "[verifier] allowed_hosts '*.pythonhosted.org': a wildcard-hostname entry; the local sandbox enforces",
+        ),
+        (
+            lambda d: (
+                (d / "task.toml")
+                .open("a")
+                .write('\n[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["192.168.1.0/24"]\n')
+            ),
+            "[environment] allowed_hosts '192.168.1.0/24': a private or link-local range",
+        ),
     ],
 )
 def test_a_task_needing_more_than_one_sandbox_is_refused_for_the_local_one(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's two commands: `./run.sh main` (the main job on the embedded default) and `./run.sh test`.
 # Each one first makes sure the environment exists: Python >= 3.12 in .venv with the pinned dependencies
-# (re-installed when pyproject.toml changes), and the system tools the local sandbox needs (bubblewrap, tmux);
+# (re-installed when pyproject.toml changes), and the system tools the local sandbox needs (bubblewrap, tmux, and
+# slirp4netns and nftables for tasks with a network);
 # `test` also installs chromium for the browser test of the Prefect UI, and Docker (engine started, base image
 # built) for the tests of tasks built from their Dockerfile.
 set -euo pipefail
@@ -29,6 +30,9 @@ ensure_system_tools() {
   local missing=()
   command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
   command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+  # A task whose network policy is public or an allowlist: user-mode networking and its filter.
+  command -v slirp4netns >/dev/null 2>&1 || missing+=(slirp4netns)
+  PATH="$PATH:/usr/sbin:/sbin" command -v nft >/dev/null 2>&1 || missing+=(nftables)
   [ ${#missing[@]} -eq 0 ] && return 0
   echo "run.sh: installing ${missing[*]} (the local sandbox needs them)" >&2
   apt_install "${missing[@]}"

@@ -1,10 +1,11 @@
 """The host side of every process a `LocalSandbox` starts: run by the host's Python (`python -I -S launch.py OPTIONS
 -- ARGV`), never from the sandbox's tree, so nothing a task image ships runs before its privileges are gone.
 
-In order, with OPTIONS (`--cgroup PROCS_FILE`, `--rlimit NAME=VALUE`, `--uid N`, `--stage PATH NAME`,
-`--enter PID --seccomp-fd FD`) saying what applies:
+In order, with OPTIONS (`--cgroup PROCS_FILE`, `--netns PATH`, `--rlimit NAME=VALUE`, `--uid N`,
+`--stage PATH NAME`, `--enter PID --seccomp-fd FD`) saying what applies:
 1. `cgroup`: this process joins the trial's cgroup (each hierarchy's cgroup.procs), while it still may; all it
-   starts is charged there.
+   starts is charged there. `netns` (as root only): it joins the trial's network namespace (`network.py`), which
+   bwrap then keeps instead of making an empty one.
 2. `rlimits`: set (soft and hard) here, on the host; they survive every exec below.
 3. `stage` (as root only): bwrap runs as the sandbox uid and must reach its mount sources by path, which may lie
    under dirs that uid cannot enter (a 0700 home, pytest's temp dir). This process unshares a mount namespace of
@@ -147,6 +148,7 @@ def wait_and_exit(child: int, signal) -> None:  # noqa: ANN001  (the module, imp
 def parse(args: list[str]) -> tuple[dict, list[str]]:
     """(options, ARGV) from `OPTIONS -- ARGV`."""
     opts: dict = {"cgroup": [], "rlimit": {}, "stage": [], "uid": None, "enter": None, "seccomp_fd": None}
+    opts["netns"] = None
     i = 0
     while args[i] != "--":
         flag = args[i]
@@ -155,6 +157,8 @@ def parse(args: list[str]) -> tuple[dict, list[str]]:
             opts["rlimit"][name] = int(value)
         elif flag == "--cgroup":
             opts["cgroup"].append(args[i + 1])
+        elif flag == "--netns":
+            opts["netns"] = args[i + 1]
         elif flag == "--stage":
             opts["stage"].append((args[i + 1], args[i + 2]))
             i += 1
@@ -172,6 +176,10 @@ def main() -> None:
     for procs in opts["cgroup"]:
         fd = os.open(procs, os.O_WRONLY)
         os.write(fd, b"0")  # "0": the writing process itself
+        os.close(fd)
+    if opts["netns"] is not None:
+        fd = os.open(opts["netns"], os.O_RDONLY)
+        os.setns(fd, os.CLONE_NEWNET)
         os.close(fd)
     for name, value in opts["rlimit"].items():
         resource.setrlimit(getattr(resource, name), (value, value))

@@ -1,8 +1,8 @@
 """`LocalSandbox`: a Harbor environment that runs every `exec()` in a fresh bubblewrap sandbox on this machine.
 
 Select it with `EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs={...})`. One trial = one temp dir
-on the host; each command is one short-lived `bwrap` process over it, with no network, the host's /usr and /etc
-read-only, its own /app, /logs, /tests, /solution, /tmp, a cgroup of the trial's (memory, pids and cpus as Docker
+on the host; each command is one short-lived `bwrap` process over it, with the network its task's policy names
+(`network`: none, public, or an allowlist; switched between phases), the host's /usr and /etc read-only, its own /app, /logs, /tests, /solution, /tmp, a cgroup of the trial's (memory, pids and cpus as Docker
 limits them; `cgroups`), rlimits and (as root) a uid of its own. With
 `process_scope="trial"` one bwrap per trial holds the namespaces, so a tmux server lives across execs
 (terminus-2). With `session_bridge` the sandbox's loopback port reaches one host address (the session server)
@@ -35,7 +35,7 @@ from harbor.environments.capabilities import (
     EnvironmentCapabilities,
     EnvironmentResourceCapabilities,
 )
-from harbor.models.task.config import NetworkMode, NetworkPolicy
+from harbor.models.task.config import NetworkPolicy
 from harbor.models.trial.config import ResourceMode
 from pydantic import ValidationError
 
@@ -44,6 +44,7 @@ from grpoflow.embedded.sandbox.bridge import FORWARDER, Bridge
 from grpoflow.embedded.sandbox.cgroups import CgroupUnavailable, Limits, TrialCgroup, unavailable_reason
 from grpoflow.embedded.sandbox.cgroups import create as create_cgroup
 from grpoflow.embedded.sandbox.images import TaskImage, hold, task_image
+from grpoflow.embedded.sandbox.network import TrialNetwork, needs_network
 from grpoflow.embedded.sandbox.orphans import claim
 from grpoflow.embedded.sandbox.processes import (
     HOST_ENV,
@@ -82,6 +83,7 @@ from grpoflow.embedded.sandbox.rootfs import (
     host_path,
     image_base,
     make_trial_dir,
+    network_mount_points,
     repair_mount_points,
     resolve_inside,
     rmtree,
@@ -93,13 +95,12 @@ from grpoflow.embedded.sandbox.seccomp import filter_fd
 from grpoflow.errors import one_line
 from grpoflow.paths import default_cache_dir
 from grpoflow.rollout.environments import (
-    BRIDGE_HOST,
     SANDBOX_PYTHON,
     ImageBuildError,
     SandboxDiedError,
     SandboxStartError,
 )
-from grpoflow.sandbox_settings import LocalSandboxSettings, sandbox_kwargs_problem
+from grpoflow.sandbox_settings import ALLOWLIST_FORMS, LocalSandboxSettings, sandbox_kwargs_problem
 
 DEFAULT_STORAGE_MB = 10240  # a trial's own files, when neither the sandbox's settings nor the task set it
 DEFAULT_MEMORY_MB = 2048  # a trial's memory, when neither the sandbox's settings nor the task set it
@@ -110,7 +111,6 @@ TIMEOUT_EXIT_CODE = 124  # what GNU `timeout` returns; Harbor's singularity envi
 DEFAULT_WORKDIR = "/app"
 BRIDGE_DIR = PurePosixPath("/run/grpoflow")  # the bridge's socket and forwarder, read-only in the sandbox
 CLI_DIR = PurePosixPath("/opt/grpoflow/cli")  # `cli_dir`, read-only; its node_modules/.bin goes on PATH
-LOOPBACK_HOSTS = frozenset({BRIDGE_HOST, "localhost", "::1"})
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -224,6 +224,10 @@ class LocalSandbox(BaseEnvironment):
         self._holder_pids: tuple[int, ...] = ()  # that bwrap and its child, pid 1 inside: uid U, never swept
         self._procs: set[asyncio.subprocess.Process] = set()
         self._dead_reason: str | None = None
+        # A network namespace of the trial's own where any of its policies lets out more than loopback (made at
+        # start); else bwrap's empty one.
+        self._wants_network = needs_network([self._network_policy, *self._phase_network_policies])
+        self._network: TrialNetwork | None = None
 
     # ---- Harbor's environment interface -------------------------------------------------------------------
 
@@ -233,22 +237,25 @@ class LocalSandbox(BaseEnvironment):
 
     @property
     def capabilities(self) -> EnvironmentCapabilities:
-        # disable_internet: tasks with network_mode="no-network" are accepted. The sandbox never has a network,
-        # whatever the task asks: a task that needs one fails in it rather than reaching out.
-        return EnvironmentCapabilities(disable_internet=True, mounted=True)
+        # Every network mode, switched between phases (network.py); of allowlist entries, the forms it enforces.
+        forms = {form.value.replace("-", "_"): True for form in ALLOWLIST_FORMS}
+        return EnvironmentCapabilities(
+            disable_internet=True,
+            network_allowlist=True,
+            **{f"network_allowlist_{form}s": on for form, on in forms.items()},
+            dynamic_network_policy=True,
+            mounted=True,
+        )
 
-    def validate_network_policy_support(self, network_policy: NetworkPolicy | None = None) -> None:
-        # Harbor allowlists an installed agent's inference host. The one host a sandbox reaches is the loopback
-        # port its session bridge forwards; any other allowlisted host cannot be reached, so it is refused here.
-        policy = network_policy or self._network_policy
-        if policy.network_mode != NetworkMode.ALLOWLIST:
-            return super().validate_network_policy_support(network_policy)
-        reachable = LOOPBACK_HOSTS if self._bridge_to is not None else frozenset()
-        beyond = sorted(set(policy.allowed_hosts) - reachable)
-        if beyond:
-            raise ValueError(
-                f"LocalSandbox reaches no network host ({', '.join(beyond)} asked): only its session bridge, at "
-                "127.0.0.1 (rollout.harness.session_server_url is for cloud sandboxes)"
+    async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
+        # Harbor switches between its phases' policies (e.g. an agent without network, a verifier with it);
+        # every policy the trial may need was known at start, when its network namespace was made or not.
+        if self._network is not None:
+            await asyncio.to_thread(self._network.apply, network_policy)
+        elif needs_network([network_policy]):
+            raise RuntimeError(
+                f"sandbox {self.session_id}: asked for {network_policy.network_mode.value} network, which none of "
+                "its policies at start named"
             )
 
     @classmethod
@@ -271,6 +278,8 @@ class LocalSandbox(BaseEnvironment):
             await asyncio.to_thread(self._make_root, tools)
         except OSError as exc:
             raise SandboxStartError(f"could not create the sandbox dirs for {self.session_id}: {exc}") from exc
+        if self._network is not None:
+            await asyncio.to_thread(self._network.apply, self._network_policy)
         if self.settings.process_scope == "trial":
             # The bwrap that holds the trial's namespaces; every exec then joins them through the launcher.
             seccomp = filter_fd()
@@ -338,6 +347,9 @@ class LocalSandbox(BaseEnvironment):
                 if self._cgroup is not None:
                     cgroup, self._cgroup = self._cgroup, None
                     await asyncio.to_thread(cgroup.remove)
+                if self._network is not None:  # every process in it is gone: its namespace ends with our fd
+                    network, self._network = self._network, None
+                    await asyncio.to_thread(network.close)
         finally:
             await self._remove_root(delete)
 
@@ -561,7 +573,8 @@ class LocalSandbox(BaseEnvironment):
             uid=self._uid,
         )
         procs = cgroup.procs_files if cgroup is not None else []
-        return launch_argv(argv, limits=limits, uid=self._uid, cgroup=procs, **spec)
+        netns = self._network.path if self._network is not None else None
+        return launch_argv(argv, limits=limits, uid=self._uid, cgroup=procs, netns=netns, **spec)
 
     @staticmethod
     def _env_fd(env: dict[str, str]) -> int:
@@ -658,7 +671,14 @@ class LocalSandbox(BaseEnvironment):
                 self.storage_mb * 2**20,
                 self._layer,
             )
-            self._argv_prefix = bwrap_argv(tools["bwrap"], root, binds, uid, extra_ro, self._sources, self.base)
+            if self._wants_network:
+                network_mount_points(self.base)
+                (root / "etc").mkdir()
+                self._network = TrialNetwork(root / "etc", self.session_id)
+            argv = bwrap_argv(
+                tools["bwrap"], root, binds, uid, extra_ro, self._sources, self.base, self._network is not None
+            )
+            self._argv_prefix = argv
         except BaseTreeError as exc:  # the task's own tree: every trial of it would fail the same way
             raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
         self._start_bytes = tree_bytes([self._trial_files()], 2**62)

@@ -109,10 +109,12 @@ def launch_argv(
     stage: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
     enter: int | None = None,
     seccomp_fd: int | None = None,
+    netns: str | None = None,
 ) -> list[str]:
     """The host command that starts `argv` (bwrap, or with `enter=<pid>` a command in that sandbox): launch.py.
-    `cgroup`: the cgroup.procs files it joins first."""
+    `cgroup`: the cgroup.procs files it joins first; `netns`: the network namespace it joins then."""
     opts = [arg for procs in cgroup for arg in ("--cgroup", procs)]
+    opts += ["--netns", netns] if netns is not None else []
     opts += [arg for name, value in limits.items() for arg in ("--rlimit", f"{name}={value}")]
     opts += [arg for path, name in stage for arg in ("--stage", path, name)]
     for flag, value in (("--uid", uid), ("--enter", enter), ("--seccomp-fd", seccomp_fd)):

@@ -294,8 +294,11 @@ def bwrap_argv(
     extra_ro: list[str],
     sources: Sources,
     base: Base = HOST_BASE,
+    network: bool = False,
 ) -> list[str]:
     """bwrap's argv up to the command ("--" last): the mounts over root/rootfs and the namespaces to unshare.
+    With `network`, bwrap keeps the network namespace the launcher joined and binds root/etc's resolv.conf and
+    hosts (`network.TrialNetwork`) over the base's; otherwise it makes an empty one.
 
     bwrap runs as `uid` (the launcher dropped to it) and makes a user namespace that maps only that uid: nothing
     inside holds a capability of the host's. It also writes the passwd/group files (in `root`) that it binds over
@@ -309,11 +312,14 @@ def bwrap_argv(
     for name, text in account_files(base, uid).items():
         (root / name).write_text(text)
         argv += ["--ro-bind", sources(root / name), f"/etc/{name}"]
+    if network:
+        for name in ("resolv.conf", "hosts"):
+            argv += ["--ro-bind", sources(root / "etc" / name), f"/etc/{name}"]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     for bind in binds:
         argv += ["--ro-bind" if bind.read_only else "--bind", sources(bind.source), str(bind.target)]
+    argv += [] if network else ["--unshare-net"]
     argv += [
-        "--unshare-net",
         "--unshare-pid",
         "--unshare-ipc",
         "--unshare-uts",
@@ -349,6 +355,17 @@ def account_files(base: Base, uid: int) -> dict[str, str]:
     if not private:
         group.append([account.name, "x", str(uid), ""])
     return {name: "".join(":".join(f) + "\n" for f in lines) for name, lines in (("passwd", passwd), ("group", group))}
+
+
+def network_mount_points(base: Base) -> None:
+    """A sandbox with a network has its resolv.conf and hosts bound over the base's (`bwrap_argv`): both must be
+    regular files of the base's /etc (read-only, so bwrap cannot make them; a link would be followed outside)."""
+    for name in ("resolv.conf", "hosts"):
+        read_tree_file(base.root, f"etc/{name}")  # refuses a link or anything not a regular file
+        if not (base.root / "etc" / name).is_file():
+            raise BaseTreeError(
+                f"the sandbox's base has no /etc/{name}, where a sandbox with a network names its hosts"
+            )
 
 
 TREE_FILE_MAX_BYTES = 1 << 20  # passwd/group: far above any real one

@@ -49,7 +49,8 @@ def sandbox_factory(
     task_dir: Callable[[str], Path], default_task: str, tmp_path: Path, **defaults: Any
 ) -> Iterator[Callable[..., LocalSandbox]]:
     """Yields make(task_name=default_task, cls=LocalSandbox, **kwargs): a sandbox over `task_dir(task_name)`,
-    constructed as Harbor would (not started), with `defaults` under `kwargs`; all are stopped (deleted) after."""
+    constructed as Harbor would (not started), with `defaults` under `kwargs` and the task's own network policy (a
+    `network_policy` / `phase_network_policies` kwarg overrides it); all are stopped (deleted) after."""
     made: list[LocalSandbox] = []
 
     def make(task_name: str = default_task, cls: type[LocalSandbox] = LocalSandbox, **kwargs: Any) -> LocalSandbox:
@@ -62,7 +63,7 @@ def sandbox_factory(
             session_id=f"{task_name}__test{len(made)}__env",
             trial_paths=trial_paths,
             task_env_config=task.config.environment,
-            **{"base_images": {}, **defaults, **kwargs},
+            **{"base_images": {}, "network_policy": task.config.environment.resolve_baseline(), **defaults, **kwargs},
         )
         made.append(env)
         return env

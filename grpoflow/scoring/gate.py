@@ -7,7 +7,8 @@ sandbox retries, scoring by `to_sample`). A task whose oracle does not reach the
 no-op already does, would train the policy on rewards that say nothing about its work (all zeros, or all ones): it
 is left out of training and evaluation with its reason, the verifier's last lines included. Oracle runs that
 disagree make the task `flaky` (its verifier's rewards cannot be trusted); an oracle whose verifier failed to
-resolve a host name is `needs-network` (the task wants a network its sandbox did not give), not `oracle-fails`. A
+resolve a host name under a `no-network` or allowlist policy is `needs-network` (the task wants a network its own
+task.toml does not give it), not `oracle-fails`. A
 task without a solution is kept and marked `unverified` (its no-op still runs). A trial that ends in a sandbox or
 infrastructure failure (after its retries) says nothing about the task: the task is kept, marked `unchecked`, and
 not cached. With the gate off (`dataset.validate`; the built-in set by default) nothing runs: tasks are `ungated`
@@ -37,13 +38,14 @@ from pathlib import Path
 from typing import Literal
 
 from harbor.models.agent.name import AgentName
+from harbor.models.task.config import NetworkMode
 from harbor.models.trial.config import AgentConfig
 
 from grpoflow.config import DatasetConfig, RewardRule, RolloutConfig
 from grpoflow.credentials import export_sandbox_key
 from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import read_tail, sha256_tree, write_json_atomic
-from grpoflow.prepare.dataset import Dataset, LeftOut, TaskSpec, load_task
+from grpoflow.prepare.dataset import Dataset, LeftOut, TaskSpec, load_task, task_config
 from grpoflow.rollout.environments import ImageBuildError, is_infrastructure_failure
 from grpoflow.rollout.policy import PolicyAccess
 from grpoflow.rollout.record import TrialRecord
@@ -428,6 +430,12 @@ def _verifier_tail(outcome: TrialOutcome) -> list[str]:
     return lines[-TAIL_LINES:]
 
 
+def verifier_network_mode(task_dir: Path) -> NetworkMode:
+    """The network policy a task's verifier runs under, as Harbor resolves it: its own, else the environment's."""
+    config = task_config(task_dir)
+    return (config.verifier.explicit_phase_policy() or config.environment.resolve_baseline()).network_mode
+
+
 def _infrastructure(outcome: TrialOutcome) -> bool:
     exc = outcome.result.exception_info
     if exc is None:
@@ -483,12 +491,13 @@ def _verdict(task: TaskSpec, digest: str, done: dict[str, _Done], oracle_runs: i
     if failed:
         tail = failed[0].tail
         lowered = " ".join(tail).lower()
-        if any(sign in lowered for sign in NO_NETWORK_SIGNS):
+        mode = verifier_network_mode(task.path)
+        if mode != NetworkMode.PUBLIC and any(sign in lowered for sign in NO_NETWORK_SIGNS):
             return replace(
                 base,
                 verdict="needs-network",
-                reason="its verifier reached for the network and found none (the sandbox gives the task no network); "
-                f"verifier: {' | '.join(tail[-3:])}",
+                reason=f"its verifier reached for the network and found none (task.toml gives the verifier "
+                f"network_mode {mode.value}); verifier: {' | '.join(tail[-3:])}",
                 verifier_tail=tail,
             )
         return replace(

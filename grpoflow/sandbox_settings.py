@@ -15,8 +15,25 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # What the local sandbox's allowlist enforces (by address, in its network namespace): names are resolved when the
 # policy is applied. A wildcard needs a proxy that reads each request's host name; IPv6 is not routed.
-ALLOWLIST_FORMS: frozenset[NetworkAllowlistEntryType] = frozenset(
-    {NetworkAllowlistEntryType.HOSTNAME, NetworkAllowlistEntryType.IPV4_ADDRESS, NetworkAllowlistEntryType.IPV4_CIDR}
+# Each form with the flag of Harbor's `EnvironmentCapabilities` that says it is enforced.
+ALLOWLIST_FORMS: dict[NetworkAllowlistEntryType, str] = {
+    NetworkAllowlistEntryType.HOSTNAME: "network_allowlist_hostnames",
+    NetworkAllowlistEntryType.IPV4_ADDRESS: "network_allowlist_ipv4_addresses",
+    NetworkAllowlistEntryType.IPV4_CIDR: "network_allowlist_ipv4_cidrs",
+}
+ALLOWLIST_CAPABILITIES: tuple[str, ...] = tuple(ALLOWLIST_FORMS.values())
+# Never reached from a local sandbox, whatever the policy: where a host's or a network's own services live (RFC
+# 6890's "this network", private, shared, loopback, link-local and IETF ranges), multicast and reserved.
+DENIED_V4: tuple[str, ...] = (
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.168.0.0/16",
+    "224.0.0.0/3",
 )
 
 
@@ -34,8 +51,9 @@ def allowlist_problem(config: TaskConfig) -> str | None:
                 )
             if form != NetworkAllowlistEntryType.HOSTNAME:
                 net = ipaddress.IPv4Network(entry, strict=False)
-                if net.is_private and not net.is_loopback:
-                    return f"{where}: a private or link-local range, which no local sandbox reaches in any mode"
+                denied = [ipaddress.IPv4Network(d) for d in DENIED_V4 if d != "127.0.0.0/8"]
+                if any(net.subnet_of(d) for d in denied):
+                    return f"{where}: a private, link-local or reserved range, which no local sandbox reaches"
     return None
 
 

@@ -395,7 +395,7 @@ def test_the_builtin_tasks_pass_the_local_sandbox_check() -> None:
                 .open("a")
                 .write('\n[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["192.168.1.0/24"]\n')
             ),
-            "[environment] allowed_hosts '192.168.1.0/24': a private or link-local range",
+            "[environment] allowed_hosts '192.168.1.0/24': a private, link-local or reserved range",
         ),
     ],
 )

@@ -38,24 +38,12 @@ from harbor.models.task.config import NetworkMode, NetworkPolicy
 
 from grpoflow.embedded.sandbox.launch import ENV as HOST_ENV
 from grpoflow.rollout.environments import BRIDGE_HOST, SandboxStartError, SandboxUnavailableError
+from grpoflow.sandbox_settings import DENIED_V4
 
 # Host tools a trial with a network needs, and their Debian packages.
 NETWORK_TOOLS: dict[str, str] = {"slirp4netns": "slirp4netns", "nft": "nftables", "nsenter": "util-linux"}
 SLIRP_DNS = "10.0.2.3"  # slirp4netns's DNS forwarder on its default 10.0.2.0/24
 TABLE = "grpoflow_sandbox"
-# Never reached from a sandbox, whatever the policy: where a host's or a network's own services live (RFC 6890's
-# "this network", private, shared, loopback, link-local and IETF ranges), multicast and reserved.
-DENIED_V4 = (
-    "0.0.0.0/8",
-    "10.0.0.0/8",
-    "100.64.0.0/10",
-    "127.0.0.0/8",
-    "169.254.0.0/16",
-    "172.16.0.0/12",
-    "192.0.0.0/24",
-    "192.168.0.0/16",
-    "224.0.0.0/3",
-)
 LOCALHOST = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
 
@@ -118,7 +106,9 @@ def resolve_allowlist(entries: list[str]) -> tuple[list[str], dict[str, list[str
 
 def ruleset(mode: NetworkMode, allowed: list[str], host: list[str]) -> str:
     """The nft script that replaces our table with the rules of `mode` (one transaction: no moment unfiltered)."""
-    denied = ", ".join([*DENIED_V4, *host])
+    # One set of disjoint ranges (the host's own addresses may fall in the denied ones).
+    nets = ipaddress.collapse_addresses(ipaddress.IPv4Network(n) for n in [*DENIED_V4, *host])
+    denied = ", ".join(str(n) for n in nets)
     rules = ['oifname "lo" accept', "meta nfproto ipv6 reject"]
     if mode == NetworkMode.PUBLIC:
         rules += [f"ip daddr {SLIRP_DNS} meta l4proto {{ tcp, udp }} th dport 53 accept"]
@@ -152,7 +142,7 @@ class TrialNetwork:
         if problems:
             raise SandboxUnavailableError("; ".join(problems))
         self.session_id = session_id
-        self.resolv, self.hosts = etc / "resolv.conf", etc / "hosts"
+        self.resolv, self.hosts, self.log = etc / "resolv.conf", etc / "hosts", etc / "slirp4netns.log"
         for path in (self.resolv, self.hosts):
             path.write_text("")
             path.chmod(0o644)
@@ -176,25 +166,26 @@ class TrialNetwork:
         argv = ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox"]
         argv += ["--enable-seccomp", f"--exit-fd={exit_r}", f"--ready-fd={ready_w}", "--netns-type=path"]
         try:
-            self._slirp = subprocess.Popen(
-                [*argv, self.path, "tap0"],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                pass_fds=(exit_r, ready_w),
-                env=HOST_ENV,
-                start_new_session=True,
-            )
-        finally:
-            os.close(exit_r)
+            with open(self.log, "wb") as log:  # a file, not a pipe: nothing read could ever block it
+                self._slirp = subprocess.Popen(
+                    [*argv, self.path, "tap0"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(exit_r, ready_w),
+                    env=HOST_ENV,
+                    start_new_session=True,
+                )
             os.close(ready_w)
-        try:
+            ready_w = -1
             ready = os.read(ready_r, 1)  # b"" (EOF): slirp4netns ended before configuring the namespace
         finally:
-            os.close(ready_r)
+            for fd in (exit_r, ready_w, ready_r):
+                if fd >= 0:
+                    os.close(fd)
         if not ready:
             self._slirp.wait()
-            err = self._slirp.stderr.read().decode(errors="replace").strip() if self._slirp.stderr else ""
+            err = self.log.read_text(errors="replace").strip()
             raise SandboxStartError(f"sandbox for {self.session_id}: slirp4netns did not start: {err[-500:]}")
 
     def apply(self, policy: NetworkPolicy) -> None:
@@ -230,8 +221,6 @@ class TrialNetwork:
             except subprocess.TimeoutExpired:
                 slirp.kill()
                 slirp.wait()
-            if slirp.stderr is not None:
-                slirp.stderr.close()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

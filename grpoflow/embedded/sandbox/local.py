@@ -100,7 +100,7 @@ from grpoflow.rollout.environments import (
     SandboxDiedError,
     SandboxStartError,
 )
-from grpoflow.sandbox_settings import ALLOWLIST_FORMS, LocalSandboxSettings, sandbox_kwargs_problem
+from grpoflow.sandbox_settings import ALLOWLIST_CAPABILITIES, LocalSandboxSettings, sandbox_kwargs_problem
 
 DEFAULT_STORAGE_MB = 10240  # a trial's own files, when neither the sandbox's settings nor the task set it
 DEFAULT_MEMORY_MB = 2048  # a trial's memory, when neither the sandbox's settings nor the task set it
@@ -238,11 +238,10 @@ class LocalSandbox(BaseEnvironment):
     @property
     def capabilities(self) -> EnvironmentCapabilities:
         # Every network mode, switched between phases (network.py); of allowlist entries, the forms it enforces.
-        forms = {form.value.replace("-", "_"): True for form in ALLOWLIST_FORMS}
         return EnvironmentCapabilities(
             disable_internet=True,
             network_allowlist=True,
-            **{f"network_allowlist_{form}s": on for form, on in forms.items()},
+            **dict.fromkeys(ALLOWLIST_CAPABILITIES, True),
             dynamic_network_policy=True,
             mounted=True,
         )
@@ -347,11 +346,19 @@ class LocalSandbox(BaseEnvironment):
                 if self._cgroup is not None:
                     cgroup, self._cgroup = self._cgroup, None
                     await asyncio.to_thread(cgroup.remove)
-                if self._network is not None:  # every process in it is gone: its namespace ends with our fd
-                    network, self._network = self._network, None
-                    await asyncio.to_thread(network.close)
         finally:
-            await self._remove_root(delete)
+            try:
+                await self._remove_root(delete)
+            finally:
+                await asyncio.to_thread(self._close_network)
+
+    def _close_network(self) -> None:
+        """End slirp4netns and let the namespace go (its processes are gone). After the trial dir's lock: a start
+        still making the dir, its caller cancelled, may yet make the network."""
+        with self._making_root:
+            network, self._network = self._network, None
+        if network is not None:
+            network.close()
 
     async def _remove_root(self, delete: bool) -> None:
         """Detach the trial's layer (its changes stay in the upper dir), then let the image go and, with `delete`,
@@ -573,6 +580,8 @@ class LocalSandbox(BaseEnvironment):
             uid=self._uid,
         )
         procs = cgroup.procs_files if cgroup is not None else []
+        if self._wants_network and self._network is None:  # stopped meanwhile: never the host's network instead
+            raise SandboxDiedError(f"sandbox {self.session_id} was stopped: its network namespace is gone")
         netns = self._network.path if self._network is not None else None
         return launch_argv(argv, limits=limits, uid=self._uid, cgroup=procs, netns=netns, **spec)
 

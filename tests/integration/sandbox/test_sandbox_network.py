@@ -159,11 +159,13 @@ network_mode = "public"
 """,
     "instruction.md": "Write /app/done.\n",
     "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\n",
-    "solution/solve.sh": "#!/bin/bash\n" + f"python3 /tests/probe.py {REGISTRY} > /app/agent-phase.json\n",
+    "solution/solve.sh": "#!/bin/bash\n" + f"python3 /solution/probe.py {REGISTRY} > /app/agent-phase.json\n",
+    "solution/probe.py": PROBE,
     "tests/probe.py": PROBE,
     "tests/test.sh": "#!/bin/bash\n"
     + f"python3 /tests/probe.py {REGISTRY} > /logs/verifier/verifier-phase.json\n"
     + 'grep -q \'"registry": "ok"\' /logs/verifier/verifier-phase.json '
+    + "&& grep -q registry /app/agent-phase.json "
     + '&& ! grep -q \'"registry": "ok"\' /app/agent-phase.json && echo 1 > /logs/verifier/reward.txt '
     + "|| echo 0 > /logs/verifier/reward.txt\n",
 }
@@ -189,3 +191,12 @@ def test_harbor_gives_the_agent_and_the_verifier_their_own_policies(bwrap: str, 
     result = asyncio.run(main())
     assert result.exception_info is None, result.exception_info
     assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1.0}
+
+
+def test_harbor_takes_the_allowlist_forms_the_sandbox_enforces(make_sandbox: Callable[..., LocalSandbox]) -> None:
+    env = make_sandbox(network_policy=NONE)
+    for hosts in (["127.0.0.1"], ["pypi.org", "1.2.3.4", "5.6.0.0/16"]):  # the first: a CLI harness's bridge
+        env.validate_network_policy_support(NetworkPolicy(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=hosts))
+    for hosts in (["*.pypi.org"], ["2001:db8::1"]):
+        with pytest.raises(ValueError, match="not supported by grpoflow-local"):
+            env.validate_network_policy_support(NetworkPolicy(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=hosts))

@@ -60,7 +60,8 @@ class LifelineServer(SubprocessASGIServer):
 @contextmanager
 def command_server() -> Iterator[None]:
     """Prefect's temporary server for the block, when Prefect would start one (no API URL set, temporary servers
-    allowed): started here, and stopped when the block ends. With a server configured, or one already started in this process, nothing is done."""
+    allowed): started here, and stopped when the block ends. With a server configured, or one already started in
+    this process, nothing is done."""
     settings = get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
         yield

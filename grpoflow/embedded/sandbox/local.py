@@ -2,8 +2,9 @@
 
 Select it with `EnvironmentConfig(import_path=LOCAL_SANDBOX_IMPORT_PATH, kwargs={...})`. One trial = one temp dir
 on the host; each command is one short-lived `bwrap` process over it, with the network its task's policy names
-(`network`: none, public, or an allowlist; switched between phases), the host's /usr and /etc read-only, its own /app, /logs, /tests, /solution, /tmp, a cgroup of the trial's (memory, pids and cpus as Docker
-limits them; `cgroups`), rlimits and (as root) a uid of its own. With
+(`network`: none, public, or an allowlist; switched between phases), the host's /usr and /etc read-only, its own
+/app, /logs, /tests, /solution, /tmp, a cgroup of the trial's (memory, pids and cpus as Docker limits them;
+`cgroups`), rlimits and (as root) a uid of its own. With
 `process_scope="trial"` one bwrap per trial holds the namespaces, so a tmux server lives across execs
 (terminus-2). With `session_bridge` the sandbox's loopback port reaches one host address (the session server)
 through a unix socket (`bridge`); with `cli_dir` a host dir of npm-installed CLIs is shown read-only and put on

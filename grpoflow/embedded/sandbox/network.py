@@ -10,8 +10,8 @@ reach) that every bwrap of the trial joins through the launcher (`--netns`). Int
 - an nftables table of ours on the namespace's output, swapped whole (one transaction) for each policy:
   `no-network` lets out nothing but loopback; `public` everything but the denied ranges; `allowlist` only its
   addresses. Denied in every mode: private, shared, loopback and link-local ranges (no host service, no cloud
-  metadata address), multicast and reserved (`DENIED_V4`), this host's own addresses, and all of IPv6 but loopback; slirp's
-  DNS forwarder is reached only under `public`.
+  metadata address), multicast and reserved (`DENIED_V4`), this host's own addresses, and all of IPv6 but
+  loopback; slirp's DNS forwarder is reached only under `public`.
 - /etc/resolv.conf and /etc/hosts, files of the trial dir bound read-only over the base's and rewritten in place
   for each policy: `public` resolves through slirp's forwarder; `allowlist` resolves nothing but its own host
   names, each mapped to the IPv4 addresses the host resolved when the policy was applied.

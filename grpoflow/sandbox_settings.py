@@ -13,15 +13,14 @@ from typing import Any, Literal
 from harbor.models.task.config import NetworkAllowlistEntryType, TaskConfig, classify_network_allowlist_entry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-# What the local sandbox's allowlist enforces (by address, in its network namespace): names are resolved when the
-# policy is applied. A wildcard needs a proxy that reads each request's host name; IPv6 is not routed.
-# Each form with the flag of Harbor's `EnvironmentCapabilities` that says it is enforced.
+# The allowlist forms the local sandbox enforces (by address, in its network namespace; names are resolved when the
+# policy is applied), each with the flag of Harbor's `EnvironmentCapabilities` that says so. A wildcard needs a
+# proxy that reads each request's host name; IPv6 is not routed.
 ALLOWLIST_FORMS: dict[NetworkAllowlistEntryType, str] = {
     NetworkAllowlistEntryType.HOSTNAME: "network_allowlist_hostnames",
     NetworkAllowlistEntryType.IPV4_ADDRESS: "network_allowlist_ipv4_addresses",
     NetworkAllowlistEntryType.IPV4_CIDR: "network_allowlist_ipv4_cidrs",
 }
-ALLOWLIST_CAPABILITIES: tuple[str, ...] = tuple(ALLOWLIST_FORMS.values())
 # Never reached from a local sandbox, whatever the policy: where a host's or a network's own services live (RFC
 # 6890's "this network", private, shared, loopback, link-local and IETF ranges), multicast and reserved.
 DENIED_V4: tuple[str, ...] = (
@@ -40,6 +39,7 @@ DENIED_V4: tuple[str, ...] = (
 def allowlist_problem(config: TaskConfig) -> str | None:
     """The first `allowed_hosts` entry of task.toml (environment, agent or verifier) that the local sandbox does not
     enforce, as one line naming the field; None when every one is enforced."""
+    unreachable = [ipaddress.IPv4Network(d) for d in DENIED_V4 if d != "127.0.0.0/8"]  # loopback: its own
     for section in ("environment", "agent", "verifier"):
         for entry in getattr(config, section).allowed_hosts or []:
             form = classify_network_allowlist_entry(entry)
@@ -51,8 +51,7 @@ def allowlist_problem(config: TaskConfig) -> str | None:
                 )
             if form != NetworkAllowlistEntryType.HOSTNAME:
                 net = ipaddress.IPv4Network(entry, strict=False)
-                denied = [ipaddress.IPv4Network(d) for d in DENIED_V4 if d != "127.0.0.0/8"]
-                if any(net.subnet_of(d) for d in denied):
+                if any(net.subnet_of(d) for d in unreachable):
                     return f"{where}: a private, link-local or reserved range, which no local sandbox reaches"
     return None
 

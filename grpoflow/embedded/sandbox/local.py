@@ -101,7 +101,7 @@ from grpoflow.rollout.environments import (
     SandboxDiedError,
     SandboxStartError,
 )
-from grpoflow.sandbox_settings import ALLOWLIST_CAPABILITIES, LocalSandboxSettings, sandbox_kwargs_problem
+from grpoflow.sandbox_settings import ALLOWLIST_FORMS, LocalSandboxSettings, sandbox_kwargs_problem
 
 DEFAULT_STORAGE_MB = 10240  # a trial's own files, when neither the sandbox's settings nor the task set it
 DEFAULT_MEMORY_MB = 2048  # a trial's memory, when neither the sandbox's settings nor the task set it
@@ -242,7 +242,7 @@ class LocalSandbox(BaseEnvironment):
         return EnvironmentCapabilities(
             disable_internet=True,
             network_allowlist=True,
-            **dict.fromkeys(ALLOWLIST_CAPABILITIES, True),
+            **dict.fromkeys(ALLOWLIST_FORMS.values(), True),
             dynamic_network_policy=True,
             mounted=True,
         )
@@ -685,10 +685,9 @@ class LocalSandbox(BaseEnvironment):
                 network_mount_points(self.base)
                 (root / "etc").mkdir()
                 self._network = TrialNetwork(root / "etc", self.session_id)
-            argv = bwrap_argv(
+            self._argv_prefix = bwrap_argv(
                 tools["bwrap"], root, binds, uid, extra_ro, self._sources, self.base, self._network is not None
             )
-            self._argv_prefix = argv
         except BaseTreeError as exc:  # the task's own tree: every trial of it would fail the same way
             raise ImageBuildError(f"sandbox for {self.session_id}: {exc}") from exc
         self._start_bytes = tree_bytes([self._trial_files()], 2**62)

@@ -34,9 +34,14 @@ import subprocess
 import threading
 from pathlib import Path
 
-from harbor.models.task.config import NetworkMode, NetworkPolicy
+from harbor.models.task.config import (
+    NetworkAllowlistEntryType,
+    NetworkMode,
+    NetworkPolicy,
+    classify_network_allowlist_entry,
+)
 
-from grpoflow.embedded.sandbox.launch import ENV as HOST_ENV
+from grpoflow.embedded.sandbox.processes import HOST_ENV, missing_tools
 from grpoflow.rollout.environments import BRIDGE_HOST, SandboxStartError, SandboxUnavailableError
 from grpoflow.sandbox_settings import DENIED_V4
 
@@ -61,11 +66,8 @@ def needs_network(policies: list[NetworkPolicy]) -> bool:
 
 
 def missing_network_tools() -> list[str]:
-    return [
-        f"a sandbox with a network needs `{tool}`: apt-get install -y {package}"
-        for tool, package in NETWORK_TOOLS.items()
-        if shutil.which(tool, path=HOST_ENV["PATH"]) is None
-    ]
+    """`missing_tools` for a trial with a network, found where the host-side processes look (sbin included)."""
+    return missing_tools(lambda tool: shutil.which(tool, path=HOST_ENV["PATH"]), NETWORK_TOOLS)
 
 
 def host_addresses() -> list[str]:
@@ -89,11 +91,9 @@ def resolve_allowlist(entries: list[str]) -> tuple[list[str], dict[str, list[str
     networks: list[str] = []
     names: dict[str, list[str]] = {}
     for entry in entries:
-        try:
+        if classify_network_allowlist_entry(entry) != NetworkAllowlistEntryType.HOSTNAME:  # an IPv4 address or range
             networks.append(str(ipaddress.IPv4Network(entry, strict=False)))
             continue
-        except ValueError:
-            pass
         try:
             infos = socket.getaddrinfo(entry, None, socket.AF_INET, socket.SOCK_STREAM)
         except OSError as exc:
@@ -189,7 +189,7 @@ class TrialNetwork:
             raise SandboxStartError(f"sandbox for {self.session_id}: slirp4netns did not start: {err[-500:]}")
 
     def apply(self, policy: NetworkPolicy) -> None:
-        """Make `policy` the one in force: the files first when narrowing would be late, rules in one swap."""
+        """Make `policy` the one in force: its rules in one swap, then the names the sandbox resolves."""
         mode = policy.network_mode
         allowed, names = resolve_allowlist(list(policy.allowed_hosts)) if mode == NetworkMode.ALLOWLIST else ([], {})
         script = ruleset(mode, allowed, host_addresses())

@@ -40,12 +40,12 @@ _uids_in_use: set[int] = set()
 HOST_TOOLS: dict[str, str] = {"bwrap": "bubblewrap", "/bin/bash": "bash"}
 
 
-def missing_tools(find: Callable[[str], str | None] | None = None) -> list[str]:
-    """One line per host tool the sandbox needs and this machine lacks, naming its package."""
+def missing_tools(find: Callable[[str], str | None] | None = None, tools: dict[str, str] = HOST_TOOLS) -> list[str]:
+    """One line per host tool of `tools` (tool -> Debian package) this machine lacks, naming its package."""
     find = find or shutil.which
     return [
         f"the local sandbox needs `{tool.rsplit('/', 1)[-1]}` ({tool}): apt-get install -y {package}"
-        for tool, package in HOST_TOOLS.items()
+        for tool, package in tools.items()
         if find(tool) is None
     ]
 

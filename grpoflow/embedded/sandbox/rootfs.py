@@ -318,7 +318,8 @@ def bwrap_argv(
     argv += ["--proc", "/proc", "--dev", "/dev"]
     for bind in binds:
         argv += ["--ro-bind" if bind.read_only else "--bind", sources(bind.source), str(bind.target)]
-    argv += [] if network else ["--unshare-net"]
+    if not network:
+        argv.append("--unshare-net")
     argv += [
         "--unshare-pid",
         "--unshare-ipc",

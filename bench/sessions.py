@@ -39,7 +39,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from grpoflow.config import EmbeddedEngine  # noqa: E402
+from grpoflow.config import EmbeddedEngine, EpisodeConfig, SamplingConfig, Terminus2Harness  # noqa: E402
 from grpoflow.engine.launch import start_embedded_engine  # noqa: E402
 from grpoflow.rollout.sessions.segments import segments  # noqa: E402
 from grpoflow.rollout.sessions.server import SessionServer, SessionSettings  # noqa: E402
@@ -143,7 +143,14 @@ def overhead(name: str, backend_url: str, model: Path, args, extra: dict) -> tup
     trees = []
     with (
         SessionServer(
-            SessionSettings(backend_url, str(model), engine=EmbeddedEngine(request_timeout_s=600.0, outage_wait_s=0.0))
+            SessionSettings(
+                backend_url,
+                str(model),
+                EmbeddedEngine(request_timeout_s=600.0, outage_wait_s=0.0),
+                SamplingConfig(max_new_tokens=args.max_tokens, temperature=1.0),
+                EpisodeConfig(),
+                Terminus2Harness(),
+            )
         ) as srv,
         httpx.Client(timeout=600.0) as http,
     ):

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from harbor.models.trial.config import AgentConfig
 
-from grpoflow.config import ChatHarness, Engine, RolloutConfig, ToolCallingHarness
+from grpoflow.config import ChatHarness, Engine, RolloutConfig
 from grpoflow.engine.client import token_budget
 from grpoflow.engine.clients import client_of
 from grpoflow.prepare.clis import installed_cli
@@ -88,19 +88,7 @@ async def policy_access(
         yield PolicyAccess(make)
         return
     settings = SessionSettings(
-        engine_url,
-        tokenizer_path,
-        max_new_tokens=rollout.sampling.max_new_tokens,
-        context_length=rollout.episode.max_context_tokens,
-        sampling={
-            "temperature": rollout.sampling.temperature,
-            "top_p": rollout.sampling.top_p,
-            "top_k": rollout.sampling.top_k,
-        },
-        engine=engine,
-        lora_path=lora_path,
-        tool_call_parser=harness.tool_call_parser if isinstance(harness, ToolCallingHarness) else None,
-        truncation_ends_episode=harness.in_sandbox_cli and rollout.episode.early_truncation_exit,
+        engine_url, tokenizer_path, engine, rollout.sampling, rollout.episode, harness, lora_path=lora_path
     )
     server = SessionServer(settings, public_url=harness.session_server_url)
     async with server:

@@ -15,10 +15,11 @@ from grpoflow.config import RunConfig, parse_run_config
 from grpoflow.embedded.sandbox.local import LocalSandbox
 from grpoflow.rollout.agents.shell import ShellAgent
 from grpoflow.rollout.harnesses import agent_factory
+from grpoflow.rollout.sessions.server import SessionSettings
 from grpoflow.rollout.trials import TrialSpec
 from grpoflow.sandbox_settings import LocalSandboxSettings
 
-LEAVES = (ShellAgent.__init__, LocalSandbox.__init__)
+LEAVES = (ShellAgent.__init__, LocalSandbox.__init__, SessionSettings.__init__)
 
 
 def _models(annotation) -> list[type[BaseModel]]:

@@ -57,8 +57,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpoflow.config import EmbeddedEngine, Engine
-from grpoflow.engine.client import token_budget
+from grpoflow.config import ChatHarness, Engine, EpisodeConfig, SamplingConfig, ToolCallingHarness
 from grpoflow.engine.clients import client_of
 from grpoflow.engine.protocol import ChatParams, SamplingParams
 from grpoflow.errors import EngineError, EngineUnavailableError
@@ -214,25 +213,36 @@ class SessionStore:
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """What the session server does with every session. `max_new_tokens` caps every turn (the training config's
-    limit wins over the harness's `max_tokens`); `context_length` bounds prompt + output (default: what the
-    engine's context allows, `grpoflow.engine.client.token_budget`). `sampling` (`temperature`, `top_p`,
-    `top_k`) pins what every turn samples with, whatever the harness sends: the trainer scores the tokens under
-    the run's sampling, so the engine must sample under it too. `lora_path`: the adapter every generation names
-    (a LoRA run's adapter sync, `grpoflow.train.sync`). `tool_call_parser`: how replies are parsed into tool calls
-    (None: never). `truncation_ends_episode`: see the module doc. `engine`: the run's engine section (its API,
-    request timeout, retries, and how long a turn waits out an engine that does not answer)."""
+    """What the session server does with every session: the run's own sections, each setting's one default in the
+    config. `sampling` caps every turn (its `max_new_tokens` wins over the harness's `max_tokens`) and pins what
+    every turn samples with, whatever the harness sends: the trainer scores the tokens under the run's sampling, so
+    the engine must sample under it too. `episode.max_context_tokens` bounds prompt + output (the caller fits it to
+    the engine's context, `grpoflow.rollout.policy.fit_to_engine`). `harness`: how replies are parsed into tool
+    calls (its `tool_call_parser`; none for terminus-2) and whether a cut turn ends the episode (see the module doc).
+    `engine`: the run's engine section (its API, request timeout, retries, and how long a turn waits out an engine
+    that does not answer). `lora_path`: the adapter every generation names (a LoRA run's adapter sync,
+    `grpoflow.train.sync`)."""
 
     engine_url: str
     tokenizer_path: str
-    engine: Engine = field(default_factory=EmbeddedEngine)
-    model_name: str = "policy"
-    max_new_tokens: int | None = None
-    context_length: int | None = None
-    sampling: Mapping[str, Any] | None = None
+    engine: Engine
+    sampling: SamplingConfig
+    episode: EpisodeConfig
+    harness: ChatHarness
     lora_path: str | None = None
-    tool_call_parser: str | None = None
-    truncation_ends_episode: bool = False
+    model_name: str = "policy"
+
+    @property
+    def tool_call_parser(self) -> str | None:
+        return self.harness.tool_call_parser if isinstance(self.harness, ToolCallingHarness) else None
+
+    @property
+    def truncation_ends_episode(self) -> bool:
+        return self.harness.in_sandbox_cli and self.episode.early_truncation_exit
+
+    @property
+    def pinned_sampling(self) -> dict[str, Any]:
+        return self.sampling.model_dump(include={"temperature", "top_p", "top_k"})
 
 
 class SessionService:
@@ -250,20 +260,10 @@ class SessionService:
         self.engine = client_of(
             settings.engine, settings.engine_url, lora_path=settings.lora_path, waits_out_outages=True
         )
-        self._context_length = settings.context_length
 
     async def aclose(self) -> None:
         await self.engine.aclose()
         self.tok_pool.shutdown(wait=False)
-
-    async def context_length(self) -> int | None:
-        """The bound on prompt + output: the settings', else (asked once) what the engine's context allows."""
-        if self._context_length is None:
-            value = await self.engine.acontext_length()
-            if value is None:
-                log.warning("the engine does not say its context length; prompts are not bounded here")
-            self._context_length = token_budget(value) if value else 0
-        return self._context_length or None
 
     def card(self) -> dict:
         return {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "grpoflow"}
@@ -313,15 +313,7 @@ class SessionService:
         if closed is not None:
             tree.refused += 1
             raise _closed(tree.session_id, closed.index)
-        params = _sampling(
-            req,
-            len(prompt_ids),
-            c.max_new_tokens,
-            await self.context_length(),
-            session,
-            len(tree.turns),
-            c.sampling or {},
-        )
+        params = _sampling(req, len(prompt_ids), c, session, len(tree.turns))
         params.stop_token_ids = sorted({*(params.stop_token_ids or []), *stop})  # the turn end too
         t0 = time.perf_counter()
         try:
@@ -339,7 +331,7 @@ class SessionService:
         cut = is_cut_off(resp.meta_info.finish_reason.type, out_ids, stop)
         # A harness's own, smaller `max_tokens` (a title request) ends the reply where it asked: the harness sees
         # "length", but the policy was not cut short by the run's limit, so the trial is not over-long.
-        own = _own_limit(req, c.max_new_tokens)
+        own = _own_limit(req, c.sampling.max_new_tokens)
         mismatch_at = first_difference(prompt_ids, full_ids)
         turn = tree.add_turn(
             messages,
@@ -520,40 +512,32 @@ def _prompt_plan(tokenizer, tree: SessionTree, messages, tools, prev) -> tuple[l
     return base + suffix, full_ids, prev.index
 
 
-def _own_limit(req: ChatRequest, cap: int | None) -> int | None:
+def _own_limit(req: ChatRequest, cap: int) -> int | None:
     """The request's own token limit when it is below the run's (`max_new_tokens`), else None."""
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return wanted if wanted is not None and cap is not None and wanted < cap else None
+    return wanted if wanted is not None and wanted < cap else None
 
 
 def _sampling(
-    req: ChatRequest,
-    prompt_len: int,
-    cap: int | None,
-    context_length: int | None,
-    session: _Session,
-    turn: int,
-    pinned: Mapping[str, Any],
+    req: ChatRequest, prompt_len: int, settings: SessionSettings, session: _Session, turn: int
 ) -> SamplingParams:
-    """The turn's sampling: the pinned parameters over the request's, and a seed of the session's (trial seed,
-    turn) when the session has one: a harness sending one `seed` on every call would replay one noise stream."""
-    if context_length is not None and prompt_len >= context_length:
+    """The turn's sampling: the run's pinned parameters whatever the request asks, at most the run's turn length
+    and what the context leaves, and a seed of the session's (trial seed, turn) when the session has one: a harness
+    sending one `seed` on every call would replay one noise stream."""
+    context_length = settings.episode.max_context_tokens
+    if prompt_len >= context_length:
         raise RequestRefused(
             f"This model's maximum context length is {context_length} tokens. However, your messages resulted in "
             f"{prompt_len} tokens.",
             "context_length_exceeded",
         )
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    limits = [x for x in (wanted, cap, context_length - prompt_len if context_length else None) if x is not None]
+    limits = [x for x in (wanted, settings.sampling.max_new_tokens, context_length - prompt_len) if x is not None]
     seed = turn_seed(session.seed, turn) if session.seed is not None else req.seed
-    asked = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
-    chosen = {k: pinned.get(k, v) for k, v in asked.items()}
     try:
         return SamplingParams(
-            max_new_tokens=min(limits) if limits else SamplingParams().max_new_tokens,
-            temperature=1.0 if chosen["temperature"] is None else chosen["temperature"],
-            top_p=1.0 if chosen["top_p"] is None else chosen["top_p"],
-            top_k=-1 if chosen["top_k"] is None else chosen["top_k"],
+            max_new_tokens=min(limits),
+            **settings.pinned_sampling,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             sampling_seed=seed,
@@ -674,7 +658,7 @@ class SessionServer:
 
     Usable from sync and async code alike (`start`/`stop` block briefly; `with` and `async with` work):
 
-        with SessionServer(SessionSettings(engine_url, tokenizer_path, max_new_tokens=256)) as srv:
+        with SessionServer(SessionSettings(engine_url, tokenizer_path, engine, sampling, episode, harness)) as srv:
             api_base = srv.session_url(rollout_id, seed=trial_seed)   # ends in /v1
             api_key = srv.session_token(rollout_id)
             ... the harness talks to api_base with api_key ...

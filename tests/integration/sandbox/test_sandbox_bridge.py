@@ -27,10 +27,13 @@ def _get(url: str, token: str | None = None) -> str:
 def test_the_sandbox_reaches_its_own_session_and_nothing_else(
     make_sandbox: Callable[..., LocalSandbox], tiny_model_dir
 ):
-    from grpoflow.rollout.sessions.server import SessionServer, SessionSettings
+    from grpoflow.rollout.sessions.server import SessionServer
+    from tests.fakes.session_settings import session_settings
 
     engine = ScriptedEngine(str(tiny_model_dir), lambda ids, i: Reply(text="ok"))
-    server = SessionServer(SessionSettings(engine.url, str(tiny_model_dir), context_length=512)).start()
+    server = SessionServer(
+        session_settings(engine.url, str(tiny_model_dir), episode={"max_context_tokens": 512})
+    ).start()
     port = int(server.url.rsplit(":", 1)[1])
     with socket.socket() as other:  # another service on the host's loopback
         other.bind(("127.0.0.1", 0))

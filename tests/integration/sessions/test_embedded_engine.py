@@ -10,14 +10,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpoflow.rollout.sessions.segments import segment_samples
-from grpoflow.rollout.sessions.server import SessionServer, SessionSettings
+from grpoflow.rollout.sessions.server import SessionServer
 from grpoflow.samples import Sample
+from tests.fakes.session_settings import session_settings
+
+# The trainer's view below scores tokens under softmax(logits): the run samples at temperature 1.
+TURN = {"max_new_tokens": 12, "temperature": 1.0}
 
 
 def test_multi_turn_session_trains_exactly_what_the_engine_generated(embedded_engine_url, tiny_model_dir, tok):
     # A random model rarely says EOS: stop at any id of the upper half of the vocabulary, so turns end "stop"
     stop_ids = list(range(512, len(tok)))
-    with SessionServer(SessionSettings(embedded_engine_url, str(tiny_model_dir), max_new_tokens=12)) as server:
+    with SessionServer(session_settings(embedded_engine_url, str(tiny_model_dir), sampling=TURN)) as server:
         client = openai.OpenAI(
             base_url=server.session_url("emb-0", seed=11), api_key=server.session_token("emb-0"), max_retries=0
         )

@@ -279,7 +279,11 @@ def test_sessions_run_concurrently_and_the_key_is_never_logged(scripted, tok, ca
 
 
 def test_seed_cap_and_context_limit(scripted, tok):
-    engine, server = scripted(lambda ids, i: Out([7, tok.eos_token_id]), max_new_tokens=16, context_length=64)
+    engine, server = scripted(
+        lambda ids, i: Out([7, tok.eos_token_id]),
+        sampling={"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9},
+        episode={"max_context_tokens": 64},
+    )
     client = _client(server, "seeded", seed=100)
     h = [SYS, {"role": "user", "content": "x"}]
     r = client.chat.completions.create(model="policy", messages=h, max_tokens=500, temperature=0.7, top_p=0.9)
@@ -301,13 +305,16 @@ def test_seed_cap_and_context_limit(scripted, tok):
 
 
 def test_runner_works_from_async_code(tiny_model_dir, tok):
-    from grpoflow.rollout.sessions.server import SessionServer, SessionSettings
+    from grpoflow.rollout.sessions.server import SessionServer
+    from tests.fakes.session_settings import session_settings
     from tests.integration.sessions.conftest import ScriptedEngine
 
     engine = ScriptedEngine(str(tiny_model_dir), lambda ids, i: Out([9, tok.eos_token_id]))
 
     async def main() -> SessionServer:
-        async with SessionServer(SessionSettings(engine.url, str(tiny_model_dir), context_length=512)) as srv:
+        async with SessionServer(
+            session_settings(engine.url, str(tiny_model_dir), episode={"max_context_tokens": 512})
+        ) as srv:
             client = openai.AsyncOpenAI(
                 base_url=srv.session_url("a-1"), api_key=srv.session_token("a-1"), max_retries=0
             )

@@ -70,7 +70,9 @@ def test_claude_code_shape_streamed_tool_use_round_trip_is_token_exact(scripted,
     """Anthropic Messages, streamed: the reply's call comes back as a tool_use block; the next request sends it
     back with a tool_result, which continues the turn's exact tokens; only generated tokens train."""
     out1, out2 = _ids(tok, "Looking." + CALL), _ids(tok, "There is one file.")
-    engine, server = scripted(lambda ids, i: Out([out1, out2][i]), tool_call_parser="qwen25")
+    engine, server = scripted(
+        lambda ids, i: Out([out1, out2][i]), harness={"name": "claude-code", "tool_call_parser": "qwen25"}
+    )
     client = anthropic.Anthropic(
         base_url=server.session_url("cc-0").removesuffix("/v1"), api_key=server.session_token("cc-0"), max_retries=0
     )
@@ -107,7 +109,9 @@ def test_opencode_shape_streamed_tool_calls_with_reserialised_arguments(scripted
     """OpenAI chat, streamed with usage: tool_calls deltas; the harness sends the call back with its arguments
     re-serialised (other spacing) and the turn is still recognised."""
     out1, out2 = _ids(tok, CALL), _ids(tok, "done")
-    engine, server = scripted(lambda ids, i: Out([out1, out2][i]), tool_call_parser="qwen25")
+    engine, server = scripted(
+        lambda ids, i: Out([out1, out2][i]), harness={"name": "opencode", "tool_call_parser": "qwen25"}
+    )
     client = openai.OpenAI(base_url=server.session_url("oc-0"), api_key=server.session_token("oc-0"), max_retries=0)
     msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "list /app"}]
     chunks = list(
@@ -158,7 +162,9 @@ def test_every_session_route_takes_its_own_token_only(scripted, tok):
 
 def test_a_request_without_tools_gets_the_reply_as_written(scripted, tok):
     """terminus-2 sends no tools: a reply that happens to hold a call's markup is its text, not a call."""
-    engine, server = scripted(lambda ids, i: Out(_ids(tok, CALL)), tool_call_parser="qwen25")
+    engine, server = scripted(
+        lambda ids, i: Out(_ids(tok, CALL)), harness={"name": "claude-code", "tool_call_parser": "qwen25"}
+    )
     client = openai.OpenAI(base_url=server.session_url("t-0"), api_key=server.session_token("t-0"), max_retries=0)
     r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "go"}])
     assert r.choices[0].message.content == CALL and not r.choices[0].message.tool_calls
@@ -166,14 +172,14 @@ def test_a_request_without_tools_gets_the_reply_as_written(scripted, tok):
 
 @pytest.mark.parametrize("api", ["anthropic", "openai"])
 def test_a_cut_off_turn_ends_the_episode_without_its_action(scripted, tok, api):
-    """With truncation_ends_episode, a reply cut at the token limit (here mid tool call) is answered as a final
+    """With truncation_ends_episode (a CLI harness in the sandbox, early_truncation_exit on), a reply cut at the token limit (here mid tool call) is answered as a final
     text reply: no call is parsed, so the cut action cannot run; the turn is recorded truncated and the trial
     becomes TRUNCATED."""
     cut = tok.encode(
         'Let me run it.<tool_call>\n{"name": "Bash", "arguments": {"command": "rm -rf', add_special_tokens=False
     )
     engine, server = scripted(
-        lambda ids, i: Out(cut, finish="length"), tool_call_parser="qwen25", truncation_ends_episode=True
+        lambda ids, i: Out(cut, finish="length"), harness={"name": "claude-code", "tool_call_parser": "qwen25"}
     )
     sid, token = f"{api}-cut", server.session_token(f"{api}-cut")
     msgs = [{"role": "user", "content": "clean up"}]
@@ -247,7 +253,7 @@ def test_a_side_request_with_its_own_small_limit_neither_trains_nor_truncates_th
     def script(ids, i):
         return Out(title, finish="length") if i == 1 else Out(_ids(tok, f"step {i}"))
 
-    engine, server = scripted(script, max_new_tokens=64)
+    engine, server = scripted(script, sampling={"max_new_tokens": 64})
     client = openai.OpenAI(base_url=server.session_url("sd-0"), api_key=server.session_token("sd-0"), max_retries=0)
     msgs = [{"role": "user", "content": "fix it"}]
     first = client.chat.completions.create(model="policy", messages=msgs)

@@ -22,9 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpoflow.config import read_config_file  # noqa: E402
+from grpoflow.prepare.prompts import load_prompts  # noqa: E402
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
-from grpoflow.scoring.evaluation import EVAL_SPLITS, before_after_lines, eval_metrics  # noqa: E402
+from grpoflow.scoring.evaluation import EVAL_SPLITS, before_after_lines, eval_families, eval_metrics  # noqa: E402
 from grpoflow.train.checkpoint import holds_optimizer  # noqa: E402
 
 STAGES = ["time/eval_s", "time/rollout_s", "time/train_s", "time/commit_s", "time/sync_s"]
@@ -64,6 +65,7 @@ def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
     if not ((first / SAMPLES).is_file() and (last / SAMPLES).is_file()):
         return before_after_lines(evals[0], evals[-1])
     before, after = read_samples(first), read_samples(last)
+    families = eval_families(load_prompts(run_dir / "prompts.jsonl")) if (run_dir / "prompts.jsonl").is_file() else {}
     rows = [{}, {}]
     for name in EVAL_SPLITS:
         # group ids are `eval<N>-<side>-<task>`: match the side, not a task name that holds it
@@ -73,7 +75,7 @@ def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
         if not mine[0]:  # a side this run's split does not have (`unseen` of a split by task)
             continue
         rows[0] |= eval_metrics(name, mine[0])
-        rows[1] |= eval_metrics(name, mine[1], mine[0])
+        rows[1] |= eval_metrics(name, mine[1], mine[0], families)
     return before_after_lines(*rows)
 
 

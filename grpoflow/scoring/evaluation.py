@@ -7,11 +7,16 @@ families none of whose instances is trained; `heldout` then holds the held-out i
 Seeds depend on the prompt and the sample only (`EVAL_SEED_STEP`), so the run's first evaluation (the base policy) and every later one run the same
 trials. Its figures go into the metrics row of the step whose weights it measured (`step` = updates so far):
 pass@1 with a 95 % Wilson interval, pass@k, exit-status counts, per-task pass rates and, against the first
-evaluation, the change in pass@1 with a 95 % interval over the paired trials.
+evaluation, the change in pass@1 over the paired trials with a clustered 95 % interval.
 
-The intervals are about these tasks: the split's tasks are fixed and only the sampling is random, so trials are
-independent given their task (pooling tasks of different pass rates makes the binomial interval wider, not
-narrower). Whether a gain carries over to other tasks is what the held-out split, with its few tasks, hints at.
+What each row's change estimates: `trained`, the change on the trained instances themselves (a new draw of
+sampling noise on the same tasks); `heldout` and `unseen`, the change on other instances of the task families
+behind them (trained families, families never trained). Trials of one instance share its difficulty, and
+instances of one family share their template, so pairs are not independent: the interval is a cluster bootstrap
+(`clustered_change`) that resamples instances for `trained` and families for the held-out sides (instances again
+where the split is by task). With fewer than `MIN_CLUSTERS` clusters it gives none ("too few clusters"): a
+percentile bootstrap over a handful of clusters is too narrow to sign. Trials with a failed side (no verifier
+reward before or after) are counted (`unpaired_trials`), never paired.
 
 The rollout's own reward depends on which prompts a step drew; `reward_gain` takes each task's base pass rate
 away, so its curve shows what the training changed.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
@@ -28,7 +34,7 @@ from pathlib import Path
 
 from grpoflow.config import RunConfig
 from grpoflow.paths import RunPaths
-from grpoflow.prepare.prompts import PromptRecord, side_of
+from grpoflow.prepare.prompts import FAMILY_KEY, PromptRecord, side_of
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.rollout.step import RolloutHooks, RolloutSetup, collect_with
 from grpoflow.rollout.trials import EVAL_SEED_STEP, TrialSpec, plan_group_trials
@@ -37,6 +43,8 @@ from grpoflow.samples import PASS, Sample
 # metric-key name of an evaluated side of the split -> the prompts.jsonl split its prompts are in
 EVAL_SPLITS = {"trained": "train", "heldout": "eval", "unseen": "eval"}
 Z95 = 1.959963984540054
+MIN_CLUSTERS = 8
+BOOTSTRAP_RESAMPLES = 4000
 
 
 def eval_prompts(prompts: Sequence[PromptRecord]) -> dict[str, list[PromptRecord]]:
@@ -55,16 +63,24 @@ def eval_plan(prompts: Sequence[PromptRecord], version: int, n: int, seed: int) 
     return {name: eval_specs(name, ps, version, n, seed) for name, ps in eval_prompts(prompts).items()}
 
 
+def eval_families(prompts: Sequence[PromptRecord]) -> dict[str, str]:
+    """Instance id -> its task family, for the prompts a split by family marked (the held-out sides' clusters)."""
+    return {p.instance_id: p.metadata[FAMILY_KEY] for p in prompts if FAMILY_KEY in p.metadata}
+
+
 def plan_metrics(
-    plan: Mapping[str, Sequence[TrialSpec]], samples: Sequence[Sample], base: Sequence[Sample] | None
+    plan: Mapping[str, Sequence[TrialSpec]],
+    samples: Sequence[Sample],
+    base: Sequence[Sample] | None,
+    families: Mapping[str, str] | None = None,
 ) -> dict[str, float]:
     """The `eval/<split>/...` metrics of an evaluation's samples, each split compared with the same split of the
-    run's first evaluation (`base`, its samples; None: nothing to compare with)."""
+    run's first evaluation (`base`, its samples; None: nothing to compare with), clustered by `families`."""
     metrics: dict[str, float] = {}
     for name, group in plan.items():
         ids = {s.rollout_id for s in group}
         baseline = [s for s in base if s.group_id.startswith(f"eval0-{name}-")] if base is not None else None
-        metrics |= eval_metrics(name, [s for s in samples if s.rollout_id in ids], baseline)
+        metrics |= eval_metrics(name, [s for s in samples if s.rollout_id in ids], baseline, families)
     return metrics
 
 
@@ -78,20 +94,27 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))  # p inside, whatever the rounding
 
 
-def paired_change(before: Sequence[bool], after: Sequence[bool], z: float = Z95) -> tuple[float, float, float]:
-    """Change in pass rate over paired trials (same task, same seed: passed before, passed after) and its 95 %
-    interval: Agresti-Min's adjusted Wald interval for paired proportions (half a trial added to each of the four
-    cells), which stays honest where the plain one collapses to a point (every pair changed alike, few pairs)."""
-    pairs = list(zip(before, after, strict=True))
-    n = len(pairs)
+def clustered_change(
+    clusters: Mapping[str, Sequence[tuple[bool, bool]]], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> tuple[float, float | None, float | None]:
+    """Change in pass rate over paired trials (passed before, passed after) grouped by cluster, and its 95 %
+    percentile interval from a cluster bootstrap: `resamples` draws of as many clusters as there are, with
+    replacement, each draw's change the pooled one of its clusters' pairs. Seeded: the same pairs give the same
+    interval. With fewer than `MIN_CLUSTERS` clusters the interval is (None, None)."""
+    per = [(sum(a - b for b, a in pairs), len(pairs)) for pairs in clusters.values() if pairs]
+    n = sum(size for _, size in per)
     if n == 0:
-        return float("nan"), float("nan"), float("nan")
-    gained = sum(not b and a for b, a in pairs)
-    lost = sum(b and not a for b, a in pairs)
-    p_gained, p_lost = (gained + 0.5) / (n + 2), (lost + 0.5) / (n + 2)
-    centre = p_gained - p_lost
-    half = z * math.sqrt(max(0.0, (p_gained + p_lost - centre * centre) / (n + 2)))
-    return (gained - lost) / n, max(-1.0, centre - half), min(1.0, centre + half)
+        return float("nan"), None, None
+    change = sum(d for d, _ in per) / n
+    if len(per) < MIN_CLUSTERS:
+        return change, None, None
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(resamples):
+        picked = rng.choices(per, k=len(per))
+        draws.append(sum(d for d, _ in picked) / sum(size for _, size in picked))
+    draws.sort()
+    return change, draws[int(0.025 * (resamples - 1))], draws[int(math.ceil(0.975 * (resamples - 1)))]
 
 
 def _passed(s: Sample) -> float:
@@ -107,10 +130,16 @@ def _trials(samples: Sequence[Sample]) -> dict[tuple[str, int], Sample]:
     return out
 
 
-def eval_metrics(name: str, samples: Sequence[Sample], baseline: Sequence[Sample] | None = None) -> dict[str, float]:
+def eval_metrics(
+    name: str,
+    samples: Sequence[Sample],
+    baseline: Sequence[Sample] | None = None,
+    families: Mapping[str, str] | None = None,
+) -> dict[str, float]:
     """`eval/<name>/...` figures of one split's evaluation; with `baseline` (the run's first evaluation of the
-    split) also the change in pass@1 over the trials both scored. A trial without a verifier reward (FAILED) is
-    counted under its exit status and left out of pass rates."""
+    split) also the change in pass@1 over the trials both scored, its interval clustered by instance (`trained`)
+    or by family (the held-out sides; `families`: instance id -> family, the instance itself where absent). A
+    trial without a verifier reward (FAILED) is counted under its exit status and left out of pass rates."""
     trials = _trials(samples)
     scored = [s for s in trials.values() if s.reward is not None]
     wins = int(sum(_passed(s) for s in scored))
@@ -135,15 +164,21 @@ def eval_metrics(name: str, samples: Sequence[Sample], baseline: Sequence[Sample
     if baseline is not None:
         base = _trials(baseline)
         keys = [k for k, s in trials.items() if s.reward is not None and k in base and base[k].reward is not None]
-        mean, low, high = paired_change([_passed(base[k]) > 0 for k in keys], [_passed(trials[k]) > 0 for k in keys])
+        cluster_of = (lambda task: task) if name == "trained" else (lambda task: (families or {}).get(task, task))
+        clusters: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
+        for k in keys:
+            clusters[cluster_of(k[0])].append((_passed(base[k]) > 0, _passed(trials[k]) > 0))
+        mean, low, high = clustered_change(clusters)
         m.update(
             {
                 p + "pass_at_1_change": mean,
-                p + "pass_at_1_change_ci95_low": low,
-                p + "pass_at_1_change_ci95_high": high,
                 p + "paired_trials": float(len(keys)),
+                p + "unpaired_trials": float(len(set(trials) | set(base)) - len(keys)),
+                p + "clusters": float(len(clusters)),
             }
         )
+        if low is not None and high is not None:
+            m |= {p + "pass_at_1_change_ci95_low": low, p + "pass_at_1_change_ci95_high": high}
     return m
 
 
@@ -184,7 +219,19 @@ def split_labels(*rows: Mapping[str, float]) -> dict[str, str]:
 
 def _interval(row: Mapping[str, float], key: str, signed: bool = False) -> str:
     f = "{:+.3f}" if signed else "{:.3f}"
+    if key + "_ci95_low" not in row:  # a change over too few clusters: no interval to sign
+        return f"{f.format(row[key])} [too few clusters]"
     return f"{f.format(row[key])} [{f.format(row[key + '_ci95_low'])}, {f.format(row[key + '_ci95_high'])}]"
+
+
+def _pairs(row: Mapping[str, float], p: str) -> str:
+    """How many paired trials a change rests on, in how many clusters, and how many trials had a failed side."""
+    out = f"{int(row.get(p + 'paired_trials', row[p + 'scored']))} paired trials"
+    if p + "clusters" in row:
+        out += f" in {int(row[p + 'clusters'])} clusters"
+    if row.get(p + "unpaired_trials"):
+        out += f", {int(row[p + 'unpaired_trials'])} unpaired (a failed side)"
+    return out
 
 
 def evaluation_lines(row: Mapping[str, float], label: str) -> list[str]:
@@ -217,13 +264,15 @@ def before_after_lines(first: Mapping[str, float], last: Mapping[str, float]) ->
     width = max([16, *(len(title) + 1 for title in titles.values())])  # title and colon
     for name, title in titles.items():
         p = f"eval/{name}/"
-        change = last[p + "pass_at_1_change"]
-        low, high = last[p + "pass_at_1_change_ci95_low"], last[p + "pass_at_1_change_ci95_high"]
-        verdict = "better" if low > 0 else "worse" if high < 0 else "no significant change"
+        low, high = last.get(p + "pass_at_1_change_ci95_low"), last.get(p + "pass_at_1_change_ci95_high")
+        if low is None or high is None:
+            verdict = "not judged"
+        else:
+            verdict = "better" if low > 0 else "worse" if high < 0 else "no significant change"
         lines.append(
             f"{title + ':':{width}s} pass@1 {_interval(first, p + 'pass_at_1')} -> "
-            f"{_interval(last, p + 'pass_at_1')}, change {change:+.3f} [{low:+.3f}, {high:+.3f}]: "
-            f"{verdict} ({int(last.get(p + 'paired_trials', last[p + 'scored']))} paired trials)"
+            f"{_interval(last, p + 'pass_at_1')}, change {_interval(last, p + 'pass_at_1_change', signed=True)}: "
+            f"{verdict} ({_pairs(last, p)})"
         )
     return lines
 
@@ -247,4 +296,4 @@ def evaluate_policy(
     if base is None and version > 0:
         base = paths.eval_details(0)
     baseline = read_samples(base) if base is not None and (base / SAMPLES).is_file() else None
-    return plan_metrics(plan, result.samples, baseline)
+    return plan_metrics(plan, result.samples, baseline, eval_families(prompts))

@@ -1,4 +1,5 @@
-"""The evaluation inside a train run: fixed seeds for every evaluation, intervals that cover, paired changes."""
+"""The evaluation inside a train run: fixed seeds for every evaluation, intervals that cover, paired changes with
+intervals clustered by instance or family."""
 
 import math
 import random
@@ -9,12 +10,13 @@ from grpoflow.prepare.prompts import PromptRecord
 from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.samples import Sample
 from grpoflow.scoring.evaluation import (
+    MIN_CLUSTERS,
     base_pass_rates,
     before_after_lines,
+    clustered_change,
     eval_metrics,
     eval_prompts,
     eval_specs,
-    paired_change,
     reward_gain,
     task_rewards,
     wilson_interval,
@@ -67,23 +69,54 @@ def test_wilson_interval_is_inside_0_1_and_covers_at_about_95_percent():
     assert 0.93 <= covered / runs <= 0.97
 
 
-def test_paired_change_covers_the_true_difference():
+def test_clustered_change_covers_the_true_difference_when_clusters_differ():
+    # 20 clusters of 4 pairs; each cluster's gain probability is its own (0 or 0.5, half each): pairs within a
+    # cluster are alike, so the truth is the mean over clusters, 0.25 of the pairs that failed before (all here)
     rng = random.Random(1)
-    hits = 0
-    for _ in range(500):
-        # each trial passes before with p 0.4; training flips a failing trial to a pass with p 0.25
-        before = [rng.random() < 0.4 for _ in range(64)]
-        after = [b or rng.random() < 0.25 for b in before]
-        mean, lo, hi = paired_change(before, after)
-        hits += lo <= 0.6 * 0.25 <= hi
-    assert 0.92 <= hits / 500 <= 0.98
-    # every pair gained: the interval excludes zero but does not collapse to a point
-    mean, lo, hi = paired_change([False] * 8, [True] * 8)
-    assert mean == 1.0 and 0.3 < lo < 1.0 and hi == 1.0
-    mean, lo, hi = paired_change([False] * 2, [True] * 2)  # two pairs prove little
-    assert mean == 1.0 and lo < 0.5
-    mean, lo, hi = paired_change([True, False] * 10, [True, False] * 10)  # nothing changed
-    assert mean == 0.0 and lo < 0.0 < hi
+    runs, hits = 150, 0
+    for _ in range(runs):
+        clusters = {}
+        for c in range(20):
+            p = rng.choice((0.0, 0.5))
+            clusters[f"c{c}"] = [(False, rng.random() < p) for _ in range(4)]
+        _, lo, hi = clustered_change(clusters, resamples=400, seed=rng.randrange(10**6))
+        hits += lo <= 0.25 <= hi
+    assert 0.88 <= hits / runs <= 0.99
+    # the same pairs give the same interval (the verdict of a rerun is the verdict of the run)
+    pairs = {f"c{c}": [(False, c % 3 == 0), (True, True)] for c in range(10)}
+    assert clustered_change(pairs) == clustered_change(dict(reversed(pairs.items())))
+    # every cluster gained: an interval of one point, far from zero
+    assert clustered_change({f"c{c}": [(False, True)] for c in range(10)}) == (1.0, 1.0, 1.0)
+
+
+def test_gains_in_a_few_instances_are_significant_per_trial_and_not_clustered():
+    """Ten instances of four trials; two instances gained all four, none lost: eight of forty pairs gained. Counted
+    as forty independent pairs the gain clears zero; resampled by instance (two of ten clusters carry it) it does
+    not, and the verdict says so."""
+    base = [_sample(f"i{i}", k, 0.0) for i in range(10) for k in range(4)]
+    now = [_sample(f"i{i}", k, float(i < 2)) for i in range(10) for k in range(4)]
+    per_trial = {f"{i}-{k}": [(False, i < 2)] for i in range(10) for k in range(4)}
+    change, lo, _ = clustered_change(per_trial)
+    assert change == 0.2 and lo > 0
+    m = eval_metrics("trained", now, base)
+    assert m["eval/trained/pass_at_1_change"] == 0.2 and m["eval/trained/clusters"] == 10
+    assert m["eval/trained/pass_at_1_change_ci95_low"] <= 0 < m["eval/trained/pass_at_1_change_ci95_high"]
+    [line] = before_after_lines(eval_metrics("trained", base), m)
+    assert line.endswith(": no significant change (40 paired trials in 10 clusters)")
+
+
+def test_held_out_sides_cluster_by_family_and_too_few_clusters_are_not_judged():
+    base = [_sample(f"i{i}", k, 0.0) for i in range(10) for k in range(2)]
+    now = [_sample(f"i{i}", k, 1.0) for i in range(10) for k in range(2)]
+    families = {f"i{i}": f"f{i % 5}" for i in range(10)}  # ten instances of five families
+    by_instance = eval_metrics("trained", now, base, families)
+    by_family = eval_metrics("heldout", now, base, families)
+    assert (by_instance["eval/trained/clusters"], by_family["eval/heldout/clusters"]) == (10, 5)
+    assert "eval/heldout/pass_at_1_change_ci95_low" not in by_family and 5 < MIN_CLUSTERS
+    [line] = before_after_lines(eval_metrics("heldout", base, None, families), by_family)
+    assert "change +1.000 [too few clusters]: not judged (20 paired trials in 5 clusters)" in line
+    # a split by task names no family: each held-out instance is its own cluster
+    assert eval_metrics("heldout", now, base)["eval/heldout/clusters"] == 10
 
 
 def test_eval_metrics_pass_rates_exits_tasks_and_change_since_the_base():
@@ -94,14 +127,18 @@ def test_eval_metrics_pass_rates_exits_tasks_and_change_since_the_base():
     assert m["eval/trained/pass_at_1"] == 1.0 and m["eval/trained/pass_at_k"] == 1.0
     assert m["eval/trained/exit/Submitted"] == 3 and m["eval/trained/exit/SandboxError"] == 1
     assert m["eval/trained/task/a"] == 1.0 and m["eval/trained/task/b"] == 1.0
-    # the failed trial is left out of the pairing: 3 pairs, changes 1, 0, 1
+    # the failed trial is left out of the pairing and counted: 3 pairs, changes 1, 0, 1, over 2 instances
     assert m["eval/trained/pass_at_1_change"] == pytest.approx(2 / 3) and m["eval/trained/paired_trials"] == 3
-    assert m["eval/trained/pass_at_1_change_ci95_low"] < 2 / 3 < m["eval/trained/pass_at_1_change_ci95_high"]
+    assert m["eval/trained/unpaired_trials"] == 1 and m["eval/trained/clusters"] == 2
+    assert "eval/trained/pass_at_1_change_ci95_low" not in m  # two clusters: no interval to sign
     assert "eval/trained/pass_at_1_change" not in eval_metrics("trained", base)
     first = eval_metrics("trained", base)
     assert base_pass_rates(first) == {"a": 0.5, "b": 0.0}
     [line] = before_after_lines(first, m)
-    assert line.startswith("trained tasks:") and "0.250 [" in line and "-> 1.000 [" in line and "+0.667" in line
+    assert line.startswith("trained tasks:") and "0.250 [" in line and "-> 1.000 [" in line
+    assert line.endswith(
+        "+0.667 [too few clusters]: not judged (3 paired trials in 2 clusters, 1 unpaired (a failed side))"
+    )
 
 
 def test_task_rewards_are_per_task_means_of_the_scored_trials():
@@ -120,13 +157,13 @@ def test_reward_gain_takes_the_task_difficulty_out():
 
 
 def _split_rows(names: list[str]) -> tuple[dict[str, float], dict[str, float]]:
-    """Metrics rows of a base evaluation and a later one, for each named side: 20 trials of one task each, 4
-    passed at first, then 14, 4 and 0."""
+    """Metrics rows of a base evaluation and a later one, for each named side: 20 trials of ten tasks each (two
+    trials a task), 4 passed at first, then 14, 4 and 0."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     for name, passed in zip(names, (14, 4, 0)):
-        base = [_sample(f"{name}-t", k, float(k < 4)) for k in range(20)]
-        now = [_sample(f"{name}-t", k, float(k < passed)) for k in range(20)]
+        base = [_sample(f"{name}-t{k // 2}", k % 2, float(k < 4)) for k in range(20)]
+        now = [_sample(f"{name}-t{k // 2}", k % 2, float(k < passed)) for k in range(20)]
         first |= eval_metrics(name, base)
         last |= eval_metrics(name, now, base)
     return first, last
@@ -141,8 +178,9 @@ def test_the_verdict_has_three_rows_with_unseen_families_and_two_as_before_witho
         "unseen families",
     ]
     assert len({line.index("pass@1") for line in lines}) == 1  # the rows line up
-    assert lines[0].endswith(": better (20 paired trials)") and "-> 0.700 [" in lines[0]
-    assert lines[1].endswith(": no significant change (20 paired trials)") and "change +0.000 [" in lines[1]
+    assert lines[0].endswith(": better (20 paired trials in 10 clusters)") and "-> 0.700 [" in lines[0]
+    assert lines[1].endswith(": no significant change (20 paired trials in 10 clusters)")
+    assert "change +0.000 [+0.000, +0.000]" in lines[1]
     assert "pass@1 0.200 [0.081, 0.416] -> 0.000 [0.000, 0.161], change -0.200 [" in lines[2]
     # a split by task: the two rows exactly as before, titles padded to 16
     first, last = _split_rows(["trained", "heldout"])

@@ -213,7 +213,7 @@ def test_split_settings_reach_the_prompts(tmp_path):
 
 def test_a_family_split_evaluates_three_sides_and_the_verdict_has_three_rows():
     from grpoflow.samples import Sample
-    from grpoflow.scoring.evaluation import before_after_lines, eval_plan, plan_metrics
+    from grpoflow.scoring.evaluation import MIN_CLUSTERS, before_after_lines, eval_families, eval_plan, plan_metrics
 
     prompts = build_prompts(variants(), 7, 0.25, split_by="family")
 
@@ -242,18 +242,27 @@ def test_a_family_split_evaluates_three_sides_and_the_verdict_has_three_rows():
 
     base, plan0 = results(0, lambda side, k: k == 0)
     after, plan1 = results(1, lambda side, k: side == "trained" or (side == "heldout" and k < 2))
-    first, last = plan_metrics(plan0, base, None), plan_metrics(plan1, after, base)
+    families = eval_families(prompts)
+    first, last = plan_metrics(plan0, base, None, families), plan_metrics(plan1, after, base, families)
     assert set(plan1) == {"trained", "heldout", "unseen"}
     n = {side: 4 * sum(side_of(p) == side for p in prompts) for side in plan1}
+    # clusters: the trained instances; the held-out sides' families
+    k = {
+        side: len(
+            {p.instance_id if side == "trained" else families[p.instance_id] for p in prompts if side_of(p) == side}
+        )
+        for side in plan1
+    }
     lines = before_after_lines(first, last)
     assert [line.split(":")[0] for line in lines] == [
         "trained tasks",
         "held-out instances of trained families",
         "unseen families",
     ]
-    assert lines[0].endswith(f"better ({n['trained']} paired trials)")
-    assert lines[2].endswith(f"worse ({n['unseen']} paired trials)") or "no significant" in lines[2]
-    assert f"({n['heldout']} paired trials)" in lines[1]
+    for line, side in zip(lines, ("trained", "heldout", "unseen"), strict=True):
+        assert line.endswith(f"({n[side]} paired trials in {k[side]} clusters)")
+        assert ("[too few clusters]: not judged" in line) == (k[side] < MIN_CLUSTERS)
+    assert k["trained"] < MIN_CLUSTERS or ": better (" in lines[0]
 
 
 def test_a_run_saved_before_split_by_keeps_splitting_by_task(tmp_path):

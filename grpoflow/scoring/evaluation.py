@@ -101,7 +101,8 @@ def clustered_change(
     percentile interval from a cluster bootstrap: `resamples` draws of as many clusters as there are, with
     replacement, each draw's change the pooled one of its clusters' pairs. Seeded: the same pairs give the same
     interval. With fewer than `MIN_CLUSTERS` clusters the interval is (None, None)."""
-    per = [(sum(a - b for b, a in pairs), len(pairs)) for pairs in clusters.values() if pairs]
+    # in cluster-name order: the draws must not depend on the order the trials were recorded in
+    per = [(sum(a - b for b, a in pairs), len(pairs)) for _, pairs in sorted(clusters.items()) if pairs]
     n = sum(size for _, size in per)
     if n == 0:
         return float("nan"), None, None

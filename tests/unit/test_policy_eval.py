@@ -83,8 +83,11 @@ def test_clustered_change_covers_the_true_difference_when_clusters_differ():
         hits += lo <= 0.25 <= hi
     assert 0.88 <= hits / runs <= 0.99
     # the same pairs give the same interval (the verdict of a rerun is the verdict of the run)
-    pairs = {f"c{c}": [(False, c % 3 == 0), (True, True)] for c in range(10)}
-    assert clustered_change(pairs) == clustered_change(dict(reversed(pairs.items())))
+    pairs = {f"c{c}": [(False, c < 3), (True, c != 9)] + [(c % 2 == 0, True)] * (c % 4) for c in range(10)}
+    orders = [list(pairs.items()) for _ in range(5)]
+    for i, order in enumerate(orders):
+        random.Random(i).shuffle(order)
+    assert {clustered_change(dict(order)) for order in orders} == {clustered_change(pairs)}
     # every cluster gained: an interval of one point, far from zero
     assert clustered_change({f"c{c}": [(False, True)] for c in range(10)}) == (1.0, 1.0, 1.0)
 

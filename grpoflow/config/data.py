@@ -148,7 +148,7 @@ class PromptsConfig(Section):
         ge=0.0,
         le=0.9,
         description="Share held out as the `eval` split: of each difficulty's tasks (`split_by` task), or of the "
-        "task families (`split_by` family).",
+        "task families (`split_by` family), or of their categories (`split_by` category).",
     )
     max_prompts: int | None = Field(
         None, ge=1, description="Keep only this many instances after the seeded shuffle. Empty: keep all."
@@ -158,11 +158,13 @@ class PromptsConfig(Section):
         description="Keep only tasks of these difficulty grades (task.toml `[metadata].difficulty`, e.g. `easy`). "
         "Empty: every task.",
     )
-    split_by: Literal["auto", "task", "family"] = Field(
+    split_by: Literal["auto", "task", "family", "category"] = Field(
         "auto",
         description="What the eval split holds out. `task`: `eval_fraction` of each difficulty's tasks. `family`: "
         "`eval_fraction` of the task families wholly (`unseen` families), and `instance_eval_fraction` of the "
         "trained families' other instances (`held-out instances`); no instance of an unseen family is trained. "
+        "`category`: as `family`, but what is held out wholly is `eval_fraction` of the families' categories "
+        "(`[metadata].category`), so related families stay on one side. "
         "`auto`: `family` when the dataset groups tasks (a task declares `[metadata].<family_key>`, or "
         "`family_pattern` puts two task names in one family), else `task`.",
     )

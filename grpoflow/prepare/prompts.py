@@ -50,9 +50,9 @@ def build_prompts(
     instance_eval_fraction: float | None = None,
 ) -> list[PromptRecord]:
     """Seeded shuffle of the dataset's tasks (of the given `difficulties` only, when any are given), then the
-    eval split: `eval_fraction` of each difficulty's tasks (`split_by` task), or of the task families, with
-    `instance_eval_fraction` (default `eval_fraction`) of the trained families' instances (`split_by` family;
-    `auto`: `grpoflow.prepare.split.resolve_split_by`)."""
+    eval split: `eval_fraction` of each difficulty's tasks (`split_by` task), or of the task families (or of their
+    categories), with `instance_eval_fraction` (default `eval_fraction`) of the trained families' instances
+    (`split_by` family or category; `auto`: `grpoflow.prepare.split.resolve_split_by`)."""
     rng = random.Random(seed)
     tasks = list(dataset.tasks)  # sorted by name, so the shuffle depends on the seed only
     if difficulties:
@@ -67,9 +67,9 @@ def build_prompts(
     if max_prompts is not None:
         tasks = tasks[:max_prompts]
     rule = family_rule or FamilyRule()
-    if resolve_split_by(tasks, split_by, rule) == "family":
+    if (by := resolve_split_by(tasks, split_by, rule)) != "task":
         fraction = eval_fraction if instance_eval_fraction is None else instance_eval_fraction
-        sides = split_by_family(tasks, rng, eval_fraction, fraction, rule)
+        sides = split_by_family(tasks, rng, eval_fraction, fraction, rule, unit=by)
         return [_record(t, "train" if sides[t.name][1] == "trained" else "eval", sides[t.name]) for t in tasks]
     by_grade: dict[str, list[TaskSpec]] = defaultdict(list)
     for t in tasks:

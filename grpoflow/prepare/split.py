@@ -8,6 +8,10 @@ tasks, held-out instances of trained families (`heldout`), and wholly unseen fam
 A task's family is its `[metadata].<family_key>` in task.toml when it declares one, else the group `family` of
 `family_pattern` matched against the task name (by default the name without `_easy`/`_medium`/`_hard`/`_<digits>`
 suffixes), else the task name itself.
+
+A split by category holds out whole kinds of work instead (`[metadata].category`: every family of an unseen
+category is unseen), so that near-sibling families (copying and renaming a file) never stand on both sides and the
+`unseen` row measures transfer to another kind of task, not to a sibling template.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from grpoflow.prepare.dataset import TaskSpec
 # Where a prompt stands: trained on, held out from a family that is trained, or of a family never trained.
 Side = Literal["trained", "heldout", "unseen"]
 SIDES: tuple[Side, ...] = ("trained", "heldout", "unseen")
-SplitBy = Literal["task", "family"]
+SplitBy = Literal["task", "family", "category"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ def resolve_split_by(tasks: Sequence[TaskSpec], split_by: str, rule: FamilyRule)
     """`prompts.split_by` with `auto` resolved: `family` when the tasks are grouped at all (a declared family,
     or two names of one family), since a split by task would then put siblings on both sides; else `task`, which
     keeps the per-difficulty split of datasets whose tasks all stand alone (`builtin-fixed`)."""
-    if split_by in ("task", "family"):
+    if split_by in ("task", "family", "category"):
         return split_by  # type: ignore[return-value]
     if any(rule.declares(t) for t in tasks):
         return "family"
@@ -77,17 +81,21 @@ def split_by_family(
     eval_fraction: float,
     instance_fraction: float,
     rule: FamilyRule,
+    unit: Literal["family", "category"] = "family",
 ) -> dict[str, tuple[str, Side]]:
-    """Task name -> (its family, its side). Families are shuffled by `rng` (from their sorted names, so the
-    split is a function of the seed and the task set only); `eval_fraction` of them go wholly to `unseen` (at
-    least one when the fraction is above 0, and never all); then `instance_fraction` of the trained families'
-    instances are held out (at least one when the fraction is above 0), drawn from every trained family's
-    instances but one, so each trained family still trains."""
+    """Task name -> (its family, its side). The units held out whole (families, or with `unit` category the
+    categories of the families) are shuffled by `rng` (from their sorted names, so the split is a function of the
+    seed and the task set only); `eval_fraction` of them go wholly to `unseen` (at least one when the fraction is
+    above 0, and never all); then `instance_fraction` of the trained families' instances are held out (at least
+    one when the fraction is above 0), drawn from every trained family's instances but one, so each trained
+    family still trains."""
     groups = families(tasks, rule)
-    names = sorted(groups)
+    members = {name: [name] for name in groups} if unit == "family" else _by_category(groups)
+    names = sorted(members)
     rng.shuffle(names)
     n_unseen = _share(len(names), eval_fraction, limit=len(names) - 1)
-    unseen, trained = names[:n_unseen], names[n_unseen:]
+    unseen = [fam for name in names[:n_unseen] for fam in members[name]]
+    trained = [fam for name in names[n_unseen:] for fam in members[name]]
     candidates: list[TaskSpec] = []
     for fam in trained:
         members = sorted(groups[fam], key=lambda t: t.name)
@@ -101,6 +109,20 @@ def split_by_family(
         out |= {t.name: (fam, "unseen") for t in groups[fam]}
     for fam in trained:
         out |= {t.name: (fam, "heldout" if t.name in held else "trained") for t in groups[fam]}
+    return out
+
+
+def _by_category(groups: dict[str, list[TaskSpec]]) -> dict[str, list[str]]:
+    """Category -> its families (sorted); a family whose tasks declare different categories is refused."""
+    out: dict[str, list[str]] = {}
+    for fam, tasks in sorted(groups.items()):
+        kinds = sorted({t.category for t in tasks})
+        if len(kinds) > 1:
+            raise DatasetError(
+                f"prompts.split_by=category: family {fam!r} spans categories {', '.join(kinds)} "
+                f"({tasks[0].path / 'task.toml'} and its siblings): give its tasks one [metadata].category"
+            )
+        out.setdefault(kinds[0], []).append(fam)
     return out
 
 

@@ -278,3 +278,35 @@ def test_a_run_saved_before_split_by_keeps_splitting_by_task(tmp_path):
     assert load_saved_config(tmp_path).prompts.split_by == "auto"
     from_file = {"prompts": {"path": "p.jsonl"}}  # a prompts file brings its own split
     assert upgrade(from_file, saved=True) == from_file
+
+
+def _builtin_family_tasks() -> Dataset:
+    """The built-in families' instances as a dataset declares them: each its family and its family's category."""
+    from grpoflow.prepare.families import FAMILIES, INSTANCES
+
+    return _dataset(
+        [_task(f"{f.name}-{i}", family=f.name, category=f.category) for f in FAMILIES for i in range(INSTANCES)]
+    )
+
+
+def test_a_split_by_category_never_puts_one_category_on_both_sides():
+    dataset = _builtin_family_tasks()
+    categories = {t.category for t in dataset.tasks}
+    assert len(categories) >= 3
+    for seed in range(300):
+        recs = build_prompts(dataset, seed, 0.34, split_by="category")
+        sides: dict[str, set[str]] = {}
+        for r in recs:
+            sides.setdefault(r.metadata["category"], set()).add(side_of(r))
+        unseen = {c for c, s in sides.items() if s == {"unseen"}}
+        assert all(s == {"unseen"} or "unseen" not in s for s in sides.values()), (seed, sides)
+        assert len(unseen) == 1 and set(sides) == categories  # a third of three categories, never all
+        trained = {r.metadata[FAMILY_KEY] for r in recs if side_of(r) == "trained"}
+        assert trained == {r.metadata[FAMILY_KEY] for r in recs if side_of(r) != "unseen"}  # each still trains
+
+
+def test_a_split_by_category_refuses_a_family_of_two_categories():
+    tasks = [_task("a-1", family="a", category="file"), _task("a-2", family="a", category="text")]
+    tasks += [_task("b-1", family="b", category="shell")]
+    with pytest.raises(DatasetError, match=r"family 'a' spans categories file, text .*\[metadata\]\.category"):
+        build_prompts(_dataset(tasks), 0, 0.5, split_by="category")

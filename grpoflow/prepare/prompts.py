@@ -164,6 +164,12 @@ def side_of(record: PromptRecord) -> Side:
     return "unseen" if record.metadata.get(SIDE_KEY) == "unseen" else "heldout"
 
 
+def family_of(record: PromptRecord) -> str | None:
+    """The family a split by family (or category) put the record in; None for a split by task."""
+    family = record.metadata.get(FAMILY_KEY)
+    return None if family is None else str(family)
+
+
 def split_kind(records: Sequence[PromptRecord]) -> SplitBy:
     """`family` when the records carry a split by family (a record names its family), else `task`."""
-    return "family" if any(FAMILY_KEY in r.metadata for r in records) else "task"
+    return "family" if any(family_of(r) is not None for r in records) else "task"

@@ -22,7 +22,7 @@ from grpoflow.numerics import cpu_arithmetic
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.dataset import Dataset
 from grpoflow.prepare.model import PreparedModel
-from grpoflow.prepare.prompts import FAMILY_KEY, PromptRecord, side_of, split_kind
+from grpoflow.prepare.prompts import PromptRecord, family_of, side_of, split_kind
 from grpoflow.prepare.split import SIDES
 
 _TRACKED_PACKAGES = ("grpoflow", "torch", "transformers", "tokenizers", "safetensors", "harbor", "prefect", "gguf")
@@ -106,8 +106,7 @@ class SplitInfo(_Record):
         for p in prompts:
             side = side_of(p)
             tasks.setdefault(side, []).append(p.instance_id)
-            if FAMILY_KEY in p.metadata:
-                family = str(p.metadata[FAMILY_KEY])
+            if (family := family_of(p)) is not None:
                 # `trained` wins: a family is unseen only when none of its instances trains.
                 if families.get(family) != "trained":
                     families[family] = "unseen" if side == "unseen" else "trained"

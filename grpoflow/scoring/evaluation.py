@@ -34,7 +34,7 @@ from pathlib import Path
 
 from grpoflow.config import RunConfig
 from grpoflow.paths import RunPaths
-from grpoflow.prepare.prompts import FAMILY_KEY, PromptRecord, side_of
+from grpoflow.prepare.prompts import PromptRecord, family_of, side_of
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.rollout.step import RolloutHooks, RolloutSetup, collect_with
 from grpoflow.rollout.trials import EVAL_SEED_STEP, TrialSpec, plan_group_trials
@@ -65,7 +65,7 @@ def eval_plan(prompts: Sequence[PromptRecord], version: int, n: int, seed: int) 
 
 def eval_families(prompts: Sequence[PromptRecord]) -> dict[str, str]:
     """Instance id -> its task family, for the prompts a split by family marked (the held-out sides' clusters)."""
-    return {p.instance_id: p.metadata[FAMILY_KEY] for p in prompts if FAMILY_KEY in p.metadata}
+    return {p.instance_id: family for p in prompts if (family := family_of(p)) is not None}
 
 
 def plan_metrics(
@@ -165,10 +165,10 @@ def eval_metrics(
     if baseline is not None:
         base = _trials(baseline)
         keys = [k for k, s in trials.items() if s.reward is not None and k in base and base[k].reward is not None]
-        cluster_of = (lambda task: task) if name == "trained" else (lambda task: (families or {}).get(task, task))
+        of = (families or {}) if name != "trained" else {}  # instance -> its cluster, where not itself
         clusters: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
         for k in keys:
-            clusters[cluster_of(k[0])].append((_passed(base[k]) > 0, _passed(trials[k]) > 0))
+            clusters[of.get(k[0], k[0])].append((_passed(base[k]) > 0, _passed(trials[k]) > 0))
         mean, low, high = clustered_change(clusters)
         m.update(
             {

@@ -26,6 +26,7 @@ from grpoflow.prepare.split import SIDES, FamilyRule, Side, SplitBy, resolve_spl
 
 Split = Literal["train", "eval"]
 FAMILY_KEY, SIDE_KEY = "split_family", "split_side"  # the metadata a split by family adds to each record
+UNIT_KEY = "split_unit"  # and a split by category, what it held out whole (absent: families)
 
 
 class PromptRecord(BaseModel):
@@ -70,7 +71,8 @@ def build_prompts(
     if (by := resolve_split_by(tasks, split_by, rule)) != "task":
         fraction = eval_fraction if instance_eval_fraction is None else instance_eval_fraction
         sides = split_by_family(tasks, rng, eval_fraction, fraction, rule, unit=by)
-        return [_record(t, "train" if sides[t.name][1] == "trained" else "eval", sides[t.name]) for t in tasks]
+        unit = {UNIT_KEY: by} if by == "category" else {}
+        return [_record(t, "train" if sides[t.name][1] == "trained" else "eval", sides[t.name], unit) for t in tasks]
     by_grade: dict[str, list[TaskSpec]] = defaultdict(list)
     for t in tasks:
         by_grade[t.difficulty].append(t)
@@ -78,10 +80,12 @@ def build_prompts(
     return [_record(t, "eval" if t.name in eval_names else "train") for t in tasks]
 
 
-def _record(task: TaskSpec, split: Split, family_side: tuple[str, Side] | None = None) -> PromptRecord:
+def _record(
+    task: TaskSpec, split: Split, family_side: tuple[str, Side] | None = None, unit: dict[str, str] | None = None
+) -> PromptRecord:
     meta = {"task_name": task.name, "difficulty": task.difficulty, "category": task.category, **task.metadata}
     if family_side is not None:
-        meta |= {FAMILY_KEY: family_side[0], SIDE_KEY: family_side[1]}
+        meta |= {FAMILY_KEY: family_side[0], SIDE_KEY: family_side[1], **(unit or {})}
     return PromptRecord(
         instance_id=task.name, task_path=str(task.path), instruction=task.instruction, split=split, metadata=meta
     )
@@ -171,5 +175,8 @@ def family_of(record: PromptRecord) -> str | None:
 
 
 def split_kind(records: Sequence[PromptRecord]) -> SplitBy:
-    """`family` when the records carry a split by family (a record names its family), else `task`."""
+    """`category` or `family` when the records carry such a split (a record names its family, and with a split by
+    category the unit), else `task`."""
+    if any(r.metadata.get(UNIT_KEY) == "category" for r in records):
+        return "category"
     return "family" if any(family_of(r) is not None for r in records) else "task"

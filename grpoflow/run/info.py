@@ -91,11 +91,11 @@ class Provenance(_Record):
 
 
 class SplitInfo(_Record):
-    """The run's train/eval split, as prompts.jsonl holds it: by `task` or by `family`, each side's tasks
+    """The run's train/eval split, as prompts.jsonl holds it: by `task`, `family` or `category`, each side's tasks
     (`trained`, `heldout`, and with a split by family `unseen`), and each family's side (`trained`: some of its
     instances train, `unseen`: none does). Made from the prompts, so a prompts file's split is recorded too."""
 
-    by: Literal["task", "family"]
+    by: Literal["task", "family", "category"]
     tasks: dict[str, list[str]]
     families: dict[str, Literal["trained", "unseen"]] = {}
 

@@ -303,6 +303,8 @@ def test_a_split_by_category_never_puts_one_category_on_both_sides():
         assert len(unseen) == 1 and set(sides) == categories  # a third of three categories, never all
         trained = {r.metadata[FAMILY_KEY] for r in recs if side_of(r) == "trained"}
         assert trained == {r.metadata[FAMILY_KEY] for r in recs if side_of(r) != "unseen"}  # each still trains
+    assert SplitInfo.of_prompts(recs).by == "category"  # run.json says what was held out whole
+    assert SplitInfo.of_prompts(build_prompts(dataset, 0, 0.34, split_by="family")).by == "family"
 
 
 def test_a_split_by_category_refuses_a_family_of_two_categories():

@@ -25,6 +25,7 @@ from grpoflow.config import read_config_file  # noqa: E402
 from grpoflow.prepare.prompts import load_prompts  # noqa: E402
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
+from grpoflow.run.regrade import grader_noise, read_regrades, verdict_evaluations  # noqa: E402
 from grpoflow.scoring.evaluation import EVAL_SPLITS, before_after_lines, eval_families, eval_metrics  # noqa: E402
 from grpoflow.train.checkpoint import holds_optimizer  # noqa: E402
 
@@ -61,11 +62,14 @@ def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
     by earlier code is judged by this code's statistics), or taken from the metrics rows."""
     if len(evals) < 2:
         return []
+    prompts = load_prompts(run_dir / "prompts.jsonl") if (run_dir / "prompts.jsonl").is_file() else []
+    regrades = read_regrades(run_dir)
+    noise = grader_noise(regrades, prompts, verdict_evaluations(run_dir)) if regrades else None
     first, last = (run_dir / "details" / f"eval_{r['step']}" for r in (evals[0], evals[-1]))
     if not ((first / SAMPLES).is_file() and (last / SAMPLES).is_file()):
-        return before_after_lines(evals[0], evals[-1])
+        return before_after_lines(evals[0], evals[-1], noise)
     before, after = read_samples(first), read_samples(last)
-    families = eval_families(load_prompts(run_dir / "prompts.jsonl")) if (run_dir / "prompts.jsonl").is_file() else {}
+    families = eval_families(prompts)
     rows = [{}, {}]
     for name in EVAL_SPLITS:
         # group ids are `eval<N>-<side>-<task>`: match the side, not a task name that holds it
@@ -76,7 +80,7 @@ def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
             continue
         rows[0] |= eval_metrics(name, mine[0])
         rows[1] |= eval_metrics(name, mine[1], mine[0], families)
-    return before_after_lines(*rows)
+    return before_after_lines(*rows, noise)
 
 
 def _bytes(path: Path) -> int:

@@ -34,9 +34,11 @@ class ReportConfig(Section):
         0,
         ge=0,
         le=1000,
-        description="When the run ends, Harbor regrades up to this many of each task's graded trials (its verifier "
-        "again, in a fresh sandbox, on the workdir the trial recorded) and task health flags the task's verifier "
-        "as flaky when a reward differs from the recorded one. Above 0 every trial also keeps its task's workdir "
+        description="When the run ends, Harbor regrades every graded trial of its first and last evaluations and up "
+        "to this many of each task's other graded trials (its verifier again, in a fresh sandbox, on the workdir the "
+        "trial recorded); task health flags the task's verifier as flaky when a reward differs from the recorded "
+        "one, and the verdict weighs each row's change against its share of differing regrades (grader noise). "
+        "Above 0 every trial also keeps its task's workdir "
         "in its trial dir; tasks that name no workdir are not regraded. 0: no regrade, nothing extra recorded.",
     )
 

@@ -69,7 +69,8 @@ PRESETS: dict[str, Preset] = {
             "trained on the built-in easy task families (the only ones on which the 135M model earns rewards often "
             "enough for GRPO groups to have spread; 7 families of 4 instances, split by family, half of each "
             "trained family's instances held out), evaluated before and after with 2 trials per instance "
-            "(56 trials); at the end, 2 trials of each task are regraded to catch flaky verifiers.",
+            "(56 trials); at the end, every evaluation trial is regraded (each verdict row's grader noise), and 2 "
+            "training trials of each task, to catch flaky verifiers.",
             {
                 # Half the trained families' instances held out: 20 paired trials on held-out instances, where a
                 # quarter gave 10, too few for an interval that can exclude zero at the gains this model makes.

@@ -3,10 +3,13 @@
 Harbor's regrade (`TrialConfig.source_trial`, action `regrade`) runs a task's verifier again, in a fresh sandbox,
 on what a recorded trial left behind (its artifacts), never on a live agent. So that every trial can be regraded,
 a run with `report.regrade_per_task` > 0 has each trial record its task's workdir as an artifact (Harbor copies it
-out after the agent and before the verifier; `recorded_artifacts`). When the run ends, up to that many graded
-trials of each task are regraded (passes and failures alike, `pick_trials`), and a reward that differs from the
-recorded one flags the task's verifier in task health: it is flaky, or it reads state the trial did not record;
-either way its rewards cannot be trusted for training. A regrade that gives no reward (the trial's record is
+out after the agent and before the verifier; `recorded_artifacts`). When the run ends, every graded trial of its
+first and last evaluations (the two the verdict compares) is regraded, and up to that many of each task's other
+graded trials (passes and failures alike, `pick_trials`). A reward that differs from the recorded one flags the
+task's verifier in task health: it is flaky, or it reads state the trial did not record; either way its rewards
+cannot be trusted for training. Over the verdict's evaluations, the share of regrades that disagreed is each row's
+grader noise (`grader_noise`), which the verdict weighs a change against
+(`grpoflow.scoring.evaluation.judge_change`). A regrade that gives no reward (the trial's record is
 unreadable, the task changed since the trial, the sandbox or the verifier failed) is recorded with why and counts
 neither way.
 
@@ -29,7 +32,7 @@ import hashlib
 import json
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -45,10 +48,12 @@ from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import publish_dir, write_text_atomic
 from grpoflow.paths import RunPaths, default_cache_dir
 from grpoflow.prepare.dataset import task_config
+from grpoflow.prepare.prompts import PromptRecord, side_of
 from grpoflow.rollout.outcome import verifier_reward
 from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import run_here
 from grpoflow.samples import PASS
+from grpoflow.scoring.evaluation import GraderNoise
 from grpoflow.scoring.gate import GateSettings, record_flaky
 
 REGRADE_DIR = "regrade"  # under the run dir: the separate-mode copies of tasks and the regrade trials' dirs
@@ -80,11 +85,13 @@ class StoredTrial:
 def pick_trials(
     run_root: Path, per_task: int, reward: RewardRule | None = None
 ) -> tuple[list[StoredTrial], list[Regrade]]:
-    """(up to `per_task` graded trials of each task that recorded their workdir, in the order the run ran them
-    (training steps, then evaluations), passes and failures taken in turn, so that a verifier that flips only
-    one way is still caught when the run has both verdicts; a row with why for each trial dir whose record
-    could not be read)."""
+    """(every graded trial that recorded its workdir in the run's verdict evaluations (`verdict_evaluations`),
+    then up to `per_task` of each task's other such trials, in the order the run ran them, passes and failures
+    taken in turn, so that a verifier that flips only one way is still caught when the run has both verdicts; a
+    row with why for each trial dir whose record could not be read)."""
     ids = _instance_ids(run_root)
+    verdict = verdict_evaluations(run_root)
+    whole: list[StoredTrial] = []
     by_task: dict[str, list[StoredTrial]] = {}
     unreadable = []
     for trial_dir in _trial_dirs(run_root):
@@ -93,9 +100,40 @@ def pick_trials(
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # truncated, foreign, moved
             unreadable.append(Regrade(_task_of(trial_dir), _relative(trial_dir, run_root), None, None, one_line(err)))
             continue
-        if stored is not None:
+        if stored is None:
+            continue
+        if trial_dir.parent.name in verdict:
+            whole.append(stored)
+        else:
             by_task.setdefault(stored.task, []).append(stored)
-    return [t for task in sorted(by_task) for t in alternate(by_task[task], per_task)], unreadable
+    return [*whole, *(t for task in sorted(by_task) for t in alternate(by_task[task], per_task))], unreadable
+
+
+def verdict_evaluations(run_root: Path) -> set[str]:
+    """The trial-group names (`eval_<version>`) of the run's first and last evaluations: the two its verdict
+    compares (one when the run evaluated once; none when it never did)."""
+    root = RunPaths(run_root).all_trials
+    versions = [int(g.name[5:]) for g in root.glob("eval_*") if g.is_dir() and g.name[5:].isdigit()]
+    return {f"eval_{v}" for v in (min(versions), max(versions))} if versions else set()
+
+
+def grader_noise(
+    regrades: Sequence[Regrade], prompts: Sequence[PromptRecord], evaluations: Collection[str]
+) -> dict[str, GraderNoise]:
+    """Side of the split (`trained`, `heldout`, `unseen`) -> how many regrades of its trials in `evaluations`
+    (trial-group names: `verdict_evaluations`) disagreed with the recorded reward, of how many gave one. A side
+    none of whose trials was regraded is left out (its noise was not measured)."""
+    sides = {p.instance_id: side_of(p) for p in prompts}
+    counts: dict[str, list[int]] = {}
+    for r in regrades:
+        if r.regraded is None or r.recorded is None or Path(r.trial).parent.name not in evaluations:
+            continue
+        if r.task not in sides:
+            continue
+        c = counts.setdefault(sides[r.task], [0, 0])
+        c[0] += r.differs
+        c[1] += 1
+    return {side: GraderNoise(d, n) for side, (d, n) in counts.items()}
 
 
 def alternate(trials: Sequence[StoredTrial], k: int) -> list[StoredTrial]:

@@ -18,6 +18,12 @@ where the split is by task). With fewer than `MIN_CLUSTERS` clusters it gives no
 percentile bootstrap over a handful of clusters is too narrow to sign. Trials with a failed side (no verifier
 reward before or after) are counted (`unpaired_trials`), never paired.
 
+Grader noise: a verifier can give one trial another verdict when graded again (it is flaky, or it reads state the
+trial did not leave behind). The run regrades its verdict's evaluation trials (`grpoflow.run.regrade`); the share
+that disagreed is each row's noise rate r. Each of the two pass rates a change compares can be off by up to r, so
+their difference by up to 2r: a change is called better or worse only when its interval clears 2r on that side
+(`judge_change`), and "within grader noise" when it clears 0 but not 2r.
+
 The rollout's own reward depends on which prompts a step drew; `reward_gain` takes each task's base pass rate
 away, so its curve shows what the training changed.
 """
@@ -30,6 +36,7 @@ import random
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from grpoflow.config import RunConfig
@@ -253,9 +260,42 @@ def evaluation_lines(row: Mapping[str, float], label: str) -> list[str]:
     return lines
 
 
-def before_after_lines(first: Mapping[str, float], last: Mapping[str, float]) -> list[str]:
+@dataclass(frozen=True)
+class GraderNoise:
+    """Regrades of one side's evaluation trials: how many gave another reward than the run recorded, of how many."""
+
+    disagreed: int
+    regraded: int
+
+    @property
+    def rate(self) -> float:
+        return self.disagreed / self.regraded
+
+    def __str__(self) -> str:
+        return f"grader noise {self.rate:.3f} ({self.disagreed} of {self.regraded} regrades disagreed)"
+
+
+def judge_change(low: float | None, high: float | None, noise: GraderNoise | None) -> str:
+    """The word for a change with 95 % interval [low, high]: `better`/`worse` when the interval clears twice the
+    grader-noise rate on that side (zero when the noise was not measured), `within grader noise` when it clears
+    zero but not that, `not judged` without an interval (too few clusters)."""
+    if low is None or high is None:
+        return "not judged"
+    margin = 2 * noise.rate if noise is not None else 0.0
+    if low > margin:
+        return "better"
+    if high < -margin:
+        return "worse"
+    return "within grader noise" if low > 0 or high < 0 else "no significant change"
+
+
+def before_after_lines(
+    first: Mapping[str, float], last: Mapping[str, float], noise: Mapping[str, GraderNoise] | None = None
+) -> list[str]:
     """The run's verdict: per side of the split (two rows, or three with unseen families), pass@1 of the base
-    policy -> the trained one, and the paired change; the titles padded to one width, 16 as with two rows."""
+    policy -> the trained one, the paired change and the verdict on it (`judge_change`) with the side's grader
+    noise (`noise`: side -> its regrades; None: the run regraded nothing, and the lines say nothing of it; a side
+    missing from it: not measured); the titles padded to one width, 16 as with two rows."""
     lines = []
     titles = {
         name: title
@@ -266,14 +306,12 @@ def before_after_lines(first: Mapping[str, float], last: Mapping[str, float]) ->
     for name, title in titles.items():
         p = f"eval/{name}/"
         low, high = last.get(p + "pass_at_1_change_ci95_low"), last.get(p + "pass_at_1_change_ci95_high")
-        if low is None or high is None:
-            verdict = "not judged"
-        else:
-            verdict = "better" if low > 0 else "worse" if high < 0 else "no significant change"
+        side_noise = noise.get(name) if noise is not None else None
+        said = "" if noise is None else f"; {side_noise or 'grader noise not measured'}"
         lines.append(
             f"{title + ':':{width}s} pass@1 {_interval(first, p + 'pass_at_1')} -> "
             f"{_interval(last, p + 'pass_at_1')}, change {_interval(last, p + 'pass_at_1_change', signed=True)}: "
-            f"{verdict} ({_pairs(last, p)})"
+            f"{judge_change(low, high, side_noise)} ({_pairs(last, p)}{said})"
         )
     return lines
 

@@ -11,12 +11,14 @@ from grpoflow.rollout.trials import plan_group_trials
 from grpoflow.samples import Sample
 from grpoflow.scoring.evaluation import (
     MIN_CLUSTERS,
+    GraderNoise,
     base_pass_rates,
     before_after_lines,
     clustered_change,
     eval_metrics,
     eval_prompts,
     eval_specs,
+    judge_change,
     reward_gain,
     task_rewards,
     wilson_interval,
@@ -190,6 +192,34 @@ def test_the_verdict_has_three_rows_with_unseen_families_and_two_as_before_witho
     two = before_after_lines(first, last)
     assert [line[:23] for line in two] == ["trained tasks:   pass@1", "held-out tasks:  pass@1"]
     assert two[0] == lines[0].replace("trained tasks:" + " " * 26, "trained tasks:   ")
+
+
+def test_a_change_is_judged_against_twice_its_rows_grader_noise():
+    noise = GraderNoise(2, 20)  # a tenth of the regrades disagreed: either pass rate may be off by 0.1
+    assert judge_change(0.21, 0.5, noise) == "better" and judge_change(-0.5, -0.21, noise) == "worse"
+    assert judge_change(0.2, 0.5, noise) == "within grader noise"  # clears 0, not 0.2
+    assert judge_change(-0.5, -0.05, noise) == "within grader noise"
+    assert judge_change(-0.1, 0.5, noise) == "no significant change"
+    assert judge_change(0.01, 0.5, None) == "better"  # not measured: zero, as without regrades
+    assert judge_change(0.01, 0.5, GraderNoise(0, 40)) == "better"
+    assert judge_change(None, None, noise) == "not judged"
+
+
+def test_the_verdict_prints_each_rows_grader_noise_and_weighs_the_change_by_it():
+    """A verifier that alternates (every other regrade disagrees) makes the trained row's gain, clear of zero,
+    "within grader noise"; a deterministic one (no disagreement) leaves it "better"; a side not regraded says so."""
+    first, last = _split_rows(["trained", "heldout"])
+    assert last["eval/trained/pass_at_1_change_ci95_low"] > 0
+    quiet = before_after_lines(first, last, {"trained": GraderNoise(0, 40)})
+    assert quiet[0].endswith(
+        ": better (20 paired trials in 10 clusters; grader noise 0.000 (0 of 40 regrades disagreed))"
+    )
+    assert quiet[1].endswith("(20 paired trials in 10 clusters; grader noise not measured)")
+    alternating = before_after_lines(first, last, {"trained": GraderNoise(20, 40), "heldout": GraderNoise(0, 40)})
+    assert alternating[0].endswith(
+        ": within grader noise (20 paired trials in 10 clusters; grader noise 0.500 (20 of 40 regrades disagreed))"
+    )
+    assert before_after_lines(first, last)[0].endswith(": better (20 paired trials in 10 clusters)")  # no regrades
 
 
 def test_eval_prompts_separate_unseen_families_from_held_out_instances():

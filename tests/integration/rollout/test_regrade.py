@@ -21,12 +21,15 @@ from grpoflow.run.health import TaskHealth, health_markdown, run_tasks
 from grpoflow.run.regrade import (
     StoredTrial,
     alternate,
+    grader_noise,
     pick_trials,
     read_regrades,
     regrade_run,
     regrade_summary,
     regrade_trials,
+    verdict_evaluations,
 )
+from grpoflow.scoring.evaluation import GraderNoise
 from grpoflow.scoring.gate import run_gate
 from tests.fakes.prompts import builtin_prompts
 
@@ -62,22 +65,27 @@ def run_root(tmp_path):
     root = tmp_path / "run"
     root.mkdir()
     (root / "prompts.jsonl").write_text("".join(p.model_dump_json() + "\n" for p in prompts))
-    cfg = parse_run_config({"rollout": {"n_samples_per_prompt": 2, "concurrency": 6}})
     for step, record in ((0, True), (1, False)):  # step 1 records no workdir: nothing there to regrade
-        asyncio.run(
-            collect_step(
-                "t",
-                step,
-                plan_group_trials(prompts, step, cfg.rollout.n_samples_per_prompt, 0),
-                cfg.rollout,
-                PolicyAccess(lambda spec: AgentConfig(name="oracle")),
-                sandbox_config(cfg.rollout),
-                root / "trials" / f"step_{step}",
-                root / "details" / f"step_{step}",
-                record_workdir=record,
-            )
-        )
+        _oracle_trials(root, prompts, f"step_{step}", step, record)
     return root
+
+
+def _oracle_trials(root, prompts, group: str, step: int, record: bool = True, n: int = 2) -> None:
+    """`n` oracle trials of each prompt into the run dir's trial group `group` (`step_<k>` or `eval_<k>`)."""
+    cfg = parse_run_config({"rollout": {"n_samples_per_prompt": n, "concurrency": 6}})
+    asyncio.run(
+        collect_step(
+            "t",
+            step,
+            plan_group_trials(prompts, step, n, 0),
+            cfg.rollout,
+            PolicyAccess(lambda spec: AgentConfig(name="oracle")),
+            sandbox_config(cfg.rollout),
+            root / "trials" / group,
+            root / "details" / group,
+            record_workdir=record,
+        )
+    )
 
 
 def test_regrade_flags_a_verifier_that_reads_unrecorded_state(run_root):
@@ -187,6 +195,37 @@ def test_a_task_dir_that_moved_gives_rows_with_why(run_root, tmp_path):
     regrades = asyncio.run(regrade_trials(run_root, stored, sandbox_config(parse_run_config({}).rollout), 4))
     assert [r.regraded for r in regrades] == [1.0, 0.0, None]
     assert regrades[2].error.startswith("FileNotFoundError: ") and "unsolved" in regrades[2].error
+
+
+def test_the_verdicts_evaluations_are_regraded_whole_and_give_each_side_its_grader_noise(tmp_path):
+    """The trained side's task has a verifier that gives its trials another verdict on regrade (it reads the
+    agent's /tmp, never recorded): every regrade of its evaluation trials disagrees. The held-out side's verifier
+    is deterministic: none does. Training trials count toward task health, not toward a row's noise."""
+    trained = _variant(
+        tmp_path,
+        "reads-tmp",
+        "echo hello > /app/hello.txt; touch /tmp/solved\n",
+        "[ -f /app/hello.txt ] && [ -f /tmp/solved ] && r=1 || r=0; echo $r > /logs/verifier/reward.txt\n",
+    ).model_copy(update={"split": "train"})
+    heldout = builtin_prompts("hello-file")[0].model_copy(update={"split": "eval"})
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "prompts.jsonl").write_text("".join(p.model_dump_json() + "\n" for p in (trained, heldout)))
+    _oracle_trials(root, [trained, heldout], "step_0", 0)
+    for version in (0, 1):
+        _oracle_trials(root, [trained, heldout], f"eval_{version}", 10_000)
+    assert verdict_evaluations(root) == {"eval_0", "eval_1"}
+
+    stored, _ = pick_trials(root, per_task=1)
+    groups = [t.trial_dir.parent.name for t in stored]
+    assert sorted(groups) == ["eval_0"] * 4 + ["eval_1"] * 4 + ["step_0"] * 2  # the evaluations whole, 1 other a task
+    regrades = regrade_run(root, parse_run_config({}), 1, cache_dir=tmp_path / "cache")
+    assert all(r.error is None for r in regrades), regrades
+    noise = grader_noise(regrades, [trained, heldout], verdict_evaluations(root))
+    assert noise == {"trained": GraderNoise(4, 4), "heldout": GraderNoise(0, 4)}
+    assert sum(r.differs for r in regrades) == 5  # the trained task's training trial too, for task health
+    (root / "trials" / "eval_12").mkdir()  # a later evaluation: the verdict compares the first with it
+    assert verdict_evaluations(root) == {"eval_0", "eval_12"}
 
 
 def _stored(task: str, reward: float, n: int) -> StoredTrial:

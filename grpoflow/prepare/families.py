@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpoflow.fileio import publish_dir
+from grpoflow.prepare.tree import Stop, Tree, Unknown, same_text
+from grpoflow.samples import PASS
 
 # Bump whenever what `generate` writes for a seed changes: the cache is keyed by it, and a run's dataset hash too.
-VERSION = 4
+VERSION = 5
 INSTANCES = 4  # per family; the main job evaluates every instance, so this sets its evaluation's cost
 MAX_DRAWS = 1000  # per family: far more than its pools need for `INSTANCES` distinct instances
 
@@ -81,6 +83,10 @@ class Family:
     key: tuple[str, ...]  # the parameters that decide the answer: no two instances share any one of them
     checks: str  # verifier lines after the common head (`need_file`, `same_text`, `fail`, `finish`)
     solve: str  # the oracle's commands
+    # `solve` and `checks` again, in Python (`grpoflow.prepare.tree`): what the oracle does to the files, and the
+    # reward the verifier gives them; the leak check runs one instance's effect under another's grade.
+    effect: Callable[[Tree, Params], None]
+    grade: Callable[[Tree, Params], float]
     app: Mapping[str, str] = field(default_factory=dict)
     tests: Mapping[str, str] = field(default_factory=dict)
 
@@ -189,6 +195,143 @@ def _draw_fix(rng: random.Random) -> Params:
     return params
 
 
+# Each family's oracle (`solve`) and verifier (`checks`) in Python, over a `Tree`. An effect raises `Stop` where
+# the shell command fails (the oracle's `set -e`); a grade returns the reward `finish` would write.
+
+
+def _need_file(tree: Tree, path: str) -> bool:
+    return tree.is_file(path)
+
+
+def _grade_write(t: Tree, p: Params) -> float:
+    return float(_need_file(t, p["path"]) and same_text(t, p["path"], p["text"]))
+
+
+def _grade_dir(t: Tree, p: Params) -> float:
+    return float(t.is_dir(p["path"]))
+
+
+def _grade_empty(t: Tree, p: Params) -> float:
+    return float(_need_file(t, p["path"]) and t.read(p["path"]) == "")
+
+
+def _grade_delete(t: Tree, p: Params) -> float:
+    return float(not t.exists(p["junk"]) and _need_file(t, p["keep"]) and same_text(t, p["keep"], p["keep_body"]))
+
+
+def _grade_copy(t: Tree, p: Params) -> float:
+    if not (_need_file(t, p["dst"]) and same_text(t, p["dst"], p["body"])):
+        return 0.0
+    return 1.0 if t.is_file(p["src"]) and same_text(t, p["src"], p["body"]) else 0.5
+
+
+def _grade_rename(t: Tree, p: Params) -> float:
+    if not (_need_file(t, p["dst"]) and same_text(t, p["dst"], p["body"])):
+        return 0.0
+    return 0.5 if t.exists(p["src"]) else 1.0
+
+
+def _script(p: Params) -> str:
+    return f"#!/bin/sh\necho {p['word']}\n"
+
+
+def _grade_executable(t: Tree, p: Params) -> float:
+    path = p["path"]
+    return float(_need_file(t, path) and t.read(path) == _script(p) and path in t.executable)
+
+
+def _grade_count(t: Tree, p: Params, partial: bool = True) -> float:
+    if not _need_file(t, p["out"]):
+        return 0.0
+    text = t.read(p["out"])
+    if "".join(text.split()) == p["count"]:
+        return 1.0
+    first = text.split("\n", 1)[0].split()
+    return 0.5 if partial and first[:1] == [p["count"]] else 0.0
+
+
+def _grade_sort(t: Tree, p: Params) -> float:
+    return float(_need_file(t, p["out"]) and same_text(t, p["out"], p["sorted"]))
+
+
+def _grade_column(t: Tree, p: Params) -> float:
+    if not _need_file(t, p["out"]):
+        return 0.0
+    if same_text(t, p["out"], p["expected"]):
+        return 1.0
+    head, _, rest = t.read(p["out"]).partition("\n")
+    return 0.5 if head == p["col"] and rest.rstrip("\n") == p["expected"].rstrip("\n") else 0.0
+
+
+def _grade_replace(t: Tree, p: Params) -> float:
+    return float(_need_file(t, p["path"]) and same_text(t, p["path"], p["expected"]))
+
+
+def _fixed_script(p: Params) -> str:
+    return f"#!/bin/sh\necho {p['word']} > {p['out']}\n"
+
+
+def _grade_fix(t: Tree, p: Params) -> float:
+    """The verifier runs the script: modelled for the two scripts this family writes, the broken one (fails) and
+    the oracle's shape (`echo <word> > <file>`, which fails without the file's directory)."""
+    if not _need_file(t, p["path"]):
+        return 0.0
+    t.nodes.pop(p["out"], None) if t.is_file(p["out"]) else None
+    script = t.read(p["path"])
+    if script == f"#!/bin/sh\n# Writes a word to a file.\n{p['bug']}\n":
+        return 0.0
+    head, command, *more = script.split("\n")
+    words = command.split()
+    if head != "#!/bin/sh" or more != [""] or len(words) != 4 or words[0] != "echo" or words[2] != ">":
+        raise Unknown(f"{p['path']}: a script this model does not run")
+    target = words[3] if words[3].startswith("/") else f"/app/{words[3]}"
+    try:
+        t.write(target, words[1] + "\n")
+    except Stop:
+        return 0.0
+    return float(_need_file(t, p["out"]) and same_text(t, p["out"], p["word"]))
+
+
+def _sort_lines(text: str) -> str:
+    lines = text.splitlines()
+    if sorted(lines) != sorted(lines, key=lambda line: line.replace(" ", "")):
+        raise Unknown("lines whose order depends on the locale")  # a collating locale skips blanks
+    return "".join(f"{line}\n" for line in sorted(lines))
+
+
+def _cut_field(text: str, field_no: int) -> str:
+    """`tail -n +2 | cut -d, -f<field_no>`: a line without a comma passes whole, a short one gives nothing."""
+    out = []
+    for line in text.splitlines()[1:]:
+        parts = line.split(",")
+        out.append(line if len(parts) == 1 else parts[field_no - 1] if field_no <= len(parts) else "")
+    return "".join(f"{line}\n" for line in out)
+
+
+def _effect_sort(t: Tree, p: Params) -> None:
+    t.write(p["out"], "")  # the shell truncates `> out` before sort reads its input
+    t.write(p["out"], _sort_lines(t.read(p["src"])))
+
+
+def _effect_column(t: Tree, p: Params) -> None:
+    if p["out"] == p["src"]:
+        raise Unknown("a pipeline reading the file it truncates")
+    t.write(p["out"], "")
+    t.write(p["out"], _cut_field(t.read(p["src"]), int(p["field"])))
+
+
+def _effect_replace(t: Tree, p: Params) -> None:
+    t.write(p["path"], t.read(p["path"]).replace(p["old"], p["new"]))
+
+
+def _count_lines(text: str) -> str:
+    return f"{text.count(chr(10))}\n"
+
+
+def _count_words(text: str) -> str:
+    return f"{len(text.split())}\n"
+
+
 # fmt: off
 FAMILIES: tuple[Family, ...] = (
     Family(
@@ -200,6 +343,7 @@ FAMILIES: tuple[Family, ...] = (
         'need_file {path}\nsame_text {path} /tests/expected.txt || fail "{path} does not hold exactly: {text}"\n'
         "finish 1",
         "printf '%s\\n' '{text}' > {path}",
+        lambda t, p: t.write(p["path"], p["text"] + "\n"), _grade_write,
         tests={"expected.txt": "{text}\n"},
     ),
     Family(
@@ -210,6 +354,7 @@ FAMILIES: tuple[Family, ...] = (
         _draw_dir, ("path",),
         '[ -d {path} ] && [ ! -L {path} ] || fail "{path} is missing or not a directory"\nfinish 1',
         "mkdir -p {path}",
+        lambda t, p: t.mkdir_p(p["path"]), _grade_dir,
     ),
     Family(
         "empty-file", "easy", "file", "Create a given empty file.",
@@ -221,6 +366,7 @@ FAMILIES: tuple[Family, ...] = (
         # reward for it here draws every family toward that one command.
         'need_file {path}\n[ -s {path} ] && fail "{path} is not empty"\nfinish 1',
         "touch {path}",
+        lambda t, p: t.touch(p["path"]), _grade_empty,
     ),
     Family(
         "delete-file", "easy", "file", "Delete one file and keep the others.",
@@ -231,6 +377,7 @@ FAMILIES: tuple[Family, ...] = (
         '{{ [ -e {junk} ] || [ -L {junk} ]; }} && fail "{junk} still exists"\nneed_file {keep}\n'
         'same_text {keep} /tests/{keep_name} || fail "{keep} was changed"\nfinish 1',
         "rm -f {junk}",
+        lambda t, p: t.remove_file(p["junk"]), _grade_delete,
         app={"{junk_name}": "{junk_body}", "{keep_name}": "{keep_body}"},
         tests={"{keep_name}": "{keep_body}"},
     ),
@@ -245,6 +392,7 @@ FAMILIES: tuple[Family, ...] = (
         "[ -f {src} ] && same_text {src} /tests/{src_name} && finish 1\n"
         'echo "FAIL: {src} is gone or changed"\nfinish 0.5',
         "cp {src} {dst}",
+        lambda t, p: t.copy(p["src"], p["dst"]), _grade_copy,
         app={"{src_name}": "{body}"},
         tests={"{src_name}": "{body}"},
     ),
@@ -257,6 +405,7 @@ FAMILIES: tuple[Family, ...] = (
         'need_file {dst}\nsame_text {dst} /tests/{src_name} || fail "{dst} does not hold the text of {src}"\n'
         '{{ [ -e {src} ] || [ -L {src} ]; }} && {{ echo "FAIL: {src} still exists"; finish 0.5; }}\nfinish 1',
         "mv {src} {dst}",
+        lambda t, p: t.move(p["src"], p["dst"]), _grade_rename,
         app={"{src_name}": "{body}"},
         tests={"{src_name}": "{body}"},
     ),
@@ -269,6 +418,7 @@ FAMILIES: tuple[Family, ...] = (
         'need_file {path}\ncmp -s {path} /tests/{name} || fail "{path} was modified"\n'
         '[ -x {path} ] || fail "{path} is not executable"\nfinish 1',
         "chmod +x {path}",
+        lambda t, p: t.chmod_x(p["path"]), _grade_executable,
         app={"{name}": "#!/bin/sh\necho {word}\n"},
         tests={"{name}": "#!/bin/sh\necho {word}\n"},
     ),
@@ -283,6 +433,7 @@ FAMILIES: tuple[Family, ...] = (
         '[ "$first" = "{count}" ] && {{ echo "FAIL: right count but extra text"; finish 0.5; }}\n'
         'fail "{out} holds \'$got\', expected {count}"',
         "wc -l < {src} > {out}",
+        lambda t, p: t.write(p["out"], _count_lines(t.read(p["src"]))), _grade_count,
         app={"{src_name}": "{body}"},
     ),
     Family(
@@ -294,6 +445,7 @@ FAMILIES: tuple[Family, ...] = (
         'need_file {out}\ngot="$(tr -d \'[:space:]\' < {out})"\n[ "$got" = "{count}" ] && finish 1\n'
         'fail "{out} holds \'$got\', expected {count}"',
         "wc -w < {src} > {out}",
+        lambda t, p: t.write(p["out"], _count_words(t.read(p["src"]))), lambda t, p: _grade_count(t, p, partial=False),
         app={"{src_name}": "{body}"},
     ),
     Family(
@@ -305,6 +457,7 @@ FAMILIES: tuple[Family, ...] = (
         'need_file {out}\nsame_text {out} /tests/expected.txt || fail "{out} is not the sorted lines of {src}"\n'
         "finish 1",
         "sort {src} > {out}",
+        _effect_sort, _grade_sort,
         app={"{src_name}": "{body}"},
         tests={"expected.txt": "{sorted}"},
     ),
@@ -320,6 +473,7 @@ FAMILIES: tuple[Family, ...] = (
         '    echo "FAIL: the header line \'{col}\' was kept"\n    finish 0.5\nfi\n'
         'fail "{out} is not the {col} column"',
         "tail -n +2 {src} | cut -d, -f{field} > {out}",
+        _effect_column, _grade_column,
         app={"{src_name}": "{body}"},
         tests={"expected.txt": "{expected}"},
     ),
@@ -332,6 +486,7 @@ FAMILIES: tuple[Family, ...] = (
         'need_file {path}\nsame_text {path} /tests/expected.txt || fail "{path} still has {old} or lost text"\n'
         "finish 1",
         "sed -i 's/{old}/{new}/g' {path}",
+        _effect_replace, _grade_replace,
         app={"{name}": "{body}"},
         tests={"expected.txt": "{expected}"},
     ),
@@ -346,6 +501,7 @@ FAMILIES: tuple[Family, ...] = (
         'fail "{path} still fails"\nneed_file {out}\n'
         '[ "$(cat {out})" = "{word}" ] || fail "running {path} does not write {word} to {out}"\nfinish 1',
         "printf '%s\\n' '#!/bin/sh' 'echo {word} > {out}' > {path}",
+        lambda t, p: t.write(p["path"], _fixed_script(p)), _grade_fix,
         app={"{path_name}": "#!/bin/sh\n# Writes a word to a file.\n{bug}\n"},
     ),
 )
@@ -415,9 +571,49 @@ answers from `tests/`, never from `/app`.
 """
 
 
+def start_tree(family: Family, params: Params) -> Tree:
+    """The files an instance's agent starts with, as its family's model sees them."""
+    fmt = {**params, "family": family.name, "version": VERSION}
+    return Tree.of({f"/app/{k.format(**fmt)}": v.format(**fmt) for k, v in family.app.items()})
+
+
+def solves(a: tuple[Family, Params], b: tuple[Family, Params]) -> bool:
+    """Whether instance `a`'s oracle, run in instance `b`'s sandbox, passes `b`'s verifier (by the families'
+    models; a case the model cannot tell counts as a pass)."""
+    tree = start_tree(*b)
+    try:
+        a[0].effect(tree, a[1])
+    except Stop:
+        pass  # the oracle ends there; what it wrote before stays
+    except Unknown:
+        return True
+    try:
+        return b[0].grade(tree, b[1]) >= PASS
+    except Unknown:
+        return True
+
+
+def leaks(a: tuple[Family, Params], b: tuple[Family, Params]) -> bool:
+    """Whether either instance's oracle solves the other's task: a policy trained on one would pass the other
+    with the same command, so the two cannot stand on both sides of a split."""
+    return solves(a, b) or solves(b, a)
+
+
+def check_model(name: str, family: Family, params: Params) -> None:
+    """An instance's own oracle passes its model and the untouched files do not: else the family's model (or its
+    templates) is wrong, and the leak check with it."""
+    tree = start_tree(family, params)
+    if family.grade(tree, params) >= PASS:
+        raise ValueError(f"{name}: the untouched files pass family {family.name}'s model of its verifier")
+    if not solves((family, params), (family, params)):
+        raise ValueError(f"{name}: its oracle does not pass family {family.name}'s model of its verifier")
+
+
 def instances(seed: int) -> dict[str, tuple[Family, Params]]:
     """Task name -> (its family, its parameters): `INSTANCES` per family, drawn from `seed` alone, each family
-    from a stream of its own (so adding a family does not change the others' instances)."""
+    from a stream of its own and in `FAMILIES` order (so adding a family at the end does not change the others'
+    instances). A draw that shares a key with an earlier instance of its family, or leaks with an earlier instance
+    of its category (`leaks`: near-sibling families share a category), is drawn again."""
     out: dict[str, tuple[Family, Params]] = {}
     for family in FAMILIES:
         rng = random.Random(f"{seed}:{family.name}")
@@ -428,8 +624,11 @@ def instances(seed: int) -> dict[str, tuple[Family, Params]]:
             key = {(k, params[k]) for k in family.key}
             if key & seen:
                 continue  # the pools are large enough that a fresh draw soon differs in every key
+            if any(leaks((family, params), other) for other in out.values() if other[0].category == family.category):
+                continue
             seen |= key
             n += 1
+            check_model(f"{family.name}-{n}", family, params)
             out[f"{family.name}-{n}"] = (family, params)
             if n == INSTANCES:
                 break
@@ -461,16 +660,21 @@ def task_files(family: Family, params: Params) -> dict[str, str]:
 def write_tasks(root: Path, seed: int) -> None:
     """Write every instance's task dir under the dir `root`."""
     for name, (family, params) in instances(seed).items():
-        task_dir = (root / name).resolve()
-        for rel, text in task_files(family, params).items():
-            path = (task_dir / rel).resolve()
-            # A dataset's files stay inside their task dir, generated ones too (a parameter is never a path out).
-            if not path.is_relative_to(task_dir):
-                raise ValueError(f"{name}: generated file {rel} lies outside its task dir")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
-            # Modes set, not left to the umask: the same seed gives the same tree. Harbor runs both scripts by path.
-            path.chmod(0o755 if rel in ("tests/test.sh", "solution/solve.sh") else 0o644)
+        write_task(root / name, task_files(family, params))
+
+
+def write_task(task_dir: Path, files: Mapping[str, str]) -> None:
+    """One task dir from `task_files`' output."""
+    task_dir = task_dir.resolve()
+    for rel, text in files.items():
+        path = (task_dir / rel).resolve()
+        # A dataset's files stay inside their task dir, generated ones too (a parameter is never a path out).
+        if not path.is_relative_to(task_dir):
+            raise ValueError(f"{task_dir.name}: generated file {rel} lies outside its task dir")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        # Modes set, not left to the umask: the same seed gives the same tree. Harbor runs both scripts by path.
+        path.chmod(0o755 if rel in ("tests/test.sh", "solution/solve.sh") else 0o644)
 
 
 def generate(seed: int, cache_dir: Path) -> Path:

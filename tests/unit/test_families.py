@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 from collections import Counter
+from itertools import permutations
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from harbor.lint.task import lint_task
 
 import grpoflow.prepare.families as families_module
 from grpoflow.prepare.dataset import load_dataset
-from grpoflow.prepare.families import FAMILIES, INSTANCES, VERSION, generate, instances
+from grpoflow.prepare.families import FAMILIES, INSTANCES, VERSION, generate, instances, leaks, solves
 from grpoflow.prepare.prompts import build_prompts, side_of
 from grpoflow.prepare.split import FamilyRule, families
 
@@ -122,4 +123,48 @@ def test_a_family_too_small_for_its_instances_stops_with_its_name(monkeypatch: p
     one_path = dataclasses.replace(FAMILIES[1], draw=lambda rng: {"path": "/app/out"})
     monkeypatch.setattr(families_module, "FAMILIES", (one_path,))
     with pytest.raises(ValueError, match=r"family make-dir: 1000 draws gave 1 of 4 distinct instances"):
+        instances(0)
+
+
+def _family(name: str):
+    return next(f for f in FAMILIES if f.name == name)
+
+
+def test_a_nested_make_dir_pair_leaks_and_no_seed_keeps_a_leaking_pair_of_one_category() -> None:
+    """Seed 2 of generator version 4 drew `make-dir` instances `/app/archive/cache` and `/app/archive`: the first's
+    `mkdir -p` also solves the second. The check finds that pair, and the generator now draws no such pair."""
+    make_dir = _family("make-dir")
+    nested, outer = (make_dir, {"path": "/app/archive/cache"}), (make_dir, {"path": "/app/archive"})
+    assert solves(nested, outer) and not solves(outer, nested) and leaks(outer, nested)
+    assert not leaks((make_dir, {"path": "/app/archive"}), (make_dir, {"path": "/app/cache/archive"}))
+    for seed in (0, 1, 2):
+        drawn = instances(seed)
+        kin = [(a, b) for a, b in permutations(drawn, 2) if drawn[a][0].category == drawn[b][0].category]
+        assert len(kin) > 400 and [(a, b) for a, b in kin if solves(drawn[a], drawn[b])] == []
+
+
+def test_a_rename_whose_source_is_a_delete_tasks_junk_leaks_across_families() -> None:
+    """A near-sibling leak (one category): `mv junk elsewhere` leaves a delete task's files as its verifier wants."""
+    rename = (
+        _family("rename-file"),
+        {"src": "/app/log.md", "dst": "/app/plan.txt", "body": "x\n", "src_name": "log.md"},
+    )
+    delete = (
+        _family("delete-file"),
+        {"junk": "/app/log.md", "keep": "/app/memo.txt", "junk_name": "log.md", "keep_name": "memo.txt",
+         "junk_body": "a\n", "keep_body": "b\n"},
+    )  # fmt: skip
+    assert solves(rename, delete) and not solves(delete, rename)
+    elsewhere = (delete[0], delete[1] | {"junk": "/app/todo.md", "junk_name": "todo.md"})
+    assert not leaks(rename, elsewhere)
+
+
+def test_a_family_whose_model_disagrees_with_its_own_oracle_stops_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    never = dataclasses.replace(_family("make-dir"), grade=lambda tree, params: 0.0)
+    monkeypatch.setattr(families_module, "FAMILIES", (never,))
+    with pytest.raises(ValueError, match=r"make-dir-1: its oracle does not pass family make-dir's model"):
+        instances(0)
+    always = dataclasses.replace(_family("make-dir"), grade=lambda tree, params: 1.0)
+    monkeypatch.setattr(families_module, "FAMILIES", (always,))
+    with pytest.raises(ValueError, match=r"make-dir-1: the untouched files pass family make-dir's model"):
         instances(0)

@@ -115,7 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="first regrade that run's stored trials with Harbor (its verifier again on each trial's recorded "
         "workdir: trials of a run with report.regrade_per_task > 0) and record the verdicts",
     )
-    p.add_argument("--per-task", type=int, metavar="K", help="with --regrade: trials regraded per task (default: 2)")
+    p.add_argument(
+        "--per-task",
+        type=int,
+        metavar="K",
+        help="with --regrade: trials regraded per task beyond those of the run's first and last evaluations, which are regraded "
+        "whole (default: 2)",
+    )
     p.add_argument(
         "--validate",
         action="store_true",

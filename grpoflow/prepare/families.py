@@ -199,12 +199,8 @@ def _draw_fix(rng: random.Random) -> Params:
 # the shell command fails (the oracle's `set -e`); a grade returns the reward `finish` would write.
 
 
-def _need_file(tree: Tree, path: str) -> bool:
-    return tree.is_file(path)
-
-
 def _grade_write(t: Tree, p: Params) -> float:
-    return float(_need_file(t, p["path"]) and same_text(t, p["path"], p["text"]))
+    return float(t.is_file(p["path"]) and same_text(t, p["path"], p["text"]))
 
 
 def _grade_dir(t: Tree, p: Params) -> float:
@@ -212,21 +208,21 @@ def _grade_dir(t: Tree, p: Params) -> float:
 
 
 def _grade_empty(t: Tree, p: Params) -> float:
-    return float(_need_file(t, p["path"]) and t.read(p["path"]) == "")
+    return float(t.is_file(p["path"]) and t.read(p["path"]) == "")
 
 
 def _grade_delete(t: Tree, p: Params) -> float:
-    return float(not t.exists(p["junk"]) and _need_file(t, p["keep"]) and same_text(t, p["keep"], p["keep_body"]))
+    return float(not t.exists(p["junk"]) and t.is_file(p["keep"]) and same_text(t, p["keep"], p["keep_body"]))
 
 
 def _grade_copy(t: Tree, p: Params) -> float:
-    if not (_need_file(t, p["dst"]) and same_text(t, p["dst"], p["body"])):
+    if not (t.is_file(p["dst"]) and same_text(t, p["dst"], p["body"])):
         return 0.0
     return 1.0 if t.is_file(p["src"]) and same_text(t, p["src"], p["body"]) else 0.5
 
 
 def _grade_rename(t: Tree, p: Params) -> float:
-    if not (_need_file(t, p["dst"]) and same_text(t, p["dst"], p["body"])):
+    if not (t.is_file(p["dst"]) and same_text(t, p["dst"], p["body"])):
         return 0.0
     return 0.5 if t.exists(p["src"]) else 1.0
 
@@ -237,11 +233,11 @@ def _script(p: Params) -> str:
 
 def _grade_executable(t: Tree, p: Params) -> float:
     path = p["path"]
-    return float(_need_file(t, path) and t.read(path) == _script(p) and path in t.executable)
+    return float(t.is_file(path) and t.read(path) == _script(p) and path in t.executable)
 
 
 def _grade_count(t: Tree, p: Params, partial: bool = True) -> float:
-    if not _need_file(t, p["out"]):
+    if not t.is_file(p["out"]):
         return 0.0
     text = t.read(p["out"])
     if "".join(text.split()) == p["count"]:
@@ -251,11 +247,11 @@ def _grade_count(t: Tree, p: Params, partial: bool = True) -> float:
 
 
 def _grade_sort(t: Tree, p: Params) -> float:
-    return float(_need_file(t, p["out"]) and same_text(t, p["out"], p["sorted"]))
+    return float(t.is_file(p["out"]) and same_text(t, p["out"], p["sorted"]))
 
 
 def _grade_column(t: Tree, p: Params) -> float:
-    if not _need_file(t, p["out"]):
+    if not t.is_file(p["out"]):
         return 0.0
     if same_text(t, p["out"], p["expected"]):
         return 1.0
@@ -264,7 +260,7 @@ def _grade_column(t: Tree, p: Params) -> float:
 
 
 def _grade_replace(t: Tree, p: Params) -> float:
-    return float(_need_file(t, p["path"]) and same_text(t, p["path"], p["expected"]))
+    return float(t.is_file(p["path"]) and same_text(t, p["path"], p["expected"]))
 
 
 def _fixed_script(p: Params) -> str:
@@ -274,9 +270,10 @@ def _fixed_script(p: Params) -> str:
 def _grade_fix(t: Tree, p: Params) -> float:
     """The verifier runs the script: modelled for the two scripts this family writes, the broken one (fails) and
     the oracle's shape (`echo <word> > <file>`, which fails without the file's directory)."""
-    if not _need_file(t, p["path"]):
+    if not t.is_file(p["path"]):
         return 0.0
-    t.nodes.pop(p["out"], None) if t.is_file(p["out"]) else None
+    if t.is_file(p["out"]):  # `rm -f`: a directory stays
+        t.remove_file(p["out"])
     script = t.read(p["path"])
     if script == f"#!/bin/sh\n# Writes a word to a file.\n{p['bug']}\n":
         return 0.0
@@ -289,7 +286,7 @@ def _grade_fix(t: Tree, p: Params) -> float:
         t.write(target, words[1] + "\n")
     except Stop:
         return 0.0
-    return float(_need_file(t, p["out"]) and same_text(t, p["out"], p["word"]))
+    return float(t.is_file(p["out"]) and same_text(t, p["out"], p["word"]))
 
 
 def _sort_lines(text: str) -> str:

@@ -4,7 +4,8 @@
 
 Per run: seconds per stage per step (mean, min-max), the share of commit + sync in a step's wall time, bytes
 written per step (checkpoint dirs: the weights every step, the optimizer state on full checkpoints only), and the
-before/after evaluation, computed from the evaluations' trial records. `--wall` gives the runs' whole wall
+before/after evaluation, computed from the evaluations' trial records; with several runs (seeds of one recipe), also
+the verdict pooled over them (`pooled_verdict`). `--wall` gives the runs' whole wall
 times (as `time ./run.sh main` printed them), in the order of the run dirs, for min/median/max. The baseline is
 HF `generate` on the run's model: fp32, greedy, one thread, 64 new tokens; this machine's speed varies 2-3x
 between days, so absolute times mean little without it.
@@ -26,7 +27,14 @@ from grpoflow.prepare.prompts import load_prompts  # noqa: E402
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
 from grpoflow.run.regrade import grader_noise, read_regrades, verdict_evaluations  # noqa: E402
-from grpoflow.scoring.evaluation import EVAL_SPLITS, before_after_lines, eval_families, eval_metrics  # noqa: E402
+from grpoflow.samples import Sample  # noqa: E402
+from grpoflow.scoring.evaluation import (  # noqa: E402
+    EVAL_SPLITS,
+    GraderNoise,
+    before_after_lines,
+    eval_families,
+    eval_metrics,
+)
 from grpoflow.train.checkpoint import holds_optimizer  # noqa: E402
 
 STAGES = ["time/eval_s", "time/rollout_s", "time/train_s", "time/commit_s", "time/sync_s"]
@@ -57,30 +65,78 @@ def step_bytes(run_dir: Path, steps: int, save_interval: int, weights: int, opti
     return (steps * weights + full * optimizer) / steps
 
 
-def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
-    """The before/after lines, computed again from the first and last evaluations' trial records (so a run made
-    by earlier code is judged by this code's statistics), or taken from the metrics rows."""
-    if len(evals) < 2:
-        return []
-    prompts = load_prompts(run_dir / "prompts.jsonl") if (run_dir / "prompts.jsonl").is_file() else []
-    regrades = read_regrades(run_dir)
-    noise = grader_noise(regrades, prompts, verdict_evaluations(run_dir)) if regrades else None
+def side_samples(run_dir: Path, evals: list[dict]) -> dict[str, tuple[list[Sample], list[Sample]]] | None:
+    """Side of the split -> (its trials in the run's first evaluation, in its last), from the trial records; None
+    when the records are not there."""
     first, last = (run_dir / "details" / f"eval_{r['step']}" for r in (evals[0], evals[-1]))
     if not ((first / SAMPLES).is_file() and (last / SAMPLES).is_file()):
-        return before_after_lines(evals[0], evals[-1], noise)
+        return None
     before, after = read_samples(first), read_samples(last)
-    families = eval_families(prompts)
-    rows = [{}, {}]
+    sides = {}
     for name in EVAL_SPLITS:
         # group ids are `eval<N>-<side>-<task>`: match the side, not a task name that holds it
         mine = [
             [s for s in samples if s.group_id.partition("-")[2].startswith(f"{name}-")] for samples in (before, after)
         ]
-        if not mine[0]:  # a side this run's split does not have (`unseen` of a split by task)
-            continue
-        rows[0] |= eval_metrics(name, mine[0])
-        rows[1] |= eval_metrics(name, mine[1], mine[0], families)
+        if mine[0]:  # else a side this run's split does not have (`unseen` of a split by task)
+            sides[name] = (mine[0], mine[1])
+    return sides
+
+
+def run_noise(run_dir: Path, prompts: list) -> dict[str, GraderNoise] | None:
+    """Each side's grader noise from the run's regrades; None when it regraded nothing."""
+    regrades = read_regrades(run_dir)
+    return grader_noise(regrades, prompts, verdict_evaluations(run_dir)) if regrades else None
+
+
+def verdict_lines(sides: dict, families: dict[str, str], noise: dict[str, GraderNoise] | None) -> list[str]:
+    rows: list[dict[str, float]] = [{}, {}]
+    for name, (before, after) in sides.items():
+        rows[0] |= eval_metrics(name, before)
+        rows[1] |= eval_metrics(name, after, before, families)
     return before_after_lines(*rows, noise)
+
+
+def _prompts(run_dir: Path) -> list:
+    return load_prompts(run_dir / "prompts.jsonl") if (run_dir / "prompts.jsonl").is_file() else []
+
+
+def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
+    """The before/after lines, computed again from the first and last evaluations' trial records (so a run made
+    by earlier code is judged by this code's statistics), or taken from the metrics rows."""
+    if len(evals) < 2:
+        return []
+    prompts = _prompts(run_dir)
+    noise = run_noise(run_dir, prompts)
+    sides = side_samples(run_dir, evals)
+    if sides is None:
+        return before_after_lines(evals[0], evals[-1], noise)
+    return verdict_lines(sides, eval_families(prompts), noise)
+
+
+def pooled_verdict(run_dirs: list[Path]) -> list[str]:
+    """The verdict over several runs of one recipe (seeds), pooled: on the trained row each run's instances are
+    clusters of their own (`<run>/<instance>`); on the held-out rows a family is one cluster across the runs (its
+    template is what transfers); the grader noise counts every run's regrades."""
+    pooled: dict[str, tuple[list[Sample], list[Sample]]] = {}
+    families: dict[str, str] = {}
+    noise: dict[str, GraderNoise] = {}
+    for run_dir in run_dirs:
+        evals = evaluation_rows(read_step_records(run_dir / "metrics.jsonl"))
+        sides = side_samples(run_dir, evals) if len(evals) > 1 else None
+        if sides is None:
+            raise SystemExit(f"{run_dir}: no first and last evaluation trial records to pool")
+        tag = run_dir.name + "/"
+        for name, (before, after) in sides.items():
+            both = pooled.setdefault(name, ([], []))
+            for into, samples in zip(both, (before, after)):
+                into += [s.model_copy(update={"instance_id": tag + s.instance_id}) for s in samples]
+        prompts = _prompts(run_dir)
+        families |= {tag + instance: family for instance, family in eval_families(prompts).items()}
+        for side, n in (run_noise(run_dir, prompts) or {}).items():
+            had = noise.get(side, GraderNoise(0, 0))
+            noise[side] = GraderNoise(had.disagreed + n.disagreed, had.regraded + n.regraded)
+    return verdict_lines(pooled, families, noise or None)
 
 
 def _bytes(path: Path) -> int:
@@ -145,6 +201,10 @@ def main() -> None:
             f"step, as before: {r['bytes_every_step_before'] / 1e9:.2f} GB)"
         )
         for line in r["verdict"]:
+            print(f"  {line}")
+    if len(args.runs) > 1:
+        print(f"\npooled over the {len(args.runs)} runs (clusters: instances of each run, families across runs):")
+        for line in pooled_verdict(args.runs):
             print(f"  {line}")
 
 

@@ -26,7 +26,7 @@ from grpoflow.config import read_config_file  # noqa: E402
 from grpoflow.prepare.prompts import load_prompts  # noqa: E402
 from grpoflow.rollout.journal import SAMPLES, read_samples
 from grpoflow.run.metrics import evaluation_rows, read_step_records, training_rows  # noqa: E402
-from grpoflow.run.regrade import grader_noise, read_regrades, verdict_evaluations  # noqa: E402
+from grpoflow.run.regrade import read_regrades, run_grader_noise  # noqa: E402
 from grpoflow.samples import Sample  # noqa: E402
 from grpoflow.scoring.evaluation import (  # noqa: E402
     EVAL_SPLITS,
@@ -83,12 +83,6 @@ def side_samples(run_dir: Path, evals: list[dict]) -> dict[str, tuple[list[Sampl
     return sides
 
 
-def run_noise(run_dir: Path, prompts: list) -> dict[str, GraderNoise] | None:
-    """Each side's grader noise from the run's regrades; None when it regraded nothing."""
-    regrades = read_regrades(run_dir)
-    return grader_noise(regrades, prompts, verdict_evaluations(run_dir)) if regrades else None
-
-
 def verdict_lines(sides: dict, families: dict[str, str], noise: dict[str, GraderNoise] | None) -> list[str]:
     rows: list[dict[str, float]] = [{}, {}]
     for name, (before, after) in sides.items():
@@ -107,7 +101,7 @@ def verdict(run_dir: Path, evals: list[dict]) -> list[str]:
     if len(evals) < 2:
         return []
     prompts = _prompts(run_dir)
-    noise = run_noise(run_dir, prompts)
+    noise = run_grader_noise(run_dir, read_regrades(run_dir))
     sides = side_samples(run_dir, evals)
     if sides is None:
         return before_after_lines(evals[0], evals[-1], noise)
@@ -133,7 +127,7 @@ def pooled_verdict(run_dirs: list[Path]) -> list[str]:
                 into += [s.model_copy(update={"instance_id": tag + s.instance_id}) for s in samples]
         prompts = _prompts(run_dir)
         families |= {tag + instance: family for instance, family in eval_families(prompts).items()}
-        for side, n in (run_noise(run_dir, prompts) or {}).items():
+        for side, n in (run_grader_noise(run_dir, read_regrades(run_dir)) or {}).items():
             had = noise.get(side, GraderNoise(0, 0))
             noise[side] = GraderNoise(had.disagreed + n.disagreed, had.regraded + n.regraded)
     return verdict_lines(pooled, families, noise or None)

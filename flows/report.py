@@ -11,11 +11,10 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from grpoflow.config import RunConfig
 from grpoflow.ledger import ledger_table, run_ledger
 from grpoflow.paths import RunPaths
-from grpoflow.prepare.prompts import load_prompts
 from grpoflow.run.health import health_markdown, task_health, write_run_tasks
 from grpoflow.run.info import update_run_info
 from grpoflow.run.metrics import evaluation_rows, plot_curves, read_step_records, summary_markdown, training_rows
-from grpoflow.run.regrade import grader_noise, verdict_evaluations
+from grpoflow.run.regrade import run_grader_noise
 from grpoflow.run.viewer import write_viewer
 from grpoflow.scoring.evaluation import before_after_lines
 from tasks.rollout import regrade_trials_task
@@ -59,8 +58,7 @@ def report(cfg: RunConfig, paths) -> None:
     evals = evaluation_rows(records)
     noise = None
     if cfg.report.regrade_per_task:  # first: the verdict weighs each row's change against its grader noise
-        regrades = regrade_trials_task(cfg, paths)
-        noise = grader_noise(regrades, load_prompts(paths.prompts), verdict_evaluations(paths.root))
+        noise = run_grader_noise(paths.root, regrade_trials_task(cfg, paths))
     verdict = before_after_lines(evals[0], evals[-1], noise) if len(evals) > 1 else []
     if verdict:
         print(

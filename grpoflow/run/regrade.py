@@ -48,7 +48,7 @@ from grpoflow.errors import DatasetError, one_line
 from grpoflow.fileio import publish_dir, write_text_atomic
 from grpoflow.paths import RunPaths, default_cache_dir
 from grpoflow.prepare.dataset import task_config
-from grpoflow.prepare.prompts import PromptRecord, side_of
+from grpoflow.prepare.prompts import PromptRecord, load_prompts, side_of
 from grpoflow.rollout.outcome import verifier_reward
 from grpoflow.rollout.sandbox import sandbox_config
 from grpoflow.rollout.trials import run_here
@@ -128,12 +128,22 @@ def grader_noise(
     for r in regrades:
         if r.regraded is None or r.recorded is None or Path(r.trial).parent.name not in evaluations:
             continue
-        if r.task not in sides:
+        if r.task not in sides:  # a trial of a task the run's prompts no longer list
             continue
         c = counts.setdefault(sides[r.task], [0, 0])
         c[0] += r.differs
         c[1] += 1
     return {side: GraderNoise(d, n) for side, (d, n) in counts.items()}
+
+
+def run_grader_noise(run_root: Path, regrades: Sequence[Regrade]) -> dict[str, GraderNoise] | None:
+    """`grader_noise` of a run's verdict evaluations, its sides from its prompts.jsonl; None when it regraded
+    nothing (the verdict then says nothing of noise)."""
+    if not regrades:
+        return None
+    path = RunPaths(run_root).prompts
+    prompts = load_prompts(path) if path.is_file() else []
+    return grader_noise(regrades, prompts, verdict_evaluations(run_root))
 
 
 def alternate(trials: Sequence[StoredTrial], k: int) -> list[StoredTrial]:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from grpoflow.config import apply_overrides, load_run_config, parse_run_config
 from grpoflow.errors import ConfigError, GrpoflowError, RunDirError
-from grpoflow.paths import RUN_ID_PATTERN, new_run_id, run_dir_problems
+from grpoflow.paths import RUN_ID_PATTERN, RunPaths, new_run_id, run_dir_problems
 from grpoflow.prepare.presets import PRESETS, layered_run_config
 from grpoflow.train.memory import KNOWN_SHAPES
 
@@ -145,8 +147,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread is, as Ctrl-C raises KeyboardInterrupt: the command's
+    cleanups (its sandboxes, its temporary dirs, Prefect's temporary server) run before it ends, and asyncio lets
+    it through as it does Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_on_stop_signals() -> None:
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def _stopped_line(args: argparse.Namespace, signum: int) -> str:
+    """The last line of a command a signal stopped: what to run to continue a train run that left a run dir."""
+    name = signal.Signals(signum).name
+    run_id, output_dir = getattr(args, "run_id", None), getattr(args, "output_dir", None) or "runs"
+    if (
+        args.command in ("main", "train", "resume")
+        and run_id
+        and (RunPaths(Path(output_dir) / run_id).config).is_file()
+    ):
+        return (
+            f"grpoflow: run {run_id} stopped by {name}; `grpoflow resume {run_id} --output-dir {output_dir}` "
+            "continues it from its last complete step"
+        )
+    if args.command in ("main", "train", "evaluate", "prepare") and run_id:
+        return f"grpoflow: run {run_id} stopped by {name}; nothing to resume: start it again"
+    return f"grpoflow: {args.command} stopped by {name}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Prefect says so itself when its home cannot be made, then waits out its server's start: ours is one line.
+    warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
+    _raise_on_stop_signals()
+    try:
+        return _command(args)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or a Stopped signal
+        sys.stdout.flush()
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        print(_stopped_line(args, signum), file=sys.stderr)
+        return 128 + signum
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command in ("resume", "rerun"):
         return _resume_or_rerun(args)
     if args.command == "tasks" and (args.validate or args.dataset or args.fresh):
@@ -159,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cache_gc(args)
     try:
         cfg = _config_from_args(args)
+        args.run_id, args.output_dir = cfg.run_id, str(cfg.output_dir)  # the run a stop signal names
         preset = f"preset {args.preset or MAIN_PRESET}, " if args.preset or _is_embedded_default(args) else ""
         print(
             f"grpoflow: {args.command} run {cfg.run_id} ({preset}model {cfg.model.source}, dataset "

@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import prefect
@@ -27,7 +29,13 @@ from prefect.logging.handlers import APILogWorker
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
 
+from grpoflow.errors import GrpoflowError, one_line
 from grpoflow.lifeline import Lifeline
+
+
+class PrefectUnavailableError(GrpoflowError):
+    """The Prefect API a command needs cannot be had: a configured server that does not answer, or a temporary
+    server whose database cannot be written."""
 
 
 class LifelineServer(SubprocessASGIServer):
@@ -63,9 +71,14 @@ def command_server() -> Iterator[None]:
     allowed): started here, and stopped when the block ends. With a server configured, or one already started in
     this process, nothing is done."""
     settings = get_current_settings()
-    if settings.api.url or not settings.server.ephemeral.enabled:
+    if settings.api.url:
+        check_api(settings.api.url)
         yield
         return
+    if not settings.server.ephemeral.enabled:
+        yield
+        return
+    check_database_dir(settings)
     server = LifelineServer()  # registered as Prefect's default (port None) unless this process has one already
     if type(server) is not LifelineServer or server.running:
         yield
@@ -79,3 +92,39 @@ def command_server() -> Iterator[None]:
         APILogWorker.drain_all(timeout=10)
         EventsWorker.drain_all(timeout=10)
         server.stop()
+
+
+def check_api(url: str) -> None:
+    """Raise `PrefectUnavailableError` when the configured Prefect API does not answer its health check (said at
+    once, in one line, instead of a flow that fails on its first call)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        failure = client.api_healthcheck()
+    if failure is not None:
+        raise PrefectUnavailableError(
+            f"PREFECT_API_URL {url}: the Prefect API does not answer ({one_line(failure, 160)}); start that server "
+            "(`prefect server start`), or unset PREFECT_API_URL to let grpoflow start a temporary one"
+        )
+
+
+def check_database_dir(settings) -> None:
+    """Raise `PrefectUnavailableError` when the temporary server's SQLite database cannot be made where Prefect
+    puts it (PREFECT_HOME under a HOME that does not exist, a read-only dir): Prefect itself waits out its startup
+    timeout and ends in a traceback per try."""
+    url = settings.server.database.connection_url
+    url = url.get_secret_value() if url is not None else ""
+    _, sep, path = url.partition(":///")
+    if not (url.startswith("sqlite") and sep) or path in ("", ":memory:"):
+        return  # another database (PostgreSQL): its own server answers for it
+    where = Path(path).parent
+    try:
+        where.mkdir(mode=0o700, exist_ok=True)  # as Prefect makes its home: not its parents
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as exc:
+        name = "PREFECT_HOME" if where == Path(settings.home) else "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+        raise PrefectUnavailableError(
+            f"{name}: Prefect's database dir {where} cannot be written ({exc.strerror}); set PREFECT_HOME to a "
+            "writable directory"
+        ) from None

@@ -72,4 +72,8 @@ Through `prepare_run` (dataset -> model -> prompts -> run dir), every failure be
 | **elsewhere** (they need a Prefect server of their own, or a killed run) | |
 | an error inside a flow, through the real CLI with no server configured (`flows/test_command_server.py`) | the one-line error is the last line printed: the temporary server stops before it |
 | `kill -9` of `grpoflow main` while preparing, in a rollout, in the update (`faults/test_kill_debris.py`) | 10 s later no process (Prefect's server, engine, sandboxes) and no sandbox dir is left |
+| a HOME that does not exist (so no PREFECT_HOME), through the CLI (`flows/test_command_server.py`) | exit 2, one line naming PREFECT_HOME and the dir, before Prefect's server is started |
+| a PREFECT_API_URL nothing answers | exit 2, one line naming the URL: start that server or unset it |
+| SIGTERM of `grpoflow main` in a rollout (`faults/test_kill_debris.py`) | sandboxes and engine stopped; last line `run ID stopped by SIGTERM; grpoflow resume ID --output-dir D continues it`, which finishes it |
+| SIGTERM of `grpoflow tasks --validate` with a sandbox running | no `grpoflow-gate-*` or sandbox dir left; last line `grpoflow: tasks stopped by SIGTERM` |
 """

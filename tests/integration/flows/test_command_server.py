@@ -1,6 +1,7 @@
 """The command line's own Prefect server (no server configured, a fresh PREFECT_HOME, as a newcomer runs it): the
 one-line error of a failed flow, or the run's closing lines, are the last thing printed: the temporary server is
-stopped before them, not after."""
+stopped before them, not after. A Prefect that cannot be had (a home that cannot be made, a configured API that does
+not answer) is refused in one line before the flow starts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpoflow.prepare.dataset import builtin_dataset_path
+from grpoflow.sockets import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +73,33 @@ def test_a_finished_run_ends_with_its_artifacts(env, tmp_path, tiny_model_dir):
     finished = next(i for i, line in enumerate(lines) if line.startswith("grpoflow: run ok finished"))
     assert all(line.startswith("  ") for line in lines[finished + 1 :]), lines[finished:]  # then only the listing
     assert not any("Stopping temporary server" in line for line in lines[finished:])
+
+
+def _prepare(env, tmp_path, model) -> tuple[int, list[str]]:
+    args = ["--model", str(model), "--dataset", str(builtin_dataset_path()), "--output-dir", str(tmp_path / "r")]
+    return _cli(env, "prepare", *args)
+
+
+def test_a_home_that_does_not_exist_is_refused_in_one_line(env, tmp_path, tiny_model_dir):
+    """HOME gone (a service account, a container): Prefect cannot make its home, and its temporary server would
+    retry its database for minutes, a traceback per try. Refused before it starts."""
+    home = tmp_path / "gone"
+    rc, lines = _prepare(
+        {k: v for k, v in env.items() if k != "PREFECT_HOME"} | {"HOME": str(home)}, tmp_path, tiny_model_dir
+    )
+    assert rc == 2, lines[-20:]
+    assert lines[-1] == (
+        f"grpoflow: error: PREFECT_HOME: Prefect's database dir {home}/.prefect cannot be written (No such file or "
+        "directory); set PREFECT_HOME to a writable directory"
+    ), lines[-5:]
+    assert not any("Traceback" in line for line in lines), lines
+    assert not home.exists() and not (tmp_path / "r").exists()
+
+
+def test_a_prefect_api_that_does_not_answer_is_refused_in_one_line(env, tmp_path, tiny_model_dir):
+    url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    rc, lines = _prepare(env | {"PREFECT_API_URL": url}, tmp_path, tiny_model_dir)
+    assert rc == 2, lines[-20:]
+    assert lines[-1].startswith(f"grpoflow: error: PREFECT_API_URL {url}: the Prefect API does not answer ("), lines
+    assert lines[-1].endswith("or unset PREFECT_API_URL to let grpoflow start a temporary one"), lines[-1]
+    assert not any("Traceback" in line for line in lines), lines

@@ -186,6 +186,29 @@ HARNESS_TYPES: dict[str, type[Harness]] = {
 }
 
 
+class BreakerConfig(Section):
+    """When sandbox starts fail so often that the provider looks down, stop starting trials, wait, probe."""
+
+    window: int = Field(10, ge=2, le=1000, description="How many of the latest sandbox starts the breaker weighs.")
+    failure_rate: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="The breaker opens when more than this share of the latest `window` sandbox starts failed "
+        "(1: never).",
+    )
+    wait_s: float = Field(5.0, gt=0.0, le=3600.0, description="Wait after the breaker opens before one probe start.")
+    max_wait_s: float = Field(
+        120.0, gt=0.0, le=3600.0, description="Longest wait between probes (each failed probe doubles the wait)."
+    )
+    give_up_s: float = Field(
+        3600.0,
+        gt=0.0,
+        le=86400.0,
+        description="The step fails (`SandboxOutageError`; resume later) once the breaker was open this long.",
+    )
+
+
 class Sandbox(Section):
     """Where trials run, and how a sandbox failure is retried; each kind of sandbox is a type of its own below."""
 
@@ -206,6 +229,16 @@ class Sandbox(Section):
     )
     retry_backoff_s: float = Field(
         0.5, ge=0.0, le=60.0, description="Base of the jittered exponential backoff between sandbox retries."
+    )
+    max_starts_per_s: float | None = Field(
+        None,
+        gt=0.0,
+        le=10000.0,
+        description="Most sandbox starts this run begins per second (a provider's rate limit); empty: unbounded.",
+    )
+    breaker: BreakerConfig = Field(
+        default_factory=BreakerConfig,
+        description="Holds back new trials while the sandbox provider is down; failed starts then cost no retry.",
     )
     on_retries_exhausted: Literal["drop_group", "keep_group"] = Field(
         "drop_group",

@@ -24,6 +24,7 @@ from grpoflow.credentials import export_policy_key, export_sandbox_key
 from grpoflow.figures import Figures
 from grpoflow.paths import RunPaths
 from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.breaker import SandboxAdmission
 from grpoflow.rollout.journal import append_trial, read_journal, write_samples
 from grpoflow.rollout.metrics import step_metrics
 from grpoflow.rollout.outcome import to_sample
@@ -183,6 +184,7 @@ async def collect_step(
         if on_retry:
             on_retry(spec, attempt)
 
+    admission = SandboxAdmission(rollout.sandbox.breaker, rollout.sandbox.max_starts_per_s)
     t0 = time.perf_counter()
     batch = specs
     while batch:
@@ -199,12 +201,14 @@ async def collect_step(
             sandbox_gate=sandbox_gate,
             runner=runner,
             record_workdir=record_workdir,
+            admission=admission,
         )
         batch = refill([x for s in specs for x in done[s.rollout_id]]) if refill else []
         specs += batch
     wall = time.perf_counter() - t0
     samples = [x for s in specs for x in done[s.rollout_id]]
     figures = step_metrics(samples, wall)
+    figures.seconds |= admission.figures()
     if refill:
         figures.computed |= refill.metrics(samples)
     return StepRollout(samples, figures, write_samples(details_dir, samples))

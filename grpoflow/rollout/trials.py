@@ -6,6 +6,9 @@ an infrastructure error is run again from scratch (new trial dir, new sandbox) a
 `retries` times; model and agent errors are final on the first attempt. Every attempt is kept in the outcome,
 so retries are counted and a trial whose retries ran out keeps its exit status — it is never scored 0.
 
+A step's attempts start through its `SandboxAdmission` (`grpoflow.rollout.breaker`): at most so many sandbox starts
+per second, none while a provider outage holds the breaker open.
+
 Sandbox creation can be bounded beyond `concurrency` by a `SandboxGate`: a factory of async context managers (the
 Prefect task passes a global concurrency limit; this module knows nothing of Prefect). One gate slot is held from
 the moment Harbor starts a trial's sandbox until the agent starts (or the trial ends), i.e. while the sandbox is
@@ -39,6 +42,7 @@ from harbor.trial.trial import Trial
 from grpoflow.errors import one_line
 from grpoflow.prepare.dataset import task_config
 from grpoflow.prepare.prompts import PromptRecord
+from grpoflow.rollout.breaker import SandboxAdmission
 from grpoflow.rollout.environments import is_infrastructure_failure
 from grpoflow.rollout.record import TrialRecord
 from grpoflow.seeds import trial_seed
@@ -224,7 +228,11 @@ async def run_trial(
     sandbox_gate: SandboxGate | None = None,
     runner: TrialRunner = run_here,
     record_workdir: bool = False,
+    admission: SandboxAdmission | None = None,
 ) -> TrialOutcome:
+    """Run `spec` until an attempt ends for a reason of its own or its `retries` sandbox failures are spent.
+    `admission` lets each attempt start (`SandboxAdmission.admit`) and hears how its sandbox started: a failure the
+    breaker puts down to a provider outage is run again once the breaker lets it, and costs no retry."""
     rng = random.Random(spec.seed)  # jitter: deterministic per trial, different across trials
     attempts: list[Attempt] = []
     # Attempts of a run that was killed mid-trial left their dirs behind (resume): new attempts never reuse one.
@@ -233,8 +241,10 @@ async def run_trial(
         first += 1
     failures = 0  # sandbox failures so far: each costs one of `retries`
     while True:
+        probe = await admission.admit() if admission else False
         cfg = build_trial_config(spec, first + len(attempts), make_agent(spec), environment, trials_dir, record_workdir)
         t0 = time.perf_counter()
+        result: TrialResult | None = None
         try:
             result = await runner(cfg, sandbox_gate)
         except WorkerLost as lost:
@@ -245,6 +255,8 @@ async def run_trial(
             if on_retry:
                 on_retry(spec, attempts[-1])
             continue
+        finally:  # also when the attempt was lost or cancelled: a probe that says nothing lets the next one go
+            outage = admission.record(result, probe) if admission else False
         exc = result.exception_info
         attempts.append(
             Attempt(
@@ -257,7 +269,20 @@ async def run_trial(
         infrastructure = exc is not None and is_infrastructure_failure(
             exc.exception_type, TrialRecord.of(result).end_reason
         )
-        if not infrastructure or failures == retries:
+        if not infrastructure:
+            return TrialOutcome(spec, result, attempts)
+        if outage:
+            log.warning(
+                "trial %s attempt %d: sandbox start failed while the sandbox breaker is open (%s); running it "
+                "again once the breaker lets it, no retry spent",
+                spec.rollout_id,
+                len(attempts) - 1,
+                exc.exception_type,
+            )
+            if on_retry:
+                on_retry(spec, attempts[-1])
+            continue
+        if failures == retries:
             return TrialOutcome(spec, result, attempts)
         log.warning(
             "trial %s attempt %d: infrastructure failure %s: %s; retrying in a fresh sandbox",
@@ -286,12 +311,14 @@ async def run_trials(
     sandbox_gate: SandboxGate | None = None,
     runner: TrialRunner = run_here,
     record_workdir: bool = False,
+    admission: SandboxAdmission | None = None,
 ) -> list[TrialOutcome]:
     """Run every spec, at most `concurrency` at once; outcomes come back in the order of `specs`.
 
     `sandbox_gate`, if given, also bounds how many sandboxes are starting at once (see the module doc).
     `runner` runs each attempt: here, or on rollout workers elsewhere (`grpoflow.rollout.workers`).
     `record_workdir`: every trial keeps its task's workdir, for a later regrade (`build_trial_config`).
+    `admission`: the step's bound on sandbox starts and its breaker (`run_trial`).
     """
     trials_dir.mkdir(parents=True, exist_ok=True)
     gate = asyncio.Semaphore(concurrency)
@@ -309,6 +336,7 @@ async def run_trials(
                 sandbox_gate,
                 runner,
                 record_workdir,
+                admission,
             )
         if on_done and inspect.isawaitable(ack := on_done(out)):  # async callbacks (e.g. progress updates)
             await ack

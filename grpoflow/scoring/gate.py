@@ -198,7 +198,16 @@ def verdict_key(
     the oracle runs, the sandbox's settings (its retries and start limits aside: they change no outcome) and
     Harbor's version."""
     sandbox = rollout.sandbox.model_dump(
-        mode="json", exclude={"retries", "retry_backoff_s", "on_retries_exhausted", "create_limit", "api_key_file"}
+        mode="json",
+        exclude={
+            "retries",
+            "retry_backoff_s",
+            "on_retries_exhausted",
+            "create_limit",
+            "max_starts_per_s",
+            "breaker",
+            "api_key_file",
+        },
     )
     parts = {
         "task": digest,

@@ -3,7 +3,8 @@
 `fail_start_probability` (with `fail_start_seed`, a function of (seed, session id): a retry draws again, a rerun of
 the same trial repeats its fate) makes `start()` raise `SandboxStartError`; `die_after_execs` makes the sandbox
 "die" after that many execs (Harbor's own, the verifier's among them, count too): every later exec raises
-`SandboxDiedError`. `shared_dir` binds one writable host dir at `/shared` into every trial's sandbox: state that
+`SandboxDiedError`. `start_outage_s` (with `start_outage_file`) fails every start for that long from the first:
+a provider outage. `shared_dir` binds one writable host dir at `/shared` into every trial's sandbox: state that
 outlives a trial, as an outside service a flaky verifier consults would be. The `faulty_sandbox` fixture (tests/conftest.py) puts it where a run's `rollout.sandbox.backend=local`
 goes, so `rollout.sandbox.kwargs` reach it.
 """
@@ -11,6 +12,8 @@ goes, so `rollout.sandbox.kwargs` reach it.
 from __future__ import annotations
 
 import random
+import time
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -28,6 +31,8 @@ class FaultySandboxSettings(LocalSandboxSettings):
     fail_start_probability: float = Field(0.0, ge=0.0, le=1.0, strict=False)
     fail_start_seed: int | None = None
     die_after_execs: int | None = Field(None, ge=0)
+    start_outage_s: float | None = Field(None, gt=0.0)
+    start_outage_file: str | None = None
     shared_dir: str | None = None
 
 
@@ -48,6 +53,7 @@ class FaultySandbox(LocalSandbox):
         self._execs = 0
 
     def maybe_fail_start(self) -> None:
+        self.maybe_outage()
         if self.fail_start_probability <= 0.0:
             return
         rng = random.Random(f"{self.fail_start_seed}/{self.session_id}") if self.fail_start_seed is not None else random
@@ -56,6 +62,20 @@ class FaultySandbox(LocalSandbox):
                 f"injected fault: sandbox {self.session_id} failed to start "
                 f"(fail_start_probability={self.fail_start_probability})"
             )
+
+    def maybe_outage(self) -> None:
+        """A provider outage: every start fails for `start_outage_s` from the first start of any sandbox naming the
+        same `start_outage_file` (which holds the outage's end, as a time.time())."""
+        if self.settings.start_outage_s is None or self.settings.start_outage_file is None:
+            return
+        path = Path(self.settings.start_outage_file)
+        try:  # the first start begins the outage (no await in between: one event loop's sandboxes agree)
+            with open(path, "x") as f:
+                f.write(str(time.time() + self.settings.start_outage_s))
+        except FileExistsError:
+            pass
+        if time.time() < float(path.read_text()):
+            raise SandboxStartError(f"injected outage: sandbox {self.session_id} failed to start (provider down)")
 
     async def start(self, force_build: bool) -> None:
         self.maybe_fail_start()

@@ -26,7 +26,12 @@ def collect(tmp_path, engine_url, tiny_model_dir, prompts, engine=None, **rollou
     """One rollout step of the shell agent against `engine_url` (no Prefect); returns (StepRollout, retried ids)."""
     cfg = parse_run_config(
         {
-            "rollout": {"n_samples_per_prompt": 1, "max_turns": 3, "retry_backoff_s": 0.0, **rollout},
+            "rollout": {
+                "n_samples_per_prompt": 1,
+                "max_turns": 3,
+                **rollout,
+                "sandbox": {"retry_backoff_s": 0.0, **rollout.get("sandbox", {})},
+            },
             "engine": {"backend": "sglang", "url": engine_url, **(engine or {})},
         }
     )

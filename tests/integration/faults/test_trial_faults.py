@@ -188,3 +188,40 @@ def test_crashing_verifier_is_a_verifier_error_and_its_group_dropped(tmp_path, t
     kept, dropped = select_trainable(res.samples, "drop_group")
     assert dropped == 1 and {s.instance_id for s in kept} == {"hello-file"}
     assert retried == []
+
+
+@pytest.mark.parametrize("breaker", [True, False])
+def test_a_sandbox_provider_outage_is_held_back_by_the_breaker(
+    tmp_path, tiny_model_dir, scripted, faulty_sandbox, breaker
+):
+    """Every sandbox start fails for the first `OUTAGE_S` seconds (a provider down). With the breaker, no new trial
+    starts while it is open, one probe at a time tries, and once a probe's sandbox starts every trial runs: all are
+    scored, no group is dropped, and the failed starts during the outage cost no retry. Without it (failure_rate 1:
+    never opens) the same outage spends each trial's one retry and every trial fails as a sandbox error."""
+    outage_s = 30
+    replies = [SOLVE, "DONE"]
+    engine = scripted(lambda ids, i: Reply(replies[0 if len(ids) < 200 else 1]))
+    res, retried = collect(
+        tmp_path,
+        engine.url,
+        tiny_model_dir,
+        [prompt("hello-file"), prompt("make-dir")],
+        n_samples_per_prompt=4,
+        sandbox={
+            "retries": 1,
+            "retry_backoff_s": 1.0,  # the window fills with first attempts before any retry starts
+            "breaker": {"window": 4, "failure_rate": 0.5 if breaker else 1.0, "wait_s": 4, "max_wait_s": 8},
+            "kwargs": {"start_outage_s": outage_s, "start_outage_file": str(tmp_path / "outage")},
+        },
+    )
+    accounted(res, 8)
+    if not breaker:
+        assert [s.exit_status for s in res.samples] == ["SandboxError"] * 8
+        assert res.figures.seconds["sandbox_breaker_openings"] == 0
+        return
+    assert [s.status for s in res.samples] == ["COMPLETED"] * 8 and res.figures.computed["scored"] == 8
+    assert select_trainable(res.samples, "drop_group")[1] == 0
+    assert res.figures.seconds["sandbox_breaker_openings"] >= 1
+    # open until a probe's sandbox started: most of the outage, and not past its end by more than a probe's wait
+    assert outage_s - 10 <= res.figures.seconds["sandbox_breaker_open_s"] <= outage_s + 8 + 5
+    assert len(retried) > 8  # failed starts ran again: far more than the one retry each trial had

@@ -20,13 +20,13 @@ pytestmark = [
 ]
 
 
-def _collect(tmp_path, prompts, retries, **sandbox_kwargs):
+def _collect(tmp_path, prompts, retries, breaker=None, **sandbox_kwargs):
     cfg = parse_run_config(
         {
             "rollout": {
                 "n_samples_per_prompt": 4,
                 "concurrency": 8,
-                "sandbox": {"retries": retries, "retry_backoff_s": 0.01},
+                "sandbox": {"retries": retries, "retry_backoff_s": 0.01, "breaker": breaker or {}},
             }
         }
     )
@@ -66,7 +66,10 @@ def test_flaky_sandbox_start_is_retried_until_every_trial_finishes(tmp_path):
 
 def test_permanent_sandbox_failure_is_recorded_and_its_group_dropped(tmp_path):
     (tmp_path / "sb").mkdir()
-    res, retried = _collect(tmp_path, builtin_prompts("hello-file"), retries=2, fail_start_probability=1.0)
+    # Every start failing is what a provider outage looks like: the breaker (on by default) would wait it out
+    # (tests/integration/faults/test_trial_faults.py). Off here: the trials' own retries are what is tested.
+    never = {"failure_rate": 1.0}
+    res, retried = _collect(tmp_path, builtin_prompts("hello-file"), 2, never, fail_start_probability=1.0)
     assert len(res.samples) == 4 and len(retried) == 4 * 2
     for s in res.samples:
         assert (s.status, s.exit_status, s.reward) == ("FAILED", "SandboxError", None)

@@ -8,7 +8,10 @@ import json
 import re
 import signal
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -157,12 +160,23 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _raise_on_stop_signals() -> None:
+@contextmanager
+def _stop_signals_raised() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `Stopped` for the block (in the main thread: only there can Python take a signal),
+    and the handlers before it are back after (`main` may be called in-process)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
     def stop(signum: int, frame: object) -> None:
         raise Stopped(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _stopped_line(args: argparse.Namespace, signum: int) -> str:
@@ -187,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Prefect says so itself when its home cannot be made, then waits out its server's start: ours is one line.
     warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
-    _raise_on_stop_signals()
     try:
-        return _command(args)
+        with _stop_signals_raised():
+            return _command(args)
     except KeyboardInterrupt as stop:  # Ctrl-C, or a Stopped signal
         sys.stdout.flush()
         signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT

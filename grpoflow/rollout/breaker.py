@@ -92,13 +92,18 @@ class SandboxAdmission:
 
     async def admit(self) -> bool:
         """Wait until an attempt may start its sandbox; True when it is the breaker's probe (its outcome closes or
-        reopens the breaker). Raises `SandboxOutageError` once the breaker was open for `give_up_s`."""
+        reopens the breaker). Raises `SandboxOutageError` once the breaker was open for `give_up_s` in all (over
+        the step's openings: a provider that flaps gives up too), unless a probe is still running: its sandbox may
+        have started."""
         while (opened := self._open) is not None:
             now = self.clock()
-            if now - opened.at > self.breaker.give_up_s:
+            open_s = self.figures()["sandbox_breaker_open_s"]
+            if open_s > self.breaker.give_up_s and not self._probing:
+                probes = sum(o.probes for o in self.openings)
                 raise SandboxOutageError(
-                    f"sandbox starts kept failing for {now - opened.at:.0f} s (rollout.sandbox.breaker.give_up_s "
-                    f"{self.breaker.give_up_s:g}), {opened.probes} probes failed; last: {opened.reason}"
+                    f"sandbox starts kept failing: the breaker was open {open_s:.0f} s in {len(self.openings)} "
+                    f"openings (rollout.sandbox.breaker.give_up_s {self.breaker.give_up_s:g}), {probes} probes; "
+                    f"last: {opened.reason}"
                 )
             if not self._probing and now >= self._retry_at:
                 self._probing = True

@@ -377,6 +377,10 @@ def _run(
     # The oracle and the no-op reach no host: a CLI harness's session-server allowance has nothing to serve here,
     # and the local sandbox refuses a host it cannot reach.
     environment = sandbox_config(rollout, base_images).model_copy(update={"extra_allowed_hosts": []})
+    # No breaker: the gate's trials are there to find tasks whose sandbox does not start, and a dataset with many
+    # would look like a provider outage. A start failure is the task's "unchecked" (not cached), as ever.
+    never = rollout.sandbox.breaker.model_copy(update={"failure_rate": 1.0})
+    rollout = rollout.model_copy(update={"sandbox": rollout.sandbox.model_copy(update={"breaker": never})})
     export_sandbox_key(rollout.sandbox.backend, rollout.sandbox.key_file())
     outcomes: dict[str, TrialOutcome] = {}
     with tempfile.TemporaryDirectory(prefix="grpoflow-gate-") as tmp, _Ticker(len(specs), outcomes, progress):

@@ -100,7 +100,26 @@ def test_it_gives_up_after_give_up_s_naming_the_last_failure():
     a.record(START_FAILED, False)
     a.record(START_FAILED, False)
     clock.now += 101
-    with pytest.raises(SandboxOutageError, match=r"for 101 s .*give_up_s 100.*SandboxStartError: down"):
+    with pytest.raises(SandboxOutageError, match=r"open 101 s in 1 openings .*give_up_s 100.*SandboxStartError: down"):
+        admitted_now(a)
+
+
+def test_give_up_counts_every_opening_and_waits_for_a_running_probe():
+    clock = Clock()
+    a = admission(clock, window=2)
+    a.record(START_FAILED, False)
+    a.record(START_FAILED, False)
+    clock.now += 60
+    assert admitted_now(a) is True
+    assert a.record(STARTED, True) is False and not a.is_open  # 60 s open, closed
+    a.record(START_FAILED, False)
+    a.record(START_FAILED, False)  # a flapping provider: open again
+    clock.now += 30
+    assert admitted_now(a) is True  # 90 s in all: the probe goes
+    clock.now += 20  # 110 s in all, but the probe runs: its sandbox may have started
+    assert admitted_now(a) is None
+    assert a.record(START_FAILED, True) is True
+    with pytest.raises(SandboxOutageError, match=r"open 110 s in 2 openings"):
         admitted_now(a)
 
 

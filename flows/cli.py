@@ -171,7 +171,9 @@ def _stop_signals_raised() -> Iterator[None]:
     def stop(signum: int, frame: object) -> None:
         raise Stopped(signum)
 
-    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # a signal ignored on purpose (`nohup` ignores SIGHUP) stays ignored
+    watched = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is not signal.SIG_IGN]
+    before = {sig: signal.signal(sig, stop) for sig in watched}
     try:
         yield
     finally:

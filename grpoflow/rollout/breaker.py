@@ -97,7 +97,7 @@ class SandboxAdmission:
         have started."""
         while (opened := self._open) is not None:
             now = self.clock()
-            open_s = self.figures()["sandbox_breaker_open_s"]
+            open_s = self.open_seconds()
             if open_s > self.breaker.give_up_s and not self._probing:
                 probes = sum(o.probes for o in self.openings)
                 raise SandboxOutageError(
@@ -173,8 +173,11 @@ class SandboxAdmission:
         exc = result.exception_info if result else None
         return one_line(f"{exc.exception_type}: {exc.exception_message}", 200) if exc else "no exception"
 
+    def open_seconds(self) -> float:
+        """Seconds the breaker was open over the step's openings, the current one until now."""
+        now = self.clock()
+        return sum(o.seconds or (now - o.at) for o in self.openings)
+
     def figures(self) -> dict[str, float]:
         """Wall-clock figures of the step (timings.jsonl): openings, and the seconds the breaker was open."""
-        now = self.clock()
-        open_s = sum(o.seconds or (now - o.at) for o in self.openings)
-        return {"sandbox_breaker_openings": float(len(self.openings)), "sandbox_breaker_open_s": open_s}
+        return {"sandbox_breaker_openings": float(len(self.openings)), "sandbox_breaker_open_s": self.open_seconds()}

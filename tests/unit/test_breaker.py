@@ -36,6 +36,11 @@ def admission(clock, **breaker) -> SandboxAdmission:
     return SandboxAdmission(cfg, clock=clock)
 
 
+def opened(a: SandboxAdmission) -> None:
+    """Two failed starts fill a window of 2: the breaker opens."""
+    assert [a.record(START_FAILED, False) for _ in range(2)] == [False, True] and a.is_open
+
+
 def admitted_now(a: SandboxAdmission) -> bool | None:
     """The probe flag when `admit` returns without waiting; None when it would wait."""
 
@@ -86,8 +91,7 @@ def test_it_opens_above_the_rate_and_a_started_probe_closes_it():
 def test_a_lost_probe_lets_the_next_attempt_probe():
     clock = Clock()
     a = admission(clock, window=2, failure_rate=0.0)
-    a.record(START_FAILED, False)
-    assert a.record(START_FAILED, False) is True
+    opened(a)
     clock.now += 10
     assert admitted_now(a) is True
     assert a.record(None, True) is False  # the probe's attempt was lost (a worker died, it was cancelled)
@@ -97,8 +101,7 @@ def test_a_lost_probe_lets_the_next_attempt_probe():
 def test_it_gives_up_after_give_up_s_naming_the_last_failure():
     clock = Clock()
     a = admission(clock, window=2)
-    a.record(START_FAILED, False)
-    a.record(START_FAILED, False)
+    opened(a)
     clock.now += 101
     with pytest.raises(SandboxOutageError, match=r"open 101 s in 1 openings .*give_up_s 100.*SandboxStartError: down"):
         admitted_now(a)
@@ -107,13 +110,11 @@ def test_it_gives_up_after_give_up_s_naming_the_last_failure():
 def test_give_up_counts_every_opening_and_waits_for_a_running_probe():
     clock = Clock()
     a = admission(clock, window=2)
-    a.record(START_FAILED, False)
-    a.record(START_FAILED, False)
+    opened(a)
     clock.now += 60
     assert admitted_now(a) is True
     assert a.record(STARTED, True) is False and not a.is_open  # 60 s open, closed
-    a.record(START_FAILED, False)
-    a.record(START_FAILED, False)  # a flapping provider: open again
+    opened(a)  # a flapping provider: open again
     clock.now += 30
     assert admitted_now(a) is True  # 90 s in all: the probe goes
     clock.now += 20  # 110 s in all, but the probe runs: its sandbox may have started

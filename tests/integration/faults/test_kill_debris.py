@@ -56,6 +56,12 @@ RUNNING = {
 }
 
 
+def _env(home: Path) -> dict[str, str]:
+    """This environment with no Prefect setting, HOME and PREFECT_HOME in the setup's fresh home."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    return env | {"HOME": str(home), "PREFECT_HOME": str(home / ".prefect")}
+
+
 def _start(setup, point: str, name: str, grpoflow_args: list[str]):
     """`grpoflow ARGS` under the subreaper, held at `point` (pause_at.py): (reaper, the command's pid, its log,
     its TMPDIR) once the point is reached."""
@@ -63,8 +69,7 @@ def _start(setup, point: str, name: str, grpoflow_args: list[str]):
     work = base / name
     tmp = work / "tmp"  # the run's TMPDIR: where its sandbox, bridge and gate dirs go
     tmp.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env |= {"HOME": str(home), "PREFECT_HOME": str(home / ".prefect"), "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    env = _env(home) | {"TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
     marker, log = work / "reached", work / "run.log"
     pause = [sys.executable, str(REPO / "tests/integration/faults/pause_at.py"), point, str(marker)]
     reaper = subprocess.Popen(
@@ -165,9 +170,7 @@ def test_sigterm_of_grpoflow_main_cleans_up_and_ends_with_how_to_resume(setup):
     ), lines[-10:]
     assert "Traceback" not in "\n".join(lines[-10:]), lines[-10:]
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    home = setup[3]
-    env |= {"HOME": str(home), "PREFECT_HOME": str(home / ".prefect")}
+    env = _env(setup[3])
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", "resume", name, "--output-dir", str(output_dir)],
         env=env,

@@ -12,9 +12,10 @@ from grpoflow.config import RunConfig
 from grpoflow.ledger import ledger_table, run_ledger
 from grpoflow.paths import RunPaths
 from grpoflow.run.health import health_markdown, task_health, write_run_tasks
-from grpoflow.run.info import update_run_info
+from grpoflow.run.info import read_run_info, update_run_info
 from grpoflow.run.metrics import evaluation_rows, plot_curves, read_step_records, summary_markdown, training_rows
 from grpoflow.run.regrade import run_grader_noise
+from grpoflow.run.survived import survived, survived_markdown
 from grpoflow.run.viewer import write_viewer
 from grpoflow.scoring.evaluation import before_after_lines
 from tasks.rollout import regrade_trials_task
@@ -22,13 +23,17 @@ from tasks.rollout import regrade_trials_task
 
 def finish(cfg: RunConfig, paths: RunPaths) -> None:
     """The end of a train run once its steps and evaluations are recorded: its report, then `ended` in run.json."""
-    report(cfg, paths)
-    update_run_info(paths, ended=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-
-
-def report(cfg: RunConfig, paths) -> None:
-    run_id = cfg.run_id
     records = read_step_records(paths.metrics)
+    report(cfg, paths, records)
+    update_run_info(
+        paths,
+        ended=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        survived=survived(read_run_info(paths), records),
+    )
+
+
+def report(cfg: RunConfig, paths: RunPaths, records: list[dict]) -> None:
+    run_id = cfg.run_id
     if not records:
         return
     ledger = run_ledger(training_rows(records), cfg.report.cost_per_gpu_hour, cfg.report.cost_per_sandbox_hour)
@@ -83,6 +88,14 @@ def report(cfg: RunConfig, paths) -> None:
     png = plot_curves(records, paths.summary_plot)
     create_markdown_artifact(
         key=f"{run_id}-summary",
-        markdown=summary_markdown(run_id, paths.root, records, png, verdict, ledger_table(ledger)),
+        markdown=summary_markdown(
+            run_id,
+            paths.root,
+            records,
+            png,
+            verdict,
+            ledger_table(ledger),
+            survived_markdown(read_run_info(paths), records),
+        ),
         description="Run summary",
     )

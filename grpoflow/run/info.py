@@ -118,6 +118,20 @@ class Resume(_Record):
     at: str
     from_step: int
     flow_run_id: str | None = None
+    # How the attempt before it ended, as Prefect last recorded its flow run ("Crashed: ..."; a flow killed with
+    # SIGKILL stays "Running"); None when no Prefect server knows that flow run.
+    after: str | None = None
+    idle_s: float | None = None  # seconds from the run's last write to this resume: what the stop cost in time
+
+
+class Survived(_Record):
+    """What a finished run came through (`grpoflow.run.survived`): written with its report."""
+
+    resumes: int = 0
+    idle_s: float = 0.0  # over all resumes
+    breaker_openings: int = 0  # times the sandbox breaker held the starts of trials back
+    breaker_open_s: float = 0.0
+    sandbox_retries: int = 0  # trials run again after their sandbox failed
 
 
 class Parent(_Record):
@@ -145,6 +159,7 @@ class RunInfo(Provenance):
     ended: str | None = None
     flow: Literal["train", "evaluate"] | None = None  # None: prepared only
     resumes: list[Resume] = []
+    survived: Survived | None = None  # None until the run's report is written
     rerun_of: str | None = None
     parent: Parent | None = None  # lineage: the run whose checkpoint this run's model is
     split: SplitInfo | None = None  # None in runs made before the split was recorded

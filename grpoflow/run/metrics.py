@@ -171,9 +171,10 @@ def summary_markdown(
     png: Path | None,
     verdict: list[str] | None = None,
     ledger: list[dict[str, Any]] | None = None,
+    survived: list[str] | None = None,
 ) -> str:
     """The run's summary artifact: the verdict, the curves, the evaluations, the ledger (`grpoflow.ledger`'s
-    table rows), then a row per step."""
+    table rows), what the run survived (`grpoflow.run.survived`'s section), then a row per step."""
     keys = [
         "rollout/reward_mean",
         "rollout/pass_at_k",
@@ -215,6 +216,7 @@ def summary_markdown(
     if ledger:
         parts += ["## Ledger", "", "| | value | share of generated |", "|---|---|---|"]
         parts += [f"| {r['item']} | {_fmt(r['value'])} | {_fmt(r.get('share'))} |" for r in ledger] + [""]
+    parts += survived or []
     return "\n".join(parts + [head, sep, *rows])
 
 

@@ -221,11 +221,25 @@ def plan_resume(cfg: RunConfig, paths: RunPaths, point: ResumePoint) -> ResumePl
     return ResumePlan(action, point, final, info)
 
 
-def record_resume(paths: RunPaths, plan: ResumePlan, flow_run_id: str | None) -> None:
-    """Add this resume to run.json's `resumes`."""
-    at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    resume = Resume(at=at, from_step=plan.point.next_step, flow_run_id=flow_run_id)
+def record_resume(
+    paths: RunPaths, plan: ResumePlan, flow_run_id: str | None, *, after: str | None = None, stopped_at: float
+) -> None:
+    """Add this resume to run.json's `resumes`: when, from which step, `after` what (how the attempt before it
+    ended), and how long the run stood still since `stopped_at` (`last_write` before the resume touched it)."""
+    now = datetime.now(timezone.utc)
+    resume = Resume(
+        at=now.isoformat(timespec="seconds"),
+        from_step=plan.point.next_step,
+        flow_run_id=flow_run_id,
+        after=after,
+        idle_s=round(max(now.timestamp() - stopped_at, 0.0), 1),
+    )
     update_run_info(paths, resumes=[*plan.info.resumes, resume])
+
+
+def last_write(root: Path) -> float:
+    """When anything under the run dir was last written (epoch seconds): where an interrupted run stopped."""
+    return max((p.lstat().st_mtime for p in root.rglob("*")), default=root.lstat().st_mtime)
 
 
 def reopen_trainer(cfg: RunConfig, model_path: Path | str, point: ResumePoint) -> TrainerState:

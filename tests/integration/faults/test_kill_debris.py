@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from grpoflow.paths import RunPaths
+from grpoflow.run.info import read_run_info
 from tests.fakes.proc import descendants
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
@@ -181,6 +183,8 @@ def test_sigterm_of_grpoflow_main_cleans_up_and_ends_with_how_to_resume(setup):
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert [json.loads(row)["step"] for row in (output_dir / name / "metrics.jsonl").read_text().splitlines()] == [0]
+    (resume,) = read_run_info(RunPaths(output_dir / name)).resumes  # after what: the state Prefect gave the stop
+    assert resume.after.startswith("Crashed"), resume
 
 
 def test_sigterm_of_the_dataset_gate_leaves_no_dir_and_says_so(setup):

@@ -158,6 +158,11 @@ def test_killed_mid_rollout_keeps_finished_trials(setup, capfd, caplog):
     assert len(before) == 3 and complete_steps(RunPaths(root)) == []  # step 0 wrote no full checkpoint
     _resume(runs, "mid-rollout", capfd, caplog)
     _assert_resumed_like_reference(root, runs / "reference")
+    # run.json says what the run survived: a flow killed without a word (Prefect still holds it Running)
+    info = read_run_info(RunPaths(root))
+    (resume,) = info.resumes
+    assert resume.from_step == 0 and resume.after.startswith("Running: its process ended without reporting")
+    assert 0 <= resume.idle_s < 600 and (info.survived.resumes, info.survived.idle_s) == (1, resume.idle_s)
     # the 3 journaled trials ran once (one dir each, attempt a0); unfinished attempts' dirs were not reused
     dirs = _trial_dirs(root, 1)
     for rid in before:

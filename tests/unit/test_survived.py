@@ -1,0 +1,57 @@
+"""What a run survived: totals for run.json and the report's section, from run.json's resumes and the step rows."""
+
+from __future__ import annotations
+
+from grpoflow.run.info import Resume, RunInfo
+from grpoflow.run.survived import survived, survived_markdown
+
+
+def _info(*resumes: Resume) -> RunInfo:
+    return RunInfo.model_construct(resumes=list(resumes))
+
+
+def _row(step: int, **figures: float) -> dict:
+    return {"step": step, "rollout/reward_mean": 0.5, **{f"rollout/{k}": v for k, v in figures.items()}}
+
+
+def test_a_night_with_a_resume_a_breaker_opening_and_retries_is_told_step_by_step():
+    info = _info(
+        Resume(at="2026-12-07T02:10:00+00:00", from_step=3, after="Crashed: Execution was aborted", idle_s=1204.5),
+        Resume(at="2026-12-07T04:00:00+00:00", from_step=5, idle_s=30.0),
+    )
+    rows = [
+        _row(0, retries=0.0, sandbox_breaker_openings=0.0, sandbox_breaker_open_s=0.0),
+        _row(1, retries=2.0, sandbox_breaker_openings=2.0, sandbox_breaker_open_s=61.4),
+        _row(2, retries=1.0),
+        {"step": 6, "eval/trained/pass_at_1": 0.5},  # the final evaluation's row has no rollout figures
+    ]
+    total = survived(info, rows)
+    assert total.model_dump() == {
+        "resumes": 2,
+        "idle_s": 1234.5,
+        "breaker_openings": 2,
+        "breaker_open_s": 61.4,
+        "sandbox_retries": 3,
+    }
+    lines = survived_markdown(info, rows)
+    assert lines[0] == "## What the run survived"
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| when")]
+    assert table == [
+        "| 2026-12-07T02:10:00+00:00 | resumed at step 3 | Crashed: Execution was aborted | 1204 |",
+        "| 2026-12-07T04:00:00+00:00 | resumed at step 5 | not known to this Prefect server | 30 |",
+        "| step 1 | starts held back | sandbox starts failed above the breaker's rate: opened 2x | 61 |",
+        "| step 1 | sandbox retries: 2 | a trial's sandbox failed | - |",
+        "| step 2 | sandbox retries: 1 | a trial's sandbox failed | - |",
+    ]
+
+
+def test_a_quiet_night_says_nothing_went_wrong():
+    rows = [_row(0, retries=0.0, sandbox_breaker_openings=0.0, sandbox_breaker_open_s=0.0)]
+    assert survived(_info(), rows).model_dump() == {
+        "resumes": 0,
+        "idle_s": 0.0,
+        "breaker_openings": 0,
+        "breaker_open_s": 0.0,
+        "sandbox_retries": 0,
+    }
+    assert "Nothing: no resume, no breaker opening, no sandbox retry." in survived_markdown(_info(), rows)

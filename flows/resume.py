@@ -7,6 +7,7 @@ journal; see `grpoflow.run.resume` for what a complete step is and what is repai
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timezone
 from pathlib import Path
 from uuid import UUID
 
@@ -16,6 +17,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
+from pydantic import PositiveInt
 
 from flows.common import RunId, run_events
 from flows.report import finish
@@ -23,6 +25,7 @@ from grpoflow.errors import one_line
 from grpoflow.paths import RunPaths
 from grpoflow.run.loop import train_steps
 from grpoflow.run.resume import (
+    check_resume_budget,
     last_write,
     load_saved_config,
     plan_resume,
@@ -58,12 +61,14 @@ def how_it_ended(flow_run_id: str | None) -> str | None:
 
 
 @flow(name="resume", flow_run_name="resume-{run_id}", log_prints=True)
-def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
+def resume_flow(run_id: RunId, output_dir: str = "runs", max_resumes: PositiveInt | None = None) -> dict:
     """Continue a killed train run from its last complete step; returns the last step's metrics and timings.
 
     Args:
         run_id: The run to resume: the name of its dir under `output_dir`.
         output_dir: Directory holding the run dirs.
+        max_resumes: Refuse (fail) when the run was resumed this many times in the last 24 hours already; empty:
+            no bound. The resume deployment's trigger on crashed runs sets it.
     """
     root = Path(output_dir) / run_id
     stopped_at = last_write(root) if root.is_dir() else 0.0  # before this resume writes anything there
@@ -85,6 +90,8 @@ def resume_flow(run_id: RunId, output_dir: str = "runs") -> dict:
                 print(plan.describe(paths))
                 finish(cfg, paths)
                 return plan.done
+            if max_resumes is not None:
+                check_resume_budget(plan.info, max_resumes, datetime.now(timezone.utc))
             preflight_task(cfg, "resume")
             run = reopen_run_task(cfg)
             trainer = reopen_trainer(cfg, run.model.path, point)

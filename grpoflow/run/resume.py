@@ -17,12 +17,12 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 from grpoflow.config import RunConfig, parse_run_config, read_config_file
-from grpoflow.errors import RunDirError
+from grpoflow.errors import GrpoflowError, RunDirError
 from grpoflow.fileio import append_jsonl, is_temp_sibling, write_text_atomic
 from grpoflow.paths import RunPaths, step_of
 from grpoflow.rollout.journal import read_journal
@@ -235,6 +235,20 @@ def record_resume(
         idle_s=round(max(now.timestamp() - stopped_at, 0.0), 1),
     )
     update_run_info(paths, resumes=[*plan.info.resumes, resume])
+
+
+RESUME_WINDOW = timedelta(hours=24)  # how far back `max_resumes` counts: one night and the day after
+
+
+def check_resume_budget(info: RunInfo, max_resumes: int, now: datetime) -> None:
+    """Refuse a resume that would be the run's `max_resumes`+1-th within `RESUME_WINDOW` of `now`: a run that
+    crashes at every start is left for a person instead of restarted all night."""
+    recent = [r for r in info.resumes if now - datetime.fromisoformat(r.at) < RESUME_WINDOW]
+    if len(recent) >= max_resumes:
+        raise GrpoflowError(
+            f"run {info.run_id} was resumed {len(recent)} times in the last 24 h (max_resumes {max_resumes}), the "
+            f"last after {recent[-1].after or 'an unknown end'}: not again; resume it by hand once its cause is fixed"
+        )
 
 
 def last_write(root: Path) -> float:

@@ -1,8 +1,15 @@
-"""What a run survived: totals for run.json and the report's section, from run.json's resumes and the step rows."""
+"""What a run survived: totals for run.json and the report's section, from run.json's resumes and the step rows;
+and the bound on how often a crashed run is resumed by itself."""
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
+import pytest
+
+from grpoflow.errors import GrpoflowError
 from grpoflow.run.info import Resume, RunInfo
+from grpoflow.run.resume import check_resume_budget
 from grpoflow.run.survived import survived, survived_markdown
 
 
@@ -55,3 +62,17 @@ def test_a_quiet_night_says_nothing_went_wrong():
         "sandbox_retries": 0,
     }
     assert "Nothing: no resume, no breaker opening, no sandbox retry." in survived_markdown(_info(), rows)
+
+
+def test_the_resume_budget_counts_the_last_24_hours_only():
+    now = datetime(2026, 12, 7, 6, 0, tzinfo=timezone.utc)
+    old = Resume(at="2026-12-06T05:00:00+00:00", from_step=1)  # 25 h ago: another night
+    recent = [Resume(at=f"2026-12-07T0{h}:00:00+00:00", from_step=h, after="Crashed: SIGTERM") for h in (2, 4)]
+    info = RunInfo.model_construct(run_id="night-1", resumes=[old, *recent])
+    check_resume_budget(info, 3, now)  # two in the window: a third is allowed
+    with pytest.raises(GrpoflowError) as err:
+        check_resume_budget(info, 2, now)
+    assert str(err.value) == (
+        "run night-1 was resumed 2 times in the last 24 h (max_resumes 2), the last after Crashed: SIGTERM: not "
+        "again; resume it by hand once its cause is fixed"
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -17,7 +18,7 @@ from grpoflow.ledger import unaccounted
 from grpoflow.prepare.presets import load_preset
 from grpoflow.run.metrics import read_step_records, training_rows
 from grpoflow.run.regrade import read_regrades
-from tests.fakes.triggers import fires
+from tests.fakes.triggers import fires, render_parameters
 from tests.system.deployments.conftest import POOL, artifacts_of, dumps, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -69,6 +70,36 @@ def test_nightly_evaluation_follows_nightly_runs_and_their_resumes_only():
     assert not fires(trigger, _completed("resume", "resume"))  # a resume of a manual run
     assert not fires(trigger, _completed("train", "manual-train"))
     assert not fires(trigger, _completed("evaluate", "nightly-train"))
+
+
+def _flow_run_ended(state: str, flow: str, name: str) -> dict:
+    """The event Prefect emits when flow run `name` of flow `flow` enters `state`."""
+    return {
+        "occurred": datetime.now(timezone.utc).isoformat(),
+        "event": f"prefect.flow-run.{state}",
+        "resource": {"prefect.resource.id": "prefect.flow-run.4f0d", "prefect.resource.name": name},
+        "related": [
+            {"prefect.resource.id": "prefect.flow.9a1c", "prefect.resource.role": "flow", "prefect.resource.name": flow}
+        ],
+        "id": "1b0c5e2e-7d0a-4e0e-9a43-5d1f3a9c2b10",
+    }
+
+
+def test_crashed_train_runs_and_their_resumes_are_resumed_and_nothing_else():
+    (trigger,) = {s.name: s for s in read_specs()}["resume"].triggers
+    assert fires(trigger, _flow_run_ended("Crashed", "train", "train-night-1"))
+    assert fires(trigger, _flow_run_ended("Crashed", "resume", "resume-night-1"))  # crashed again while resuming
+    assert not fires(trigger, _flow_run_ended("Failed", "train", "train-night-1"))  # its own reason: a person's
+    assert not fires(trigger, _flow_run_ended("Crashed", "evaluate", "evaluate-e1"))  # nothing to resume
+    assert not fires(trigger, _flow_run_ended("Crashed", "rerun", "rerun-r1"))
+    # the run to resume, as the server renders it from the crashed flow run: its name less the prefix, its dir
+    for name, params, output_dir in [
+        ("train-night-1", {"config": {"output_dir": "/srv/runs"}}, "/srv/runs"),
+        ("train-20261207-010000-ab12cd", {"config": {}}, "runs"),  # the nightly config: the default dir
+        ("resume-night-1", {"run_id": "night-1", "output_dir": "/srv/runs"}, "/srv/runs"),
+    ]:
+        got = render_parameters(trigger, flow_run=SimpleNamespace(name=name, parameters=params))
+        assert got == {"run_id": name.split("-", 1)[1], "output_dir": output_dir, "max_resumes": 3}
 
 
 def test_deployed_as_declared(prefect_stack):

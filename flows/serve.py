@@ -42,6 +42,7 @@ class DeploymentSpec:
     triggers: list[dict[str, Any]] = field(default_factory=list)  # event triggers, as prefect.yaml writes them
     enforce_parameter_schema: bool = True
     concurrency_limit: int | None = None
+    env: dict[str, str] = field(default_factory=dict)  # its work pool's job variables' `env`: set in its flow runs
 
     @property
     def entrypoint_file(self) -> Path:
@@ -80,6 +81,10 @@ def read_specs(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
                 triggers=triggers,
                 enforce_parameter_schema=d.get("enforce_parameter_schema", True),
                 concurrency_limit=d.get("concurrency_limit"),
+                env={
+                    k: str(v)
+                    for k, v in (((d.get("work_pool") or {}).get("job_variables") or {}).get("env") or {}).items()
+                },
             )
         )
     if not specs:
@@ -144,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from prefect import serve
 
+    for spec in specs:  # served flow runs are this process's children: they see what a worker gives its runs
+        for key, value in spec.env.items():
+            os.environ.setdefault(key, value)
     serve(*deployments, limit=args.limit)
     return 0
 

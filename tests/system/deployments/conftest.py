@@ -26,6 +26,7 @@ from tests.integration.faults.test_prefect_restart import _free_port, _start_ser
 ROOT = Path(__file__).resolve().parents[3]
 PREFECT = Path(sys.executable).with_name("prefect")
 POOL = "grpoflow-local"
+AUTOMATIONS_FILE = ROOT / "deployments" / "automations.yaml"
 OUTPUT = ROOT / "test-output" / "deployments"  # screenshots a person looks at (git-ignored)
 
 
@@ -162,6 +163,7 @@ def prefect_stack(tmp_path_factory):
             ["--no-prompt", "deploy", *names, "--prefect-file", str(DEPLOYMENTS_FILE.relative_to(ROOT))], env
         )
         t_deploy = time.monotonic() - t1
+        _prefect(["automation", "create", "--from-file", str(AUTOMATIONS_FILE)], env)  # as the yaml's header says
         r = api_request(api, "POST", "/deployments/filter", {})
         r.raise_for_status()
         deployments = {d["name"]: d for d in r.json()}

@@ -119,6 +119,7 @@ def test_deployed_as_declared(prefect_stack):
         assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
         got = [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in d["schedules"]]
         assert got == [(c.cron, c.timezone, c.active) for c in spec.schedules], spec.name
+        assert d["job_variables"] == {"env": spec.env} and spec.env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]  # heartbeats
         if spec.concurrency_limit:
             assert d["global_concurrency_limit"]["limit"] == spec.concurrency_limit
 

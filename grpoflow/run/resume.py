@@ -252,8 +252,15 @@ def check_resume_budget(info: RunInfo, max_resumes: int, now: datetime) -> None:
 
 
 def last_write(root: Path) -> float:
-    """When anything under the run dir was last written (epoch seconds): where an interrupted run stopped."""
-    return max((p.lstat().st_mtime for p in root.rglob("*")), default=root.lstat().st_mtime)
+    """When anything under the run dir was last written (epoch seconds): where an interrupted run stopped. A file
+    gone between listing and stat (a run still alive, refused by `run_lock` later) is passed over."""
+    latest = root.lstat().st_mtime
+    for path in root.rglob("*"):
+        try:
+            latest = max(latest, path.lstat().st_mtime)
+        except FileNotFoundError:
+            continue
+    return latest
 
 
 def reopen_trainer(cfg: RunConfig, model_path: Path | str, point: ResumePoint) -> TrainerState:

@@ -3,13 +3,14 @@ and the bound on how often a crashed run is resumed by itself."""
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timezone
 
 import pytest
 
 from grpoflow.errors import GrpoflowError
 from grpoflow.run.info import Resume, RunInfo
-from grpoflow.run.resume import check_resume_budget
+from grpoflow.run.resume import check_resume_budget, last_write
 from grpoflow.run.survived import survived, survived_markdown
 
 
@@ -76,3 +77,15 @@ def test_the_resume_budget_counts_the_last_24_hours_only():
         "run night-1 was resumed 2 times in the last 24 h (max_resumes 2), the last after Crashed: SIGTERM: not "
         "again; resume it by hand once its cause is fixed"
     )
+
+
+def test_last_write_is_the_newest_file_anywhere_in_the_run_dir(tmp_path):
+    (tmp_path / "details" / "step_1").mkdir(parents=True)
+    journal, metrics = tmp_path / "details" / "step_1" / "journal.jsonl", tmp_path / "metrics.jsonl"
+    journal.write_text("{}\n")
+    metrics.write_text("{}\n")
+    os.utime(metrics, (1_000, 1_000))
+    os.utime(journal, (2_000, 2_000))
+    for d in (tmp_path / "details" / "step_1", tmp_path / "details", tmp_path):
+        os.utime(d, (500, 500))
+    assert last_write(tmp_path) == 2_000

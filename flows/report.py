@@ -12,7 +12,7 @@ from grpoflow.config import RunConfig
 from grpoflow.ledger import ledger_table, run_ledger
 from grpoflow.paths import RunPaths
 from grpoflow.run.health import health_markdown, task_health, write_run_tasks
-from grpoflow.run.info import read_run_info, update_run_info
+from grpoflow.run.info import RunInfo, read_run_info, update_run_info
 from grpoflow.run.metrics import evaluation_rows, plot_curves, read_step_records, summary_markdown, training_rows
 from grpoflow.run.regrade import run_grader_noise
 from grpoflow.run.survived import survived, survived_markdown
@@ -23,16 +23,14 @@ from tasks.rollout import regrade_trials_task
 
 def finish(cfg: RunConfig, paths: RunPaths) -> None:
     """The end of a train run once its steps and evaluations are recorded: its report, then `ended` in run.json."""
-    records = read_step_records(paths.metrics)
-    report(cfg, paths, records)
+    records, info = read_step_records(paths.metrics), read_run_info(paths)
+    report(cfg, paths, records, info)
     update_run_info(
-        paths,
-        ended=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        survived=survived(read_run_info(paths), records),
+        paths, ended=datetime.now(timezone.utc).isoformat(timespec="seconds"), survived=survived(info, records)
     )
 
 
-def report(cfg: RunConfig, paths: RunPaths, records: list[dict]) -> None:
+def report(cfg: RunConfig, paths: RunPaths, records: list[dict], info: RunInfo) -> None:
     run_id = cfg.run_id
     if not records:
         return
@@ -95,7 +93,7 @@ def report(cfg: RunConfig, paths: RunPaths, records: list[dict]) -> None:
             png,
             verdict,
             ledger_table(ledger),
-            survived_markdown(read_run_info(paths), records),
+            survived_markdown(info, records),
         ),
         description="Run summary",
     )

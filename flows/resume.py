@@ -99,7 +99,7 @@ def resume_flow(run_id: RunId, output_dir: str = "runs", max_resumes: PositiveIn
                 paths,
                 plan,
                 str(flow_run.id) if flow_run.id else None,
-                after=how_it_ended(plan.info.resumes[-1].flow_run_id if plan.info.resumes else plan.info.flow_run_id),
+                after=how_it_ended(plan.info.last_flow_run_id),
                 stopped_at=stopped_at,
             )
             print(plan.describe(paths))

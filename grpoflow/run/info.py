@@ -167,6 +167,11 @@ class RunInfo(Provenance):
     gpus: dict[str, Any] | None = None
 
     @property
+    def last_flow_run_id(self) -> str | None:
+        """The flow run of the run's latest attempt: its last resume's, else the one that started it."""
+        return self.resumes[-1].flow_run_id if self.resumes else self.flow_run_id
+
+    @property
     def trains(self) -> bool:
         """Made by the train flow (or by a prepare that a train run would have followed): resume and rerun take
         these only."""

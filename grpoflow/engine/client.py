@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 from grpoflow.config.engine import generation_timeout_s
 from grpoflow.engine.protocol import (
     BeginWeightUpdateRequest,
+    ContinueGenerationRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResponse,
@@ -39,6 +40,7 @@ from grpoflow.engine.protocol import (
     LoadLoRAAdapterRequest,
     LoRAUpdateResponse,
     ModelInfo,
+    PauseGenerationRequest,
     SamplingParams,
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
@@ -153,6 +155,13 @@ class EngineClient(ABC):
 
     @abstractmethod
     def update_weight_version(self, version: str) -> None: ...
+
+    @abstractmethod
+    def hold_generation(self) -> None:
+        """New generation requests wait (those in flight finish) until `release_generation`; weight updates go on."""
+
+    @abstractmethod
+    def release_generation(self) -> None: ...
 
     @abstractmethod
     def model_info(self) -> ModelInfo: ...
@@ -428,6 +437,12 @@ class SglangClient(EngineClient):
 
     def update_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", UpdateWeightVersionRequest(new_version=version).model_dump(), dict)
+
+    def hold_generation(self) -> None:
+        self._call("POST", "/pause_generation", PauseGenerationRequest(mode="in_place").model_dump(), dict)
+
+    def release_generation(self) -> None:
+        self._call("POST", "/continue_generation", ContinueGenerationRequest().model_dump(), dict)
 
     def model_info(self) -> ModelInfo:
         return self._call("GET", "/model_info", None, ModelInfo)

@@ -232,6 +232,21 @@ class EndWeightUpdateRequest(_Request):
     """Close the session `/begin_weight_update` opened (SGLang finalizes the loaded weights here)."""
 
 
+class PauseGenerationRequest(_Request):
+    """Hold generation (`/pause_generation`): new requests wait until `/continue_generation`; the control routes
+    (weight updates, versions, /health) still answer. SGLang's modes: `abort` the requests in flight, pause them
+    `in_place`, or `retract` them to its queue; the embedded engine holds new requests only and lets those in
+    flight finish, so it takes `in_place` and `retract` (nothing in flight is cut off) and refuses `abort`."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationRequest(_Request):
+    """Release what `/pause_generation` held."""
+
+    torch_empty_cache: bool = True
+
+
 class WeightsUpdateGroupResponse(_Response):
     success: bool
     message: str

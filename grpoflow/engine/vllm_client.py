@@ -124,6 +124,12 @@ class VllmClient(EngineClient):
     def update_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", {"new_version": version}, dict)  # the route's one field
 
+    def hold_generation(self) -> None:
+        self._call("POST", "/pause?mode=wait", None, dict)
+
+    def release_generation(self) -> None:
+        self._call("POST", "/resume", None, dict)
+
     def model_info(self) -> ModelInfo:
         """`model_path` is the model vLLM was started with (it does not follow weight loads, unlike SGLang's)."""
         card = self._call("GET", "/v1/models", None, VLLMModelList).data[0]

@@ -2,7 +2,7 @@
 
     python -m grpoflow.embedded.engine.server --model-path DIR [--host 127.0.0.1] [--port 0] [--seed N] [--threads N]
         [--max-batch-size N] [--prefix-cache-tokens N] [--port-file PATH] [--served-model-name NAME]
-        [--no-pack-weights]
+        [--no-pack-weights] [--paused]
 
 With `--port 0` the server binds a free port itself and hands the bound socket to uvicorn (no race between
 picking and binding), writes the port to `--port-file` atomically and prints
@@ -11,7 +11,9 @@ picking and binding), writes the port to `--port-file` atomically and prints
 Endpoints: POST /generate, POST /update_weights_from_disk, POST /init_weights_update_group (gloo),
 POST /begin_weight_update and /end_weight_update (the session the next two need, as in SGLang),
 POST /update_weights_from_distributed, POST /update_weights_from_tensor (same host), POST /load_lora_adapter, POST /unload_lora_adapter (one adapter, merged),
-POST /update_weight_version, GET /health, GET /model_info,
+POST /update_weight_version, POST /pause_generation and /continue_generation (new generations wait between the two;
+`--paused` starts the server paused, so an engine restarted in place takes its weights before it generates),
+GET /health, GET /model_info,
 GET /get_server_info, POST /flush_cache, POST /v1/chat/completions, GET /v1/models. A bad request gets 400 with a
 one-line message; an engine failure 500 with a message, never a traceback. Error bodies use SGLang's OpenAI-style shape
 `{"object": "error", "message", "type", "param", "code"}`.
@@ -44,6 +46,7 @@ from grpoflow.embedded.engine.scheduler import (
 from grpoflow.engine.protocol import (
     BeginWeightUpdateRequest,
     ChatCompletionRequest,
+    ContinueGenerationRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResponse,
@@ -51,6 +54,7 @@ from grpoflow.engine.protocol import (
     LoadLoRAAdapterRequest,
     LoRAUpdateResponse,
     ModelInfo,
+    PauseGenerationRequest,
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
@@ -66,11 +70,15 @@ from grpoflow.sockets import bind_socket
 log = logging.getLogger(__name__)
 
 
-def create_app(scheduler: Scheduler, served_model_name: str | None = None) -> FastAPI:
-    """A FastAPI app serving `scheduler`; the caller owns the scheduler's lifetime."""
+def create_app(scheduler: Scheduler, served_model_name: str | None = None, paused: bool = False) -> FastAPI:
+    """A FastAPI app serving `scheduler`; the caller owns the scheduler's lifetime. `paused`: generation waits
+    for `/continue_generation`."""
     app = FastAPI(title="grpoflow embedded engine", docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
     app.state.model_name = served_model_name or scheduler.model_path
+    app.state.generating = asyncio.Event()  # set: generation requests go ahead; clear: they wait
+    if not paused:
+        app.state.generating.set()
     _install_error_handlers(app)
     app.include_router(router)
     return app
@@ -87,8 +95,14 @@ def _model_name(request: Request) -> str:
     return request.app.state.model_name
 
 
+async def _not_held(request: Request) -> None:
+    """Wait while generation is paused (SGLang's requests wait on its pause condition alike)."""
+    await request.app.state.generating.wait()
+
+
 Engine = Annotated[Scheduler, Depends(_scheduler)]
 ModelName = Annotated[str, Depends(_model_name)]
+Generating = Depends(_not_held)
 
 
 @router.get("/health")
@@ -146,7 +160,21 @@ async def models(scheduler: Engine, model_name: ModelName) -> dict:
     return {"object": "list", "data": [card]}
 
 
-@router.post("/generate")
+@router.post("/pause_generation")
+async def pause_generation(req: PauseGenerationRequest, request: Request) -> JSONResponse:
+    if req.mode == "abort":
+        return _error(400, "/pause_generation: mode `abort` is not supported here: use `in_place`", "BadRequestError")
+    request.app.state.generating.clear()
+    return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(req: ContinueGenerationRequest, request: Request) -> JSONResponse:
+    request.app.state.generating.set()
+    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@router.post("/generate", dependencies=[Generating])
 async def generate(req: GenerateRequest, scheduler: Engine) -> dict:
     fut = scheduler.submit(
         req.input_ids, req.sampling_params, return_logprob=req.return_logprob, rid=req.rid, lora_path=req.lora_path
@@ -221,7 +249,7 @@ async def update_weight_version(req: UpdateWeightVersionRequest, scheduler: Engi
     return JSONResponse({"success": res.success, "message": res.message})
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", dependencies=[Generating])
 async def chat_completions(req: ChatCompletionRequest, scheduler: Engine, model_name: ModelName) -> dict:
     prompt_ids = chat_prompt_ids(scheduler.tokenizer, req)
     futs = [
@@ -314,6 +342,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-pack-weights", action="store_true", help="Plain F.linear (MKL) instead of oneDNN-packed linears."
     )
+    p.add_argument("--paused", action="store_true", help="Start with generation paused (/continue_generation).")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -341,7 +370,10 @@ def main(argv: list[str] | None = None) -> None:
         write_text_atomic(args.port_file, f"{port}\n")
     print(f"grpoflow-engine listening on http://{args.host}:{port}", flush=True)
     config = uvicorn.Config(
-        create_app(scheduler, args.served_model_name), log_level=args.log_level, access_log=False, timeout_keep_alive=30
+        create_app(scheduler, args.served_model_name, paused=args.paused),
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=30,
     )
     server = uvicorn.Server(config)
     try:

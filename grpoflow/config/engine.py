@@ -272,7 +272,25 @@ class Engine(Section):
         return None
 
 
-class EmbeddedEngine(Engine):
+class StartedEngine(Engine):
+    """An engine the run starts (embedded or launched), and so restarts in place when its process exits."""
+
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="How often one run restarts an engine it started whose process exited: on the same port and "
+        "GPUs, given the run's current weights before it generates again, while the step's trials wait for it. 0: "
+        "an exit is an outage, as with an attached engine.",
+    )
+
+    @property
+    def startup_timeout_s(self) -> float:
+        """How long the engine may take to answer /health, at the start and after a restart."""
+        return 120.0
+
+
+class EmbeddedEngine(StartedEngine):
     model_config = ConfigDict(title="embedded")
 
     serves_dtype = "float32"  # it serves in float32
@@ -326,13 +344,17 @@ class VllmServer(_Vllm, AttachedEngine):
     )
 
 
-class LaunchedEngine(Engine):
+class LaunchedEngine(StartedEngine):
     """A server started for the run from its own environment, on a free port, stopped at the end."""
 
     launch: LaunchConfig = Field(
         default_factory=LaunchConfig,
         description="What the launched server gets: its device, GPU memory share and startup timeout.",
     )
+
+    @property
+    def startup_timeout_s(self) -> float:
+        return self.launch.startup_timeout_s
 
     @property
     def python(self) -> str:

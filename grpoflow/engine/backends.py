@@ -28,6 +28,7 @@ class EngineHandle:
     client: EngineClient
     replicas: tuple[str, ...] = ()  # each engine's own URL (weight syncs, probes); empty: just `url`
     host_threads: int = 0  # CPU threads the run's engines use on this host, beside a CPU trainer
+    processes: tuple[EngineProcess, ...] = ()  # the engines the run started, as `replica_urls`; none attached
 
     @property
     def replica_urls(self) -> list[str]:
@@ -59,6 +60,7 @@ def open_engine(
                         model_path,
                         seed=seed,
                         threads=cfg.embedded.threads,
+                        startup_timeout=cfg.startup_timeout_s,
                         log_path=_replica_log(log_path, i, cfg.embedded.replicas),
                         client_timeout=cfg.request_timeout_s,
                         client_retries=cfg.retries,
@@ -72,7 +74,7 @@ def open_engine(
             ]
             threads = cfg.embedded.threads * cfg.embedded.replicas
             if len(engines) == 1:
-                yield EngineHandle(engines[0].url, engines[0].client, host_threads=threads)
+                yield EngineHandle(engines[0].url, engines[0].client, host_threads=threads, processes=(engines[0],))
                 return
             urls = [e.url for e in engines]
             router = stack.enter_context(
@@ -86,11 +88,11 @@ def open_engine(
                     request_timeout=cfg.longest_generation_s(),
                 )
             )
-            yield EngineHandle(router.url, router.client, tuple(urls), host_threads=threads)
+            yield EngineHandle(router.url, router.client, tuple(urls), host_threads=threads, processes=tuple(engines))
         return
     if isinstance(cfg, LaunchedEngine):
         with LAUNCHERS[type(cfg)](cfg, model_path, seed, log_path, base_gpu_id, host) as server:
-            yield EngineHandle(server.url, server.client)
+            yield EngineHandle(server.url, server.client, processes=(server,))
         return
     assert isinstance(cfg, AttachedEngine), f"no way to open {type(cfg).__name__}"
     url = cfg.url
@@ -108,7 +110,7 @@ def open_engine(
 def _common(cfg: LaunchedEngine, log_path: Path, host: str) -> dict[str, Any]:
     return {
         "log_path": log_path,
-        "startup_timeout": cfg.launch.startup_timeout_s,
+        "startup_timeout": cfg.startup_timeout_s,
         "client_timeout": cfg.request_timeout_s,
         "client_retries": cfg.retries,
         "host": host,

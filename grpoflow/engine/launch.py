@@ -5,6 +5,9 @@ The server runs in its own process group behind `grpoflow.lifeline` (so `stop()`
 and a flow killed with SIGKILL does not leave it holding its GPUs) with stdout/stderr in a log file; if it dies
 during startup the raised `EngineError` carries the log's tail. It reports its port through
 a file in a private temporary folder, removed once startup is over (the log's folder is often a user's run dir).
+
+`EngineProcess.restart` starts a server that exited again, with the same command on the same port (so every
+client's URL still holds), and with generation held until `release`: the caller gives it its weights first.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ _ENV_DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 
 
 class EngineProcess:
-    """A served engine in its own process group (the embedded server, or a launched SGLang): `.url`, `.client`,
-    `.log_path`, `.stop()`; a context manager."""
+    """A served engine in its own process group (the embedded server, or a launched SGLang or vLLM): `.url`,
+    `.client`, `.log_path`, `.stop()`, `.restart()`; a context manager.
+
+    `command` (and `env`) start it again on the same port; `starts_held`: that command starts it with generation
+    paused (the embedded engine's `--paused`), else `restart` pauses it as soon as it answers."""
 
     def __init__(
         self,
@@ -43,6 +49,8 @@ class EngineProcess:
         *,
         stop_timeout: float = 10.0,
         command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        starts_held: bool = False,
     ):
         self.process = process
         self.url = url
@@ -50,6 +58,30 @@ class EngineProcess:
         self.client = client
         self.stop_timeout = stop_timeout
         self.command = command
+        self.env = env
+        self.starts_held = starts_held
+
+    def restart(self, startup_timeout: float) -> None:
+        """Start the server again after its process exited (what it spawned is stopped first), on the same port,
+        and return once it answers /health with generation held; EngineError (the log's tail) if it does not."""
+        if self.command is None:
+            raise EngineError(f"engine {self.url} cannot be restarted: its command is not known")
+        stop_process_group(self.process, self.stop_timeout)
+        with open(self.log_path, "ab") as log_file:
+            log_file.write(f"grpoflow: restarting {' '.join(self.command)}\n".encode())
+            log_file.flush()
+            self.process = start_group(self.command, log_file, env=self.env, grace_s=self.stop_timeout)
+        try:
+            _wait_until_healthy(type(self.client), self.process, self.url, self.log_path, startup_timeout, 10.0)
+            if not self.starts_held:
+                self.client.hold_generation()
+        except BaseException:
+            stop_process_group(self.process, self.stop_timeout)
+            raise
+
+    def release(self) -> None:
+        """Let generation go on (after `restart`, once the server has its weights)."""
+        self.client.release_generation()
 
     @property
     def pid(self) -> int:
@@ -128,7 +160,13 @@ def start_embedded_engine(
     finally:
         shutil.rmtree(port_dir, ignore_errors=True)
     client = SglangClient(url, timeout=client_timeout, retries=client_retries)
-    return EngineProcess(proc, url, log_path, client, stop_timeout=EMBEDDED_STOP_S)
+    # again on the port it bound, held until it has the run's weights
+    port_at = cmd.index("--port") + 1
+    again = [*cmd[:port_at], url.rsplit(":", 1)[1], *cmd[port_at + 1 :]]
+    again = [*again[: again.index("--port-file")], *again[again.index("--port-file") + 2 :], "--paused"]
+    return EngineProcess(
+        proc, url, log_path, client, stop_timeout=EMBEDDED_STOP_S, command=again, env=None, starts_held=True
+    )
 
 
 def _wait_until_serving(proc: subprocess.Popen, port_file: Path, log_path: Path, timeout: float, host: str) -> str:
@@ -209,7 +247,7 @@ def start_server(
         stop_process_group(proc, timeout=LAUNCHED_STOP_S)
         raise
     client = client_class(url, timeout=client_timeout, retries=client_retries)
-    return EngineProcess(proc, url, log_path, client, stop_timeout=LAUNCHED_STOP_S, command=cmd)
+    return EngineProcess(proc, url, log_path, client, stop_timeout=LAUNCHED_STOP_S, command=cmd, env=child_env)
 
 
 def _wait_until_healthy(

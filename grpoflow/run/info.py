@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import platform
 import subprocess
+import threading
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from grpoflow.engine.restart import Restart
 from grpoflow.errors import RunDirError
 from grpoflow.fileio import write_json_atomic
 from grpoflow.numerics import cpu_arithmetic
@@ -132,6 +134,8 @@ class Survived(_Record):
     breaker_openings: int = 0  # times the sandbox breaker held the starts of trials back
     breaker_open_s: float = 0.0
     sandbox_retries: int = 0  # trials run again after their sandbox failed
+    engine_restarts: int = 0  # engines that exited and were brought back in place
+    engine_restart_s: float = 0.0  # from each exit to the engine generating again
 
 
 class Parent(_Record):
@@ -159,6 +163,7 @@ class RunInfo(Provenance):
     ended: str | None = None
     flow: Literal["train", "evaluate"] | None = None  # None: prepared only
     resumes: list[Resume] = []
+    engine_restarts: list[Restart] = []  # exits of the engines the run started, and what became of them
     survived: Survived | None = None  # None until the run's report is written
     rerun_of: str | None = None
     parent: Parent | None = None  # lineage: the run whose checkpoint this run's model is
@@ -224,11 +229,22 @@ def write_run_info(paths: RunPaths, info: RunInfo) -> None:
     write_json_atomic(paths.run_info, info.model_dump(mode="json"))
 
 
+_UPDATES = threading.Lock()  # the loop and the engine keeper's thread both update run.json
+
+
 def update_run_info(paths: RunPaths, **fields: Any) -> RunInfo:
     """Add or replace fields of run.json (validated, atomically); returns the new record."""
-    info = RunInfo.model_validate({**read_run_info(paths).model_dump(), **fields})
-    write_run_info(paths, info)
+    with _UPDATES:
+        info = RunInfo.model_validate({**read_run_info(paths).model_dump(), **fields})
+        write_run_info(paths, info)
     return info
+
+
+def add_engine_restart(paths: RunPaths, restart: Restart) -> None:
+    """`restart` appended to run.json's `engine_restarts`."""
+    with _UPDATES:
+        info = read_run_info(paths)
+        write_run_info(paths, info.model_copy(update={"engine_restarts": [*info.engine_restarts, restart]}))
 
 
 def code_commit() -> str | None:

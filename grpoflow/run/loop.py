@@ -11,11 +11,15 @@ runs/<run_id>/ (trials/, details/, checkpoints/, metrics.jsonl, timings.jsonl, t
 starts, except, with `train.max_staleness` > 0, the next step's rollout, which runs in a thread beside the update
 (one at a time, a plain future): the weights reach the engine only while no rollout runs on it, so every turn of
 a trial comes from one weight version.
+
+An engine the run started that exits is restarted in place (`grpoflow.engine.restart`) and given the weights it
+served before its generation resumes (`StepLoop._restore`); the trials waiting for it go on.
 """
 
 from __future__ import annotations
 
 import contextvars
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.cluster import ray_session, serve_host
-from grpoflow.config import AttachedEngine, RunConfig, TrainConfig
+from grpoflow.config import AttachedEngine, RunConfig, StartedEngine, TrainConfig
 from grpoflow.engine.backends import EngineHandle, open_engine
+from grpoflow.engine.restart import EngineKeeper
+from grpoflow.errors import EngineError
 from grpoflow.figures import Figures
 from grpoflow.ledger import rollout_discards, time_ledger, token_ledger
 from grpoflow.placement import machine_gpus, plan_gpus
@@ -35,7 +41,7 @@ from grpoflow.prepare.prompts import PromptRecord, load_prompts
 from grpoflow.rollout.step import RolloutSetup, StepRollout, run_step_trials, select_step_prompts
 from grpoflow.rollout.workers import rollout_workers
 from grpoflow.run.commit import StepCommits, is_full_checkpoint, save_step, step_dir
-from grpoflow.run.info import update_run_info
+from grpoflow.run.info import add_engine_restart, update_run_info
 from grpoflow.run.metrics import MetricsLog, append_step, has_row, read_metrics
 from grpoflow.run.record import StepRecord
 from grpoflow.run.start import PreparedRun
@@ -205,6 +211,12 @@ class StepLoop:
         limit = cfg.train.max_probe_logprob_gap
         self.sync_probe = SyncProbe(limit) if limit is not None else None
         self.pending: tuple[str, Path | None] | None = None  # trainer weights the engine does not serve yet
+        # What the engines serve: (weight version, the dir it was loaded from; None in memory), and the updates
+        # in the trainer's weights. Both change under `_weights`, which an engine's restore takes too.
+        self.served: tuple[str, Path | None] = (str(start_step), weights)
+        self.trainer_version = start_step
+        self._weights = threading.Lock()
+        self.keeper: EngineKeeper | None = None
         self._stack = ExitStack()
         self._failing = True  # until the loop ends well: then a failing commit is the error to raise
 
@@ -222,6 +234,17 @@ class StepLoop:
             stack.enter_context(trainer_ranks(self.trainer, self.run.model.path, cfg, self.weights))
             workers = stack.enter_context(rollout_workers(cfg.cluster, cfg.rollout.concurrency, (self.engine.url,)))
             self._start(workers)
+            if isinstance(cfg.engine, StartedEngine) and self.engine.processes:
+                self.keeper = stack.enter_context(
+                    EngineKeeper(
+                        self.engine.processes,
+                        self._restore,
+                        max_restarts=cfg.engine.max_restarts,
+                        startup_timeout_s=cfg.engine.startup_timeout_s,
+                        check=self._check_restored,
+                        on_restart=lambda r: add_engine_restart(self.paths, r),
+                    )
+                )
         except BaseException as err:
             if not stack.__exit__(type(err), err, err.__traceback__):
                 raise
@@ -236,6 +259,8 @@ class StepLoop:
             self.stages.sync(self.syncs, trainer, Path(self.run.model.path), "0", None)
         else:  # started on the prepared model: labelled with the version its samples record
             self.syncs.label("0")
+        if self.weights is None:
+            self.served = ("0", Path(self.run.model.path))
         gap = self.stages.probe(trainer, self.syncs, cfg, self.sync_probe)
         if gap:
             print(
@@ -289,13 +314,57 @@ class StepLoop:
 
     def sync_now(self, record: StepRecord) -> None:
         """The pending weights into the engine; only while no rollout runs on it. A step that syncs twice (an
-        evaluation, then the end of the last step) records both."""
+        evaluation, then the end of the last step) records both. An engine that exited during the sync is
+        restarted and the sync made once more."""
         assert self.pending is not None and self.ahead.idle
         t = time.perf_counter()
         version, ckpt = self.pending
-        moved = self.stages.sync(self.syncs, self.trainer, ckpt, version, self.sync_probe)
+        for again in (False, True):
+            if self.keeper is not None:
+                self.keeper.settle()  # an engine that exited is back, on its weights
+            brought_back = self.keeper.brought_back if self.keeper is not None else 0
+            try:
+                with self._weights:
+                    moved = self.stages.sync(self.syncs, self.trainer, ckpt, version, self.sync_probe)
+                    self.served = (version, ckpt)
+                break
+            except EngineError:
+                if again or self.keeper is None:
+                    raise
+                self.keeper.settle()
+                if self.keeper.brought_back == brought_back:  # no engine came back meanwhile: a fault of its own
+                    raise
         record.add_sync(moved, time.perf_counter() - t)
         self.ahead.engine_version, self.pending = int(version), None
+
+    def _restore(self, i: int) -> str:
+        """Engine `i` (as `engine.replica_urls`), restarted on the prepared model with its generation held: the
+        weights it served, through a new sync to it. Returns their version; EngineError when they are not at hand
+        (a rollout generates on an older version than the trainer's, and the sync is in memory)."""
+        with self._weights:
+            sync = self.syncs.reopen(i)
+            version, where = self.served
+            if self.syncs.needs_dir:  # the dir the version served was loaded from
+                sync.push(self.trainer, version, where)
+                return version
+            trainer = str(self.trainer_version)
+            if trainer != version and self.ahead.generating:
+                raise EngineError(
+                    f"weight version {version}, which a rollout generates on, is not at hand: the trainer holds "
+                    f"version {trainer} and the weight sync is in memory"
+                )
+            # no rollout runs on the version served, or the trainer holds it: the trainer's weights, whose sync
+            # to every engine is pending if they are newer
+            sync.push(self.trainer, trainer)
+            return trainer
+
+    def _check_restored(self, i: int) -> None:
+        """A restored engine generates as the trainer scores, when the run probes its syncs (`SyncProbe`)."""
+        with self._weights:
+            client = self.syncs.client_of(i)
+            version = client.model_info().weight_version
+            if self.sync_probe is not None and version == str(self.trainer_version):
+                self.sync_probe.check(client, self.trainer, version)
 
     def step(self, step: int) -> StepRecord:
         """Step `step`: its rollout, the update on what it may train on, the commit and the sync."""
@@ -321,7 +390,9 @@ class StepLoop:
         t1 = time.perf_counter()
         if not trainable:
             print(f"step {step}: no trainable samples (all groups dropped): weights unchanged")
-        train = self.stages.update(self.trainer, trainable, cfg, step).prefixed("train/")
+        with self._weights:
+            train = self.stages.update(self.trainer, trainable, cfg, step).prefixed("train/")
+            self.trainer_version = step + 1
         record.rollout = self._rollout_figures(rollout, filtered)
         record.tokens, train.computed = token_ledger(record.rollout.computed, train.computed, discards)
         record.train = train

@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -77,6 +77,9 @@ class DiskSync:
 
     def __init__(self, client: EngineClient):
         self.client = client
+
+    def close(self) -> None:
+        self.client.close()
 
     def push(self, trainer: TrainerState, version: str, ckpt: Path | None) -> dict[str, float]:
         if ckpt is None:
@@ -169,8 +172,11 @@ class DistributedSync:
         return value
 
     def close(self) -> None:
-        if not self.broken:
-            leave_update_group(self.group)
+        try:
+            if not self.broken:
+                leave_update_group(self.group)
+        finally:
+            self.client.close()
 
 
 class TensorSync:
@@ -214,6 +220,7 @@ class TensorSync:
 
     def close(self) -> None:
         self._flat = None
+        self.client.close()
 
 
 def _buckets(shapes: list[list[int]], dtype: torch.dtype, limit_bytes: int) -> list[range]:
@@ -263,20 +270,46 @@ class AdapterSync:
         return {"bytes": float(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))}
 
     def close(self) -> None:
-        pass
+        self.client.close()
 
 
 class ReplicaSyncs:
     """One sync per engine (one, or each replica: `engine.embedded.replicas`, or the servers behind a router): each push
     reaches every live engine, and each must then report the new weight version, or the sync fails naming it. A
     replica that no longer answers /health is left out from then on (the router stops routing to it too), and
-    said so; with none left the sync fails."""
+    said so; with none left the sync fails. `reopen` replaces one engine's sync (the engine was restarted)."""
 
-    def __init__(self, syncs: list[WeightSync], router: str | None = None):
-        self.syncs = syncs
+    def __init__(self, urls: list[str], open_one: Callable[[int, str], WeightSync], router: str | None = None):
+        self._open_one = open_one
+        self.urls = urls
+        self._opened: list[WeightSync] = []  # each engine's latest, as `urls`, lost or not
+        try:
+            for i, url in enumerate(urls):
+                self._opened.append(open_one(i, url))
+        except BaseException:
+            self.close()
+            raise
+        self.syncs = list(self._opened)  # each live engine's
         self.router = router  # taken out of it too: else its health check could take back a replica on old weights
-        self.needs_dir = any(s.needs_dir for s in syncs)
+        self.needs_dir = any(s.needs_dir for s in self.syncs)
         self.lost: list[str] = []  # replicas left out, by URL
+
+    def client_of(self, i: int) -> EngineClient:
+        """Engine `i`'s client (as `urls`)."""
+        return self._opened[i].client
+
+    def reopen(self, i: int) -> WeightSync:
+        """A new sync to engine `i` (as `urls`), whose process was restarted: what the old one set up there (an
+        update group, a loaded adapter) went with it. Not yet pushed to."""
+        old, new = self._opened[i], self._open_one(i, self.urls[i])
+        self._opened[i] = new
+        if old in self.syncs:
+            self.syncs[self.syncs.index(old)] = new
+        else:  # it was lost: it answers again
+            self.syncs.append(new)
+            self.lost.remove(old.client.base_url)
+        old.close()
+        return new
 
     @property
     def client(self) -> EngineClient:
@@ -319,7 +352,7 @@ class ReplicaSyncs:
         return None if any(b is None for b in busy) else sum(busy)
 
     def close(self) -> None:
-        for s in self.syncs:
+        for s in self._opened:
             s.close()
 
 
@@ -407,20 +440,19 @@ def open_weight_sync(
     `sync/`; one subdir per replica when there are several)."""
     engine_urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
     several = len(engine_urls) > 1
-    with ExitStack() as stack:
-        yield ReplicaSyncs(
-            [
-                stack.enter_context(
-                    _open_one(cfg, url, trainer, sync_dir / f"replica-{i}" if sync_dir and several else sync_dir)
-                )
-                for i, url in enumerate(engine_urls)
-            ],
-            router,
-        )
+
+    def open_one(i: int, url: str) -> WeightSync:
+        return _open_one(cfg, url, trainer, sync_dir / f"replica-{i}" if sync_dir and several else sync_dir)
+
+    syncs = ReplicaSyncs(engine_urls, open_one, router)
+    try:
+        yield syncs
+    finally:
+        syncs.close()
 
 
-@contextmanager
-def _open_one(cfg: RunConfig, engine_url: str, trainer: TrainerState, sync_dir: Path | None) -> Iterator[WeightSync]:
+def _open_one(cfg: RunConfig, engine_url: str, trainer: TrainerState, sync_dir: Path | None) -> WeightSync:
+    """The sync to one engine (its `close` closes its client)."""
     e = cfg.engine
     mode = cfg.weight_sync_mode()
     # with the adapter alone synced, every generation names it: `sync.client.lora_path` says which
@@ -428,18 +460,15 @@ def _open_one(cfg: RunConfig, engine_url: str, trainer: TrainerState, sync_dir: 
     client = client_of(e, engine_url, lora_path=served)
     try:
         if mode == "disk":
-            yield DiskSync(client)
-            return
-        if mode == "adapter":
+            sync: WeightSync = DiskSync(client)
+        elif mode == "adapter":
             where = sync_dir or Path(tempfile.mkdtemp(prefix="grpoflow-sync-"))
-            sync: WeightSync = AdapterSync(client, where, trainer, sync_dtype(e))
+            sync = AdapterSync(client, where, trainer, sync_dtype(e))
         elif mode == "tensor":
             sync = TensorSync(client, e, trainer.device)
         else:
             sync = DistributedSync(client, e, trainer.device)
-        try:
-            yield sync
-        finally:
-            sync.close()
-    finally:
+    except BaseException:
         client.close()
+        raise
+    return sync

@@ -8,14 +8,15 @@ from datetime import datetime, timezone
 
 import pytest
 
+from grpoflow.engine.restart import Restart
 from grpoflow.errors import GrpoflowError
 from grpoflow.run.info import Resume, RunInfo
 from grpoflow.run.resume import check_resume_budget, last_write
 from grpoflow.run.survived import survived, survived_markdown
 
 
-def _info(*resumes: Resume) -> RunInfo:
-    return RunInfo.model_construct(resumes=list(resumes))
+def _info(*resumes: Resume, restarts: tuple[Restart, ...] = ()) -> RunInfo:
+    return RunInfo.model_construct(resumes=list(resumes), engine_restarts=list(restarts))
 
 
 def _row(step: int, **figures: float) -> dict:
@@ -26,6 +27,22 @@ def test_a_night_with_a_resume_a_breaker_opening_and_retries_is_told_step_by_ste
     info = _info(
         Resume(at="2026-12-07T02:10:00+00:00", from_step=3, after="Crashed: Execution was aborted", idle_s=1204.5),
         Resume(at="2026-12-07T04:00:00+00:00", from_step=5, idle_s=30.0),
+        restarts=(
+            Restart(
+                at="2026-12-07T02:40:00+00:00",
+                engine="http://127.0.0.1:30000",
+                exit="SIGKILL",
+                seconds=12.3,
+                weight_version="4",
+            ),
+            Restart(
+                at="2026-12-07T03:00:00+00:00",
+                engine="http://127.0.0.1:30000",
+                exit="code 1",
+                seconds=20.1,
+                error="restart failed: SGLang server exited with code 1 during startup",
+            ),
+        ),
     )
     rows = [
         _row(0, retries=0.0, sandbox_breaker_openings=0.0, sandbox_breaker_open_s=0.0),
@@ -40,6 +57,8 @@ def test_a_night_with_a_resume_a_breaker_opening_and_retries_is_told_step_by_ste
         "breaker_openings": 2,
         "breaker_open_s": 61.4,
         "sandbox_retries": 3,
+        "engine_restarts": 1,
+        "engine_restart_s": 12.3,
     }
     lines = survived_markdown(info, rows)
     assert lines[0] == "## What the run survived"
@@ -47,6 +66,10 @@ def test_a_night_with_a_resume_a_breaker_opening_and_retries_is_told_step_by_ste
     assert table == [
         "| 2026-12-07T02:10:00+00:00 | resumed at step 3 | Crashed: Execution was aborted | 1204 |",
         "| 2026-12-07T04:00:00+00:00 | resumed at step 5 | not known to this Prefect server | 30 |",
+        "| 2026-12-07T02:40:00+00:00 | engine restarted, weight version 4 | http://127.0.0.1:30000 exited (SIGKILL) "
+        "| 12 |",
+        "| 2026-12-07T03:00:00+00:00 | engine left down | http://127.0.0.1:30000 exited (code 1): restart failed: "
+        "SGLang server exited with code 1 during startup | 20 |",
         "| step 1 | starts held back | sandbox starts failed above the breaker's rate: opened 2x | 61 |",
         "| step 1 | sandbox retries: 2 | a trial's sandbox failed | - |",
         "| step 2 | sandbox retries: 1 | a trial's sandbox failed | - |",
@@ -61,8 +84,12 @@ def test_a_quiet_night_says_nothing_went_wrong():
         "breaker_openings": 0,
         "breaker_open_s": 0.0,
         "sandbox_retries": 0,
+        "engine_restarts": 0,
+        "engine_restart_s": 0.0,
     }
-    assert "Nothing: no resume, no breaker opening, no sandbox retry." in survived_markdown(_info(), rows)
+    assert "Nothing: no resume, no engine exit, no breaker opening, no sandbox retry." in survived_markdown(
+        _info(), rows
+    )
 
 
 def test_the_resume_budget_counts_the_last_24_hours_only():

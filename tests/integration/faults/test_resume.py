@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from grpoflow.paths import RunPaths
 from grpoflow.run.info import DeploymentRef, read_run_info, update_run_info
 from grpoflow.run.resume import complete_steps
 from grpoflow.train.fsdp import OPTIMIZER_DCP
+from tests.fakes.proc import descendants_running
 from tests.fakes.triggers import fires
 from tests.integration.faults.events import run_events
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
@@ -359,3 +361,47 @@ def test_killed_mid_overlap_resumes_like_the_uninterrupted_async_run(setup, capf
     assert finished <= {s["rollout_id"] for s in _journal(root, 2)}
     assert len(_trial_dirs(root, 2)) == TRIALS + len(dirs_before) - len(finished)
     assert {v for *_, v in _traces(root, 2)} == {"1"}  # one step off, before and after the kill
+
+
+def test_an_engine_killed_three_times_is_restarted_and_the_run_ends_as_its_reference(setup, monkeypatch):
+    """The embedded engine SIGKILLed in step 0's rollout (serving the prepared model), right after step 1's update
+    (before its weights are synced) and in step 2's rollout (serving the weights of 2 updates, in memory): each time
+    it comes back on its port with the weights it served or the trainer's, the trials waiting for it go on, none
+    runs again, and the run ends as the one never interrupted."""
+    import grpoflow.rollout.journal as journal
+    import grpoflow.train.ranks as ranks
+
+    model, data, runs = setup
+    real_append, real_update, seen = journal.append_jsonl, ranks.grpo_update, {"step_0": 0, "step_2": 0}
+
+    def kill_engine() -> None:
+        (group,) = {os.getpgid(p) for p in descendants_running("grpoflow.embedded.engine.server")}
+        os.killpg(group, signal.SIGKILL)
+
+    def append(path, record):
+        real_append(path, record)
+        where = Path(path).parent.name
+        if Path(path).name == "journal.jsonl" and where in seen:
+            seen[where] += 1
+            if seen[where] == 3:  # 3 trials journaled, the others mid-flight
+                kill_engine()
+
+    def grpo_update(state, samples, cfg, at):
+        out = real_update(state, samples, cfg, at)
+        if at == 1:
+            kill_engine()
+        return out
+
+    monkeypatch.setattr(journal, "append_jsonl", append)
+    monkeypatch.setattr(ranks, "grpo_update", grpo_update)
+    train_flow(parse_run_config(run_config(runs, model, data, "engine-killed", steps=STEPS)))
+    root = runs / "engine-killed"
+    _assert_resumed_like_reference(root, runs / "reference")
+    info = read_run_info(RunPaths(root))
+    assert [(r.exit, r.weight_version, r.error) for r in info.engine_restarts] == [
+        ("SIGKILL", "0", None),
+        ("SIGKILL", "2", None),  # the trainer's: no rollout ran, and the sync of them was due
+        ("SIGKILL", "2", None),
+    ]
+    assert info.survived.engine_restarts == 3 and info.survived.engine_restart_s > 0
+    assert (root / "engine.log").read_text().count("grpoflow: restarting") == 3

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict
 
-from grpoflow.engine.launch import EngineProcess
+from grpoflow.engine.launch import EngineProcess, stop_process_group
 from grpoflow.errors import EngineError
 
 logger = logging.getLogger(__name__)
@@ -139,9 +139,10 @@ class EngineKeeper:
                 proc.release()
                 if self.check is not None:
                     self.check(i)
-            except (EngineError, OSError) as err:
-                error = f"restart failed: {err}"
-                proc.stop()
+            except Exception as err:  # noqa: BLE001  (the keeper's thread: recorded and logged, the engine left down)
+                error = f"restart failed: {err}" if isinstance(err, EngineError) else f"restart failed: {err!r}"
+                # not proc.stop(): its client is the run's, and stays usable (an outage) while the engine is down
+                stop_process_group(proc.process, proc.stop_timeout)
         record = Restart(
             at=at,
             engine=proc.url,

@@ -279,9 +279,9 @@ class StartedEngine(Engine):
         3,
         ge=0,
         le=100,
-        description="How often one run restarts an engine it started whose process exited: on the same port and "
-        "GPUs, given the run's current weights before it generates again, while the step's trials wait for it. 0: "
-        "an exit is an outage, as with an attached engine.",
+        description="How many times one run's process restarts the engines it started (all replicas together, "
+        "failed tries included) when one exits: on the same port and GPUs, given the run's current weights before "
+        "it generates again, while the step's trials wait for it. 0: an exit is an outage, as with an attached one.",
     )
 
     @property

@@ -439,7 +439,9 @@ class SglangClient(EngineClient):
         self._call("POST", "/update_weight_version", UpdateWeightVersionRequest(new_version=version).model_dump(), dict)
 
     def hold_generation(self) -> None:
-        self._call("POST", "/pause_generation", PauseGenerationRequest(mode="in_place").model_dump(), dict)
+        # abort: a request that reached a just-restarted engine before the hold must not run on its start weights
+        # (in_place would keep it in the batch, and the weight update's cache flush fails with it there)
+        self._call("POST", "/pause_generation", PauseGenerationRequest(mode="abort").model_dump(), dict)
 
     def release_generation(self) -> None:
         self._call("POST", "/continue_generation", ContinueGenerationRequest().model_dump(), dict)

@@ -235,8 +235,8 @@ class EndWeightUpdateRequest(_Request):
 class PauseGenerationRequest(_Request):
     """Hold generation (`/pause_generation`): new requests wait until `/continue_generation`; the control routes
     (weight updates, versions, /health) still answer. SGLang's modes: `abort` the requests in flight, pause them
-    `in_place`, or `retract` them to its queue; the embedded engine holds new requests only and lets those in
-    flight finish, so it takes `in_place` and `retract` (nothing in flight is cut off) and refuses `abort`."""
+    `in_place`, or `retract` them to its queue. The embedded engine holds new requests only and lets those in
+    flight finish: it takes `in_place` and `retract`, and `abort` only with nothing in flight to abort."""
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
 

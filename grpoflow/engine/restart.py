@@ -4,8 +4,9 @@ held, has the run give it the weights it served (`restore`), then lets it genera
 
 Nothing else in the run waits for this: a trial whose request meets the dead engine keeps retrying it for
 `engine.outage_wait_s` and goes on where it was once the engine answers with its weights, so the step's finished
-trials are kept and its unfinished ones continue. A run's own calls (a weight sync) wait for a restart under way
-first (`settle`). After `engine.max_restarts` restarts, or when one fails, an engine that exits stays down: an
+trials are kept and its unfinished ones continue. The restart and the restore run under the run's weights lock
+(`lock`: its update, save and sync take it too), so no sync meets a held engine; a run's own calls wait for a
+restart under way first (`settle`). After `engine.max_restarts` restarts, or when one fails, an engine that exits stays down: an
 outage, as with an attached engine.
 """
 
@@ -58,8 +59,8 @@ def exit_reason(returncode: int | None) -> str:
 
 class EngineKeeper:
     """Watches `processes` (the run's started engines) from a thread; `restore(i)` gives engine `i`, restarted and
-    held, the run's weights and returns the version it serves (EngineError when it cannot); `check(i)`, once it
-    generates again, proves it serves them. `on_restart` is told each `Restart` (run.json keeps them). A context
+    held, the run's weights and returns the version it serves (EngineError when it cannot), both under `lock`;
+    `check(i)`, once it generates again, proves it serves them. `on_restart` is told each `Restart` (run.json keeps them). A context
     manager: the thread stops at the end of the block."""
 
     def __init__(
@@ -67,12 +68,14 @@ class EngineKeeper:
         processes: tuple[EngineProcess, ...],
         restore: Callable[[int], str],
         *,
+        lock: threading.Lock | None = None,
         max_restarts: int,
         startup_timeout_s: float,
         check: Callable[[int], None] | None = None,
         on_restart: Callable[[Restart], None] | None = None,
     ):
         self.processes, self.restore, self.check = processes, restore, check
+        self.lock = lock or threading.Lock()
         self.max_restarts, self.startup_timeout_s = max_restarts, startup_timeout_s
         self.on_restart = on_restart
         self.restarts: list[Restart] = []
@@ -94,13 +97,22 @@ class EngineKeeper:
     def brought_back(self) -> int:
         return sum(r.error is None for r in self.restarts)
 
-    def settle(self) -> None:
-        """Return once no restart is under way, and none is due: an engine that exited is restarted first."""
+    def settle(self, grace_s: float = 0.0) -> None:
+        """Return once no restart is under way, and none is due: an engine that exited is restarted first.
+        `grace_s`: first give an engine that is going down (a call to it just failed) that long to exit."""
+        deadline = time.monotonic() + grace_s
         while True:
             with self._cond:
-                if self._busy == 0 and not self._exited():
+                if self._busy == 0 and not self._exited() and time.monotonic() >= deadline:
                     return
+                if not self._thread.is_alive():
+                    raise EngineError("the engine keeper stopped: no engine is restarted any more")
                 self._cond.wait(POLL_S)
+            if self._busy == 0 and not self._exited() and all(p.client.health(1.0) for p in self._up()):
+                deadline = 0.0  # every engine answers: nothing is going down
+
+    def _up(self) -> list[EngineProcess]:
+        return [p for i, p in enumerate(self.processes) if i not in self._down]
 
     def _exited(self) -> list[int]:
         return [i for i, p in enumerate(self.processes) if i not in self._down and p.process.poll() is not None]
@@ -134,9 +146,10 @@ class EngineKeeper:
                 self.max_restarts,
             )
             try:
-                proc.restart(self.startup_timeout_s)
-                version = self.restore(i)
-                proc.release()
+                with self.lock:
+                    proc.restart(self.startup_timeout_s)
+                    version = self.restore(i)
+                    proc.release()
                 if self.check is not None:
                     self.check(i)
             except Exception as err:  # noqa: BLE001  (the keeper's thread: recorded and logged, the engine left down)
@@ -158,4 +171,7 @@ class EngineKeeper:
             self._down.add(i)
             logger.error("engine %s exited (%s) and stays down: %s", proc.url, why, error.splitlines()[0])
         if self.on_restart is not None:
-            self.on_restart(record)
+            try:
+                self.on_restart(record)
+            except Exception as err:  # noqa: BLE001  (the record is logged above; the keeper goes on)
+                logger.error("engine %s: its restart could not be recorded: %r", proc.url, err)

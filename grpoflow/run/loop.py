@@ -239,6 +239,7 @@ class StepLoop:
                     EngineKeeper(
                         self.engine.processes,
                         self._restore,
+                        lock=self._weights,
                         max_restarts=cfg.engine.max_restarts,
                         startup_timeout_s=cfg.engine.startup_timeout_s,
                         check=self._check_restored,
@@ -328,10 +329,10 @@ class StepLoop:
                     moved = self.stages.sync(self.syncs, self.trainer, ckpt, version, self.sync_probe)
                     self.served = (version, ckpt)
                 break
-            except EngineError:
+            except (EngineError, RuntimeError):  # a dead engine's socket closing fails our side of a broadcast
                 if again or self.keeper is None:
                     raise
-                self.keeper.settle()
+                self.keeper.settle(grace_s=10.0)  # an engine going down has that long to exit, and is restarted
                 if self.keeper.brought_back == brought_back:  # no engine came back meanwhile: a fault of its own
                     raise
         record.add_sync(moved, time.perf_counter() - t)
@@ -340,23 +341,23 @@ class StepLoop:
     def _restore(self, i: int) -> str:
         """Engine `i` (as `engine.replica_urls`), restarted on the prepared model with its generation held: the
         weights it served, through a new sync to it. Returns their version; EngineError when they are not at hand
-        (a rollout generates on an older version than the trainer's, and the sync is in memory)."""
-        with self._weights:
-            sync = self.syncs.reopen(i)
-            version, where = self.served
-            if self.syncs.needs_dir:  # the dir the version served was loaded from
-                sync.push(self.trainer, version, where)
-                return version
-            trainer = str(self.trainer_version)
-            if trainer != version and self.ahead.generating:
-                raise EngineError(
-                    f"weight version {version}, which a rollout generates on, is not at hand: the trainer holds "
-                    f"version {trainer} and the weight sync is in memory"
-                )
-            # no rollout runs on the version served, or the trainer holds it: the trainer's weights, whose sync
-            # to every engine is pending if they are newer
-            sync.push(self.trainer, trainer)
-            return trainer
+        (a rollout generates on an older version than the trainer's, and the sync is in memory). The keeper holds
+        `_weights` around it."""
+        version, where = self.served
+        trainer = str(self.trainer_version)
+        if not self.syncs.needs_dir and trainer != version and self.ahead.generating:
+            raise EngineError(
+                f"weight version {version}, which a rollout generates on, is not at hand: the trainer holds "
+                f"version {trainer} and the weight sync is in memory"
+            )
+        sync = self.syncs.reopen(i)
+        if self.syncs.needs_dir:  # the dir the version served was loaded from
+            sync.push(self.trainer, version, where)
+            return version
+        # no rollout runs on the version served, or the trainer holds it: the trainer's weights, whose sync to
+        # every engine is pending if they are newer
+        sync.push(self.trainer, trainer)
+        return trainer
 
     def _check_restored(self, i: int) -> None:
         """A restored engine generates as the trainer scores, when the run probes its syncs (`SyncProbe`)."""
@@ -441,7 +442,8 @@ class StepLoop:
         full = is_full_checkpoint(step, cfg.train.steps, cfg.train.checkpoint.interval)
         last = step == cfg.train.steps - 1
         plan = step_dir(full, last, self.syncs.needs_dir, sync_dtype(cfg.engine))  # None: an in-memory sync's
-        ckpt = self.stages.save(self.trainer, self.paths, step, record, plan) if plan else None
+        with self._weights:  # a sharded trainer's ranks take one job at a time: not a restore's gather beside it
+            ckpt = self.stages.save(self.trainer, self.paths, step, record, plan) if plan else None
         times.commit = time.perf_counter() - t2
         self.pending = (record.weight_version, ckpt)
         if self.ahead.idle:  # else at the next step, once the rollout running now is done
@@ -454,7 +456,8 @@ class StepLoop:
         record.ledger_seconds = time_ledger(
             trainer_s, record.rollout.seconds, times.engine_busy, cfg.cluster.train_ranks
         )
-        self.commits.finish(self.trainer, ckpt, step, record, full)
+        with self._weights:
+            self.commits.finish(self.trainer, ckpt, step, record, full)
 
     def evaluate_last(self) -> None:
         """The evaluation after the last step, its own metrics row (`step` = `train.steps`), unless a resumed run

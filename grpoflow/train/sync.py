@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -301,7 +301,10 @@ class ReplicaSyncs:
     def reopen(self, i: int) -> WeightSync:
         """A new sync to engine `i` (as `urls`), whose process was restarted: what the old one set up there (an
         update group, a loaded adapter) went with it. Not yet pushed to."""
-        old, new = self._opened[i], self._open_one(i, self.urls[i])
+        old = self._opened[i]
+        if isinstance(old, DistributedSync):
+            old.broken = True  # its peer is gone: tearing the group down would wait on it
+        new = self._open_one(i, self.urls[i])
         self._opened[i] = new
         if old in self.syncs:
             self.syncs[self.syncs.index(old)] = new
@@ -352,8 +355,9 @@ class ReplicaSyncs:
         return None if any(b is None for b in busy) else sum(busy)
 
     def close(self) -> None:
-        for s in self._opened:
-            s.close()
+        with ExitStack() as stack:
+            for s in self._opened:
+                stack.callback(s.close)
 
 
 @contextmanager

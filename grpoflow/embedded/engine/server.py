@@ -161,9 +161,14 @@ async def models(scheduler: Engine, model_name: ModelName) -> dict:
 
 
 @router.post("/pause_generation")
-async def pause_generation(req: PauseGenerationRequest, request: Request) -> JSONResponse:
-    if req.mode == "abort":
-        return _error(400, "/pause_generation: mode `abort` is not supported here: use `in_place`", "BadRequestError")
+async def pause_generation(req: PauseGenerationRequest, request: Request, scheduler: Engine) -> JSONResponse:
+    state = scheduler.internal_state()
+    if req.mode == "abort" and state["running_requests"] + state["waiting_requests"]:
+        return _error(
+            400,
+            "/pause_generation: mode `abort` with requests in flight is not supported here: use `in_place`",
+            "BadRequestError",
+        )
     request.app.state.generating.clear()
     return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 

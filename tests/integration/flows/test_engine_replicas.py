@@ -12,6 +12,8 @@ import pytest
 
 from flows.train import train_flow
 from grpoflow.config import parse_run_config
+from grpoflow.paths import RunPaths
+from grpoflow.run.info import read_run_info
 from grpoflow.run.metrics import read_metrics
 from tests.fakes.proc import descendants_running
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
@@ -48,8 +50,12 @@ def test_two_replicas_behind_the_router_serve_every_sync(tmp_path, tiny_model_di
     assert all(r["rollout/trials"] == 8 and r["rollout/scored"] == 8 for r in rows)
 
 
-def test_a_replica_killed_mid_run_is_left_out_and_the_run_goes_on(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("max_restarts", [0, 3])
+def test_a_replica_killed_mid_run_is_restarted_or_left_out_and_the_run_goes_on(tmp_path, tiny_model_dir, max_restarts):
+    """Restarts allowed (the default), the killed replica comes back on its port with the run's weights and every
+    later sync reaches both; with none, it is left out of the syncs and the router."""
     cfg = _config(tmp_path, tiny_model_dir, "lose-one")
+    cfg["engine"]["max_restarts"] = max_restarts
     metrics = tmp_path / "runs" / "lose-one" / "metrics.jsonl"
     killed: list[int] = []
 
@@ -69,4 +75,10 @@ def test_a_replica_killed_mid_run_is_left_out_and_the_run_goes_on(tmp_path, tiny
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert all(r["rollout/scored"] == 8 for r in rows)  # no trial failed for the lost replica
-    assert rows[-1]["sync/replicas"] == 1 and rows[-1]["sync/replicas_lost"] == 1  # the last sync reached the one left
+    restarts = read_run_info(RunPaths(tmp_path / "runs" / "lose-one")).engine_restarts
+    assert [(r.exit, r.error is None) for r in restarts] == [("code 137 (SIGKILL)", max_restarts > 0)]
+    if max_restarts:  # back, on the weights of the step that had just synced
+        assert restarts[0].weight_version == "1"
+        assert rows[-1]["sync/replicas"] == 2 and rows[-1]["sync/replicas_lost"] == 0
+    else:  # the last sync reached the one left
+        assert rows[-1]["sync/replicas"] == 1 and rows[-1]["sync/replicas_lost"] == 1

@@ -57,13 +57,18 @@ class Lifeline(subprocess.Popen):
 def exit_status(code: int) -> str:
     """How a process ended, from its return code: a signal's name for a command killed behind the lifeline
     (128 + N) or directly (-N)."""
+    sig = exit_signal(code)
+    return f"was killed by {sig.name}" if sig is not None else f"exited with status {code}"
+
+
+def exit_signal(code: int) -> signal.Signals | None:
+    """The signal that ended a process with return code `code`: -N directly, 128 + N behind the lifeline (or a
+    shell); None for an exit of its own."""
     sig = -code if code < 0 else code - 128 if code > 128 else 0
-    if sig:
-        try:
-            return f"was killed by {signal.Signals(sig).name}"
-        except ValueError:
-            pass
-    return f"exited with status {code}"
+    try:
+        return signal.Signals(sig) if sig else None
+    except ValueError:
+        return None
 
 
 def _group_members() -> list[int]:

@@ -126,7 +126,7 @@ def start_embedded_engine(
     port_dir = Path(tempfile.mkdtemp(prefix="grpoflow-engine-port-"))  # mode 0700: only we read the port
     port_file = port_dir / "port"
 
-    cmd = [
+    server = [
         sys.executable,
         "-m",
         "grpoflow.embedded.engine.server",
@@ -134,21 +134,18 @@ def start_embedded_engine(
         str(model_path),
         "--host",
         host,
-        "--port",
-        "0",
         "--seed",
         str(seed),
         "--max-batch-size",
         str(max_batch_size),
-        "--port-file",
-        str(port_file),
     ]
     if threads:
-        cmd += ["--threads", str(threads)]
+        server += ["--threads", str(threads)]
     if served_model_name:
-        cmd += ["--served-model-name", served_model_name]
+        server += ["--served-model-name", served_model_name]
     if prefix_cache_tokens is not None:
-        cmd += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
+        server += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
+    cmd = [*server, "--port", "0", "--port-file", str(port_file)]
     try:
         with open(log_path, "ab") as log_file:
             proc = start_group(cmd, log_file, grace_s=EMBEDDED_STOP_S)
@@ -160,10 +157,7 @@ def start_embedded_engine(
     finally:
         shutil.rmtree(port_dir, ignore_errors=True)
     client = SglangClient(url, timeout=client_timeout, retries=client_retries)
-    # again on the port it bound, held until it has the run's weights
-    port_at = cmd.index("--port") + 1
-    again = [*cmd[:port_at], url.rsplit(":", 1)[1], *cmd[port_at + 1 :]]
-    again = [*again[: again.index("--port-file")], *again[again.index("--port-file") + 2 :], "--paused"]
+    again = [*server, "--port", url.rsplit(":", 1)[1], "--paused"]  # held until it has the run's weights
     return EngineProcess(
         proc, url, log_path, client, stop_timeout=EMBEDDED_STOP_S, command=again, env=None, starts_held=True
     )

@@ -6,14 +6,13 @@ Nothing else in the run waits for this: a trial whose request meets the dead eng
 `engine.outage_wait_s` and goes on where it was once the engine answers with its weights, so the step's finished
 trials are kept and its unfinished ones continue. The restart and the restore run under the run's weights lock
 (`lock`: its update, save and sync take it too), so no sync meets a held engine; a run's own calls wait for a
-restart under way first (`settle`). After `engine.max_restarts` restarts, or when one fails, an engine that exits stays down: an
-outage, as with an attached engine.
+restart under way first (`settle`). After `engine.max_restarts` restarts, or when one fails, an engine that exits
+stays down: an outage, as with an attached engine.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from grpoflow.engine.launch import EngineProcess, stop_process_group
 from grpoflow.errors import EngineError
+from grpoflow.lifeline import exit_signal
 
 logger = logging.getLogger(__name__)
 
@@ -42,26 +42,19 @@ class Restart(BaseModel):
     error: str | None = None  # why it was not brought back
 
 
-def exit_reason(returncode: int | None) -> str:
-    """The signal's name for a process a signal ended; `code N`, with the signal a shell's 128 + N names."""
-    if returncode is not None and returncode < 0:
-        try:
-            return signal.Signals(-returncode).name
-        except ValueError:
-            return f"signal {-returncode}"
-    if returncode is not None and 128 < returncode < 128 + signal.NSIG:
-        try:
-            return f"code {returncode} ({signal.Signals(returncode - 128).name})"
-        except ValueError:
-            pass
-    return f"code {returncode}"
+def exit_reason(returncode: int) -> str:
+    """The signal's name for a process a signal ended; `code N`, with the signal behind a lifeline's 128 + N."""
+    sig = exit_signal(returncode)
+    if sig is None:
+        return f"code {returncode}"
+    return sig.name if returncode < 0 else f"code {returncode} ({sig.name})"
 
 
 class EngineKeeper:
     """Watches `processes` (the run's started engines) from a thread; `restore(i)` gives engine `i`, restarted and
     held, the run's weights and returns the version it serves (EngineError when it cannot), both under `lock`;
-    `check(i)`, once it generates again, proves it serves them. `on_restart` is told each `Restart` (run.json keeps them). A context
-    manager: the thread stops at the end of the block."""
+    `check(i)`, once it generates again, proves it serves them. `on_restart` is told each `Restart` (run.json keeps
+    them). A context manager: the thread stops at the end of the block."""
 
     def __init__(
         self,

@@ -213,7 +213,9 @@ class StepLoop:
         self.pending: tuple[str, Path | None] | None = None  # trainer weights the engine does not serve yet
         # What the engines serve: (weight version, the dir it was loaded from; None in memory), and the updates
         # in the trainer's weights. Both change under `_weights`, which an engine's restore takes too.
-        self.served: tuple[str, Path | None] = (str(start_step), weights)
+        self.served: tuple[str, Path | None] = (
+            (str(start_step), weights) if weights is not None else ("0", Path(run.model.path))
+        )
         self.trainer_version = start_step
         self._weights = threading.Lock()
         self.keeper: EngineKeeper | None = None
@@ -260,8 +262,6 @@ class StepLoop:
             self.stages.sync(self.syncs, trainer, Path(self.run.model.path), "0", None)
         else:  # started on the prepared model: labelled with the version its samples record
             self.syncs.label("0")
-        if self.weights is None:
-            self.served = ("0", Path(self.run.model.path))
         gap = self.stages.probe(trainer, self.syncs, cfg, self.sync_probe)
         if gap:
             print(

@@ -1,6 +1,7 @@
 """What a run came through on its way to the end: its resumes (when, after what, how long it stood still), its
 engines' exits and restarts in place (`grpoflow.engine.restart`), the steps whose sandbox starts the breaker held
-back (`grpoflow.rollout.breaker`), and the trials run again after their sandbox failed. Written with the run's report: a section of its summary, and run.json's `survived`."""
+back (`grpoflow.rollout.breaker`), and the trials run again after their sandbox failed. Written with the run's
+report: a section of its summary, and run.json's `survived`."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import pytest
 
 from flows.train import train_flow
 from grpoflow.config import SglangLaunch, parse_run_config
+from grpoflow.engine.protocol import SamplingParams
 from grpoflow.engine.router import start_router
 from grpoflow.engine.sglang_launch import launch_settings, start_sglang_server
 from grpoflow.run.metrics import read_metrics
@@ -107,9 +108,14 @@ def test_generations_longer_than_the_request_timeout_are_answered_and_reach_the_
     """The base (random) model's turns run up to `max_new_tokens` (a length-truncated one ends its trial), which
     takes SGLang on the CPU longer than `request_timeout_s`: each generation gets time for its tokens
     (`engine.min_decode_tok_s`), so every trial is scored and goes to the train step (where its group's reward
-    spread decides its weight); none is cut off, re-sent, or failed as infrastructure."""
-    timeout_s, long = 2.0, 1024
+    spread decides its weight); none is cut off, re-sent, or failed as infrastructure. The timeout is half of what
+    one such generation takes on this machine, so the generation's length, not the CPU's speed, exceeds it."""
+    long = 1024
     sglang.client.update_weights_from_disk(str(sglang.model_dir), weight_version="base")
+    start = time.monotonic()
+    full = SamplingParams(max_new_tokens=long, temperature=1.0, ignore_eos=True)
+    assert len(sglang.client.generate([1, 2, 3], full, return_logprob=False).output_ids) == long
+    timeout_s = min(2.0, (time.monotonic() - start) / 2)
     engine = {"backend": "sglang", "url": sglang.url, "request_timeout_s": timeout_s, "min_decode_tok_s": 8.0}
     cfg = train_config(tmp_path, sglang.model_dir, "long-turns", engine, steps=1)
     cfg["rollout"] |= {"n_samples_per_prompt": 2, "concurrency": 4, "episode": {"max_turns": 1}}

@@ -23,7 +23,7 @@ import pytest
 
 from grpoflow.paths import RunPaths
 from grpoflow.run.info import read_run_info
-from tests.fakes.proc import descendants
+from tests.fakes.proc import alive, descendants
 from tests.integration.faults.policy import fence_policy, reward_tasks, run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")]
@@ -96,8 +96,11 @@ def _start(setup, point: str, name: str, grpoflow_args: list[str]):
 
 
 def _leftovers(reaper) -> list:
-    """What is still running below the reaper (its command has ended or been killed); killed, then listed."""
-    time.sleep(LINGER_S)
+    """What is still running below the reaper (its command has ended or been killed) once nothing is, or after
+    LINGER_S; killed, then listed."""
+    deadline = time.monotonic() + LINGER_S
+    while time.monotonic() < deadline and any(alive(pid) for pid in descendants(reaper.pid)):
+        time.sleep(0.2)
     reaper.stdin.close()
     left = json.loads(reaper.stdout.readline())
     reaper.wait()

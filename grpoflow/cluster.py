@@ -4,6 +4,8 @@ Ray is imported only when a run asks for it."""
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,10 +26,17 @@ def ray_session(cluster: ClusterConfig) -> Iterator[bool]:
     started = not ray.is_initialized()
     if started:
         address = None if cluster.ray_address == "local" else cluster.ray_address
+        # ray.init makes SIGTERM exit at once (its own handler): the command's, which runs the cleanups and says
+        # how to resume, is put back (Python takes signals in the main thread only, where Ray sets its own)
+        main_thread = threading.current_thread() is threading.main_thread()
+        on_term = signal.getsignal(signal.SIGTERM) if main_thread else None
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         except ConnectionError as err:
             raise ConnectionError(f"cluster.ray_address {cluster.ray_address}: no Ray cluster there ({err})") from None
+        finally:
+            if on_term is not None:
+                signal.signal(signal.SIGTERM, on_term)
     try:
         yield True
     finally:

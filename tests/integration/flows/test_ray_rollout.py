@@ -142,6 +142,23 @@ def test_workers_that_cannot_reach_the_engine_stop_the_run_before_its_first_tria
     assert not _workers() or _wait_gone()
 
 
+def test_a_ray_session_leaves_the_commands_sigterm_handler_in_place(ray_cluster):
+    """ray.init sets a SIGTERM handler of its own that exits at once: the command's (which stops the run's
+    sandboxes and engines and says how to resume) is the one in force while the run holds the cluster."""
+    from grpoflow.cluster import ray_session
+    from grpoflow.config import ClusterConfig
+
+    def commands(signum: int, frame: object) -> None:
+        raise AssertionError("not called")
+
+    before = signal.signal(signal.SIGTERM, commands)
+    try:
+        with ray_session(ClusterConfig(ray_address=ray_cluster)) as connected:
+            assert connected and signal.getsignal(signal.SIGTERM) is commands
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def _wait_gone() -> bool:
     deadline = time.monotonic() + 30
     while _workers() and time.monotonic() < deadline:

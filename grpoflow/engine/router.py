@@ -6,7 +6,7 @@ their KV cache). It health-checks the replicas and stops sending to one that fai
 generation — weight syncs, the probes, `/model_info` — goes to each replica itself: `SglangClient.replicas` reads them
 from the router's `GET /workers`, for the replicas started here and for an SGLang fleet a user runs behind their
 own router alike. A replica the run finds dead is taken out of the router (`remove_worker`), so the router cannot
-take it back into rotation should it answer again on old weights.
+take it back into rotation should it answer again on old weights; one the run restarted is put back (`add_worker`).
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ def remove_worker(router_url: str, worker_url: str, timeout: float = 10.0) -> bo
     for worker_id in ids:
         httpx.delete(f"{base}/workers/{worker_id}", timeout=timeout).raise_for_status()
     return bool(ids)
+
+
+def add_worker(router_url: str, worker_url: str, timeout: float = 10.0) -> None:
+    """Put `worker_url` back into the router's rotation (`POST /workers`): the router takes it up in the background,
+    once it has asked the worker for its model."""
+    httpx.post(router_url.rstrip("/") + "/workers", json={"url": worker_url}, timeout=timeout).raise_for_status()
 
 
 def healthy_workers(url: str, timeout: float = 5.0) -> list[str]:

@@ -45,7 +45,7 @@ from grpoflow.config import Engine, RunConfig
 from grpoflow.engine.client import EngineClient, SglangClient
 from grpoflow.engine.clients import client_of
 from grpoflow.engine.protocol import WEIGHT_SESSION_ALREADY_OPEN
-from grpoflow.engine.router import remove_worker
+from grpoflow.engine.router import add_worker, remove_worker
 from grpoflow.engine.shared_tensors import serialize_named_tensors, shared_buffer
 from grpoflow.engine.update_group import (
     UPDATE_GROUP_TIMEOUT_S,
@@ -277,7 +277,8 @@ class ReplicaSyncs:
     """One sync per engine (one, or each replica: `engine.embedded.replicas`, or the servers behind a router): each push
     reaches every live engine, and each must then report the new weight version, or the sync fails naming it. A
     replica that no longer answers /health is left out from then on (the router stops routing to it too), and
-    said so; with none left the sync fails. `reopen` replaces one engine's sync (the engine was restarted)."""
+    said so; with none left the sync fails. `reopen` replaces one engine's sync (the engine was restarted; a lost one
+    is back in the syncs and the router)."""
 
     def __init__(self, urls: list[str], open_one: Callable[[int, str], WeightSync], router: str | None = None):
         self._open_one = open_one
@@ -308,9 +309,11 @@ class ReplicaSyncs:
         self._opened[i] = new
         if old in self.syncs:
             self.syncs[self.syncs.index(old)] = new
-        else:  # it was lost: it answers again
+        else:  # it was lost: it answers again, on the weights the caller restores before releasing it
             self.syncs.append(new)
             self.lost.remove(old.client.base_url)
+            if self.router is not None:
+                add_worker(self.router, old.client.base_url)
         old.close()
         return new
 

@@ -1,5 +1,6 @@
 """Engines restarted in place (`EngineKeeper`), on the real embedded engine: a killed engine comes back on its port
-with generation held until the run gave it its weights, and a request waiting out the outage gets its answer."""
+with generation held until the run gave it its weights, and a request waiting out the outage gets its answer; a
+replica behind the real sglang-router is back in its rotation."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import signal
 import threading
 import time
 
+from grpoflow.config import TrainConfig, parse_run_config
+from grpoflow.engine.backends import open_engine
 from grpoflow.engine.client import SglangClient
 from grpoflow.engine.launch import start_embedded_engine
 from grpoflow.engine.protocol import SamplingParams
 from grpoflow.engine.restart import EngineKeeper, Restart
+from grpoflow.engine.router import healthy_workers
 from grpoflow.errors import EngineError
+from grpoflow.train.sync import open_weight_sync
+from grpoflow.train.trainer import load_trainer
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 PROMPT = [1, 2, 3, 4]
@@ -115,3 +121,24 @@ def test_pause_holds_new_generations_until_continue(tiny_model_dir, tmp_path):
         engine.client.release_generation()
         waiting.join(30)
         assert len(out) == 2
+
+
+def test_a_lost_replica_restarted_is_back_in_the_weight_syncs_and_the_router(tiny_model_dir, tmp_path):
+    """Two replicas behind the router: one found dead at a sync is left out of it and of the router; restarted
+    and its sync reopened, it is in both again, and the next sync reaches it."""
+    cfg = parse_run_config({"engine": {"embedded": {"replicas": 2}, "weight_sync": {"mode": "distributed"}}})
+    trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
+    with open_engine(cfg.engine, str(tiny_model_dir), 0, tmp_path / "engine.log") as handle:
+        urls, lost = list(handle.replica_urls), handle.processes[1]
+        with open_weight_sync(cfg, urls, trainer, router=handle.router) as syncs:
+            os.killpg(lost.pid, signal.SIGKILL)
+            lost.process.wait()
+            assert syncs.push(trainer, "1")["replicas_lost"] == 1
+            assert healthy_workers(handle.router) == urls[:1]
+            lost.restart(startup_timeout=120)
+            syncs.reopen(1).push(trainer, "1")
+            lost.release()
+            _wait_until(lambda: sorted(healthy_workers(handle.router)) == sorted(urls))
+            moved = syncs.push(trainer, "2")
+        assert (moved["replicas"], moved["replicas_lost"]) == (2, 0)
+        assert lost.client.model_info().weight_version == "2"

@@ -15,6 +15,7 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,10 +98,12 @@ class StepCommits:
     completed in a background thread while the run goes on: a snapshot of the AdamW state and the counters are
     written into its dir, every file is fsynced, and the optimizer file's rename makes the dir a resume point
     (`complete_steps`). Its rows are logged only then, by `flush`, which every later save and the end of the run
-    call: rows never run ahead of what a resume would keep. `flush` raises what the thread raised."""
+    call: rows never run ahead of what a resume would keep. `flush` raises what the thread raised. `served`: the
+    checkpoint dir the engines were loaded from (None: none, or in memory), which pruning keeps: a restarted engine
+    is given its weights again from there."""
 
-    def __init__(self, paths: RunPaths, log: MetricsLog) -> None:
-        self.paths, self.log = paths, log
+    def __init__(self, paths: RunPaths, log: MetricsLog, served: Callable[[], Path | None] = lambda: None) -> None:
+        self.paths, self.log, self.served = paths, log, served
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending: tuple[int, StepRecord] | None = None
@@ -108,7 +111,7 @@ class StepCommits:
     def finish(self, trainer: TrainerState, ckpt: Path | None, step: int, record: StepRecord, full: bool) -> None:
         self.flush()
         if not full:
-            log_step(self.paths, step, record, self.log)
+            log_step(self.paths, step, record, self.log, self.served())
             return
         t0 = time.perf_counter()
         if is_sharded(trainer.model):  # every rank writes its shards now (DCP); published below like optimizer.pt
@@ -165,7 +168,7 @@ class StepCommits:
             err, self._error = self._error, None
             raise err
         if pending is not None:
-            log_step(self.paths, *pending, self.log)
+            log_step(self.paths, *pending, self.log, self.served())
 
 
 def _write_sharded_optimizer(trainer: TrainerState, ckpt: Path) -> Path:
@@ -193,23 +196,24 @@ def _cpu_copy(state: Any) -> Any:
     return copy.deepcopy(state)
 
 
-def log_step(paths: RunPaths, step: int, record: StepRecord, log: MetricsLog) -> None:
-    """The step's metrics/timings rows, then pruning of older checkpoints that are not full."""
+def log_step(paths: RunPaths, step: int, record: StepRecord, log: MetricsLog, served: Path | None) -> None:
+    """The step's metrics/timings rows, then pruning of older checkpoints that are not full (but `served`)."""
     log.log(step, record.metrics(), record.timings())
-    prune_checkpoints(paths.checkpoint(step).parent, latest=step)
+    prune_checkpoints(paths.checkpoint(step).parent, latest=step, keep=served)
 
 
-def prune_checkpoints(root: str | Path, latest: int) -> list[Path]:
-    """Delete `root/step_<n>` dirs with n < latest that are not full checkpoints (no optimizer state); return
-    the deleted paths.
+def prune_checkpoints(root: str | Path, latest: int, keep: Path | None = None) -> list[Path]:
+    """Delete `root/step_<n>` dirs with n < latest that are not full checkpoints (no optimizer state) or `keep`;
+    return the deleted paths.
 
-    Full checkpoints (resume points) and the latest step are kept, and steps after `latest` are left alone.
-    Leftover temp dirs of an interrupted save are removed too.
+    Full checkpoints (resume points), the latest step and `keep` are kept, and steps after `latest` are left
+    alone. Leftover temp dirs of an interrupted save are removed too.
     """
     removed = []
+    kept = Path(keep).resolve() if keep is not None else None
     for p in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
         n = step_of(p)
-        if is_temp_sibling(p) or (n is not None and n < latest and not holds_optimizer(p)):
+        if is_temp_sibling(p) or (n is not None and n < latest and not holds_optimizer(p) and p.resolve() != kept):
             shutil.rmtree(p)
             removed.append(p)
     return removed

@@ -227,7 +227,7 @@ class StepLoop:
         try:
             self.log = MetricsLog(self.paths.metrics, self.paths.tb)
             stack.callback(self.log.close)
-            self.commits = StepCommits(self.paths, self.log)
+            self.commits = StepCommits(self.paths, self.log, served=lambda: self.served[1])
             stack.callback(self._complete_commits)
             self.engine = stack.enter_context(serving(cfg, self.run, self.stages))
             self.syncs: ReplicaSyncs = stack.enter_context(

@@ -265,16 +265,17 @@ def test_a_lora_checkpoint_holds_the_adapter_and_the_merged_model_the_engine_ser
     assert fresh.optimizer.state_dict()["state"].keys() == state.optimizer.state_dict()["state"].keys()
 
 
-def test_prune_checkpoints_keeps_full_ones_and_the_latest(tmp_path):
+def test_prune_checkpoints_keeps_full_ones_the_latest_and_the_served_one(tmp_path):
     for n in [1, 2, 3, 4, 5, 6, 7, 9]:
         (tmp_path / f"step_{n}").mkdir()
         if n % 3 == 0:  # full checkpoints: with the optimizer state
             (tmp_path / f"step_{n}" / "optimizer.pt").write_bytes(b"o")
     (tmp_path / ".step_8.tmp-123").mkdir()  # an interrupted save
     (tmp_path / "notes").mkdir()
-    removed = prune_checkpoints(tmp_path, latest=7)
-    assert sorted(p.name for p in removed) == [".step_8.tmp-123", "step_1", "step_2", "step_4", "step_5"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_3", "step_6", "step_7", "step_9"]
+    # step_4: what the engines serve (an engine restarted is given its weights from there)
+    removed = prune_checkpoints(tmp_path, latest=7, keep=tmp_path / "step_4")
+    assert sorted(p.name for p in removed) == [".step_8.tmp-123", "step_1", "step_2", "step_5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_3", "step_4", "step_6", "step_7", "step_9"]
 
 
 # --- learning: reward 1 if the completion contains a target token ---------------------------------------------

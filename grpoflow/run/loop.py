@@ -353,11 +353,13 @@ class StepLoop:
         sync = self.syncs.reopen(i)
         if self.syncs.needs_dir:  # the dir the version served was loaded from
             sync.push(self.trainer, version, where)
-            return version
-        # no rollout runs on the version served, or the trainer holds it: the trainer's weights, whose sync to
-        # every engine is pending if they are newer
-        sync.push(self.trainer, trainer)
-        return trainer
+        else:
+            # no rollout runs on the version served, or the trainer holds it: the trainer's weights, whose sync to
+            # every engine is pending if they are newer
+            version = trainer
+            sync.push(self.trainer, version)
+        self.syncs.readmit(i)
+        return version
 
     def _check_restored(self, i: int) -> None:
         """A restored engine generates as the trainer scores, when the run probes its syncs (`SyncProbe`)."""

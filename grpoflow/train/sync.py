@@ -39,6 +39,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import torch
 
 from grpoflow.config import Engine, RunConfig
@@ -277,8 +278,8 @@ class ReplicaSyncs:
     """One sync per engine (one, or each replica: `engine.embedded.replicas`, or the servers behind a router): each push
     reaches every live engine, and each must then report the new weight version, or the sync fails naming it. A
     replica that no longer answers /health is left out from then on (the router stops routing to it too), and
-    said so; with none left the sync fails. `reopen` replaces one engine's sync (the engine was restarted; a lost one
-    is back in the syncs and the router)."""
+    said so; with none left the sync fails. `reopen` replaces one engine's sync (the engine was restarted);
+    `readmit` takes a lost one back once it is restored."""
 
     def __init__(self, urls: list[str], open_one: Callable[[int, str], WeightSync], router: str | None = None):
         self._open_one = open_one
@@ -309,13 +310,23 @@ class ReplicaSyncs:
         self._opened[i] = new
         if old in self.syncs:
             self.syncs[self.syncs.index(old)] = new
-        else:  # it was lost: it answers again, on the weights the caller restores before releasing it
-            self.syncs.append(new)
-            self.lost.remove(old.client.base_url)
-            if self.router is not None:
-                add_worker(self.router, old.client.base_url)
         old.close()
         return new
+
+    def readmit(self, i: int) -> None:
+        """Engine `i`, left out as lost and now restored on the run's weights through its reopened sync: back in
+        the syncs, and in the router's rotation (which takes it up in the background)."""
+        s = self._opened[i]
+        if s in self.syncs:
+            return
+        self.syncs.append(s)
+        self.lost.remove(s.client.base_url)
+        if self.router is None:
+            return
+        try:
+            add_worker(self.router, s.client.base_url)
+        except httpx.HTTPError as err:  # it serves on; the router's own clients just do not reach it
+            logger.warning("engine replica %s could not be put back into the router: %s", s.client.base_url, err)
 
     @property
     def client(self) -> EngineClient:

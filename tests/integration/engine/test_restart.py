@@ -125,7 +125,7 @@ def test_pause_holds_new_generations_until_continue(tiny_model_dir, tmp_path):
 
 def test_a_lost_replica_restarted_is_back_in_the_weight_syncs_and_the_router(tiny_model_dir, tmp_path):
     """Two replicas behind the router: one found dead at a sync is left out of it and of the router; restarted
-    and its sync reopened, it is in both again, and the next sync reaches it."""
+    and restored through its reopened sync, it is in both again, and the next sync reaches it."""
     cfg = parse_run_config({"engine": {"embedded": {"replicas": 2}, "weight_sync": {"mode": "distributed"}}})
     trainer = load_trainer(tiny_model_dir, TrainConfig(), seed=0)
     with open_engine(cfg.engine, str(tiny_model_dir), 0, tmp_path / "engine.log") as handle:
@@ -134,9 +134,10 @@ def test_a_lost_replica_restarted_is_back_in_the_weight_syncs_and_the_router(tin
             os.killpg(lost.pid, signal.SIGKILL)
             lost.process.wait()
             assert syncs.push(trainer, "1")["replicas_lost"] == 1
-            assert healthy_workers(handle.router) == urls[:1]
+            _wait_until(lambda: healthy_workers(handle.router) == urls[:1])  # taken out in the background
             lost.restart(startup_timeout=120)
             syncs.reopen(1).push(trainer, "1")
+            syncs.readmit(1)
             lost.release()
             _wait_until(lambda: sorted(healthy_workers(handle.router)) == sorted(urls))
             moved = syncs.push(trainer, "2")
